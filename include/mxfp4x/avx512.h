@@ -1,0 +1,153 @@
+/* mxfp4x/avx512.h -- AVX-512F variant.  Everything here is inside the
+ * "avx512f" target region; nothing is reachable before dispatch.h has
+ * checked the CPU and the OS (ZMM state enabled in XCR0, cpu.h).
+ *
+ * Order of operations: one 16-lane accumulator per (row, token); per group,
+ * fma with deinterleaved elements [0,16) (low nibbles) then [16,32) (high
+ * nibbles); lanes reduced by the tree (j, j+8), (j, j+4), (j, j+2), (0, 1).
+ *
+ * Decode of 16 bytes -> 32 weights: vpmovzxbd to 16 x int32, then one vpermps
+ * each for the low nibbles and (after >> 4) the high nibbles: vpermps on zmm
+ * reads only index bits 3..0, so no mask is needed.  The 16-entry E2M1 table
+ * is pre-multiplied by the group scale (a power of two: exact).
+ */
+#ifndef MXFP4X_AVX512_H
+#define MXFP4X_AVX512_H
+
+#include "mxfp4x.h"
+
+#if MXFP4X_HAVE_X86_SIMD
+#include <immintrin.h>
+
+#define MXFP4X_AVX512_FN static MXFP4X_TARGET_AVX512
+#define MXFP4X_AVX512_INLINE static inline MXFP4X_TARGET_AVX512
+
+MXFP4X_AVX512_INLINE float mxfp4x_hsum16_avx512(__m512 v) {
+    const __m256 lo = _mm512_castps512_ps256(v);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    return _mm_cvtss_f32(s1);
+}
+
+MXFP4X_AVX512_INLINE void mxfp4x_decode_group_avx512(const uint8_t *b, uint8_t s, __m512 table,
+                                                     __m512 *lo, __m512 *hi) {
+    const __m512 t = _mm512_mul_ps(table, _mm512_set1_ps(mxfp4x_e8m0_f32(s)));
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    *lo = _mm512_permutexvar_ps(idx, t);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), t);
+}
+
+MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
+                                             int64_t row_end, const float *x, float *out) {
+    const __m512 table = _mm512_loadu_ps(mxfp4x_e2m1_f32);
+    const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    int64_t r = row_start, g;
+    __m512 lo, hi;
+    for (; r + 4 <= row_end; r += 4) {
+        const uint8_t *b0 = w->blocks + r * sb;
+        const uint8_t *s0 = w->scales + r * ss;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (g = 0; g < G; g++) {
+            const __m512 xe = _mm512_loadu_ps(x + g * MXFP4X_GROUP);
+            const __m512 xo = _mm512_loadu_ps(x + g * MXFP4X_GROUP + 16);
+            const int64_t ob = g * MXFP4X_GROUP_BYTES;
+            mxfp4x_decode_group_avx512(b0 + ob, s0[g], table, &lo, &hi);
+            a0 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a0));
+            mxfp4x_decode_group_avx512(b0 + sb + ob, s0[ss + g], table, &lo, &hi);
+            a1 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a1));
+            mxfp4x_decode_group_avx512(b0 + 2 * sb + ob, s0[2 * ss + g], table, &lo, &hi);
+            a2 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a2));
+            mxfp4x_decode_group_avx512(b0 + 3 * sb + ob, s0[3 * ss + g], table, &lo, &hi);
+            a3 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a3));
+        }
+        out[r - row_start] = mxfp4x_hsum16_avx512(a0);
+        out[r - row_start + 1] = mxfp4x_hsum16_avx512(a1);
+        out[r - row_start + 2] = mxfp4x_hsum16_avx512(a2);
+        out[r - row_start + 3] = mxfp4x_hsum16_avx512(a3);
+    }
+    for (; r < row_end; r++) {
+        const uint8_t *b = w->blocks + r * sb;
+        const uint8_t *s = w->scales + r * ss;
+        __m512 a = _mm512_setzero_ps();
+        for (g = 0; g < G; g++) {
+            mxfp4x_decode_group_avx512(b + g * MXFP4X_GROUP_BYTES, s[g], table, &lo, &hi);
+            a = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + g * MXFP4X_GROUP), a);
+            a = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + g * MXFP4X_GROUP + 16), a);
+        }
+        out[r - row_start] = mxfp4x_hsum16_avx512(a);
+    }
+}
+
+MXFP4X_AVX512_FN void mxfp4x_decode_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
+                                               int64_t row_end, float *panel) {
+    const __m512 table = _mm512_loadu_ps(mxfp4x_e2m1_f32);
+    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
+    int64_t r, g;
+    __m512 lo, hi;
+    for (r = row_start; r < row_end; r++) {
+        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
+        const uint8_t *s = w->scales + r * w->row_stride_scales;
+        float *p = panel + (r - row_start) * d_in;
+        for (g = 0; g < w->n_groups; g++) {
+            mxfp4x_decode_group_avx512(b + g * MXFP4X_GROUP_BYTES, s[g], table, &lo, &hi);
+            _mm512_storeu_ps(p + g * MXFP4X_GROUP, lo);
+            _mm512_storeu_ps(p + g * MXFP4X_GROUP + 16, hi);
+        }
+    }
+}
+
+/* Register block of 4 rows x 4 tokens (16 accumulators of 32 zmm). */
+MXFP4X_AVX512_FN void mxfp4x_panel_dot_f32_avx512(const float *panel, int64_t n_rows,
+                                                  int64_t n_groups, const float *x,
+                                                  int64_t x_stride, const int64_t *x_rows,
+                                                  int64_t n_tok, float *out, int64_t out_stride) {
+    const int64_t d_in = n_groups * MXFP4X_GROUP;
+    int64_t t = 0, r, i;
+    int a, c;
+    for (; t + 4 <= n_tok; t += 4) {
+        const float *xs[4];
+        for (c = 0; c < 4; c++) xs[c] = x + x_rows[t + c] * x_stride;
+        for (r = 0; r + 4 <= n_rows; r += 4) {
+            __m512 acc[4][4];
+            for (a = 0; a < 4; a++)
+                for (c = 0; c < 4; c++) acc[a][c] = _mm512_setzero_ps();
+            for (i = 0; i < d_in; i += 16) {
+                __m512 xv[4];
+                for (c = 0; c < 4; c++) xv[c] = _mm512_loadu_ps(xs[c] + i);
+                for (a = 0; a < 4; a++) {
+                    const __m512 wv = _mm512_loadu_ps(panel + (r + a) * d_in + i);
+                    for (c = 0; c < 4; c++) acc[a][c] = _mm512_fmadd_ps(wv, xv[c], acc[a][c]);
+                }
+            }
+            for (a = 0; a < 4; a++)
+                for (c = 0; c < 4; c++)
+                    out[(t + c) * out_stride + r + a] = mxfp4x_hsum16_avx512(acc[a][c]);
+        }
+        for (; r < n_rows; r++) {
+            __m512 acc[4];
+            for (c = 0; c < 4; c++) acc[c] = _mm512_setzero_ps();
+            for (i = 0; i < d_in; i += 16) {
+                const __m512 wv = _mm512_loadu_ps(panel + r * d_in + i);
+                for (c = 0; c < 4; c++)
+                    acc[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xs[c] + i), acc[c]);
+            }
+            for (c = 0; c < 4; c++) out[(t + c) * out_stride + r] = mxfp4x_hsum16_avx512(acc[c]);
+        }
+    }
+    for (; t < n_tok; t++) {
+        const float *xt = x + x_rows[t] * x_stride;
+        for (r = 0; r < n_rows; r++) {
+            const float *p = panel + r * d_in;
+            __m512 acc = _mm512_setzero_ps();
+            for (i = 0; i < d_in; i += 16)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(p + i), _mm512_loadu_ps(xt + i), acc);
+            out[t * out_stride + r] = mxfp4x_hsum16_avx512(acc);
+        }
+    }
+}
+
+#endif /* MXFP4X_HAVE_X86_SIMD */
+#endif /* MXFP4X_AVX512_H */

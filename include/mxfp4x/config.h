@@ -1,0 +1,56 @@
+/* mxfp4x/config.h -- compiler and architecture detection, target-region macros.
+ *
+ * The shipped build uses no global -m<isa> / -march flags.  Every SIMD function
+ * carries its own target attribute (MXFP4X_TARGET_*), so the same object file
+ * runs on any CPU of the architecture and only the variant chosen at run time
+ * (see cpu.h, dispatch.h) ever executes ISA-specific instructions.
+ */
+#ifndef MXFP4X_CONFIG_H
+#define MXFP4X_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(_M_AMD64)
+#  define MXFP4X_ARCH_X86_64 1
+#else
+#  define MXFP4X_ARCH_X86_64 0
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#  define MXFP4X_GNUC 1
+#else
+#  define MXFP4X_GNUC 0
+#endif
+
+/* SIMD variants are compiled where the compiler can emit them inside a target
+ * region: GCC >= 5 / clang with target attributes, or MSVC (which accepts AVX
+ * intrinsics anywhere without /arch flags). */
+#if MXFP4X_ARCH_X86_64 && (MXFP4X_GNUC || defined(_MSC_VER)) && !defined(MXFP4X_NO_SIMD)
+#  define MXFP4X_HAVE_X86_SIMD 1
+#else
+#  define MXFP4X_HAVE_X86_SIMD 0
+#endif
+
+#if MXFP4X_GNUC
+#  define MXFP4X_TARGET(spec) __attribute__((target(spec)))
+#  define MXFP4X_RESTRICT __restrict__
+#  define MXFP4X_INLINE static inline __attribute__((always_inline))
+#  define MXFP4X_UNUSED __attribute__((unused))
+#else
+#  define MXFP4X_TARGET(spec)
+#  define MXFP4X_RESTRICT __restrict
+#  define MXFP4X_INLINE static __forceinline
+#  define MXFP4X_UNUSED
+#endif
+
+#define MXFP4X_TARGET_AVX2 MXFP4X_TARGET("avx2,fma")
+#define MXFP4X_TARGET_AVX512 MXFP4X_TARGET("avx512f,avx2,fma")
+
+#if defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
+#  define MXFP4X_STATIC_ASSERT(cond, msg) _Static_assert(cond, msg)
+#else
+#  define MXFP4X_STATIC_ASSERT(cond, msg) typedef char mxfp4x_static_assert_##__LINE__[(cond) ? 1 : -1]
+#endif
+
+#endif /* MXFP4X_CONFIG_H */

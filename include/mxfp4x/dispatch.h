@@ -1,0 +1,47 @@
+/* mxfp4x/dispatch.h -- the kernel table, in order of preference.  Included by
+ * exactly one translation unit (mxfp4x/_cpu.pyx).  The driver picks one entry
+ * per call, outside its parallel region, and calls through its pointers. */
+#ifndef MXFP4X_DISPATCH_H
+#define MXFP4X_DISPATCH_H
+
+#include "mxfp4x.h"
+#include "cpu.h"
+#include "scalar.h"
+#include "avx2.h"
+#include "avx512.h"
+
+static const mxfp4x_kernels mxfp4x_kernel_table[] = {
+#if MXFP4X_HAVE_X86_SIMD
+    {MXFP4X_ISA_AVX512, "avx512", mxfp4x_gemv_f32_avx512, mxfp4x_decode_f32_avx512,
+     mxfp4x_panel_dot_f32_avx512},
+    {MXFP4X_ISA_AVX2, "avx2", mxfp4x_gemv_f32_avx2, mxfp4x_decode_f32_avx2,
+     mxfp4x_panel_dot_f32_avx2},
+#endif
+    {MXFP4X_ISA_SCALAR, "scalar", mxfp4x_gemv_f32_scalar, mxfp4x_decode_f32_scalar,
+     mxfp4x_panel_dot_f32_scalar},
+};
+
+#define MXFP4X_N_KERNELS ((int)(sizeof(mxfp4x_kernel_table) / sizeof(mxfp4x_kernel_table[0])))
+
+static int mxfp4x_n_kernels(void) { return MXFP4X_N_KERNELS; }
+
+static const mxfp4x_kernels *mxfp4x_kernel_at(int i) {
+    return (i >= 0 && i < MXFP4X_N_KERNELS) ? &mxfp4x_kernel_table[i] : NULL;
+}
+
+/* Whether this CPU (and OS) can run the table entry i. */
+static int mxfp4x_kernel_runnable(int i) {
+    const mxfp4x_kernels *k = mxfp4x_kernel_at(i);
+    return k != NULL && ((mxfp4x_cpu_isas() >> k->isa) & 1);
+}
+
+#ifdef _OPENMP
+#include <omp.h>
+#define MXFP4X_OPENMP 1
+#else
+#define MXFP4X_OPENMP 0
+#endif
+
+static int mxfp4x_have_openmp(void) { return MXFP4X_OPENMP; }
+
+#endif /* MXFP4X_DISPATCH_H */

@@ -1,0 +1,162 @@
+/* mxfp4x/mxfp4x.h -- public C API: format constants, the E2M1 and E8M0 tables,
+ * the ISA enum, the row descriptor and the kernel signatures.
+ *
+ * Format (OCP Microscaling Formats (MX) v1.0, sections 5.3 (E8M0) and 5.3.3
+ * (FP4 E2M1)), in the gpt-oss checkpoint layout:
+ *
+ *   one group = 32 elements = 16 bytes + 1 scale byte s
+ *
+ *     byte j:  [ hi nibble | lo nibble ]      element 2j   = lo = b & 0xF
+ *                 bit 7..4    bit 3..0        element 2j+1 = hi = b >> 4
+ *
+ *   value(element) = E2M1[code] * 2^(s - 127);  s = 255 is NaN.
+ *
+ * Kernels work in a "deinterleaved" element order inside every group of 32:
+ * the 16 even elements (the low nibbles) first, then the 16 odd ones (the high
+ * nibbles).  Latent rows are permuted once per call into that order
+ * (mxfp4x_prepare_x_*), so a kernel never has to interleave nibbles again.
+ */
+#ifndef MXFP4X_H
+#define MXFP4X_H
+
+#include <string.h>
+#include "config.h"
+
+#define MXFP4X_GROUP 32            /* elements per scale group (OCP MX k = 32) */
+#define MXFP4X_GROUP_BYTES 16      /* packed bytes per group */
+#define MXFP4X_E8M0_BIAS 127
+#define MXFP4X_E8M0_NAN 255
+
+MXFP4X_STATIC_ASSERT(MXFP4X_GROUP == 2 * MXFP4X_GROUP_BYTES, "two E2M1 codes per byte");
+MXFP4X_STATIC_ASSERT(sizeof(float) == 4 && sizeof(double) == 8, "IEEE binary32/binary64 expected");
+MXFP4X_STATIC_ASSERT(sizeof(int64_t) == 8, "64-bit offsets");
+
+/* Instruction sets, in the order of preference of dispatch.h. */
+enum {
+    MXFP4X_ISA_SCALAR = 0,
+    MXFP4X_ISA_AVX2 = 1,
+    MXFP4X_ISA_AVX512 = 2,
+    MXFP4X_ISA_COUNT = 3
+};
+
+/* Latent dtypes understood by mxfp4x_prepare_x_*. */
+enum {
+    MXFP4X_DTYPE_F32 = 0,
+    MXFP4X_DTYPE_F64 = 1,
+    MXFP4X_DTYPE_BF16 = 2,
+    MXFP4X_DTYPE_F16 = 3
+};
+
+/* E2M1 code -> value (OCP MX v1.0, table of FP4 E2M1 values; bit 3 is the sign). */
+static const float mxfp4x_e2m1_f32[16] = {
+    0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* E8M0 scale byte -> float32, bit-exact: s = 1..254 is the normal 2^(s-127)
+ * (bits s << 23); s = 0 is 2^-127, the float32 subnormal 0x00400000, which
+ * must survive (no FTZ/DAZ anywhere); s = 255 is NaN (OCP MX v1.0, 5.4.1). */
+#define MXFP4X_E8M0_BITS(s) ((uint32_t)(s) << 23)
+#define MXFP4X_E8M0_ROW(b)                                                                  \
+    MXFP4X_E8M0_BITS(b + 0), MXFP4X_E8M0_BITS(b + 1), MXFP4X_E8M0_BITS(b + 2),              \
+        MXFP4X_E8M0_BITS(b + 3), MXFP4X_E8M0_BITS(b + 4), MXFP4X_E8M0_BITS(b + 5),          \
+        MXFP4X_E8M0_BITS(b + 6), MXFP4X_E8M0_BITS(b + 7), MXFP4X_E8M0_BITS(b + 8),          \
+        MXFP4X_E8M0_BITS(b + 9), MXFP4X_E8M0_BITS(b + 10), MXFP4X_E8M0_BITS(b + 11),        \
+        MXFP4X_E8M0_BITS(b + 12), MXFP4X_E8M0_BITS(b + 13), MXFP4X_E8M0_BITS(b + 14),       \
+        MXFP4X_E8M0_BITS(b + 15)
+static const union {
+    uint32_t u[256];
+    float f[256];
+} mxfp4x_e8m0_table = {{
+    0x00400000u, MXFP4X_E8M0_BITS(1), MXFP4X_E8M0_BITS(2), MXFP4X_E8M0_BITS(3),
+    MXFP4X_E8M0_BITS(4), MXFP4X_E8M0_BITS(5), MXFP4X_E8M0_BITS(6), MXFP4X_E8M0_BITS(7),
+    MXFP4X_E8M0_BITS(8), MXFP4X_E8M0_BITS(9), MXFP4X_E8M0_BITS(10), MXFP4X_E8M0_BITS(11),
+    MXFP4X_E8M0_BITS(12), MXFP4X_E8M0_BITS(13), MXFP4X_E8M0_BITS(14), MXFP4X_E8M0_BITS(15),
+    MXFP4X_E8M0_ROW(16), MXFP4X_E8M0_ROW(32), MXFP4X_E8M0_ROW(48), MXFP4X_E8M0_ROW(64),
+    MXFP4X_E8M0_ROW(80), MXFP4X_E8M0_ROW(96), MXFP4X_E8M0_ROW(112), MXFP4X_E8M0_ROW(128),
+    MXFP4X_E8M0_ROW(144), MXFP4X_E8M0_ROW(160), MXFP4X_E8M0_ROW(176), MXFP4X_E8M0_ROW(192),
+    MXFP4X_E8M0_ROW(208), MXFP4X_E8M0_ROW(224),
+    MXFP4X_E8M0_BITS(240), MXFP4X_E8M0_BITS(241), MXFP4X_E8M0_BITS(242), MXFP4X_E8M0_BITS(243),
+    MXFP4X_E8M0_BITS(244), MXFP4X_E8M0_BITS(245), MXFP4X_E8M0_BITS(246), MXFP4X_E8M0_BITS(247),
+    MXFP4X_E8M0_BITS(248), MXFP4X_E8M0_BITS(249), MXFP4X_E8M0_BITS(250), MXFP4X_E8M0_BITS(251),
+    MXFP4X_E8M0_BITS(252), MXFP4X_E8M0_BITS(253), MXFP4X_E8M0_BITS(254), 0x7FC00000u}};
+
+MXFP4X_INLINE float mxfp4x_e8m0_f32(uint8_t s) { return mxfp4x_e8m0_table.f[s]; }
+
+/* float64 twin: every E8M0 value is a normal binary64 number (or NaN). */
+MXFP4X_INLINE double mxfp4x_e8m0_f64(uint8_t s) { return (double)mxfp4x_e8m0_table.f[s]; }
+
+/* One expert's weights as the kernels see them: row r of W_e is n_groups
+ * groups; its packed bytes start at blocks + r * row_stride_blocks (n_groups*16
+ * contiguous bytes) and its scales at scales + r * row_stride_scales (n_groups
+ * contiguous bytes).  Strides are 64-bit: expert tensors pass 2^31 bytes. */
+typedef struct {
+    const uint8_t *blocks;
+    const uint8_t *scales;
+    int64_t row_stride_blocks;
+    int64_t row_stride_scales;
+    int64_t n_groups;
+} mxfp4x_rows;
+
+/* Kernel signatures (one implementation per ISA, see dispatch.h).
+ *
+ * All three compute, for every (row, token) pair, the same dot product with
+ * the same operations in the same order, so a result does not depend on which
+ * of them produced it (batch invariance):
+ *
+ *   gemv:      out[r - row_start] = W[r] . x              fused, in registers
+ *   decode:    panel[(r - row_start) * d_in + i] = W[r][i] (deinterleaved order)
+ *   panel_dot: out[t * out_stride + r] = panel[r] . x[x_rows[t]]
+ */
+typedef void (*mxfp4x_gemv_f32_fn)(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                                   const float *x, float *out);
+typedef void (*mxfp4x_decode_f32_fn)(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                                     float *panel);
+typedef void (*mxfp4x_panel_dot_f32_fn)(const float *panel, int64_t n_rows, int64_t n_groups,
+                                        const float *x, int64_t x_stride, const int64_t *x_rows,
+                                        int64_t n_tok, float *out, int64_t out_stride);
+
+typedef struct {
+    int isa;
+    const char *name;
+    mxfp4x_gemv_f32_fn gemv_f32;
+    mxfp4x_decode_f32_fn decode_f32;
+    mxfp4x_panel_dot_f32_fn panel_dot_f32;
+} mxfp4x_kernels;
+
+/* ---- 16-bit float conversions (exact; used once per call on the latents) ---- */
+
+MXFP4X_INLINE float mxfp4x_bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* bfloat16 is the top half of a binary32. */
+MXFP4X_INLINE float mxfp4x_bf16_to_f32(uint16_t h) { return mxfp4x_bits_to_f32((uint32_t)h << 16); }
+
+/* IEEE binary16 -> binary32, exact for every input (subnormals, inf, NaN payload). */
+MXFP4X_INLINE float mxfp4x_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu;
+    uint32_t man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0x1Fu) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        /* subnormal half: man * 2^-24, renormalise */
+        int shift = 0;
+        while ((man & 0x400u) == 0) {
+            man <<= 1;
+            shift++;
+        }
+        man &= 0x3FFu;
+        bits = sign | ((uint32_t)(113 - shift) << 23) | (man << 13);
+    }
+    return mxfp4x_bits_to_f32(bits);
+}
+
+#endif /* MXFP4X_H */

@@ -1,0 +1,174 @@
+/* mxfp4x/scalar.h -- the specification in portable C.
+ *
+ * The scalar variant runs on every CPU; it is also the reference the SIMD
+ * variants are tested against and the float64 path of the CPU backend.
+ *
+ * Order of operations (it defines the bits of a result, see mxfp4x.h): each
+ * dot product keeps 16 lane accumulators; lane j of group g accumulates
+ * element j of the deinterleaved group (w*x, then the add), then element 16+j;
+ * the lanes are reduced by the fixed tree of mxfp4x_hsum16_f32.
+ * Built with -ffp-contract=off so the compiler cannot fuse mul+add here.
+ */
+#ifndef MXFP4X_SCALAR_H
+#define MXFP4X_SCALAR_H
+
+#include "mxfp4x.h"
+
+/* Fixed pairwise tree: (j, j+8), then (j, j+4), (j, j+2), (0, 1). */
+MXFP4X_INLINE float mxfp4x_hsum16_f32(const float *a) {
+    float b[8], c[4], d[2];
+    int j;
+    for (j = 0; j < 8; j++) b[j] = a[j] + a[j + 8];
+    for (j = 0; j < 4; j++) c[j] = b[j] + b[j + 4];
+    for (j = 0; j < 2; j++) d[j] = c[j] + c[j + 2];
+    return d[0] + d[1];
+}
+
+/* Decode one group into the deinterleaved order: out[j] = element 2j,
+ * out[16 + j] = element 2j+1, both times the group scale. */
+MXFP4X_INLINE void mxfp4x_decode_group_f32_scalar(const uint8_t *b, uint8_t s, float *out) {
+    const float sc = mxfp4x_e8m0_f32(s);
+    int j;
+    for (j = 0; j < 16; j++) {
+        out[j] = mxfp4x_e2m1_f32[b[j] & 0xF] * sc;
+        out[16 + j] = mxfp4x_e2m1_f32[b[j] >> 4] * sc;
+    }
+}
+
+/* Deinterleaved dot product of one row against one latent row. */
+MXFP4X_INLINE float mxfp4x_dot_f32_scalar(const float *w, const float *x, int64_t n_groups) {
+    float acc[16] = {0};
+    int64_t g;
+    int j;
+    for (g = 0; g < n_groups; g++) {
+        const float *wg = w + g * MXFP4X_GROUP, *xg = x + g * MXFP4X_GROUP;
+        for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[j] * xg[j];
+        for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[16 + j] * xg[16 + j];
+    }
+    return mxfp4x_hsum16_f32(acc);
+}
+
+/* Fused decode + dot, one group at a time (no panel in memory). */
+static void mxfp4x_gemv_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                                   const float *x, float *out) {
+    int64_t r, g;
+    int j;
+    float wg[MXFP4X_GROUP];
+    for (r = row_start; r < row_end; r++) {
+        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
+        const uint8_t *s = w->scales + r * w->row_stride_scales;
+        float acc[16] = {0};
+        for (g = 0; g < w->n_groups; g++) {
+            const float *xg = x + g * MXFP4X_GROUP;
+            mxfp4x_decode_group_f32_scalar(b + g * MXFP4X_GROUP_BYTES, s[g], wg);
+            for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[j] * xg[j];
+            for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[16 + j] * xg[16 + j];
+        }
+        out[r - row_start] = mxfp4x_hsum16_f32(acc);
+    }
+}
+
+static void mxfp4x_decode_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                                     float *panel) {
+    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
+    int64_t r, g;
+    for (r = row_start; r < row_end; r++) {
+        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
+        const uint8_t *s = w->scales + r * w->row_stride_scales;
+        float *p = panel + (r - row_start) * d_in;
+        for (g = 0; g < w->n_groups; g++)
+            mxfp4x_decode_group_f32_scalar(b + g * MXFP4X_GROUP_BYTES, s[g], p + g * MXFP4X_GROUP);
+    }
+}
+
+static void mxfp4x_panel_dot_f32_scalar(const float *panel, int64_t n_rows, int64_t n_groups,
+                                        const float *x, int64_t x_stride, const int64_t *x_rows,
+                                        int64_t n_tok, float *out, int64_t out_stride) {
+    const int64_t d_in = n_groups * MXFP4X_GROUP;
+    int64_t t, r;
+    for (t = 0; t < n_tok; t++) {
+        const float *xt = x + x_rows[t] * x_stride;
+        for (r = 0; r < n_rows; r++)
+            out[t * out_stride + r] = mxfp4x_dot_f32_scalar(panel + r * d_in, xt, n_groups);
+    }
+}
+
+/* ---- float64 path (float64 latents): decode exactly, accumulate in binary64 ---- */
+
+static void mxfp4x_decode_f64(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                              double *panel) {
+    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
+    int64_t r, g;
+    int j;
+    for (r = row_start; r < row_end; r++) {
+        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
+        const uint8_t *s = w->scales + r * w->row_stride_scales;
+        double *p = panel + (r - row_start) * d_in;
+        for (g = 0; g < w->n_groups; g++) {
+            const uint8_t *bg = b + g * MXFP4X_GROUP_BYTES;
+            const double sc = mxfp4x_e8m0_f64(s[g]);
+            double *pg = p + g * MXFP4X_GROUP;
+            for (j = 0; j < 16; j++) {
+                pg[j] = (double)mxfp4x_e2m1_f32[bg[j] & 0xF] * sc;
+                pg[16 + j] = (double)mxfp4x_e2m1_f32[bg[j] >> 4] * sc;
+            }
+        }
+    }
+}
+
+static void mxfp4x_panel_dot_f64(const double *panel, int64_t n_rows, int64_t n_groups,
+                                 const double *x, int64_t x_stride, const int64_t *x_rows,
+                                 int64_t n_tok, double *out, int64_t out_stride) {
+    const int64_t d_in = n_groups * MXFP4X_GROUP;
+    int64_t t, r, i;
+    int j;
+    for (t = 0; t < n_tok; t++) {
+        const double *xt = x + x_rows[t] * x_stride;
+        for (r = 0; r < n_rows; r++) {
+            const double *pr = panel + r * d_in;
+            double acc[4] = {0, 0, 0, 0};
+            for (i = 0; i < d_in; i += 4)
+                for (j = 0; j < 4; j++) acc[j] = acc[j] + pr[i + j] * xt[i + j];
+            out[t * out_stride + r] = (acc[0] + acc[2]) + (acc[1] + acc[3]);
+        }
+    }
+}
+
+/* ---- latent preparation: convert one row to the compute dtype, deinterleaved ---- */
+
+/* Element at position i (natural order) of a row of the given dtype, as float. */
+MXFP4X_INLINE float mxfp4x_load_f32(const void *row, int dtype, int64_t i) {
+    switch (dtype) {
+    case MXFP4X_DTYPE_F32: return ((const float *)row)[i];
+    case MXFP4X_DTYPE_BF16: return mxfp4x_bf16_to_f32(((const uint16_t *)row)[i]);
+    case MXFP4X_DTYPE_F16: return mxfp4x_f16_to_f32(((const uint16_t *)row)[i]);
+    default: return (float)((const double *)row)[i];
+    }
+}
+
+/* dst[g*32 + j] = x[g*32 + 2j], dst[g*32 + 16 + j] = x[g*32 + 2j + 1]. */
+static void mxfp4x_prepare_x_f32(const void *row, int dtype, int64_t n_groups, float *dst) {
+    int64_t g;
+    int j;
+    for (g = 0; g < n_groups; g++) {
+        const int64_t base = g * MXFP4X_GROUP;
+        for (j = 0; j < 16; j++) {
+            dst[base + j] = mxfp4x_load_f32(row, dtype, base + 2 * j);
+            dst[base + 16 + j] = mxfp4x_load_f32(row, dtype, base + 2 * j + 1);
+        }
+    }
+}
+
+static void mxfp4x_prepare_x_f64(const double *row, int64_t n_groups, double *dst) {
+    int64_t g;
+    int j;
+    for (g = 0; g < n_groups; g++) {
+        const int64_t base = g * MXFP4X_GROUP;
+        for (j = 0; j < 16; j++) {
+            dst[base + j] = row[base + 2 * j];
+            dst[base + 16 + j] = row[base + 2 * j + 1];
+        }
+    }
+}
+
+#endif /* MXFP4X_SCALAR_H */

@@ -1,0 +1,332 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: initializedcheck=False, nonecheck=False
+"""The parallel driver of the CPU backend.
+
+One call: prepare the latents (convert to the compute dtype, deinterleave each
+group once), route the token-expert pairs by expert (a stable counting sort),
+then split the output rows into tiles.  ``prange`` hands whole tiles to
+threads; inside a tile every selected expert's rows are decoded once and applied
+to every pair routed to that expert, and each output element is accumulated by
+that one thread in a fixed order (ascending expert id, then the pair order).
+Results are therefore bit-identical for any thread count and for any batch the
+token sits in.  No locks, no atomics.
+
+The inputs arrive already validated and laid out by ``mxfp4x._dispatch``;
+pointers are passed as integers (torch tensors' ``data_ptr()``), so bf16 needs
+no numpy dtype and nothing is copied here.
+"""
+import os
+
+from cython.parallel cimport parallel, prange, threadid
+from libc.stdint cimport int64_t, uint8_t, uintptr_t
+from libc.stdlib cimport free, malloc
+
+cimport mxfp4x._capi as c
+
+ctypedef fused real:
+    float
+    double
+
+# Rows of W per parallel task, and the bytes of decoded rows held at once in a
+# thread's panel (it stays L2-resident).
+cdef int64_t TILE_ROWS = 64
+cdef int64_t PANEL_BYTES = 256 * 1024
+
+_ISA_NAMES = ("scalar", "avx2", "avx512")
+cdef int _kernel = -1  # index into mxfp4x_kernel_table, chosen at import
+
+
+def compiled_isas():
+    """ISA names compiled into this build, in order of preference."""
+    return [c.mxfp4x_kernel_at(i).name.decode() for i in range(c.mxfp4x_n_kernels())]
+
+
+def runnable_isas():
+    """ISA names this build can run on this CPU, in order of preference."""
+    return [c.mxfp4x_kernel_at(i).name.decode() for i in range(c.mxfp4x_n_kernels())
+            if c.mxfp4x_kernel_runnable(i)]
+
+
+def have_openmp():
+    return bool(c.mxfp4x_have_openmp())
+
+
+def current_isa():
+    return c.mxfp4x_kernel_at(_kernel).name.decode()
+
+
+cdef int _find(str name) except -2:
+    for i in range(c.mxfp4x_n_kernels()):
+        if c.mxfp4x_kernel_at(i).name.decode() == name:
+            return i
+    return -1
+
+
+def set_isa(str name):
+    """Force one ISA (used by MXFP4X_ISA at import and by the tests).
+
+    An unknown name, or one this CPU cannot run, raises: never a silent fallback.
+    """
+    global _kernel
+    i = _find(name)
+    if i < 0:
+        raise ValueError(
+            f"MXFP4X_ISA={name!r} is not an ISA of mxfp4x; choose one of "
+            f"{runnable_isas()} (compiled: {compiled_isas()})")
+    if not c.mxfp4x_kernel_runnable(i):
+        raise RuntimeError(
+            f"MXFP4X_ISA={name!r}: this CPU (or OS) cannot run {name}; choose one of "
+            f"{runnable_isas()}")
+    _kernel = i
+
+
+def _select_at_import():
+    global _kernel
+    forced = os.environ.get("MXFP4X_ISA", "").strip().lower()
+    if forced:
+        set_isa(forced)
+    else:
+        for i in range(c.mxfp4x_n_kernels()):
+            if c.mxfp4x_kernel_runnable(i):
+                _kernel = i
+                break
+
+
+_select_at_import()
+
+
+cdef const c.mxfp4x_kernels *_pick(str isa) except NULL:
+    cdef int i = _kernel if isa is None else _find(isa)
+    if i < 0 or not c.mxfp4x_kernel_runnable(i):
+        raise ValueError(f"isa={isa!r} is not runnable here; choose one of {runnable_isas()}")
+    return c.mxfp4x_kernel_at(i)
+
+
+def decode_rows(uintptr_t blocks, uintptr_t scales, int64_t n_rows, int64_t n_groups,
+                uintptr_t out, str isa=None):
+    """Decode n_rows contiguous rows into out (float32, deinterleaved order).
+
+    Testing hook: it runs the chosen ISA's own decode kernel.
+    """
+    cdef const c.mxfp4x_kernels *k = _pick(isa)
+    cdef c.mxfp4x_rows rows
+    rows.blocks = <const uint8_t *>blocks
+    rows.scales = <const uint8_t *>scales
+    rows.row_stride_blocks = n_groups * 16
+    rows.row_stride_scales = n_groups
+    rows.n_groups = n_groups
+    with nogil:
+        k.decode_f32(&rows, 0, n_rows, <float *>out)
+
+
+cdef struct Ctx:
+    const c.mxfp4x_kernels *k
+    const uint8_t *blocks
+    const uint8_t *scales
+    int64_t blocks_expert_stride, blocks_row_stride
+    int64_t scales_expert_stride, scales_row_stride
+    int64_t d_out, n_groups, d_in
+    int64_t tile_rows, panel_rows
+    const void *x           # prepared latents, (n_tokens, d_in), deinterleaved
+    void *out               # (n_tokens, d_out), starts as the shared output
+    const int64_t *active   # active expert ids, ascending
+    int64_t n_active
+    const int64_t *offsets  # pairs of expert e: [offsets[e], offsets[e + 1])
+    const int64_t *pair_tok
+    const void *pair_w
+
+
+cdef void _combine(real *out, int64_t d_out, int64_t col, const int64_t *toks,
+                   const real *ws, int64_t n, const real *dots, int64_t width) noexcept nogil:
+    """out[t, col:col+width] += w * dots[i]: one rounding for the product, one for the sum."""
+    cdef int64_t i, r
+    cdef real wt
+    cdef real *y
+    cdef const real *d
+    for i in range(n):
+        y = out + toks[i] * d_out + col
+        d = dots + i * width
+        wt = ws[i]
+        for r in range(width):
+            y[r] = y[r] + wt * d[r]
+
+
+cdef void _tile(const Ctx *ctx, int64_t tile, real *panel, real *dots) noexcept nogil:
+    cdef int64_t row_start = tile * ctx.tile_rows
+    cdef int64_t row_end = min(ctx.d_out, row_start + ctx.tile_rows)
+    cdef int64_t a, e, s, n, c0, c1
+    cdef c.mxfp4x_rows rows
+    cdef const int64_t *toks
+    cdef const real *ws
+    rows.row_stride_blocks = ctx.blocks_row_stride
+    rows.row_stride_scales = ctx.scales_row_stride
+    rows.n_groups = ctx.n_groups
+    for a in range(ctx.n_active):
+        e = ctx.active[a]
+        s = ctx.offsets[e]
+        n = ctx.offsets[e + 1] - s
+        toks = ctx.pair_tok + s
+        ws = (<const real *>ctx.pair_w) + s
+        rows.blocks = ctx.blocks + e * ctx.blocks_expert_stride
+        rows.scales = ctx.scales + e * ctx.scales_expert_stride
+        if real is float:
+            if n == 1:
+                # one token: fused decode + dot in registers, no panel round trip
+                ctx.k.gemv_f32(&rows, row_start, row_end,
+                               (<const float *>ctx.x) + toks[0] * ctx.d_in, dots)
+                _combine(<real *>ctx.out, ctx.d_out, row_start, toks, ws, 1, dots,
+                         row_end - row_start)
+                continue
+        c0 = row_start
+        while c0 < row_end:
+            c1 = min(row_end, c0 + ctx.panel_rows)
+            if real is float:
+                ctx.k.decode_f32(&rows, c0, c1, panel)
+                ctx.k.panel_dot_f32(panel, c1 - c0, ctx.n_groups, <const float *>ctx.x,
+                                    ctx.d_in, toks, n, dots, c1 - c0)
+            else:
+                c.mxfp4x_decode_f64(&rows, c0, c1, panel)
+                c.mxfp4x_panel_dot_f64(panel, c1 - c0, ctx.n_groups, <const double *>ctx.x,
+                                       ctx.d_in, toks, n, dots, c1 - c0)
+            _combine(<real *>ctx.out, ctx.d_out, c0, toks, ws, n, dots, c1 - c0)
+            c0 = c1
+
+
+cdef void _prepare(real *dst, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_groups,
+                   int n_threads) noexcept nogil:
+    cdef int64_t t, d_in = n_groups * 32
+    cdef int64_t elem = 8 if x_dtype == c.MXFP4X_DTYPE_F64 else (
+        4 if x_dtype == c.MXFP4X_DTYPE_F32 else 2)
+    for t in prange(n_tokens, num_threads=n_threads, schedule='static'):
+        if real is float:
+            c.mxfp4x_prepare_x_f32(<const void *>(x + <uintptr_t>(t * d_in * elem)), x_dtype,
+                                   n_groups, dst + t * d_in)
+        else:
+            c.mxfp4x_prepare_x_f64(<const double *>(x + <uintptr_t>(t * d_in * elem)),
+                                   n_groups, dst + t * d_in)
+
+
+cdef void *_xmalloc(int64_t n_bytes) except NULL:
+    cdef void *p = malloc(<size_t>max(n_bytes, 64))
+    if p == NULL:
+        raise MemoryError(f"mxfp4x: cannot allocate {n_bytes} bytes of scratch memory")
+    return p
+
+
+cdef _run(real dummy, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_groups,
+          uintptr_t blocks, int64_t n_experts, int64_t d_out,
+          int64_t blocks_expert_stride, int64_t blocks_row_stride,
+          uintptr_t scales, int64_t scales_expert_stride, int64_t scales_row_stride,
+          uintptr_t selected, int64_t top_k, uintptr_t weights, uintptr_t out,
+          int n_threads, str isa):
+    cdef Ctx ctx
+    cdef int64_t d_in = n_groups * 32, n_pairs = n_tokens * top_k
+    cdef int64_t p, e, i, n_tiles, max_count = 0, n_active = 0, scratch_rows
+    cdef const int64_t *sel = <const int64_t *>selected
+    cdef const real *wts = <const real *>weights
+    cdef real *xbuf = NULL
+    cdef real *panels = NULL
+    cdef real *dots = NULL
+    cdef int64_t *offsets = NULL
+    cdef int64_t *fill = NULL
+    cdef int64_t *active = NULL
+    cdef int64_t *pair_tok = NULL
+    cdef real *pair_w = NULL
+    cdef int tid
+    cdef int64_t tile
+    if n_pairs == 0 or d_out == 0:
+        return
+    ctx.k = _pick(isa)
+    n_tiles = (d_out + TILE_ROWS - 1) // TILE_ROWS
+    n_threads = <int>max(1, min(<int64_t>n_threads, n_tiles))  # more threads than tiles idle
+    try:
+        offsets = <int64_t *>_xmalloc((n_experts + 1) * 8)
+        fill = <int64_t *>_xmalloc((n_experts + 1) * 8)
+        active = <int64_t *>_xmalloc((n_experts + 1) * 8)
+        pair_tok = <int64_t *>_xmalloc(n_pairs * 8)
+        pair_w = <real *>_xmalloc(n_pairs * sizeof(real))
+        xbuf = <real *>_xmalloc(n_tokens * d_in * sizeof(real))
+        with nogil:
+            # stable counting sort of the pairs by expert: pair p = t * top_k + k
+            for e in range(n_experts + 1):
+                offsets[e] = 0
+            for p in range(n_pairs):
+                offsets[sel[p] + 1] += 1
+            for e in range(n_experts):
+                if offsets[e + 1] > 0:
+                    active[n_active] = e
+                    n_active += 1
+                    max_count = max(max_count, offsets[e + 1])
+                offsets[e + 1] += offsets[e]
+                fill[e] = offsets[e]
+            for p in range(n_pairs):
+                e = sel[p]
+                pair_tok[fill[e]] = p // top_k
+                pair_w[fill[e]] = wts[p]
+                fill[e] += 1
+        # per-thread scratch: a panel of decoded rows and the dot products of
+        # one expert's pairs against it
+        scratch_rows = max(4, min(TILE_ROWS, (PANEL_BYTES // sizeof(real)) // max(d_in, 1)))
+        scratch_rows -= scratch_rows % 4
+        panels = <real *>_xmalloc(n_threads * scratch_rows * d_in * sizeof(real))
+        dots = <real *>_xmalloc(n_threads * max(max_count * scratch_rows, TILE_ROWS)
+                                * sizeof(real))
+        ctx.blocks = <const uint8_t *>blocks
+        ctx.scales = <const uint8_t *>scales
+        ctx.blocks_expert_stride = blocks_expert_stride
+        ctx.blocks_row_stride = blocks_row_stride
+        ctx.scales_expert_stride = scales_expert_stride
+        ctx.scales_row_stride = scales_row_stride
+        ctx.d_out = d_out
+        ctx.n_groups = n_groups
+        ctx.d_in = d_in
+        ctx.tile_rows = TILE_ROWS
+        ctx.panel_rows = scratch_rows
+        ctx.x = xbuf
+        ctx.out = <void *>out
+        ctx.active = active
+        ctx.n_active = n_active
+        ctx.offsets = offsets
+        ctx.pair_tok = pair_tok
+        ctx.pair_w = pair_w
+        with nogil:
+            _prepare(xbuf, x, x_dtype, n_tokens, n_groups, n_threads)
+            with parallel(num_threads=n_threads):
+                tid = threadid()
+                for tile in prange(n_tiles, schedule='dynamic'):
+                    _tile(&ctx, tile, panels + tid * scratch_rows * d_in,
+                          dots + tid * max(max_count * scratch_rows, TILE_ROWS))
+    finally:
+        free(offsets)
+        free(fill)
+        free(active)
+        free(pair_tok)
+        free(pair_w)
+        free(xbuf)
+        free(panels)
+        free(dots)
+
+
+def mxfp4_experts(bint f64, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_groups,
+                  uintptr_t blocks, int64_t n_experts, int64_t d_out,
+                  int64_t blocks_expert_stride, int64_t blocks_row_stride,
+                  uintptr_t scales, int64_t scales_expert_stride, int64_t scales_row_stride,
+                  uintptr_t selected, int64_t top_k, uintptr_t weights, uintptr_t out,
+                  int n_threads, str isa=None):
+    """out += sum_k weights[t, k] * W[selected[t, k]] @ x[t], in place.
+
+    out (float32, or float64 when f64) holds the shared output on entry; weights
+    have out's dtype; selected is int64 and already checked against [0, n_experts);
+    every buffer is C-contiguous except the strided expert/row dimensions of the
+    blocks and scales (their last dimensions are contiguous).  Strides in bytes.
+    """
+    cdef double d0 = 0
+    cdef float f0 = 0
+    if f64:
+        _run(d0, x, x_dtype, n_tokens, n_groups, blocks, n_experts, d_out,
+             blocks_expert_stride, blocks_row_stride, scales, scales_expert_stride,
+             scales_row_stride, selected, top_k, weights, out, n_threads, isa)
+    else:
+        _run(f0, x, x_dtype, n_tokens, n_groups, blocks, n_experts, d_out,
+             blocks_expert_stride, blocks_row_stride, scales, scales_expert_stride,
+             scales_row_stride, selected, top_k, weights, out, n_threads, isa)

@@ -1,0 +1,41 @@
+"""The MXFP4 format, written once (OCP Microscaling Formats (MX) v1.0).
+
+One group is 32 elements: 16 bytes and one E8M0 scale byte.  In the gpt-oss
+layout byte j holds element 2j in its low nibble and element 2j+1 in its high
+nibble::
+
+    byte j:  [ hi nibble | lo nibble ]    element 2j   = byte & 0xF
+                bits 7..4   bits 3..0     element 2j+1 = byte >> 4
+
+(ggml's MXFP4 block differs: there the low nibble is element j and the high
+nibble element j+16.  Do not mix the two.)
+"""
+import numpy as np
+
+GROUP = 32
+"""Elements per scale group (the MX block size k)."""
+
+GROUP_BYTES = 16
+"""Packed bytes per group: two 4-bit codes per byte."""
+
+E8M0_BIAS = 127
+E8M0_NAN = 255
+"""Scale byte that encodes NaN (OCP MX v1.0, 5.4.1; as torch.float8_e8m0fnu)."""
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""E2M1 code -> value; bit 3 is the sign (code 8 is -0.0)."""
+
+E2M1_TABLE = np.array(E2M1_VALUES, dtype=np.float64)
+
+
+def e8m0_to_float64(scale_bytes):
+    """2^(s - 127) for s in 0..254, NaN for 255, exactly, as float64."""
+    s = np.asarray(scale_bytes, dtype=np.int64)
+    out = np.ldexp(1.0, s - E8M0_BIAS)
+    return np.where(s == E8M0_NAN, np.nan, out)
+
+
+def e8m0_table_f32():
+    """The 256 scale values as float32, bit-exact (0 -> 2^-127, a subnormal)."""
+    return e8m0_to_float64(np.arange(256)).astype(np.float32)

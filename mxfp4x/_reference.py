@@ -1,0 +1,43 @@
+"""The specification in numpy, in float64: slow and obviously correct.
+
+Used by the tests and by the benchmarks' result checks.  Not a fast path.
+"""
+import numpy as np
+
+from ._format import E2M1_TABLE, GROUP, e8m0_to_float64
+
+
+def decode_expert(packed_weights, scale_bytes):
+    """(O, G, 16) bytes and (O, G) scales -> the (O, 32*G) float64 matrix."""
+    packed = np.asarray(packed_weights, dtype=np.uint8)
+    d_out, n_groups, _ = packed.shape
+    codes = np.empty((d_out, n_groups, GROUP), dtype=np.uint8)
+    codes[..., 0::2] = packed & 0xF   # element 2j: low nibble
+    codes[..., 1::2] = packed >> 4    # element 2j+1: high nibble
+    values = E2M1_TABLE[codes] * e8m0_to_float64(scale_bytes)[..., None]
+    return values.reshape(d_out, n_groups * GROUP)
+
+
+def mxfp4_experts_reference(latent_tokens, packed_weights, scale_bytes, selected_experts,
+                            mixture_weights, shared_output, rows=None):
+    """y_t = shared_t + sum_k p_tk * W_{e_tk} x_t, all in float64.
+
+    ``rows`` (a slice or index array) restricts the output rows computed, so a
+    check at model size decodes only those rows.  Returns a float64 ndarray.
+    """
+    x = np.asarray(latent_tokens, dtype=np.float64)
+    packed = np.asarray(packed_weights)
+    scales = np.asarray(scale_bytes)
+    sel = np.asarray(selected_experts, dtype=np.int64)
+    p = np.asarray(mixture_weights, dtype=np.float64)
+    y = np.array(shared_output, dtype=np.float64)
+    rows = slice(None) if rows is None else rows
+    y = y[:, rows].copy()
+    cache = {}
+    for t in range(sel.shape[0]):
+        for k in range(sel.shape[1]):
+            e = int(sel[t, k])
+            if e not in cache:
+                cache[e] = decode_expert(packed[e][rows], scales[e][rows])
+            y[t] += p[t, k] * (cache[e] @ x[t])
+    return y

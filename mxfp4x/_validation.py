@@ -1,0 +1,163 @@
+"""Input coercion and checks.  Every error names the argument, what it got and
+what was expected, and is raised before any kernel runs."""
+import warnings
+
+import numpy as np
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INT_DTYPES = tuple(d for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                getattr(torch, "uint16", None), getattr(torch, "uint32", None),
+                                getattr(torch, "uint64", None)) if d is not None)
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def as_tensor(name, value):
+    """A torch tensor viewing (or, for lists, holding) ``value``; never a write."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biuf":
+            raise TypeError(f"{name}: expected a numeric array, got a numpy array of dtype "
+                            f"{value.dtype}")
+        if any(s < 0 for s in value.strides) or not value.dtype.isnative:
+            value = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("="))
+        with warnings.catch_warnings():
+            # read-only arrays (e.g. np.memmap of a checkpoint): we never write to inputs
+            warnings.simplefilter("ignore", UserWarning)
+            try:
+                return torch.from_numpy(value)
+            except TypeError:
+                return torch.from_numpy(value.astype(np.int64 if value.dtype.kind in "iu"
+                                                     else np.float64))
+    if isinstance(value, (list, tuple)):
+        try:
+            return torch.tensor(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            kind = ValueError if "sequence" in str(exc) else TypeError
+            raise kind(f"{name}: cannot make a tensor from this {type(value).__name__} "
+                       f"({exc})") from None
+    raise TypeError(f"{name}: expected a torch.Tensor, a numpy array or nested lists, got "
+                    f"{type(value).__name__}")
+
+
+def check_rank(name, t, rank, dims):
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected a {rank}-D tensor {dims}, got shape "
+                         f"{tuple(t.shape)}")
+
+
+def float_tensor(name, t, allow_int=True):
+    """Float tensors pass; integer ones are promoted to the default float dtype."""
+    if t.dtype in FLOAT_DTYPES:
+        return t
+    if allow_int and t.dtype in _INT_DTYPES:
+        return t.to(torch.get_default_dtype())
+    raise TypeError(f"{name}: expected a float tensor (float16, bfloat16, float32, float64"
+                    f"{' or an integer tensor' if allow_int else ''}), got dtype "
+                    f"{_dtype_name(t.dtype)}")
+
+
+def byte_tensor(name, t):
+    """uint8 passes as is; other integer dtypes must hold values in [0, 255]."""
+    if t.dtype == torch.uint8:
+        return t
+    if t.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name}: expected an integer tensor of bytes (uint8, or any integer "
+                        f"dtype with values in [0, 255]), got dtype {_dtype_name(t.dtype)}")
+    if t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi > 255:
+            raise ValueError(
+                f"{name}: byte values must lie in [0, 255], got values in [{lo}, {hi}] "
+                f"(dtype {_dtype_name(t.dtype)}); if these are int8 bytes, pass "
+                f"{name}.view(torch.uint8)")
+    return t.to(torch.uint8)
+
+
+def index_tensor(name, t):
+    if t.dtype not in _INT_DTYPES or t.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor (int32 or int64) of expert ids, "
+                        f"got dtype {_dtype_name(t.dtype)}")
+    return t
+
+
+def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
+                 shared_output):
+    """Coerce and check every input; returns tensors on the latents' device."""
+    names = ("latent_tokens", "packed_weights", "scale_bytes", "selected_experts",
+             "mixture_weights", "shared_output")
+    raw = (latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
+           shared_output)
+    ts = [as_tensor(n, v) for n, v in zip(names, raw)]
+    device = ts[0].device
+    for n, v, t in zip(names, raw, ts):
+        if t.device != device:
+            if isinstance(v, torch.Tensor):
+                raise ValueError(f"{n}: on device {t.device}, but latent_tokens is on {device}; "
+                                 f"move it with .to({str(device)!r})")
+    ts = [t if t.device == device else t.to(device) for t in ts]
+    x, packed, scales, sel, mix, shared = ts
+
+    check_rank("latent_tokens", x, 2, "(n_tokens, d_in)")
+    x = float_tensor("latent_tokens", x)
+    n_tokens, d_in = x.shape
+    if d_in % 32:
+        raise ValueError(f"latent_tokens: d_in = {d_in} must be a multiple of 32 (the MXFP4 "
+                         f"group size); got shape {tuple(x.shape)}")
+    n_groups = d_in // 32
+
+    check_rank("packed_weights", packed, 4, "(n_experts, d_out, n_groups, 16)")
+    packed = byte_tensor("packed_weights", packed)
+    n_experts, d_out = packed.shape[0], packed.shape[1]
+    if packed.shape[2] != n_groups or packed.shape[3] != 16:
+        raise ValueError(f"packed_weights: expected shape (n_experts, d_out, {n_groups}, 16) "
+                         f"for d_in = {d_in}, got {tuple(packed.shape)}")
+
+    check_rank("scale_bytes", scales, 3, "(n_experts, d_out, n_groups)")
+    scales = byte_tensor("scale_bytes", scales)
+    if tuple(scales.shape) != (n_experts, d_out, n_groups):
+        raise ValueError(f"scale_bytes: expected shape ({n_experts}, {d_out}, {n_groups}) to "
+                         f"match packed_weights {tuple(packed.shape)}, got "
+                         f"{tuple(scales.shape)}")
+
+    check_rank("selected_experts", sel, 2, "(n_tokens, top_k)")
+    sel = index_tensor("selected_experts", sel)
+    if sel.shape[0] != n_tokens:
+        raise ValueError(f"selected_experts: expected {n_tokens} rows (n_tokens of "
+                         f"latent_tokens), got shape {tuple(sel.shape)}")
+    top_k = sel.shape[1]
+
+    check_rank("mixture_weights", mix, 2, "(n_tokens, top_k)")
+    mix = float_tensor("mixture_weights", mix)
+    if tuple(mix.shape) != (n_tokens, top_k):
+        raise ValueError(f"mixture_weights: expected shape ({n_tokens}, {top_k}) to match "
+                         f"selected_experts, got {tuple(mix.shape)}")
+
+    check_rank("shared_output", shared, 2, "(n_tokens, d_out)")
+    shared = float_tensor("shared_output", shared)
+    if tuple(shared.shape) != (n_tokens, d_out):
+        raise ValueError(f"shared_output: expected shape ({n_tokens}, {d_out}) (n_tokens, "
+                         f"d_out of packed_weights), got {tuple(shared.shape)}")
+
+    if sel.numel():
+        lo, hi = int(sel.min()), int(sel.max())
+        if lo < 0 or hi >= n_experts:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"selected_experts: expert id {bad} is outside [0, {n_experts}) "
+                             f"(n_experts of packed_weights {tuple(packed.shape)})")
+    return x, packed, scales, sel, mix, shared
+
+
+def check_num_threads(num_threads):
+    if num_threads is None:
+        return max(1, torch.get_num_threads())
+    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)):
+        raise TypeError(f"num_threads: expected None or a positive int, got "
+                        f"{type(num_threads).__name__}")
+    if num_threads < 1:
+        raise ValueError(f"num_threads: expected None or a positive int, got {num_threads}")
+    return int(num_threads)
