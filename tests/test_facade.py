@@ -1,0 +1,149 @@
+"""The contract: nothing mutated, nothing aliased, dtype/device kept, clear errors."""
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x._testing import random_layer
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16],
+                         ids=str)
+def test_no_mutation_no_alias_dtype_kept(rng, backend, dtype):
+    layer = random_layer(rng, 6, 2, 3, 9, 2, dtype=dtype)
+    before = {k: v.clone() for k, v in layer.items()}
+    y = mxfp4x.mxfp4_experts(**layer, backend=backend)
+    for k, v in layer.items():
+        assert torch.equal(v, before[k]), f"{k} was modified"
+    assert y.dtype == dtype and y.device == layer["latent_tokens"].device
+    assert y.shape == layer["shared_output"].shape
+    for k, v in layer.items():
+        assert y.untyped_storage().data_ptr() != v.untyped_storage().data_ptr(), f"aliases {k}"
+    y.add_(1)  # writing the result leaves the inputs alone
+    for k, v in layer.items():
+        assert torch.equal(v, before[k])
+
+
+def test_int_latents_give_default_dtype(rng):
+    layer = random_layer(rng, 2, 1, 2, 3, 1)
+    layer["latent_tokens"] = torch.randint(-3, 4, (2, 32))
+    y = mxfp4x.mxfp4_experts(**layer)
+    assert y.dtype == torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert mxfp4x.mxfp4_experts(**layer).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_int_mixture_and_shared_are_promoted(rng):
+    layer = random_layer(rng, 2, 2, 2, 3, 1)
+    layer["mixture_weights"] = torch.tensor([[1, 2], [0, 1]])
+    layer["shared_output"] = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    ref = mxfp4x.mxfp4_experts(**dict(layer, mixture_weights=layer["mixture_weights"].float(),
+                                      shared_output=layer["shared_output"].float()))
+    assert torch.equal(mxfp4x.mxfp4_experts(**layer), ref)
+
+
+def _bad(layer, **change):
+    return dict(layer, **change)
+
+
+BAD_CASES = [
+    # (name, change(layer) -> kwargs, exception, pattern that must appear)
+    ("latent rank", lambda L: _bad(L, latent_tokens=L["latent_tokens"][0]), ValueError,
+     r"latent_tokens.*2-D.*\(64,\)"),
+    ("latent d_in", lambda L: _bad(L, latent_tokens=L["latent_tokens"][:, :40]), ValueError,
+     r"latent_tokens.*multiple of 32"),
+    ("latent complex", lambda L: _bad(L, latent_tokens=L["latent_tokens"].to(torch.complex64)),
+     TypeError, r"latent_tokens.*complex64"),
+    ("latent bool", lambda L: _bad(L, latent_tokens=L["latent_tokens"] > 0), TypeError,
+     r"latent_tokens.*bool"),
+    ("packed rank", lambda L: _bad(L, packed_weights=L["packed_weights"][0]), ValueError,
+     r"packed_weights.*4-D"),
+    ("packed groups", lambda L: _bad(L, packed_weights=L["packed_weights"][:, :, :1]),
+     ValueError, r"packed_weights.*\(n_experts, d_out, 2, 16\)"),
+    ("packed last dim", lambda L: _bad(L, packed_weights=L["packed_weights"][..., :8]),
+     ValueError, r"packed_weights.*16"),
+    ("packed float", lambda L: _bad(L, packed_weights=L["packed_weights"].float()), TypeError,
+     r"packed_weights.*float32"),
+    ("packed int8 negative", lambda L: _bad(L, packed_weights=L["packed_weights"].view(
+        torch.int8)), ValueError, r"packed_weights.*\[0, 255\].*view\(torch.uint8\)"),
+    ("packed too big", lambda L: _bad(L, packed_weights=L["packed_weights"].long() + 200),
+     ValueError, r"packed_weights.*\[0, 255\]"),
+    ("scales shape", lambda L: _bad(L, scale_bytes=L["scale_bytes"][:, :-1]), ValueError,
+     r"scale_bytes.*expected shape"),
+    ("scales rank", lambda L: _bad(L, scale_bytes=L["scale_bytes"][0]), ValueError,
+     r"scale_bytes.*3-D"),
+    ("scales float", lambda L: _bad(L, scale_bytes=L["scale_bytes"].double()), TypeError,
+     r"scale_bytes.*float64"),
+    ("scales negative", lambda L: _bad(L, scale_bytes=L["scale_bytes"].long() - 200),
+     ValueError, r"scale_bytes.*\[0, 255\]"),
+    ("ids float", lambda L: _bad(L, selected_experts=L["selected_experts"].float()), TypeError,
+     r"selected_experts.*float32"),
+    ("ids too big", lambda L: _bad(L, selected_experts=L["selected_experts"] + 3), IndexError,
+     r"selected_experts.*outside \[0, 3\)"),
+    ("ids negative", lambda L: _bad(L, selected_experts=L["selected_experts"] - 3), IndexError,
+     r"selected_experts.*-\d+.*outside \[0, 3\)"),
+    ("ids rows", lambda L: _bad(L, selected_experts=L["selected_experts"][:-1]), ValueError,
+     r"selected_experts.*4 rows"),
+    ("ids rank", lambda L: _bad(L, selected_experts=L["selected_experts"][:, 0]), ValueError,
+     r"selected_experts.*2-D"),
+    ("mix shape", lambda L: _bad(L, mixture_weights=L["mixture_weights"][:, :1]), ValueError,
+     r"mixture_weights.*\(4, 2\)"),
+    ("mix bool", lambda L: _bad(L, mixture_weights=L["mixture_weights"] > 0), TypeError,
+     r"mixture_weights.*bool"),
+    ("shared shape", lambda L: _bad(L, shared_output=L["shared_output"][:, :-1]), ValueError,
+     r"shared_output.*\(4, 5\)"),
+    ("shared tokens", lambda L: _bad(L, shared_output=L["shared_output"][:-1]), ValueError,
+     r"shared_output.*\(4, 5\)"),
+    ("not an array", lambda L: _bad(L, latent_tokens="tokens"), TypeError,
+     r"latent_tokens.*str"),
+    ("object array", lambda L: _bad(L, mixture_weights=np.array([[None, 1]] * 4)), TypeError,
+     r"mixture_weights.*object"),
+    ("ragged list", lambda L: _bad(L, shared_output=[[1.0, 2.0], [3.0]]), ValueError,
+     r"shared_output"),
+]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+def test_bad_input_names_the_argument(rng, case, backend):
+    _, change, exc, pattern = case
+    layer = random_layer(rng, 4, 2, 3, 5, 2)
+    layer["packed_weights"][0, 0, 0, 0] = 0xF0  # a byte that is negative as int8
+    layer["scale_bytes"][0, 0, 0] = 250
+    with pytest.raises(exc, match=pattern):
+        mxfp4x.mxfp4_experts(**change(layer), backend=backend)
+
+
+@pytest.mark.parametrize("value,exc", [(0, ValueError), (-2, ValueError), (1.5, TypeError),
+                                       (True, TypeError), ("2", TypeError)])
+def test_bad_num_threads(rng, value, exc):
+    layer = random_layer(rng, 2, 1, 2, 3, 1)
+    with pytest.raises(exc, match="num_threads"):
+        mxfp4x.mxfp4_experts(**layer, num_threads=value)
+
+
+def test_bad_backend(rng):
+    layer = random_layer(rng, 2, 1, 2, 3, 1)
+    with pytest.raises(ValueError, match=re.escape("backend: expected one of ('auto', 'cpu', "
+                                                   "'torch'), got 'gpu'")):
+        mxfp4x.mxfp4_experts(**layer, backend="gpu")
+
+
+def test_zero_experts_with_tokens_is_index_error(rng):
+    layer = random_layer(rng, 2, 1, 1, 3, 1)
+    layer["packed_weights"] = layer["packed_weights"][:0]
+    layer["scale_bytes"] = layer["scale_bytes"][:0]
+    with pytest.raises(IndexError, match=r"outside \[0, 0\)"):
+        mxfp4x.mxfp4_experts(**layer)
+
+
+def test_many_threads_requested(rng):
+    layer = random_layer(rng, 3, 2, 3, 9, 2)
+    assert torch.equal(mxfp4x.mxfp4_experts(**layer, num_threads=64),
+                       mxfp4x.mxfp4_experts(**layer, num_threads=1))
