@@ -8,9 +8,7 @@ the SIMD variants carry their own target attributes and are chosen at run time
 add that the kernels keep separate: the order of operations defines the bits.
 """
 import os
-import subprocess
 import sys
-import sysconfig
 import tempfile
 
 from setuptools import Extension, setup
@@ -21,9 +19,10 @@ def _compiler_kind(compiler):
     if compiler.compiler_type == "msvc":
         return "msvc"
     cc = " ".join(getattr(compiler, "compiler", []) or [])
-    if sys.platform == "darwin":
-        return "apple-clang"
-    return "clang" if "clang" in cc else "gcc"
+    if "clang" in cc or sys.platform == "darwin":
+        # Apple's clang has no -fopenmp driver flag; a Homebrew/LLVM clang does
+        return "apple-clang" if sys.platform == "darwin" and "llvm" not in cc else "clang"
+    return "gcc"
 
 
 def _openmp_flags(kind):

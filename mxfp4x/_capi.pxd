@@ -12,6 +12,8 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int MXFP4X_DTYPE_F64
     int MXFP4X_DTYPE_BF16
     int MXFP4X_DTYPE_F16
+    int MXFP4X_PANEL_TOKENS
+    int64_t MXFP4X_PANEL_SCRATCH_FLOATS(int64_t n_rows)
 
     ctypedef struct mxfp4x_rows:
         const uint8_t *blocks
@@ -27,16 +29,19 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     ctypedef void (*mxfp4x_panel_dot_f32_fn)(const float *panel, int64_t n_rows, int64_t n_groups,
                                              const float *x, int64_t x_stride,
                                              const int64_t *x_rows, int64_t n_tok, float *out,
-                                             int64_t out_stride) noexcept nogil
+                                             int64_t out_stride, float *scratch) noexcept nogil
 
     ctypedef struct mxfp4x_kernels:
         int isa
         const char *name
+        int layout_half
         mxfp4x_gemv_f32_fn gemv_f32
         mxfp4x_decode_f32_fn decode_f32
         mxfp4x_panel_dot_f32_fn panel_dot_f32
 
     float mxfp4x_e8m0_f32(uint8_t s)
+    unsigned int mxfp4x_fpenv_enter()
+    void mxfp4x_fpenv_exit(unsigned int saved)
     int mxfp4x_cpu_isas()
     int mxfp4x_n_kernels()
     const mxfp4x_kernels *mxfp4x_kernel_at(int i)
@@ -48,5 +53,5 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     void mxfp4x_panel_dot_f64(const double *panel, int64_t n_rows, int64_t n_groups,
                               const double *x, int64_t x_stride, const int64_t *x_rows,
                               int64_t n_tok, double *out, int64_t out_stride)
-    void mxfp4x_prepare_x_f32(const void *row, int dtype, int64_t n_groups, float *dst)
+    void mxfp4x_prepare_x_f32(const void *row, int dtype, int64_t n_groups, int half, float *dst)
     void mxfp4x_prepare_x_f64(const double *row, int64_t n_groups, double *dst)

@@ -29,10 +29,9 @@ ctypedef fused real:
 
 # Rows of W per parallel task, and the bytes of decoded rows held at once in a
 # thread's panel (it stays L2-resident).
-cdef int64_t TILE_ROWS = 64
-cdef int64_t PANEL_BYTES = 256 * 1024
+cdef int64_t TILE_ROWS = 48
+cdef int64_t PANEL_BYTES = 384 * 1024
 
-_ISA_NAMES = ("scalar", "avx2", "avx512")
 cdef int _kernel = -1  # index into mxfp4x_kernel_table, chosen at import
 
 
@@ -102,9 +101,14 @@ cdef const c.mxfp4x_kernels *_pick(str isa) except NULL:
     return c.mxfp4x_kernel_at(i)
 
 
+def layout_half(str isa=None):
+    """The element order of the ISA's decoded groups (see mxfp4x_prepare_x_f32)."""
+    return _pick(isa).layout_half
+
+
 def decode_rows(uintptr_t blocks, uintptr_t scales, int64_t n_rows, int64_t n_groups,
                 uintptr_t out, str isa=None):
-    """Decode n_rows contiguous rows into out (float32, deinterleaved order).
+    """Decode n_rows contiguous rows into out (float32, in the ISA's layout).
 
     Testing hook: it runs the chosen ISA's own decode kernel.
     """
@@ -151,7 +155,8 @@ cdef void _combine(real *out, int64_t d_out, int64_t col, const int64_t *toks,
             y[r] = y[r] + wt * d[r]
 
 
-cdef void _tile(const Ctx *ctx, int64_t tile, real *panel, real *dots) noexcept nogil:
+cdef void _tile(const Ctx *ctx, int64_t tile, real *panel, real *dots,
+                float *lanes) noexcept nogil:
     cdef int64_t row_start = tile * ctx.tile_rows
     cdef int64_t row_end = min(ctx.d_out, row_start + ctx.tile_rows)
     cdef int64_t a, e, s, n, c0, c1
@@ -183,7 +188,7 @@ cdef void _tile(const Ctx *ctx, int64_t tile, real *panel, real *dots) noexcept 
             if real is float:
                 ctx.k.decode_f32(&rows, c0, c1, panel)
                 ctx.k.panel_dot_f32(panel, c1 - c0, ctx.n_groups, <const float *>ctx.x,
-                                    ctx.d_in, toks, n, dots, c1 - c0)
+                                    ctx.d_in, toks, n, dots, c1 - c0, lanes)
             else:
                 c.mxfp4x_decode_f64(&rows, c0, c1, panel)
                 c.mxfp4x_panel_dot_f64(panel, c1 - c0, ctx.n_groups, <const double *>ctx.x,
@@ -193,14 +198,14 @@ cdef void _tile(const Ctx *ctx, int64_t tile, real *panel, real *dots) noexcept 
 
 
 cdef void _prepare(real *dst, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_groups,
-                   int n_threads) noexcept nogil:
+                   int half, int n_threads) noexcept nogil:
     cdef int64_t t, d_in = n_groups * 32
     cdef int64_t elem = 8 if x_dtype == c.MXFP4X_DTYPE_F64 else (
         4 if x_dtype == c.MXFP4X_DTYPE_F32 else 2)
     for t in prange(n_tokens, num_threads=n_threads, schedule='static'):
         if real is float:
             c.mxfp4x_prepare_x_f32(<const void *>(x + <uintptr_t>(t * d_in * elem)), x_dtype,
-                                   n_groups, dst + t * d_in)
+                                   n_groups, half, dst + t * d_in)
         else:
             c.mxfp4x_prepare_x_f64(<const double *>(x + <uintptr_t>(t * d_in * elem)),
                                    n_groups, dst + t * d_in)
@@ -221,12 +226,15 @@ cdef _run(real dummy, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_grou
           int n_threads, str isa):
     cdef Ctx ctx
     cdef int64_t d_in = n_groups * 32, n_pairs = n_tokens * top_k
-    cdef int64_t p, e, i, n_tiles, max_count = 0, n_active = 0, scratch_rows
+    cdef int64_t p, e, n_tiles, max_count = 0, n_active = 0, scratch_rows
     cdef const int64_t *sel = <const int64_t *>selected
     cdef const real *wts = <const real *>weights
     cdef real *xbuf = NULL
-    cdef real *panels = NULL
-    cdef real *dots = NULL
+    cdef char *scratch = NULL
+    cdef char *mine
+    cdef int64_t panel_len, dots_len, lanes_len, per_thread
+    cdef unsigned int fpenv
+    cdef int half
     cdef int64_t *offsets = NULL
     cdef int64_t *fill = NULL
     cdef int64_t *active = NULL
@@ -264,13 +272,17 @@ cdef _run(real dummy, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_grou
                 pair_tok[fill[e]] = p // top_k
                 pair_w[fill[e]] = wts[p]
                 fill[e] += 1
-        # per-thread scratch: a panel of decoded rows and the dot products of
-        # one expert's pairs against it
-        scratch_rows = max(4, min(TILE_ROWS, (PANEL_BYTES // sizeof(real)) // max(d_in, 1)))
-        scratch_rows -= scratch_rows % 4
-        panels = <real *>_xmalloc(n_threads * scratch_rows * d_in * sizeof(real))
-        dots = <real *>_xmalloc(n_threads * max(max_count * scratch_rows, TILE_ROWS)
-                                * sizeof(real))
+        # per-thread scratch: a panel of decoded rows, the dot products of one
+        # expert's pairs against it, and panel_dot's parked lane accumulators
+        scratch_rows = min(TILE_ROWS, (PANEL_BYTES // <int64_t>sizeof(real)) // max(d_in, 1))
+        scratch_rows = max(12, scratch_rows - scratch_rows % 12)
+        panel_len = scratch_rows * d_in
+        dots_len = max(max_count * scratch_rows, TILE_ROWS)
+        lanes_len = c.MXFP4X_PANEL_SCRATCH_FLOATS(scratch_rows)
+        per_thread = panel_len * <int64_t>sizeof(real) + dots_len * <int64_t>sizeof(real) \
+            + lanes_len * 4
+        per_thread = (per_thread + 63) // 64 * 64  # each thread's scratch on its own lines
+        scratch = <char *>_xmalloc(n_threads * per_thread)
         ctx.blocks = <const uint8_t *>blocks
         ctx.scales = <const uint8_t *>scales
         ctx.blocks_expert_stride = blocks_expert_stride
@@ -289,13 +301,18 @@ cdef _run(real dummy, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_grou
         ctx.offsets = offsets
         ctx.pair_tok = pair_tok
         ctx.pair_w = pair_w
+        half = 16 if real is double else ctx.k.layout_half
         with nogil:
-            _prepare(xbuf, x, x_dtype, n_tokens, n_groups, n_threads)
+            _prepare(xbuf, x, x_dtype, n_tokens, n_groups, half, n_threads)
             with parallel(num_threads=n_threads):
                 tid = threadid()
+                mine = scratch + tid * per_thread
+                fpenv = c.mxfp4x_fpenv_enter()
                 for tile in prange(n_tiles, schedule='dynamic'):
-                    _tile(&ctx, tile, panels + tid * scratch_rows * d_in,
-                          dots + tid * max(max_count * scratch_rows, TILE_ROWS))
+                    _tile(&ctx, tile, <real *>mine,
+                          <real *>(mine + panel_len * <int64_t>sizeof(real)),
+                          <float *>(mine + (panel_len + dots_len) * <int64_t>sizeof(real)))
+                c.mxfp4x_fpenv_exit(fpenv)
     finally:
         free(offsets)
         free(fill)
@@ -303,8 +320,7 @@ cdef _run(real dummy, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_grou
         free(pair_tok)
         free(pair_w)
         free(xbuf)
-        free(panels)
-        free(dots)
+        free(scratch)
 
 
 def mxfp4_experts(bint f64, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_groups,

@@ -68,7 +68,12 @@ def mxfp4_experts(latent_tokens, packed_weights, scale_bytes, selected_experts, 
         if x.device.type != "cpu":
             raise ValueError(f"backend: 'cpu' needs CPU tensors, but latent_tokens is on "
                              f"{x.device}; use backend='torch' or 'auto'")
-        return _run_cpu(x, packed, scales, sel, mix, shared, out_dtype, threads)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, mix, shared)):
+            raise RuntimeError("mxfp4_experts: the CPU kernels do not record gradients yet; "
+                               "call under torch.no_grad(), detach the inputs, or use "
+                               "backend='torch' (differentiable)")
+        with torch.no_grad():
+            return _run_cpu(x, packed, scales, sel, mix, shared, out_dtype, threads)
     return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, out_dtype)
 
 

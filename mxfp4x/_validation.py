@@ -5,6 +5,8 @@ import warnings
 import numpy as np
 import torch
 
+MAX_THREADS = 4096
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = tuple(d for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                                 getattr(torch, "uint16", None), getattr(torch, "uint32", None),
@@ -15,9 +17,23 @@ def _dtype_name(dtype):
     return str(dtype).replace("torch.", "")
 
 
+_WIDE_UNSIGNED = tuple(d for d in (getattr(torch, "uint16", None), getattr(torch, "uint32", None),
+                                    getattr(torch, "uint64", None)) if d is not None)
+
+
+def _min_max(t):
+    """(min, max) as Python ints; torch has no min/max for uint16/32/64."""
+    if t.dtype in _WIDE_UNSIGNED:
+        t = t.to(torch.int64)  # uint64 >= 2^63 wraps negative: still out of range
+    return int(t.min()), int(t.max())
+
+
 def as_tensor(name, value):
     """A torch tensor viewing (or, for lists, holding) ``value``; never a write."""
     if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout "
+                            f"{value.layout}; call .to_dense() first")
         return value
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "biuf":
@@ -69,7 +85,7 @@ def byte_tensor(name, t):
         raise TypeError(f"{name}: expected an integer tensor of bytes (uint8, or any integer "
                         f"dtype with values in [0, 255]), got dtype {_dtype_name(t.dtype)}")
     if t.numel():
-        lo, hi = int(t.min()), int(t.max())
+        lo, hi = _min_max(t)
         if lo < 0 or hi > 255:
             raise ValueError(
                 f"{name}: byte values must lie in [0, 255], got values in [{lo}, {hi}] "
@@ -144,7 +160,7 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts, m
                          f"d_out of packed_weights), got {tuple(shared.shape)}")
 
     if sel.numel():
-        lo, hi = int(sel.min()), int(sel.max())
+        lo, hi = _min_max(sel)
         if lo < 0 or hi >= n_experts:
             bad = lo if lo < 0 else hi
             raise IndexError(f"selected_experts: expert id {bad} is outside [0, {n_experts}) "
@@ -160,4 +176,4 @@ def check_num_threads(num_threads):
                         f"{type(num_threads).__name__}")
     if num_threads < 1:
         raise ValueError(f"num_threads: expected None or a positive int, got {num_threads}")
-    return int(num_threads)
+    return int(min(num_threads, MAX_THREADS))  # more threads than output tiles would idle

@@ -12,8 +12,10 @@ def _all_bytes_all_scales():
     return packed, scales
 
 
-def _undo_deinterleave(panel, n_groups):
-    g = panel.reshape(panel.shape[0], n_groups, 2, 16)
+def _undo_layout(panel, isa):
+    """Natural element order from the ISA's layout (blocks of 2*half: evens, odds)."""
+    half = _cpu.layout_half(isa)
+    g = panel.reshape(panel.shape[0], -1, 2, half)
     return np.stack((g[:, :, 0], g[:, :, 1]), axis=-1).reshape(panel.shape[0], -1)
 
 
@@ -29,7 +31,7 @@ def test_decode_kernel_exhaustive(isa):
         ref = _reference.decode_expert(packed, scales).astype(np.float32)
     out = np.full((256, 16 * 32), np.float32(7.25))
     _cpu.decode_rows(packed.ctypes.data, scales.ctypes.data, 256, 16, out.ctypes.data, isa)
-    got = _undo_deinterleave(out, 16)
+    got = _undo_layout(out, isa)
     # the reference is float64; each value (a code times a power of two) is exact in
     # float32 except that NaN payloads and code 8 (-0.0) must keep their bits
     nan = np.isnan(ref)
@@ -43,7 +45,7 @@ def test_decode_signed_zero_and_subnormal_scale(isa):
     scales = np.zeros((1, 1), dtype=np.uint8)
     out = np.zeros((1, 32), dtype=np.float32)
     _cpu.decode_rows(packed.ctypes.data, scales.ctypes.data, 1, 1, out.ctypes.data, isa)
-    got = _undo_deinterleave(out, 1)[0]
+    got = _undo_layout(out, isa)[0]
     assert got[0] == 0 and np.signbit(got[0])        # code 8 -> -0.0
     assert got[1] == 0 and not np.signbit(got[1])    # code 0 -> +0.0
     assert got[3] == 0 and np.signbit(got[3])        # high nibble 8 -> -0.0

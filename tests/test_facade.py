@@ -147,3 +147,55 @@ def test_many_threads_requested(rng):
     layer = random_layer(rng, 3, 2, 3, 9, 2)
     assert torch.equal(mxfp4x.mxfp4_experts(**layer, num_threads=64),
                        mxfp4x.mxfp4_experts(**layer, num_threads=1))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_empty_rows_d_in_zero(isa, rng, backend):
+    # d_in = 0: every dot product is 0, so y = shared + p * 0 (NaN where p is NaN or inf)
+    layer = random_layer(rng, 5, 3, 2, 7, 0)
+    layer["mixture_weights"][0, 0] = float("inf")
+    y = mxfp4x.mxfp4_experts(**layer, backend=backend)
+    expected = layer["shared_output"].clone()
+    expected[0] = float("nan")
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))
+    assert torch.equal(y[1:], expected[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.int16, torch.int8], ids=str)
+def test_other_integer_dtypes(rng, dtype):
+    layer = random_layer(rng, 3, 2, 3, 5, 1)
+    layer["packed_weights"] %= 128  # int8 range too
+    layer["scale_bytes"].clamp_(max=127)
+    ref = mxfp4x.mxfp4_experts(**layer)
+    other = {k: (v.to(dtype) if k in ("packed_weights", "scale_bytes", "selected_experts")
+                 else v) for k, v in layer.items()}
+    assert torch.equal(mxfp4x.mxfp4_experts(**other), ref)
+    bad = dict(other, selected_experts=(layer["selected_experts"] + 3).to(dtype))
+    with pytest.raises(IndexError, match="selected_experts"):
+        mxfp4x.mxfp4_experts(**bad)
+
+
+def test_numpy_uint32_bytes(rng):
+    layer = random_layer(rng, 3, 2, 3, 5, 1)
+    packed = layer["packed_weights"].numpy().astype(np.uint32)
+    assert torch.equal(mxfp4x.mxfp4_experts(**dict(layer, packed_weights=packed)),
+                       mxfp4x.mxfp4_experts(**layer))
+
+
+def test_cpu_backend_refuses_to_drop_gradients(rng):
+    layer = random_layer(rng, 2, 1, 2, 3, 1)
+    layer["latent_tokens"].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="gradients"):
+        mxfp4x.mxfp4_experts(**layer, backend="cpu")
+    with torch.no_grad():
+        y = mxfp4x.mxfp4_experts(**layer, backend="cpu")
+    assert not y.requires_grad
+    y_t = mxfp4x.mxfp4_experts(**layer, backend="torch")  # differentiable
+    y_t.sum().backward()
+    assert layer["latent_tokens"].grad is not None
+
+
+def test_sparse_input_is_a_type_error(rng):
+    layer = random_layer(rng, 2, 1, 2, 3, 1)
+    with pytest.raises(TypeError, match="shared_output.*strided"):
+        mxfp4x.mxfp4_experts(**dict(layer, shared_output=layer["shared_output"].to_sparse()))

@@ -1,16 +1,25 @@
 /* mxfp4x/avx2.h -- AVX2 + FMA variant.  Everything here is inside the
  * "avx2,fma" target region; nothing is reachable before dispatch.h has checked
- * the CPU (cpu.h).
+ * the CPU and the OS (cpu.h).
  *
- * Order of operations: one 8-lane accumulator per (row, token); per group,
- * fma with deinterleaved elements [0,8), [8,16), [16,24), [24,32) in that
- * order; lanes reduced by the tree (j, j+4), (j, j+2), (0, 1).  gemv,
- * decode + panel_dot follow it exactly, so they agree bit for bit.
+ * Element order ("layout 4"): inside every block of 8 elements, the 4 even
+ * elements (low nibbles) then the 4 odd ones (high nibbles).  The latents are
+ * permuted into this order once per call, so the decode below needs no
+ * cross-lane shuffle.
  *
- * Decode of 8 bytes -> 16 weights: zero-extend to 8 x int32, look the 3-bit
- * magnitude up with vpermps in the positive and the negative table (both
- * pre-multiplied by the group scale: exact, a power of two), and blend on the
- * sign bit moved to bit 31 (<< 28 for the low nibble, << 24 for the high one).
+ * Decode of one group (16 bytes -> 32 floats), 11 integer ops:
+ *   broadcast the 16 bytes to both 128-bit lanes; lane 0 keeps the low
+ *   nibbles, lane 1 the high ones (>> 4, blend, & 0xF);
+ *   two vpshufb look up byte 3 and byte 2 of the float32 value of every code
+ *   (every E2M1 value has zero low 16 bits, and code 8 gives -0.0 exactly);
+ *   unpack bytes to 16-bit words, then words to the high half of dwords:
+ *     f0 = [lo0..lo3 | hi0..hi3] = elements 0,2,4,6,1,3,5,7  ... f3 = elements 24..31
+ *   and one multiply each by the group scale (a power of two: exact).
+ *
+ * Order of operations: one 8-lane accumulator per (row, token); lane l sums
+ * w*x over the layout positions p = l (mod 8) in increasing p with FMA; lanes
+ * reduced by the tree (j, j+4), (j, j+2), (0, 1).  gemv and decode + panel_dot
+ * follow it exactly, so they agree bit for bit (batch invariance).
  */
 #ifndef MXFP4X_AVX2_H
 #define MXFP4X_AVX2_H
@@ -21,7 +30,25 @@
 #include <immintrin.h>
 
 #define MXFP4X_AVX2_FN static MXFP4X_TARGET_AVX2
-#define MXFP4X_AVX2_INLINE static inline MXFP4X_TARGET_AVX2
+#define MXFP4X_AVX2_INLINE static inline MXFP4X_TARGET_AVX2 MXFP4X_ALWAYS_INLINE
+
+/* Byte 3 and byte 2 of the float32 bits of E2M1 code c (bytes 1, 0 are zero). */
+static const uint8_t mxfp4x_e2m1_byte3[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                              0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
+static const uint8_t mxfp4x_e2m1_byte2[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
+                                              0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
+
+typedef struct {
+    __m256i byte3, byte2, low_nibble;
+} mxfp4x_avx2_tables;
+
+MXFP4X_AVX2_INLINE mxfp4x_avx2_tables mxfp4x_avx2_load_tables(void) {
+    mxfp4x_avx2_tables t;
+    t.byte3 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4x_e2m1_byte3));
+    t.byte2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4x_e2m1_byte2));
+    t.low_nibble = _mm256_set1_epi8(0x0F);
+    return t;
+}
 
 MXFP4X_AVX2_INLINE float mxfp4x_hsum8_avx2(__m256 v) {
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -30,23 +57,21 @@ MXFP4X_AVX2_INLINE float mxfp4x_hsum8_avx2(__m256 v) {
     return _mm_cvtss_f32(s1);
 }
 
-/* Decode one group (16 bytes, scale byte s) into 4 vectors, deinterleaved
- * positions [0,8), [8,16), [16,24), [24,32). */
-MXFP4X_AVX2_INLINE void mxfp4x_decode_group_avx2(const uint8_t *b, uint8_t s, __m256 tpos,
-                                                 __m256 tneg, __m256 *w) {
+/* One group (16 bytes at b, scale byte s) -> w[0..3], layout-4 positions [8k, 8k+8). */
+MXFP4X_AVX2_INLINE void mxfp4x_decode_group_avx2(const uint8_t *b, uint8_t s,
+                                                 const mxfp4x_avx2_tables *t, __m256 *w) {
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b));
+    const __m256i codes = _mm256_and_si256(
+        _mm256_blend_epi32(raw, _mm256_srli_epi16(raw, 4), 0xF0), t->low_nibble);
+    const __m256i b3 = _mm256_shuffle_epi8(t->byte3, codes);
+    const __m256i b2 = _mm256_shuffle_epi8(t->byte2, codes);
+    const __m256i w16a = _mm256_unpacklo_epi8(b2, b3), w16b = _mm256_unpackhi_epi8(b2, b3);
+    const __m256i zero = _mm256_setzero_si256();
     const __m256 vs = _mm256_set1_ps(mxfp4x_e8m0_f32(s));
-    const __m256 pos = _mm256_mul_ps(tpos, vs), neg = _mm256_mul_ps(tneg, vs);
-    const __m256i i0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-    const __m256i i1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8)));
-    const __m256i h0 = _mm256_srli_epi32(i0, 4), h1 = _mm256_srli_epi32(i1, 4);
-    w[0] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(pos, i0), _mm256_permutevar8x32_ps(neg, i0),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(i0, 28)));
-    w[1] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(pos, i1), _mm256_permutevar8x32_ps(neg, i1),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(i1, 28)));
-    w[2] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(pos, h0), _mm256_permutevar8x32_ps(neg, h0),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(i0, 24)));
-    w[3] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(pos, h1), _mm256_permutevar8x32_ps(neg, h1),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(i1, 24)));
+    w[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w16a)), vs);
+    w[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w16a)), vs);
+    w[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w16b)), vs);
+    w[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w16b)), vs);
 }
 
 MXFP4X_AVX2_INLINE __m256 mxfp4x_fma_group_avx2(const __m256 *w, const float *xg, __m256 acc) {
@@ -57,30 +82,28 @@ MXFP4X_AVX2_INLINE __m256 mxfp4x_fma_group_avx2(const __m256 *w, const float *xg
     return acc;
 }
 
-/* Fused decode + dot; four rows at a time so four independent FMA chains
- * hide the latency, each row with the exact single-row sequence. */
+/* Fused decode + dot for one token; four rows at a time so four independent
+ * FMA chains hide the latency, each row with the exact single-row sequence. */
 MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
                                          int64_t row_end, const float *x, float *out) {
-    const __m256 tpos = _mm256_loadu_ps(mxfp4x_e2m1_f32);
-    const __m256 tneg = _mm256_loadu_ps(mxfp4x_e2m1_f32 + 8);
-    const int64_t G = w->n_groups;
+    const mxfp4x_avx2_tables t = mxfp4x_avx2_load_tables();
+    const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
     int64_t r = row_start, g;
     __m256 wv[4];
     for (; r + 4 <= row_end; r += 4) {
-        const uint8_t *b0 = w->blocks + r * w->row_stride_blocks;
-        const uint8_t *s0 = w->scales + r * w->row_stride_scales;
-        const int64_t sb = w->row_stride_blocks, ss = w->row_stride_scales;
+        const uint8_t *b0 = w->blocks + r * sb;
+        const uint8_t *s0 = w->scales + r * ss;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (g = 0; g < G; g++) {
             const float *xg = x + g * MXFP4X_GROUP;
             const int64_t ob = g * MXFP4X_GROUP_BYTES;
-            mxfp4x_decode_group_avx2(b0 + ob, s0[g], tpos, tneg, wv);
+            mxfp4x_decode_group_avx2(b0 + ob, s0[g], &t, wv);
             a0 = mxfp4x_fma_group_avx2(wv, xg, a0);
-            mxfp4x_decode_group_avx2(b0 + sb + ob, s0[ss + g], tpos, tneg, wv);
+            mxfp4x_decode_group_avx2(b0 + sb + ob, s0[ss + g], &t, wv);
             a1 = mxfp4x_fma_group_avx2(wv, xg, a1);
-            mxfp4x_decode_group_avx2(b0 + 2 * sb + ob, s0[2 * ss + g], tpos, tneg, wv);
+            mxfp4x_decode_group_avx2(b0 + 2 * sb + ob, s0[2 * ss + g], &t, wv);
             a2 = mxfp4x_fma_group_avx2(wv, xg, a2);
-            mxfp4x_decode_group_avx2(b0 + 3 * sb + ob, s0[3 * ss + g], tpos, tneg, wv);
+            mxfp4x_decode_group_avx2(b0 + 3 * sb + ob, s0[3 * ss + g], &t, wv);
             a3 = mxfp4x_fma_group_avx2(wv, xg, a3);
         }
         out[r - row_start] = mxfp4x_hsum8_avx2(a0);
@@ -89,11 +112,11 @@ MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start
         out[r - row_start + 3] = mxfp4x_hsum8_avx2(a3);
     }
     for (; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
-        const uint8_t *s = w->scales + r * w->row_stride_scales;
+        const uint8_t *b = w->blocks + r * sb;
+        const uint8_t *s = w->scales + r * ss;
         __m256 a = _mm256_setzero_ps();
         for (g = 0; g < G; g++) {
-            mxfp4x_decode_group_avx2(b + g * MXFP4X_GROUP_BYTES, s[g], tpos, tneg, wv);
+            mxfp4x_decode_group_avx2(b + g * MXFP4X_GROUP_BYTES, s[g], &t, wv);
             a = mxfp4x_fma_group_avx2(wv, x + g * MXFP4X_GROUP, a);
         }
         out[r - row_start] = mxfp4x_hsum8_avx2(a);
@@ -102,8 +125,7 @@ MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start
 
 MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
                                            int64_t row_end, float *panel) {
-    const __m256 tpos = _mm256_loadu_ps(mxfp4x_e2m1_f32);
-    const __m256 tneg = _mm256_loadu_ps(mxfp4x_e2m1_f32 + 8);
+    const mxfp4x_avx2_tables t = mxfp4x_avx2_load_tables();
     const int64_t d_in = w->n_groups * MXFP4X_GROUP;
     int64_t r, g;
     __m256 wv[4];
@@ -113,7 +135,7 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_sta
         float *p = panel + (r - row_start) * d_in;
         for (g = 0; g < w->n_groups; g++) {
             float *pg = p + g * MXFP4X_GROUP;
-            mxfp4x_decode_group_avx2(b + g * MXFP4X_GROUP_BYTES, s[g], tpos, tneg, wv);
+            mxfp4x_decode_group_avx2(b + g * MXFP4X_GROUP_BYTES, s[g], &t, wv);
             _mm256_storeu_ps(pg, wv[0]);
             _mm256_storeu_ps(pg + 8, wv[1]);
             _mm256_storeu_ps(pg + 16, wv[2]);
@@ -122,64 +144,94 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_sta
     }
 }
 
-/* Register block of 4 rows x 2 tokens: per 8-wide step 4 panel loads, 2 latent
- * loads, 8 FMAs.  Every (row, token) accumulator sees the gemv sequence. */
+/* ---- panel x tokens: register-blocked micro-kernel over k-chunks ----
+ *
+ * A block of MR = 3 panel rows x NT <= 4 tokens keeps 12 accumulators, the 3
+ * rows' vectors and one latent vector in the 16 ymm registers (7 loads per 12
+ * FMAs).  k runs in chunks of MXFP4X_AVX2_KC floats so the 3 rows' chunk stays
+ * in L1 while the tokens stream past; between chunks the 8-lane accumulators
+ * are parked in `lanes` unreduced, so the per-lane sequence is exactly the
+ * unchunked one. */
+#define MXFP4X_AVX2_KC 512
+
+MXFP4X_AVX2_INLINE void mxfp4x_block_avx2(const float *p0, const float *p1, const float *p2,
+                                          int mr, const float *const *xs, int nt, int64_t k0,
+                                          int64_t k1, float *lanes) {
+    __m256 a[3][4];
+    int r, c;
+    int64_t i;
+    for (r = 0; r < 3; r++)
+        for (c = 0; c < 4; c++)
+            a[r][c] = (r < mr && c < nt) ? _mm256_loadu_ps(lanes + (r * 4 + c) * 8)
+                                         : _mm256_setzero_ps();
+    for (i = k0; i < k1; i += 8) {
+        const __m256 w0 = _mm256_loadu_ps(p0 + i);
+        const __m256 w1 = mr > 1 ? _mm256_loadu_ps(p1 + i) : w0;
+        const __m256 w2 = mr > 2 ? _mm256_loadu_ps(p2 + i) : w0;
+        for (c = 0; c < 4; c++) {
+            if (c < nt) {
+                const __m256 xv = _mm256_loadu_ps(xs[c] + i);
+                a[0][c] = _mm256_fmadd_ps(w0, xv, a[0][c]);
+                if (mr > 1) a[1][c] = _mm256_fmadd_ps(w1, xv, a[1][c]);
+                if (mr > 2) a[2][c] = _mm256_fmadd_ps(w2, xv, a[2][c]);
+            }
+        }
+    }
+    for (r = 0; r < mr; r++)
+        for (c = 0; c < nt; c++) _mm256_storeu_ps(lanes + (r * 4 + c) * 8, a[r][c]);
+}
+
+/* Specialised by (mr, nt) at compile time through the constant arguments. */
+MXFP4X_AVX2_FN void mxfp4x_block_dispatch_avx2(const float *p0, const float *p1,
+                                               const float *p2, int mr, const float *const *xs,
+                                               int nt, int64_t k0, int64_t k1, float *lanes) {
+#define MXFP4X_AVX2_CASE(M, N)                                                             \
+    case (M) * 8 + (N): mxfp4x_block_avx2(p0, p1, p2, M, xs, N, k0, k1, lanes); break;
+    switch (mr * 8 + nt) {
+        MXFP4X_AVX2_CASE(3, 4) MXFP4X_AVX2_CASE(3, 3) MXFP4X_AVX2_CASE(3, 2)
+        MXFP4X_AVX2_CASE(3, 1) MXFP4X_AVX2_CASE(2, 4) MXFP4X_AVX2_CASE(2, 3)
+        MXFP4X_AVX2_CASE(2, 2) MXFP4X_AVX2_CASE(2, 1) MXFP4X_AVX2_CASE(1, 4)
+        MXFP4X_AVX2_CASE(1, 3) MXFP4X_AVX2_CASE(1, 2) MXFP4X_AVX2_CASE(1, 1)
+        default: break;
+    }
+#undef MXFP4X_AVX2_CASE
+}
+
 MXFP4X_AVX2_FN void mxfp4x_panel_dot_f32_avx2(const float *panel, int64_t n_rows,
                                               int64_t n_groups, const float *x, int64_t x_stride,
                                               const int64_t *x_rows, int64_t n_tok, float *out,
-                                              int64_t out_stride) {
+                                              int64_t out_stride, float *scratch) {
     const int64_t d_in = n_groups * MXFP4X_GROUP;
-    int64_t t = 0, r, i;
-    for (; t + 2 <= n_tok; t += 2) {
-        const float *x0 = x + x_rows[t] * x_stride, *x1 = x + x_rows[t + 1] * x_stride;
-        for (r = 0; r + 4 <= n_rows; r += 4) {
-            const float *p0 = panel + r * d_in, *p1 = p0 + d_in, *p2 = p1 + d_in, *p3 = p2 + d_in;
-            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00,
-                   a21 = a00, a30 = a00, a31 = a00;
-            for (i = 0; i < d_in; i += 8) {
-                const __m256 v0 = _mm256_loadu_ps(x0 + i), v1 = _mm256_loadu_ps(x1 + i);
-                __m256 wv = _mm256_loadu_ps(p0 + i);
-                a00 = _mm256_fmadd_ps(wv, v0, a00);
-                a01 = _mm256_fmadd_ps(wv, v1, a01);
-                wv = _mm256_loadu_ps(p1 + i);
-                a10 = _mm256_fmadd_ps(wv, v0, a10);
-                a11 = _mm256_fmadd_ps(wv, v1, a11);
-                wv = _mm256_loadu_ps(p2 + i);
-                a20 = _mm256_fmadd_ps(wv, v0, a20);
-                a21 = _mm256_fmadd_ps(wv, v1, a21);
-                wv = _mm256_loadu_ps(p3 + i);
-                a30 = _mm256_fmadd_ps(wv, v0, a30);
-                a31 = _mm256_fmadd_ps(wv, v1, a31);
-            }
-            out[t * out_stride + r] = mxfp4x_hsum8_avx2(a00);
-            out[(t + 1) * out_stride + r] = mxfp4x_hsum8_avx2(a01);
-            out[t * out_stride + r + 1] = mxfp4x_hsum8_avx2(a10);
-            out[(t + 1) * out_stride + r + 1] = mxfp4x_hsum8_avx2(a11);
-            out[t * out_stride + r + 2] = mxfp4x_hsum8_avx2(a20);
-            out[(t + 1) * out_stride + r + 2] = mxfp4x_hsum8_avx2(a21);
-            out[t * out_stride + r + 3] = mxfp4x_hsum8_avx2(a30);
-            out[(t + 1) * out_stride + r + 3] = mxfp4x_hsum8_avx2(a31);
-        }
-        for (; r < n_rows; r++) {
-            const float *p = panel + r * d_in;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-            for (i = 0; i < d_in; i += 8) {
-                const __m256 wv = _mm256_loadu_ps(p + i);
-                a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + i), a0);
-                a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x1 + i), a1);
-            }
-            out[t * out_stride + r] = mxfp4x_hsum8_avx2(a0);
-            out[(t + 1) * out_stride + r] = mxfp4x_hsum8_avx2(a1);
-        }
+    int64_t t0, k0, r, t;
+    int c, rr;
+    if (d_in == 0) { /* empty dot products: the k loop below would write nothing */
+        for (t = 0; t < n_tok; t++)
+            for (r = 0; r < n_rows; r++) out[t * out_stride + r] = 0.0f;
+        return;
     }
-    for (; t < n_tok; t++) {
-        const float *xt = x + x_rows[t] * x_stride;
-        for (r = 0; r < n_rows; r++) {
-            const float *p = panel + r * d_in;
-            __m256 a = _mm256_setzero_ps();
-            for (i = 0; i < d_in; i += 8)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(xt + i), a);
-            out[t * out_stride + r] = mxfp4x_hsum8_avx2(a);
+    /* tokens in super-blocks of MXFP4X_PANEL_TOKENS: bounded scratch, L2-sized latents */
+    for (t0 = 0; t0 < n_tok; t0 += MXFP4X_PANEL_TOKENS) {
+        const int64_t t1 = t0 + MXFP4X_PANEL_TOKENS < n_tok ? t0 + MXFP4X_PANEL_TOKENS : n_tok;
+        for (k0 = 0; k0 < d_in; k0 += MXFP4X_AVX2_KC) {
+            const int64_t k1 = k0 + MXFP4X_AVX2_KC < d_in ? k0 + MXFP4X_AVX2_KC : d_in;
+            for (r = 0; r < n_rows; r += 3) {
+                const int mr = n_rows - r < 3 ? (int)(n_rows - r) : 3;
+                const float *p0 = panel + r * d_in;
+                const float *p1 = mr > 1 ? p0 + d_in : p0, *p2 = mr > 2 ? p0 + 2 * d_in : p0;
+                for (t = t0; t < t1; t += 4) {
+                    const int nt = t1 - t < 4 ? (int)(t1 - t) : 4;
+                    const float *xs[4];
+                    float *lb = scratch + ((r / 3) * (MXFP4X_PANEL_TOKENS / 4) + (t - t0) / 4) * 96;
+                    for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
+                    if (k0 == 0) memset(lb, 0, 96 * sizeof(float));
+                    mxfp4x_block_dispatch_avx2(p0, p1, p2, mr, xs, nt, k0, k1, lb);
+                    if (k1 == d_in)
+                        for (rr = 0; rr < mr; rr++)
+                            for (c = 0; c < nt; c++)
+                                out[(t + c) * out_stride + r + rr] =
+                                    mxfp4x_hsum8_avx2(_mm256_loadu_ps(lb + (rr * 4 + c) * 8));
+                }
+            }
         }
     }
 }

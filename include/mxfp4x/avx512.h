@@ -103,10 +103,12 @@ MXFP4X_AVX512_FN void mxfp4x_decode_f32_avx512(const mxfp4x_rows *w, int64_t row
 MXFP4X_AVX512_FN void mxfp4x_panel_dot_f32_avx512(const float *panel, int64_t n_rows,
                                                   int64_t n_groups, const float *x,
                                                   int64_t x_stride, const int64_t *x_rows,
-                                                  int64_t n_tok, float *out, int64_t out_stride) {
+                                                  int64_t n_tok, float *out, int64_t out_stride,
+                                                  float *scratch) {
     const int64_t d_in = n_groups * MXFP4X_GROUP;
     int64_t t = 0, r, i;
     int a, c;
+    (void)scratch;
     for (; t + 4 <= n_tok; t += 4) {
         const float *xs[4];
         for (c = 0; c < 4; c++) xs[c] = x + x_rows[t + c] * x_stride;

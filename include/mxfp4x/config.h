@@ -33,11 +33,13 @@
 #endif
 
 #if MXFP4X_GNUC
+#  define MXFP4X_ALWAYS_INLINE __attribute__((always_inline))
 #  define MXFP4X_TARGET(spec) __attribute__((target(spec)))
 #  define MXFP4X_RESTRICT __restrict__
 #  define MXFP4X_INLINE static inline __attribute__((always_inline))
 #  define MXFP4X_UNUSED __attribute__((unused))
 #else
+#  define MXFP4X_ALWAYS_INLINE
 #  define MXFP4X_TARGET(spec)
 #  define MXFP4X_RESTRICT __restrict
 #  define MXFP4X_INLINE static __forceinline
@@ -50,7 +52,26 @@
 #if defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
 #  define MXFP4X_STATIC_ASSERT(cond, msg) _Static_assert(cond, msg)
 #else
-#  define MXFP4X_STATIC_ASSERT(cond, msg) typedef char mxfp4x_static_assert_##__LINE__[(cond) ? 1 : -1]
+#  define MXFP4X_CAT_(a, b) a##b
+#  define MXFP4X_CAT(a, b) MXFP4X_CAT_(a, b)
+#  define MXFP4X_STATIC_ASSERT(cond, msg) \
+       typedef char MXFP4X_CAT(mxfp4x_static_assert_, __LINE__)[(cond) ? 1 : -1]
+#endif
+
+/* Floating-point environment of a kernel thread: FTZ/DAZ off (a process may have
+ * turned them on, e.g. torch.set_flush_denormal(True); they would flush the
+ * 2^-127 scale and subnormal latents), restored on exit. */
+#if MXFP4X_ARCH_X86_64
+#include <xmmintrin.h>
+static unsigned int mxfp4x_fpenv_enter(void) {
+    const unsigned int saved = _mm_getcsr();
+    _mm_setcsr(saved & ~(0x8000u | 0x0040u)); /* FTZ (bit 15), DAZ (bit 6) */
+    return saved;
+}
+static void mxfp4x_fpenv_exit(unsigned int saved) { _mm_setcsr(saved); }
+#else
+static unsigned int mxfp4x_fpenv_enter(void) { return 0; }
+static void mxfp4x_fpenv_exit(unsigned int saved) { (void)saved; }
 #endif
 
 #endif /* MXFP4X_CONFIG_H */

@@ -39,6 +39,13 @@ enum {
     MXFP4X_ISA_COUNT = 3
 };
 
+/* Element orders ("layouts") of a decoded group: blocks of 2*half elements, each
+ * holding its `half` even elements then its `half` odd ones.  half = 16: all the
+ * low nibbles of a group, then all the high ones (scalar, AVX-512); half = 4:
+ * per 8 elements, 4 even then 4 odd (AVX2). */
+#define MXFP4X_LAYOUT_16 16
+#define MXFP4X_LAYOUT_4 4
+
 /* Latent dtypes understood by mxfp4x_prepare_x_*. */
 enum {
     MXFP4X_DTYPE_F32 = 0,
@@ -113,11 +120,19 @@ typedef void (*mxfp4x_decode_f32_fn)(const mxfp4x_rows *w, int64_t row_start, in
                                      float *panel);
 typedef void (*mxfp4x_panel_dot_f32_fn)(const float *panel, int64_t n_rows, int64_t n_groups,
                                         const float *x, int64_t x_stride, const int64_t *x_rows,
-                                        int64_t n_tok, float *out, int64_t out_stride);
+                                        int64_t n_tok, float *out, int64_t out_stride,
+                                        float *scratch);
+
+/* panel_dot works on at most this many tokens at a time; its scratch holds the
+ * unreduced lane accumulators of every (3-row, 4-token) block of one such batch. */
+#define MXFP4X_PANEL_TOKENS 64
+#define MXFP4X_PANEL_SCRATCH_FLOATS(n_rows) \
+    ((((int64_t)(n_rows) + 2) / 3) * (MXFP4X_PANEL_TOKENS / 4) * 96)
 
 typedef struct {
     int isa;
     const char *name;
+    int layout_half; /* element order inside a group, see mxfp4x_prepare_x_f32 */
     mxfp4x_gemv_f32_fn gemv_f32;
     mxfp4x_decode_f32_fn decode_f32;
     mxfp4x_panel_dot_f32_fn panel_dot_f32;

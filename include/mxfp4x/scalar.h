@@ -83,9 +83,11 @@ static void mxfp4x_decode_f32_scalar(const mxfp4x_rows *w, int64_t row_start, in
 
 static void mxfp4x_panel_dot_f32_scalar(const float *panel, int64_t n_rows, int64_t n_groups,
                                         const float *x, int64_t x_stride, const int64_t *x_rows,
-                                        int64_t n_tok, float *out, int64_t out_stride) {
+                                        int64_t n_tok, float *out, int64_t out_stride,
+                                        float *scratch) {
     const int64_t d_in = n_groups * MXFP4X_GROUP;
     int64_t t, r;
+    (void)scratch;
     for (t = 0; t < n_tok; t++) {
         const float *xt = x + x_rows[t] * x_stride;
         for (r = 0; r < n_rows; r++)
@@ -146,15 +148,19 @@ MXFP4X_INLINE float mxfp4x_load_f32(const void *row, int dtype, int64_t i) {
     }
 }
 
-/* dst[g*32 + j] = x[g*32 + 2j], dst[g*32 + 16 + j] = x[g*32 + 2j + 1]. */
-static void mxfp4x_prepare_x_f32(const void *row, int dtype, int64_t n_groups, float *dst) {
-    int64_t g;
+/* Permute one latent row into a kernel layout (mxfp4x.h): for every block of
+ * 2*half elements starting at b, dst[b + j] = x[b + 2j] and
+ * dst[b + half + j] = x[b + 2j + 1], j < half.  With half = 16 and b = 32g:
+ * the 16 low-nibble elements of group g, then its 16 high-nibble ones. */
+static void mxfp4x_prepare_x_f32(const void *row, int dtype, int64_t n_groups, int half,
+                                 float *dst) {
+    const int64_t n = n_groups * MXFP4X_GROUP;
+    int64_t b;
     int j;
-    for (g = 0; g < n_groups; g++) {
-        const int64_t base = g * MXFP4X_GROUP;
-        for (j = 0; j < 16; j++) {
-            dst[base + j] = mxfp4x_load_f32(row, dtype, base + 2 * j);
-            dst[base + 16 + j] = mxfp4x_load_f32(row, dtype, base + 2 * j + 1);
+    for (b = 0; b < n; b += 2 * half) {
+        for (j = 0; j < half; j++) {
+            dst[b + j] = mxfp4x_load_f32(row, dtype, b + 2 * j);
+            dst[b + half + j] = mxfp4x_load_f32(row, dtype, b + 2 * j + 1);
         }
     }
 }
