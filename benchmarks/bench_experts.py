@@ -1,0 +1,103 @@
+"""mxfp4_experts at model shapes: time, GB/s of weights streamed, GFLOP/s, and the
+floors measured in the same run.
+
+Each case reports in ``extra_info``:
+
+* ``bytes`` B (packed bytes + scales of the distinct selected experts) and
+  ``flops`` F = 2 T K O I;
+* ``gbps`` = B / time and ``gflops`` = F / time;
+* ``read_floor_s``: the time to read B bytes once with the same thread count
+  (a sum over buffers rotated through more than the last-level cache), and
+  ``vs_read_floor`` = time / read_floor_s;
+* ``matmul_s``: ``torch.matmul`` of the same K products on already decoded
+  weights of the latents' dtype, and ``vs_matmul`` = time / matmul_s;
+* ``torch_backend_s`` is in the ``impl=torch`` rows (dequantize-then-matmul).
+
+Every case checks its result once against the float64 reference (a slice of rows).
+Successive rounds route to other experts, so weights come from memory, not cache.
+"""
+import os
+
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x import _bench
+from mxfp4x._testing import assert_matches_reference
+
+# MXFP4X_BENCH_SMALL=1: tiny shapes, for a smoke run of these files in CI
+# (`pytest benchmarks --benchmark-disable`); the figures then mean nothing.
+SMALL = os.environ.get("MXFP4X_BENCH_SMALL") == "1"
+_EXPERTS = {}
+
+
+def experts(shape):
+    """(packed, scales, n_experts, top_k, d_out, d_in), made once per session."""
+    n_experts, top_k, d_out, d_in = _bench.SHAPES[shape]
+    if SMALL:
+        n_experts, d_out, d_in = min(n_experts, 8), 96, 128
+    if shape not in _EXPERTS:
+        _EXPERTS.clear()  # one model-sized layer in memory at a time
+        _EXPERTS[shape] = _bench.make_experts(n_experts, d_out, d_in)
+    packed, scales = _EXPERTS[shape]
+    return packed, scales, n_experts, top_k, d_out, d_in
+
+SHAPES = ["gpt-oss-20b-gate-up", "gpt-oss-20b-down"]
+TOKENS = [1, 8, 32, 512]
+
+
+def _case(benchmark, shape, n_tokens, dtype, threads, impl):
+    packed, scales, n_experts, top_k, d_out, d_in = experts(shape)
+    n_calls = 4
+    calls = [_bench.make_tokens(n_tokens, top_k, n_experts, d_in, d_out, dtype, call=i)
+             for i in range(n_calls)]
+    x, sel, mix, shared = calls[0]
+    y = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared, backend=impl,
+                             num_threads=threads)
+    rows = slice(0, min(d_out, 64))
+    layer = dict(latent_tokens=x[:3], packed_weights=packed, scale_bytes=scales,
+                 selected_experts=sel[:3], mixture_weights=mix[:3], shared_output=shared[:3])
+    assert_matches_reference(y[:3, rows], layer, rows=rows)
+
+    state = {"i": 0}
+
+    def run():
+        c = calls[state["i"] % n_calls]
+        state["i"] += 1
+        return mxfp4x.mxfp4_experts(c[0], packed, scales, c[1], c[2], c[3], backend=impl,
+                                    num_threads=threads)
+
+    rounds = 1 if SMALL else (8 if n_tokens <= 32 else 3)
+    benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=1)
+    n_bytes = _bench.streamed_bytes(packed, scales, sel)
+    n_flops = _bench.flops(n_tokens, top_k, d_out, d_in)
+    info = benchmark.extra_info
+    info.update(shape=shape, tokens=n_tokens, dtype=str(dtype).replace("torch.", ""),
+                threads=threads, impl=impl, isa=mxfp4x.backend_info()["isa"],
+                bytes=n_bytes, flops=n_flops)
+    if benchmark.stats is None:  # --benchmark-disable: the smoke run stops here
+        return
+    t = benchmark.stats.stats.min
+    read = _bench.read_floor(n_bytes, threads)
+    mm = _bench.matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=dtype, repeats=2)
+    info.update(time_s=t, gbps=n_bytes / t / 1e9, gflops=n_flops / t / 1e9,
+                read_floor_s=read, vs_read_floor=t / read, matmul_s=mm, vs_matmul=t / mm)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("n_tokens", TOKENS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cpu(benchmark, shape, n_tokens, dtype, threads):
+    benchmark.group = f"{shape} T={n_tokens} {str(dtype)[6:]}"
+    _case(benchmark, shape, n_tokens, dtype, threads, "cpu")
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize("n_tokens", [1, 512])
+def test_torch_backend_baseline(benchmark, n_tokens, threads):
+    """The dequantize-then-matmul path (our torch backend) on the same layer."""
+    shape = "gpt-oss-20b-gate-up"
+    benchmark.group = f"{shape} T={n_tokens} float32"
+    _case(benchmark, shape, n_tokens, torch.float32, threads, "torch")
