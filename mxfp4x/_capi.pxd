@@ -13,6 +13,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int MXFP4X_DTYPE_BF16
     int MXFP4X_DTYPE_F16
     int MXFP4X_PANEL_TOKENS
+    int MXFP4X_GEMV_MAX_TOKENS
     int64_t MXFP4X_PANEL_SCRATCH_FLOATS(int64_t n_rows)
 
     ctypedef struct mxfp4x_rows:
@@ -23,7 +24,9 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         int64_t n_groups
 
     ctypedef void (*mxfp4x_gemv_f32_fn)(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
-                                        const float *x, float *out) noexcept nogil
+                                        const float *x, int64_t x_stride, const int64_t *x_rows,
+                                        int64_t n_tok, float *out,
+                                        int64_t out_stride) noexcept nogil
     ctypedef void (*mxfp4x_decode_f32_fn)(const mxfp4x_rows *w, int64_t row_start,
                                           int64_t row_end, float *panel) noexcept nogil
     ctypedef void (*mxfp4x_panel_dot_f32_fn)(const float *panel, int64_t n_rows, int64_t n_groups,

@@ -175,11 +175,11 @@ cdef void _tile(const Ctx *ctx, int64_t tile, real *panel, real *dots,
         rows.blocks = ctx.blocks + e * ctx.blocks_expert_stride
         rows.scales = ctx.scales + e * ctx.scales_expert_stride
         if real is float:
-            if n == 1:
-                # one token: fused decode + dot in registers, no panel round trip
-                ctx.k.gemv_f32(&rows, row_start, row_end,
-                               (<const float *>ctx.x) + toks[0] * ctx.d_in, dots)
-                _combine(<real *>ctx.out, ctx.d_out, row_start, toks, ws, 1, dots,
+            if n <= c.MXFP4X_GEMV_MAX_TOKENS:
+                # one or a few tokens: fused decode + dot in registers, no panel
+                ctx.k.gemv_f32(&rows, row_start, row_end, <const float *>ctx.x, ctx.d_in, toks,
+                               n, dots, row_end - row_start)
+                _combine(<real *>ctx.out, ctx.d_out, row_start, toks, ws, n, dots,
                          row_end - row_start)
                 continue
         c0 = row_start
@@ -277,7 +277,7 @@ cdef _run(real dummy, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_grou
         scratch_rows = min(TILE_ROWS, (PANEL_BYTES // <int64_t>sizeof(real)) // max(d_in, 1))
         scratch_rows = max(12, scratch_rows - scratch_rows % 12)
         panel_len = scratch_rows * d_in
-        dots_len = max(max_count * scratch_rows, TILE_ROWS)
+        dots_len = max(max_count * scratch_rows, c.MXFP4X_GEMV_MAX_TOKENS * TILE_ROWS)
         lanes_len = c.MXFP4X_PANEL_SCRATCH_FLOATS(scratch_rows)
         per_thread = panel_len * <int64_t>sizeof(real) + dots_len * <int64_t>sizeof(real) \
             + lanes_len * 4

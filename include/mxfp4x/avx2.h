@@ -84,8 +84,8 @@ MXFP4X_AVX2_INLINE __m256 mxfp4x_fma_group_avx2(const __m256 *w, const float *xg
 
 /* Fused decode + dot for one token; four rows at a time so four independent
  * FMA chains hide the latency, each row with the exact single-row sequence. */
-MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
-                                         int64_t row_end, const float *x, float *out) {
+MXFP4X_AVX2_FN void mxfp4x_gemv1_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
+                                          int64_t row_end, const float *x, float *out) {
     const mxfp4x_avx2_tables t = mxfp4x_avx2_load_tables();
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
     int64_t r = row_start, g;
@@ -93,10 +93,15 @@ MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start
     for (; r + 4 <= row_end; r += 4) {
         const uint8_t *b0 = w->blocks + r * sb;
         const uint8_t *s0 = w->scales + r * ss;
+        /* the next 4-row block of this call, fetched one line per row every 4 groups
+         * (the hardware prefetcher loses track of 4 interleaved short streams) */
+        const uint8_t *nb = r + 8 <= row_end ? b0 + 4 * sb : b0;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        if (r + 8 <= row_end) MXFP4X_PREFETCH_ROWS(s0 + 4 * ss, ss);
         for (g = 0; g < G; g++) {
             const float *xg = x + g * MXFP4X_GROUP;
             const int64_t ob = g * MXFP4X_GROUP_BYTES;
+            if ((g & 3) == 0) MXFP4X_PREFETCH_ROWS(nb + ob, sb);
             mxfp4x_decode_group_avx2(b0 + ob, s0[g], &t, wv);
             a0 = mxfp4x_fma_group_avx2(wv, xg, a0);
             mxfp4x_decode_group_avx2(b0 + sb + ob, s0[ss + g], &t, wv);
@@ -120,6 +125,72 @@ MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start
             a = mxfp4x_fma_group_avx2(wv, x + g * MXFP4X_GROUP, a);
         }
         out[r - row_start] = mxfp4x_hsum8_avx2(a);
+    }
+}
+
+/* Two rows at a time, each decoded once per group into registers and applied
+ * to NT <= 4 tokens: 2*NT independent FMA chains hide the FMA latency.  A last
+ * odd row runs alone with the same per-(row, token) sequence. */
+MXFP4X_AVX2_INLINE void mxfp4x_gemv_tokens_avx2(const mxfp4x_rows *w, int64_t row_start,
+                                                int64_t row_end, const float *const *xs, int nt,
+                                                float *out, int64_t out_stride) {
+    const mxfp4x_avx2_tables t = mxfp4x_avx2_load_tables();
+    const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    int64_t r, g;
+    int c, i;
+    __m256 wv[4];
+    for (r = row_start; r < row_end; r += 2) {
+        const int mr = r + 1 < row_end ? 2 : 1;
+        const uint8_t *b = w->blocks + r * sb;
+        const uint8_t *s = w->scales + r * ss;
+        const int prefetch = r + 2 * mr <= row_end;
+        __m256 a[2][4];
+        if (prefetch) {
+            MXFP4X_PREFETCH(s + 2 * ss);
+            MXFP4X_PREFETCH(s + 3 * ss);
+        }
+        for (i = 0; i < 2; i++)
+            for (c = 0; c < 4; c++) a[i][c] = _mm256_setzero_ps();
+        for (g = 0; g < G; g++) {
+            const int64_t ob = g * MXFP4X_GROUP_BYTES;
+            if ((g & 3) == 0 && prefetch) {
+                MXFP4X_PREFETCH(b + 2 * sb + ob);
+                MXFP4X_PREFETCH(b + 3 * sb + ob);
+            }
+            for (i = 0; i < mr; i++) {
+                mxfp4x_decode_group_avx2(b + i * sb + ob, s[i * ss + g], &t, wv);
+                for (c = 0; c < 4; c++)
+                    if (c < nt)
+                        a[i][c] = mxfp4x_fma_group_avx2(wv, xs[c] + g * MXFP4X_GROUP, a[i][c]);
+            }
+        }
+        for (i = 0; i < mr; i++)
+            for (c = 0; c < nt; c++)
+                out[c * out_stride + r + i - row_start] = mxfp4x_hsum8_avx2(a[i][c]);
+    }
+}
+
+MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
+                                         int64_t row_end, const float *x, int64_t x_stride,
+                                         const int64_t *x_rows, int64_t n_tok, float *out,
+                                         int64_t out_stride) {
+    int64_t t;
+    int c;
+    if (n_tok == 1) {
+        mxfp4x_gemv1_f32_avx2(w, row_start, row_end, x + x_rows[0] * x_stride, out);
+        return;
+    }
+    for (t = 0; t < n_tok; t += 4) {
+        const int nt = n_tok - t < 4 ? (int)(n_tok - t) : 4;
+        const float *xs[4];
+        float *o = out + t * out_stride;
+        for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
+        switch (nt) { /* constant token counts: accumulators stay in registers */
+        case 4: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 4, o, out_stride); break;
+        case 3: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 3, o, out_stride); break;
+        case 2: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 2, o, out_stride); break;
+        default: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 1, o, out_stride); break;
+        }
     }
 }
 

@@ -40,8 +40,8 @@ MXFP4X_AVX512_INLINE void mxfp4x_decode_group_avx512(const uint8_t *b, uint8_t s
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), t);
 }
 
-MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
-                                             int64_t row_end, const float *x, float *out) {
+MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
+                                              int64_t row_end, const float *x, float *out) {
     const __m512 table = _mm512_loadu_ps(mxfp4x_e2m1_f32);
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
     int64_t r = row_start, g;
@@ -49,11 +49,15 @@ MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_s
     for (; r + 4 <= row_end; r += 4) {
         const uint8_t *b0 = w->blocks + r * sb;
         const uint8_t *s0 = w->scales + r * ss;
+        /* the next 4-row block of this call, one line per row every 4 groups */
+        const uint8_t *nb = r + 8 <= row_end ? b0 + 4 * sb : b0;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        if (r + 8 <= row_end) MXFP4X_PREFETCH_ROWS(s0 + 4 * ss, ss);
         for (g = 0; g < G; g++) {
             const __m512 xe = _mm512_loadu_ps(x + g * MXFP4X_GROUP);
             const __m512 xo = _mm512_loadu_ps(x + g * MXFP4X_GROUP + 16);
             const int64_t ob = g * MXFP4X_GROUP_BYTES;
+            if ((g & 3) == 0) MXFP4X_PREFETCH_ROWS(nb + ob, sb);
             mxfp4x_decode_group_avx512(b0 + ob, s0[g], table, &lo, &hi);
             a0 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a0));
             mxfp4x_decode_group_avx512(b0 + sb + ob, s0[ss + g], table, &lo, &hi);
@@ -79,6 +83,17 @@ MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_s
         }
         out[r - row_start] = mxfp4x_hsum16_avx512(a);
     }
+}
+
+/* A few tokens: the decode is cheap on AVX-512, so each token re-decodes. */
+MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
+                                             int64_t row_end, const float *x, int64_t x_stride,
+                                             const int64_t *x_rows, int64_t n_tok, float *out,
+                                             int64_t out_stride) {
+    int64_t t;
+    for (t = 0; t < n_tok; t++)
+        mxfp4x_gemv1_f32_avx512(w, row_start, row_end, x + x_rows[t] * x_stride,
+                                out + t * out_stride);
 }
 
 MXFP4X_AVX512_FN void mxfp4x_decode_f32_avx512(const mxfp4x_rows *w, int64_t row_start,

@@ -58,11 +58,26 @@
        typedef char MXFP4X_CAT(mxfp4x_static_assert_, __LINE__)[(cond) ? 1 : -1]
 #endif
 
+/* Prefetch one cache line in each of 4 rows `stride` bytes apart (a hint: never
+ * faults, so a line past a row's end is harmless). */
+#if MXFP4X_ARCH_X86_64
+#include <xmmintrin.h>
+#define MXFP4X_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#else
+#define MXFP4X_PREFETCH(p) ((void)(p))
+#endif
+#define MXFP4X_PREFETCH_ROWS(p, stride)                                                    \
+    do {                                                                                   \
+        MXFP4X_PREFETCH(p);                                                                \
+        MXFP4X_PREFETCH((p) + (stride));                                                   \
+        MXFP4X_PREFETCH((p) + 2 * (stride));                                               \
+        MXFP4X_PREFETCH((p) + 3 * (stride));                                               \
+    } while (0)
+
 /* Floating-point environment of a kernel thread: FTZ/DAZ off (a process may have
  * turned them on, e.g. torch.set_flush_denormal(True); they would flush the
  * 2^-127 scale and subnormal latents), restored on exit. */
 #if MXFP4X_ARCH_X86_64
-#include <xmmintrin.h>
 static unsigned int mxfp4x_fpenv_enter(void) {
     const unsigned int saved = _mm_getcsr();
     _mm_setcsr(saved & ~(0x8000u | 0x0040u)); /* FTZ (bit 15), DAZ (bit 6) */

@@ -110,18 +110,24 @@ typedef struct {
  * the same operations in the same order, so a result does not depend on which
  * of them produced it (batch invariance):
  *
- *   gemv:      out[r - row_start] = W[r] . x              fused, in registers
+ *   gemv:      out[t * out_stride + r - row_start] = W[r] . x[x_rows[t]]
+ *              fused, weights decoded in registers (for one or a few tokens)
  *   decode:    panel[(r - row_start) * d_in + i] = W[r][i] (deinterleaved order)
  *   panel_dot: out[t * out_stride + r] = panel[r] . x[x_rows[t]]
  */
 typedef void (*mxfp4x_gemv_f32_fn)(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
-                                   const float *x, float *out);
+                                   const float *x, int64_t x_stride, const int64_t *x_rows,
+                                   int64_t n_tok, float *out, int64_t out_stride);
 typedef void (*mxfp4x_decode_f32_fn)(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
                                      float *panel);
 typedef void (*mxfp4x_panel_dot_f32_fn)(const float *panel, int64_t n_rows, int64_t n_groups,
                                         const float *x, int64_t x_stride, const int64_t *x_rows,
                                         int64_t n_tok, float *out, int64_t out_stride,
                                         float *scratch);
+
+/* The driver uses gemv for experts with at most this many tokens in a call, and
+ * decode + panel_dot above it (the panel's store and reload then pay off). */
+#define MXFP4X_GEMV_MAX_TOKENS 8
 
 /* panel_dot works on at most this many tokens at a time; its scratch holds the
  * unreduced lane accumulators of every (3-row, 4-token) block of one such batch. */

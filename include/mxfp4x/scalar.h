@@ -49,8 +49,8 @@ MXFP4X_INLINE float mxfp4x_dot_f32_scalar(const float *w, const float *x, int64_
 }
 
 /* Fused decode + dot, one group at a time (no panel in memory). */
-static void mxfp4x_gemv_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
-                                   const float *x, float *out) {
+static void mxfp4x_gemv1_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                                    const float *x, float *out) {
     int64_t r, g;
     int j;
     float wg[MXFP4X_GROUP];
@@ -66,6 +66,15 @@ static void mxfp4x_gemv_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int6
         }
         out[r - row_start] = mxfp4x_hsum16_f32(acc);
     }
+}
+
+static void mxfp4x_gemv_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                                   const float *x, int64_t x_stride, const int64_t *x_rows,
+                                   int64_t n_tok, float *out, int64_t out_stride) {
+    int64_t t;
+    for (t = 0; t < n_tok; t++)
+        mxfp4x_gemv1_f32_scalar(w, row_start, row_end, x + x_rows[t] * x_stride,
+                                out + t * out_stride);
 }
 
 static void mxfp4x_decode_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
