@@ -7,9 +7,11 @@ import numpy as np
 from ._format import E2M1_TABLE, GROUP, e8m0_to_float64
 
 
-def decode_expert(packed_weights, scale_bytes):
-    """(O, G, 16) bytes and (O, G) scales -> the (O, 32*G) float64 matrix."""
+def decode_expert(packed_weights, scale_bytes, absolute=False):
+    """(O, G, 16) bytes and (O, G) scales -> the (O, 32*G) float64 matrix (|W| if absolute)."""
     packed = np.asarray(packed_weights, dtype=np.uint8)
+    if absolute:
+        packed = packed & 0x77  # clear both sign bits
     d_out, n_groups, _ = packed.shape
     codes = np.empty((d_out, n_groups, GROUP), dtype=np.uint8)
     codes[..., 0::2] = packed & 0xF   # element 2j: low nibble
@@ -19,11 +21,12 @@ def decode_expert(packed_weights, scale_bytes):
 
 
 def mxfp4_experts_reference(latent_tokens, packed_weights, scale_bytes, selected_experts,
-                            mixture_weights, shared_output, rows=None):
+                            mixture_weights, shared_output, rows=None, absolute=False):
     """y_t = shared_t + sum_k p_tk * W_{e_tk} x_t, all in float64.
 
     ``rows`` (a slice or index array) restricts the output rows computed, so a
-    check at model size decodes only those rows.  Returns a float64 ndarray.
+    check at model size decodes only those rows.  ``absolute=True`` decodes |W|
+    (for error bounds).  Returns a float64 ndarray.
     """
     x = np.asarray(latent_tokens, dtype=np.float64)
     packed = np.asarray(packed_weights)
@@ -34,10 +37,11 @@ def mxfp4_experts_reference(latent_tokens, packed_weights, scale_bytes, selected
     rows = slice(None) if rows is None else rows
     y = y[:, rows].copy()
     cache = {}
-    for t in range(sel.shape[0]):
-        for k in range(sel.shape[1]):
-            e = int(sel[t, k])
-            if e not in cache:
-                cache[e] = decode_expert(packed[e][rows], scales[e][rows])
-            y[t] += p[t, k] * (cache[e] @ x[t])
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf propagate (IEEE)
+        for t in range(sel.shape[0]):
+            for k in range(sel.shape[1]):
+                e = int(sel[t, k])
+                if e not in cache:
+                    cache[e] = decode_expert(packed[e][rows], scales[e][rows], absolute)
+                y[t] += p[t, k] * (cache[e] @ x[t])
     return y

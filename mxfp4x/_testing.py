@@ -31,7 +31,12 @@ def random_layer(rng, n_tokens, top_k, n_experts, d_out, n_groups, dtype=torch.f
 
 
 def _np(t):
-    return t.detach().cpu().double().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+    """float tensors -> float64 ndarray; integer tensors -> ndarray views (no copy of
+    a multi-GB weight tensor)."""
+    if isinstance(t, torch.Tensor):
+        t = t.detach().cpu()
+        return t.double().numpy() if t.is_floating_point() else t.numpy()
+    return np.asarray(t)
 
 
 def reference_and_bound(layer, out_dtype, rows=None):
@@ -43,14 +48,14 @@ def reference_and_bound(layer, out_dtype, rows=None):
     index, nibble or scale misses it by orders of magnitude.
     """
     x = _np(layer["latent_tokens"])
-    packed = _np(layer["packed_weights"]).astype(np.uint8)
-    scales = _np(layer["scale_bytes"]).astype(np.uint8)
+    packed = _np(layer["packed_weights"])
+    scales = _np(layer["scale_bytes"])
     sel = _np(layer["selected_experts"]).astype(np.int64)
     mix = _np(layer["mixture_weights"])
     shared = _np(layer["shared_output"])
     ref = mxfp4_experts_reference(x, packed, scales, sel, mix, shared, rows=rows)
-    mag = mxfp4_experts_reference(np.abs(x), packed & 0x77, scales, sel, np.abs(mix),
-                                  np.abs(shared), rows=rows)
+    mag = mxfp4_experts_reference(np.abs(x), packed, scales, sel, np.abs(mix),
+                                  np.abs(shared), rows=rows, absolute=True)
     acc = torch.float64 if out_dtype == torch.float64 else torch.float32
     n = x.shape[1] + sel.shape[1] + 2
     u = _UNIT_ROUNDOFF[acc]

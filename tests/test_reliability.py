@@ -1,0 +1,289 @@
+"""Reliability: garbage never crashes, determinism, batch invariance, thread safety,
+special values under a hostile floating-point environment, huge tensors, no leaks."""
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x._testing import assert_matches_reference, random_layer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+_GARBAGE = r"""
+import sys, numpy as np, torch, mxfp4x
+rng = np.random.default_rng(int(sys.argv[1]))
+n_cases = int(sys.argv[2])
+NAMES = ["latent_tokens", "packed_weights", "scale_bytes", "selected_experts",
+         "mixture_weights", "shared_output"]
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+
+def pick(items):
+    return items[int(rng.integers(0, len(items)))]
+
+def valid():
+    T, K, E, O, G = (int(v) for v in rng.integers(0, 4, 5))
+    E = max(E, 1)
+    return dict(latent_tokens=torch.randn(T, 32 * G),
+                packed_weights=torch.randint(0, 256, (E, O, G, 16), dtype=torch.uint8),
+                scale_bytes=torch.randint(0, 256, (E, O, G), dtype=torch.uint8),
+                selected_experts=torch.randint(0, E, (T, K)),
+                mixture_weights=torch.rand(T, K), shared_output=torch.randn(T, O))
+
+def garbage(v):
+    kind = int(rng.integers(0, 12))
+    if kind == 0:
+        return pick([None, "x", 3.5, 7, {"a": 1}, object(), b"abc", [[]], [[1, 2], [3]]])
+    if kind == 1:  # wrong rank
+        return torch.randn(tuple(int(d) for d in rng.integers(0, 4, int(rng.integers(0, 6)))))
+    if kind == 2:  # wrong dtype
+        return torch.zeros(tuple(v.shape), dtype=DTYPES[int(rng.integers(0, len(DTYPES)))]) \
+            if isinstance(v, torch.Tensor) else v
+    if kind == 3:  # wrong shape, same rank
+        return torch.zeros(tuple(int(d) for d in rng.integers(0, 5, v.dim())), dtype=v.dtype)
+    if kind == 4:  # negative / huge ids or bytes
+        return torch.full(tuple(v.shape), pick([-1, -2**40, 256, 2**40, 2**63 - 1]),
+                          dtype=torch.int64)
+    if kind == 5:  # float ids / values
+        return v.double() * 1.5
+    if kind == 6:  # numpy object / string arrays
+        return np.array([["a", "b"]], dtype=object)
+    if kind == 7:  # NaN / inf everywhere
+        return torch.full(tuple(v.shape), pick([np.nan, np.inf]))
+    if kind == 8:  # empty dims
+        return v[..., :0] if v.dim() else v
+    if kind == 9:  # a numpy view with negative strides
+        return v.numpy()[::-1] if v.dtype != torch.bfloat16 and v.dim() else v
+    if kind == 10:  # sparse
+        return v.to_sparse() if v.dim() and not v.dtype.is_complex else v
+    return v
+
+ok = raised = 0
+for case in range(n_cases):
+    args = valid()
+    for name in rng.choice(NAMES, int(rng.integers(1, 3)), replace=False).tolist():
+        args[name] = garbage(args[name])
+    kwargs = {}
+    if rng.random() < 0.1:
+        kwargs["num_threads"] = pick([0, -1, 1.5, "2", True, 10**12, 3, None])
+    if rng.random() < 0.1:
+        kwargs["backend"] = pick(["cpu", "torch", "gpu", 3, None])
+    try:
+        y = mxfp4x.mxfp4_experts(**args, **kwargs)
+    except (ValueError, TypeError, IndexError):
+        raised += 1
+        continue
+    assert isinstance(y, torch.Tensor)
+    ok += 1
+print(f"cases={n_cases} ok={ok} raised={raised}")
+"""
+
+
+def test_garbage_never_crashes():
+    """Random garbage for every argument: only ValueError/TypeError/IndexError, no crash
+    (run in a subprocess so that a segfault is a failure, not a lost test run)."""
+    n = int(os.environ.get("MXFP4X_GARBAGE_CASES", "2000"))
+    out = subprocess.run([sys.executable, "-c", _GARBAGE, str(np.random.SeedSequence().entropy
+                                                                % 2**32), str(n)],
+                         capture_output=True, text=True, timeout=900, cwd=HERE)
+    assert out.returncode == 0, f"crashed or failed (rc={out.returncode}):\n{out.stderr[-3000:]}"
+    counts = dict(kv.split("=") for kv in out.stdout.split())
+    assert int(counts["cases"]) == n and int(counts["raised"]) > n // 4, out.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_bitwise_deterministic_1_to_4_threads_and_repeats(isa, rng, dtype):
+    layer = random_layer(rng, 45, 4, 5, 333, 7, dtype=dtype, repeat_expert=True)
+    first = mxfp4x.mxfp4_experts(**layer, num_threads=1)
+    for n in (2, 3, 4, 1, 4):
+        y = mxfp4x.mxfp4_experts(**layer, num_threads=n)
+        assert torch.equal(y.view(torch.uint8), first.view(torch.uint8)), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_batch_invariance_1_7_512(isa, rng, dtype):
+    """A token's row is bit-identical alone, in a batch of 7 and in a batch of 512 whose
+    other tokens go to the same experts (so those experts take the many-token path)."""
+    n_experts, top_k = 6, 3
+    big = random_layer(rng, 512, top_k, n_experts, 100, 5, dtype=dtype)
+    big["selected_experts"][:] = torch.tensor([4, 1, 4])  # everyone: experts 4, 1, 4
+    row = 300
+
+    def take(idx):
+        return {k: (v if k in ("packed_weights", "scale_bytes") else v[idx])
+                for k, v in big.items()}
+
+    y512 = mxfp4x.mxfp4_experts(**big)
+    y1 = mxfp4x.mxfp4_experts(**take(slice(row, row + 1)))
+    y7 = mxfp4x.mxfp4_experts(**take(slice(row - 3, row + 4)))
+    assert torch.equal(y1[0].view(torch.uint8), y512[row].view(torch.uint8))
+    assert torch.equal(y7[3].view(torch.uint8), y512[row].view(torch.uint8))
+    assert_matches_reference(y1, take(slice(row, row + 1)))
+
+
+def test_eight_python_threads_concurrently(rng):
+    layers = [random_layer(np.random.default_rng(i), 9 + i, 3, 4, 150, 6) for i in range(8)]
+    expected = [mxfp4x.mxfp4_experts(**layer, num_threads=1) for layer in layers]
+    got = [None] * 8
+    errors = []
+    barrier = threading.Barrier(8)
+
+    def work(i):
+        try:
+            barrier.wait()
+            for _ in range(5):
+                got[i] = mxfp4x.mxfp4_experts(**layers[i], num_threads=1 + i % 2)
+                assert torch.equal(got[i], expected[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+def test_gil_is_released_during_the_kernel(rng):
+    """While one thread is inside the kernel, another thread keeps running Python code.
+
+    The switch interval is raised to 5 s, so the worker never gives the GIL up while it
+    runs Python code: the main thread can only run while the worker is ``inside`` if the
+    kernel released the GIL.  (The main thread yields with sleep(0) every iteration, so
+    the worker gets the GIL back at once after the kernel.)"""
+    import time
+
+    layer = random_layer(rng, 64, 4, 4, 2048, 40)
+    state = {"inside": False, "count": 0, "calls": 0}
+    done = threading.Event()
+
+    def worker():
+        for _ in range(3):
+            state["inside"] = True
+            mxfp4x.mxfp4_experts(**layer, num_threads=1)
+            state["inside"] = False
+            state["calls"] += 1
+        done.set()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    try:
+        t = threading.Thread(target=worker)
+        t.start()
+        while not done.is_set():
+            if state["inside"]:
+                state["count"] += 1
+            time.sleep(0)
+        t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert state["calls"] == 3
+    assert state["count"] > 20, state
+
+
+def test_subnormal_scale_survives_flush_denormal_and_bf16(isa):
+    """s = 0 gives exactly 2^-127 * value on the fp32 and fp64 paths, even after a bf16
+    call and with FTZ/DAZ switched on in the calling thread."""
+    x = torch.zeros(1, 32)
+    x[0, 2] = 1.0
+    packed = torch.zeros(1, 1, 1, 16, dtype=torch.uint8)
+    packed[0, 0, 0, 1] = 0x05  # element 2: code 5 = 3.0
+    scales = torch.zeros(1, 1, 1, dtype=torch.uint8)
+    mxfp4x.mxfp4_experts(x.bfloat16(), packed, scales, [[0]], [[1.0]], [[0.0]])
+    had = torch.set_flush_denormal(True)
+    try:
+        for dtype in (torch.float32, torch.float64):
+            y = mxfp4x.mxfp4_experts(x.to(dtype), packed, scales, [[0]], [[1.0]], [[0.0]],
+                                     backend="cpu", num_threads=2)
+            assert y.item() == 3.0 * 2.0 ** -127, (dtype, y.item())
+        # the caller's floating-point environment is restored: it still flushes
+        if had:
+            tiny = torch.tensor([1e-40], dtype=torch.float32)
+            assert (tiny * 1.0).item() == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_overflow_follows_ieee(isa, backend):
+    x = torch.zeros(2, 32)
+    x[0, 0] = 3e38
+    x[1, 0] = -3e38
+    packed = torch.zeros(1, 1, 1, 16, dtype=torch.uint8)
+    packed[0, 0, 0, 0] = 0x07  # element 0: code 7 = 6.0
+    y = mxfp4x.mxfp4_experts(x, packed, torch.full((1, 1, 1), 127, dtype=torch.uint8),
+                             [[0], [0]], [[1.0], [1.0]], [[0.0], [0.0]], backend=backend)
+    assert y[0, 0].item() == float("inf") and y[1, 0].item() == float("-inf")
+
+
+def test_sum_of_negative_zero_weights_is_positive_zero(isa):
+    # code 8 decodes to -0.0 (test_decode), but dot products start from +0.0, as BLAS
+    # and the float64 reference do: all -0.0 products sum to +0.0, and -0.0 + +0.0 = +0.0
+    packed = torch.full((1, 1, 1, 16), 0x88, dtype=torch.uint8)
+    y = mxfp4x.mxfp4_experts(torch.ones(1, 32), packed, torch.full((1, 1, 1), 127,
+                                                                    dtype=torch.uint8),
+                             [[0]], [[1.0]], [[-0.0]], backend="cpu")
+    assert y.item() == 0.0 and not np.signbit(y.item())
+
+
+def _rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_no_leaks_over_10000_calls(rng):
+    layer = random_layer(rng, 3, 2, 4, 40, 3)
+    bad = dict(layer, selected_experts=layer["selected_experts"] + 10)
+
+    def burst(n):
+        for i in range(n):
+            if i % 2:
+                with pytest.raises(IndexError):
+                    mxfp4x.mxfp4_experts(**bad)
+            else:
+                mxfp4x.mxfp4_experts(**layer, backend="cpu" if i % 4 else "torch")
+
+    burst(1000)
+    before = _rss()
+    burst(10_000)
+    grown = _rss() - before
+    assert grown < 4 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB over 10,000 calls"
+
+
+@pytest.mark.slow
+def test_packed_weights_over_2_to_the_31_bytes():
+    """E=384, O=4096, G=224 (5.6 GB): allocated, not filled; only the selected experts
+    near the end are written.  64-bit offsets all the way."""
+    n_experts, d_out, n_groups = 384, 4096, 224
+    packed = torch.empty((n_experts, d_out, n_groups, 16), dtype=torch.uint8)
+    scales = torch.empty((n_experts, d_out, n_groups), dtype=torch.uint8)
+    assert packed.numel() > 2**32
+    rng = np.random.default_rng(7)
+    chosen = [383, 381, 200]
+    for e in chosen:
+        packed[e] = torch.from_numpy(rng.integers(0, 256, (d_out, n_groups, 16),
+                                                  dtype=np.uint8))
+        scales[e] = torch.from_numpy(rng.integers(120, 130, (d_out, n_groups),
+                                                  dtype=np.uint8))
+    x = torch.randn(3, 32 * n_groups)
+    sel = torch.tensor([[383, 381], [381, 381], [200, 383]])
+    mix = torch.rand(3, 2)
+    shared = torch.randn(3, d_out)
+    layer = dict(latent_tokens=x, packed_weights=packed, scale_bytes=scales,
+                 selected_experts=sel, mixture_weights=mix, shared_output=shared)
+    for backend in ("cpu", "torch"):
+        y = mxfp4x.mxfp4_experts(**layer, backend=backend)
+        for rows in (slice(0, 40), slice(d_out - 40, d_out)):
+            assert_matches_reference(y[:, rows], layer, rows=rows)
