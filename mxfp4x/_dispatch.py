@@ -2,42 +2,11 @@
 import torch
 
 from . import _cpu
+from ._ops import mxfp4_experts_op
 from ._torch_impl import mxfp4_experts_torch
 from ._validation import check_inputs, check_num_threads
 
 BACKENDS = ("auto", "cpu", "torch")
-
-_X_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
-
-
-def _inner_contiguous(t, inner):
-    """t with its last ``inner`` dims C-contiguous (outer strides may be anything)."""
-    expected = 1
-    for d in range(t.dim() - 1, t.dim() - 1 - inner, -1):
-        if t.shape[d] > 1 and t.stride(d) != expected:
-            return t.contiguous()
-        expected *= t.shape[d]
-    return t
-
-
-def _run_cpu(x, packed, scales, sel, mix, shared, out_dtype, num_threads, isa=None):
-    f64 = x.dtype == torch.float64
-    compute = torch.float64 if f64 else torch.float32
-    n_tokens, d_in = x.shape
-    n_experts, d_out, n_groups, _ = packed.shape
-    x = x.contiguous()
-    packed = _inner_contiguous(packed, 2)
-    scales = _inner_contiguous(scales, 1)
-    sel = sel.to(torch.int64).contiguous()
-    mix = mix.to(compute).contiguous()
-    out = torch.empty((n_tokens, d_out), dtype=compute)
-    out.copy_(shared)
-    _cpu.mxfp4_experts(
-        f64, x.data_ptr(), _X_DTYPE_CODES[x.dtype], n_tokens, n_groups,
-        packed.data_ptr(), n_experts, d_out, packed.stride(0), packed.stride(1),
-        scales.data_ptr(), scales.stride(0), scales.stride(1),
-        sel.data_ptr(), sel.shape[1], mix.data_ptr(), out.data_ptr(), num_threads, isa)
-    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def mxfp4_experts(latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
@@ -61,20 +30,14 @@ def mxfp4_experts(latent_tokens, packed_weights, scale_bytes, selected_experts, 
     x, packed, scales, sel, mix, shared = check_inputs(
         latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
         shared_output)
-    out_dtype = x.dtype
-    if backend == "auto":
-        backend = "cpu" if x.device.type == "cpu" else "torch"
-    if backend == "cpu":
-        if x.device.type != "cpu":
-            raise ValueError(f"backend: 'cpu' needs CPU tensors, but latent_tokens is on "
-                             f"{x.device}; use backend='torch' or 'auto'")
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, mix, shared)):
-            raise RuntimeError("mxfp4_experts: the CPU kernels do not record gradients yet; "
-                               "call under torch.no_grad(), detach the inputs, or use "
-                               "backend='torch' (differentiable)")
-        with torch.no_grad():
-            return _run_cpu(x, packed, scales, sel, mix, shared, out_dtype, threads)
-    return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, out_dtype)
+    if backend == "cpu" and x.device.type != "cpu":
+        raise ValueError(f"backend: 'cpu' needs CPU tensors, but latent_tokens is on "
+                         f"{x.device}; use backend='torch' or 'auto'")
+    if backend == "torch":  # plain PyTorch ops: autograd and torch.compile see through them
+        return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, x.dtype)
+    # the custom op: compiled kernels for CPU tensors, the PyTorch path elsewhere
+    return mxfp4_experts_op(x, packed.to(torch.uint8), scales.to(torch.uint8),
+                            sel.to(torch.int64), mix, shared, threads)
 
 
 def backend_info():

@@ -40,6 +40,62 @@ def decode_expert(packed, scales, dtype=torch.float32):
     return values.reshape(d_out, n_groups * GROUP)
 
 
+def _by_expert(sel):
+    """Yield (expert id, pair indices) for each active expert, pairs p = t * K + k."""
+    flat = sel.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        yield e, order[start:start + n]
+        start += n
+
+
+def _row_chunks(device, d_in, itemsize, d_out):
+    chunk_bytes = _CHUNK_BYTES.get(device.type, _DEFAULT_CHUNK_BYTES)
+    chunk = max(1, chunk_bytes // max(1, d_in * itemsize))
+    return [(r0, min(d_out, r0 + chunk)) for r0 in range(0, d_out, chunk)]
+
+
+def slots_torch(x, packed, scales, sel, slot_inputs=False):
+    """(T, K, O): W_{e_tk} x_t (or x_tk with slot_inputs) per slot, no weights, no sum."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    n_tokens, top_k = sel.shape
+    d_out = packed.shape[1]
+    xc = x.to(compute).reshape(-1, x.shape[-1])
+    out = torch.zeros((n_tokens * top_k, d_out), dtype=compute, device=x.device)
+    chunks = _row_chunks(x.device, x.shape[-1], xc.element_size(), d_out)
+    for e, pairs in _by_expert(sel):
+        xe = xc[pairs if slot_inputs else pairs // top_k]
+        for r0, r1 in chunks:
+            weight = decode_expert(packed[e, r0:r1], scales[e, r0:r1], compute)
+            out[pairs, r0:r1] = xe @ weight.T
+    return out.view(n_tokens, top_k, d_out).to(x.dtype)
+
+
+def grad_latents_torch(grad, packed, scales, sel, mix, x, slot_inputs=False):
+    """dx = sum_k p_tk W^T grad_t, shaped and typed like x."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    n_tokens, top_k = sel.shape
+    d_in = x.shape[-1]
+    g = grad.to(compute)
+    w = mix.to(compute).reshape(-1)
+    per_pair = torch.zeros((n_tokens * top_k, d_in), dtype=compute, device=x.device)
+    chunks = _row_chunks(x.device, d_in, g.element_size(), packed.shape[1])
+    for e, pairs in _by_expert(sel):
+        ge = g[pairs // top_k] * w[pairs].unsqueeze(1)
+        for r0, r1 in chunks:
+            weight = decode_expert(packed[e, r0:r1], scales[e, r0:r1], compute)
+            per_pair[pairs] += ge[:, r0:r1] @ weight
+    per_pair = per_pair.view(n_tokens, top_k, d_in)
+    if slot_inputs:
+        return per_pair.to(x.dtype)
+    dx = torch.zeros((n_tokens, d_in), dtype=compute, device=x.device)
+    for k in range(top_k):
+        dx += per_pair[:, k]
+    return dx.to(x.dtype)
+
+
 def mxfp4_experts_torch(x, packed, scales, sel, mix, shared, out_dtype):
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     n_tokens, top_k = sel.shape
@@ -50,20 +106,11 @@ def mxfp4_experts_torch(x, packed, scales, sel, mix, shared, out_dtype):
         return y.to(out_dtype)
     xc = x.to(compute)
     w = mix.to(compute).reshape(-1)
-    flat = sel.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     contrib = torch.empty((n_tokens * top_k, d_out), dtype=compute, device=x.device)
-    d_in = x.shape[1]
-    chunk_bytes = _CHUNK_BYTES.get(x.device.type, _DEFAULT_CHUNK_BYTES)
-    chunk = max(1, chunk_bytes // max(1, d_in * xc.element_size()))
-    start = 0
-    for e, n in zip(experts.tolist(), counts.tolist()):
-        pairs = order[start:start + n]
-        start += n
+    chunks = _row_chunks(x.device, x.shape[1], xc.element_size(), d_out)
+    for e, pairs in _by_expert(sel):
         xe, we = xc[pairs // top_k], w[pairs].unsqueeze(1)
-        for r0 in range(0, d_out, chunk):
-            r1 = min(d_out, r0 + chunk)
+        for r0, r1 in chunks:
             weight = decode_expert(packed[e, r0:r1], scales[e, r0:r1], compute)
             contrib[pairs, r0:r1] = (xe @ weight.T) * we
     contrib = contrib.view(n_tokens, top_k, d_out)

@@ -84,6 +84,9 @@ def byte_tensor(name, t):
     if t.dtype not in _INT_DTYPES:
         raise TypeError(f"{name}: expected an integer tensor of bytes (uint8, or any integer "
                         f"dtype with values in [0, 255]), got dtype {_dtype_name(t.dtype)}")
+    if _compiling():
+        raise TypeError(f"{name}: under torch.compile pass uint8 bytes (got dtype "
+                        f"{_dtype_name(t.dtype)}): their range cannot be checked in a graph")
     if t.numel():
         lo, hi = _min_max(t)
         if lo < 0 or hi > 255:
@@ -159,18 +162,29 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts, m
         raise ValueError(f"shared_output: expected shape ({n_tokens}, {d_out}) (n_tokens, "
                          f"d_out of packed_weights), got {tuple(shared.shape)}")
 
+    if not _compiling():  # traced graphs check at run time, inside the op
+        check_expert_ids(sel, n_experts)
+    return x, packed, scales, sel, mix, shared
+
+
+def _compiling():
+    return torch.compiler.is_compiling()
+
+
+def check_expert_ids(sel, n_experts):
+    """IndexError unless every id lies in [0, n_experts): before any kernel indexes."""
     if sel.numel():
         lo, hi = _min_max(sel)
         if lo < 0 or hi >= n_experts:
             bad = lo if lo < 0 else hi
             raise IndexError(f"selected_experts: expert id {bad} is outside [0, {n_experts}) "
-                             f"(n_experts of packed_weights {tuple(packed.shape)})")
-    return x, packed, scales, sel, mix, shared
+                             f"(n_experts of packed_weights)")
 
 
 def check_num_threads(num_threads):
+    """A positive int, or 0 for "torch.get_num_threads() when the kernel runs"."""
     if num_threads is None:
-        return max(1, torch.get_num_threads())
+        return 0
     if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)):
         raise TypeError(f"num_threads: expected None or a positive int, got "
                         f"{type(num_threads).__name__}")

@@ -1,0 +1,145 @@
+"""torch.library ops: opcheck, torch.compile(fullgraph=True), autograd (gradcheck in
+float64 and gradients against the float64 reference)."""
+import numpy as np
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x import _ops
+from mxfp4x._reference import decode_expert
+from mxfp4x._testing import random_layer
+
+
+def _op_args(layer, num_threads=2):
+    return (layer["latent_tokens"], layer["packed_weights"], layer["scale_bytes"],
+            layer["selected_experts"].long(), layer["mixture_weights"],
+            layer["shared_output"], num_threads)
+
+
+def test_ops_are_registered():
+    assert torch.ops.mxfp4x.mxfp4_experts.default is not None
+    assert torch.ops.mxfp4x.mxfp4_experts_slots.default is not None
+    assert torch.ops.mxfp4x.mxfp4_experts_grad_latents.default is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_opcheck(rng, dtype):
+    layer = random_layer(rng, 5, 2, 3, 9, 2, dtype=dtype, repeat_expert=True)
+    layer["latent_tokens"].requires_grad_(True)
+    layer["mixture_weights"].requires_grad_(True)
+    layer["shared_output"].requires_grad_(True)
+    torch.library.opcheck(torch.ops.mxfp4x.mxfp4_experts.default, _op_args(layer))
+    plain = random_layer(rng, 5, 2, 3, 9, 2, dtype=dtype)
+    torch.library.opcheck(torch.ops.mxfp4x.mxfp4_experts_slots.default,
+                          (plain["latent_tokens"], plain["packed_weights"],
+                           plain["scale_bytes"], plain["selected_experts"], 1))
+    g = torch.randn(5, 9, dtype=dtype)
+    torch.library.opcheck(torch.ops.mxfp4x.mxfp4_experts_grad_latents.default,
+                          (g, plain["packed_weights"], plain["scale_bytes"],
+                           plain["selected_experts"], plain["mixture_weights"],
+                           plain["latent_tokens"], 1))
+
+
+def test_compile_fullgraph_equals_eager(rng):
+    layer = random_layer(rng, 6, 3, 4, 40, 3)
+
+    def block(x, packed, scales, sel, mix, shared):
+        h = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared)
+        return torch.nn.functional.silu(h) * 2
+
+    eager = block(*layer.values())
+    compiled = torch.compile(block, fullgraph=True)
+    assert torch.equal(compiled(*layer.values()), eager)
+    other = random_layer(rng, 6, 3, 4, 40, 3)
+    assert torch.equal(compiled(*other.values()), block(*other.values()))
+
+
+def test_compiled_graph_checks_expert_ids_at_run_time(rng):
+    layer = random_layer(rng, 3, 2, 4, 8, 1)
+    compiled = torch.compile(mxfp4x.mxfp4_experts, fullgraph=True)
+    compiled(**layer)
+    with pytest.raises(IndexError, match="selected_experts"):
+        compiled(**dict(layer, selected_experts=layer["selected_experts"] + 4))
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_gradcheck_float64(rng, backend):
+    layer = random_layer(rng, 4, 2, 3, 7, 2, dtype=torch.float64, repeat_expert=True)
+    for k in ("latent_tokens", "mixture_weights", "shared_output"):
+        layer[k].requires_grad_(True)
+
+    def f(x, mix, shared):
+        return mxfp4x.mxfp4_experts(x, layer["packed_weights"], layer["scale_bytes"],
+                                    layer["selected_experts"], mix, shared, backend=backend)
+
+    assert torch.autograd.gradcheck(f, (layer["latent_tokens"], layer["mixture_weights"],
+                                        layer["shared_output"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_gradients_against_reference(isa, rng, dtype):
+    layer = random_layer(rng, 13, 3, 4, 50, 4, dtype=dtype, repeat_expert=True)
+    for k in ("latent_tokens", "mixture_weights", "shared_output"):
+        layer[k].requires_grad_(True)
+    y = mxfp4x.mxfp4_experts(**layer)
+    g = torch.randn_like(y)
+    y.backward(g)
+    x = layer["latent_tokens"].detach().double().numpy()
+    p = layer["mixture_weights"].detach().double().numpy()
+    sel = layer["selected_experts"].numpy()
+    gn = g.double().numpy()
+    ws = {e: decode_expert(layer["packed_weights"][e].numpy(), layer["scale_bytes"][e].numpy())
+          for e in np.unique(sel)}
+    dx = np.zeros_like(x)
+    dp = np.zeros_like(p)
+    for t in range(sel.shape[0]):
+        for k in range(sel.shape[1]):
+            w = ws[sel[t, k]]
+            dx[t] += p[t, k] * (w.T @ gn[t])
+            dp[t, k] = gn[t] @ (w @ x[t])
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-10,
+                                                                          atol=1e-10)
+    np.testing.assert_allclose(layer["latent_tokens"].grad.double().numpy(), dx, **tol)
+    np.testing.assert_allclose(layer["mixture_weights"].grad.double().numpy(), dp, **tol)
+    assert torch.equal(layer["shared_output"].grad, g)
+    assert layer["latent_tokens"].grad.dtype == dtype
+
+
+def test_cpu_and_torch_backends_give_the_same_gradients(rng):
+    layer = random_layer(rng, 9, 2, 3, 33, 3, dtype=torch.float64)
+    grads = []
+    for backend in ("cpu", "torch"):
+        leaves = {k: layer[k].clone().requires_grad_(True)
+                  for k in ("latent_tokens", "mixture_weights", "shared_output")}
+        y = mxfp4x.mxfp4_experts(**dict(layer, **leaves), backend=backend)
+        y.sum().backward()
+        grads.append([leaves[k].grad for k in sorted(leaves)])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_grad_latents_bitwise_across_threads(rng):
+    layer = random_layer(rng, 40, 4, 5, 70, 9)
+    g = torch.randn(40, 70)
+    args = (g, layer["packed_weights"], layer["scale_bytes"],
+            layer["selected_experts"].long(), layer["mixture_weights"],
+            layer["latent_tokens"])
+    first = _ops.mxfp4_experts_grad_latents_op(*args, 1)
+    for n in (2, 3, 4):
+        assert torch.equal(_ops.mxfp4_experts_grad_latents_op(*args, n), first)
+
+
+def test_slots_op_matches_reference(rng):
+    layer = random_layer(rng, 7, 3, 4, 20, 2, dtype=torch.float64)
+    slots = torch.ops.mxfp4x.mxfp4_experts_slots(layer["latent_tokens"],
+                                                 layer["packed_weights"],
+                                                 layer["scale_bytes"],
+                                                 layer["selected_experts"], 2)
+    for t in range(7):
+        for k in range(3):
+            e = int(layer["selected_experts"][t, k])
+            w = decode_expert(layer["packed_weights"][e].numpy(),
+                              layer["scale_bytes"][e].numpy())
+            np.testing.assert_allclose(slots[t, k].numpy(),
+                                       w @ layer["latent_tokens"][t].numpy(), rtol=1e-12,
+                                       atol=1e-12)
