@@ -53,7 +53,7 @@ def _cmd_bench(args):
         n_bytes = _bench.streamed_bytes(packed, scales, sel)
         n_flops = _bench.flops(n_tokens, top_k, d_out, d_in)
         for th in threads:
-            def run(i, backend):
+            def run(i, backend, calls=calls, th=th):
                 c = calls[i % len(calls)]
                 mxfp4x.mxfp4_experts(c[0], packed, scales, c[1], c[2], c[3], backend=backend,
                                      num_threads=th)

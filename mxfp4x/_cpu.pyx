@@ -430,7 +430,7 @@ cdef _run_t(real dummy, uintptr_t grad, int64_t n_tokens, int64_t n_groups,
             uintptr_t selected, int64_t top_k, uintptr_t weights, uintptr_t dx,
             int n_threads, str isa, bint slot_inputs, bint slot_outputs):
     cdef const c.mxfp4x_kernels *k = _pick(isa)
-    cdef int64_t d_in = n_groups * 32, n_pairs = n_tokens * top_k
+    cdef int64_t n_pairs = n_tokens * top_k
     cdef int64_t p, e, ct, n_active = 0
     cdef int64_t n_ctiles = (n_groups + T_TILE_GROUPS - 1) // T_TILE_GROUPS
     cdef const int64_t *sel = <const int64_t *>selected

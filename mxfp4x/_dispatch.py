@@ -1,4 +1,7 @@
 """The facade: coerce and check the inputs, pick a backend, call it."""
+from typing import Any, Dict, Optional, Sequence, Union
+
+import numpy as np
 import torch
 
 from . import _cpu
@@ -8,9 +11,13 @@ from ._validation import check_inputs, check_num_threads
 
 BACKENDS = ("auto", "cpu", "torch")
 
+ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[Any]]
 
-def mxfp4_experts(latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
-                  shared_output, *, backend="auto", num_threads=None):
+
+def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike, scale_bytes: ArrayLike,
+                  selected_experts: ArrayLike, mixture_weights: ArrayLike,
+                  shared_output: ArrayLike, *, backend: str = "auto",
+                  num_threads: Optional[int] = None) -> torch.Tensor:
     """Routed MXFP4 experts plus the shared output.
 
     ``y[t] = shared_output[t] + sum_k mixture_weights[t, k] * W[selected_experts[t, k]] @
@@ -40,7 +47,7 @@ def mxfp4_experts(latent_tokens, packed_weights, scale_bytes, selected_experts, 
                             sel.to(torch.int64), mix, shared, threads)
 
 
-def backend_info():
+def backend_info() -> Dict[str, Any]:
     """What the CPU backend runs here: ISA in use, runnable ISAs, OpenMP, threads, version."""
     from . import __version__
 

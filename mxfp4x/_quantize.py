@@ -15,6 +15,8 @@ quantize, per group of 32 values along the last axis (OCP MX v1.0, section 6.3):
 
 dequantize is the decoding of SPEC: code value * 2^(s - 127), NaN for s = 255.
 """
+from typing import Any, Tuple
+
 import torch
 
 from ._format import E2M1_VALUES, GROUP, GROUP_BYTES
@@ -29,7 +31,7 @@ def _round_half_even_to_1_mantissa_bit(a):
     return torch.ldexp(torch.round(m * 4) / 4, e)  # torch.round: half to even
 
 
-def quantize(weights, scale_rule="floor"):
+def quantize(weights: Any, scale_rule: str = "floor") -> Tuple[torch.Tensor, torch.Tensor]:
     """Float weights (..., I), I a multiple of 32 -> (packed (..., I/32, 16) uint8,
     scale_bytes (..., I/32) uint8), on the weights' device."""
     if scale_rule not in SCALE_RULES:
@@ -69,7 +71,8 @@ def quantize(weights, scale_rule="floor"):
     return packed.reshape(lead + (n_groups, GROUP_BYTES)), scales
 
 
-def dequantize(packed_weights, scale_bytes, dtype=torch.float32):
+def dequantize(packed_weights: Any, scale_bytes: Any,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(..., G, 16) bytes and (..., G) scale bytes -> (..., 32 G) values of ``dtype``
     (decoded exactly in float32, float64 for float64, then cast)."""
     from ._torch_impl import decode_expert

@@ -70,7 +70,8 @@ def assert_matches_reference(result, layer, rows=None):
     got = result.detach().cpu().double().numpy()
     assert got.shape == ref.shape, (got.shape, ref.shape)
     nan_ref = np.isnan(ref)
-    np.testing.assert_array_equal(np.isnan(got), nan_ref, err_msg="NaN where the reference has none (or the reverse)")
+    np.testing.assert_array_equal(np.isnan(got), nan_ref,
+                                  err_msg="NaN where the reference has none (or the reverse)")
     inf_ref = np.isinf(ref)
     np.testing.assert_array_equal(got[inf_ref], ref[inf_ref])
     ok = ~(nan_ref | inf_ref)

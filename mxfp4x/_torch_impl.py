@@ -10,7 +10,7 @@ import torch
 
 from ._format import E2M1_VALUES, GROUP, e8m0_table_f32
 
-_TABLES = {}
+_TABLES: dict = {}
 
 
 # bytes of decoded weights per chunk: cache-sized on CPU, a whole expert on GPUs

@@ -57,6 +57,7 @@ def test_forced_isa_is_the_one_that_ran(isa):
     # the same layer in this process, per ISA: the subprocess result carries the bits of
     # the forced ISA's own arithmetic (and differs from the others where they differ)
     import numpy as np
+
     from mxfp4x._testing import random_layer
     layer = random_layer(np.random.default_rng(5), 3, 2, 4, 64, 40)
     before = _cpu.current_isa()

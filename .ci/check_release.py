@@ -1,0 +1,43 @@
+"""Release checks that run here: the cibuildwheel configuration yields the expected
+build identifiers, and the sdist holds everything needed to build the wheel from it."""
+import glob
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+EXPECTED = {
+    "linux": {f"cp3{v}-manylinux_{a}" for v in range(10, 15) for a in ("x86_64", "aarch64")},
+    "macos": {f"cp3{v}-macosx_{a}" for v in range(10, 15) for a in ("x86_64", "arm64")},
+    "windows": {f"cp3{v}-win_amd64" for v in range(10, 15)},
+}
+
+
+def main():
+    for platform, expected in EXPECTED.items():
+        out = subprocess.run(["cibuildwheel", "--print-build-identifiers", "--platform",
+                              platform], capture_output=True, text=True, check=True).stdout
+        got = set(out.split())
+        if got != expected:
+            sys.exit(f"cibuildwheel {platform}: expected {sorted(expected)}, got {sorted(got)}")
+        print(f"cibuildwheel {platform}: {len(got)} identifiers ok")
+    with tempfile.TemporaryDirectory() as dist:
+        # --sdist --wheel builds the wheel from the sdist: a missing file fails here
+        subprocess.run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", dist],
+                       check=True, stdout=subprocess.DEVNULL)
+        sdist = glob.glob(os.path.join(dist, "*.tar.gz"))[0]
+        names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
+        need = {"setup.py", "pyproject.toml", "README.md", "LICENSE", "mxfp4x/_cpu.pyx",
+                "mxfp4x/_capi.pxd", "include/mxfp4x/dispatch.h", "include/mxfp4x/avx2.h",
+                "include/mxfp4x/avx512.h", "include/mxfp4x/scalar.h", "include/mxfp4x/cpu.h"}
+        missing = need - names
+        if missing:
+            sys.exit(f"sdist lacks {sorted(missing)}")
+        wheels = glob.glob(os.path.join(dist, "*.whl"))
+        print(f"sdist ok ({len(names)} files); wheel {os.path.basename(wheels[0])} "
+              f"({os.path.getsize(wheels[0]) / 1e6:.2f} MB)")
+
+
+if __name__ == "__main__":
+    main()
