@@ -46,7 +46,7 @@ def _by_expert(sel):
     order = torch.argsort(flat, stable=True)
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     start = 0
-    for e, n in zip(experts.tolist(), counts.tolist()):
+    for e, n in zip(experts.tolist(), counts.tolist(), strict=False):
         yield e, order[start:start + n]
         start += n
 

@@ -111,9 +111,9 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts, m
              "mixture_weights", "shared_output")
     raw = (latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
            shared_output)
-    ts = [as_tensor(n, v) for n, v in zip(names, raw)]
+    ts = [as_tensor(n, v) for n, v in zip(names, raw, strict=False)]
     device = ts[0].device
-    for n, v, t in zip(names, raw, ts):
+    for n, v, t in zip(names, raw, ts, strict=False):
         if t.device != device:
             if isinstance(v, torch.Tensor):
                 raise ValueError(f"{n}: on device {t.device}, but latent_tokens is on {device}; "

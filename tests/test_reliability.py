@@ -148,7 +148,7 @@ def test_eight_python_threads_concurrently(rng):
     for t in threads:
         t.join()
     assert not errors, errors
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=False):
         assert torch.equal(g, e)
 
 
