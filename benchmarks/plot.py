@@ -23,7 +23,8 @@ def main(src, dst, shape="gpt-oss-20b-gate-up", dtype="float32"):
     for r in rows:
         by_threads[r["threads"]].append(r)
     fig, (ax_bw, ax_fl) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (threads, rs), color in zip(sorted(by_threads.items()), ("tab:blue", "tab:orange"), strict=False):
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red")
+    for (threads, rs), color in zip(sorted(by_threads.items()), colors, strict=False):
         rs.sort(key=lambda r: r["tokens"])
         t = [r["tokens"] for r in rs]
         ax_bw.plot(t, [r["gbps"] for r in rs], "o-", color=color,
