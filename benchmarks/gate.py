@@ -1,0 +1,90 @@
+"""Benchmark regression gate: ratios measured in one run, against a stored baseline.
+
+The machine is noisy and CI machines differ, so the gate compares ratios, each taken in
+the same run: kernel time / memory-read floor at T = 1, and kernel time / decoded
+``torch.matmul`` at T = 128 (gpt-oss-20b down shape: E=32, K=4, O=2880, I=2880).  A case
+fails when its ratio is more than ``--tolerance`` (default 1.75) times the stored one, on
+three measurements in a row (noise passes, a real regression does not).
+
+    python benchmarks/gate.py                      # check (CI runs this)
+    python benchmarks/gate.py --update             # store new baseline ratios
+    MXFP4X_ISA=scalar python benchmarks/gate.py --cases t1 --expect-fail
+                                                   # a deliberately slowed kernel trips it
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+import mxfp4x
+from mxfp4x import _bench
+
+BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gate_baseline.json")
+SHAPE = "gpt-oss-20b-down"
+
+
+def measure(case, packed, scales, threads):
+    n_experts, top_k, d_out, d_in = _bench.SHAPES[SHAPE]
+    n_tokens = 1 if case == "t1" else 128
+    calls = [_bench.make_tokens(n_tokens, top_k, n_experts, d_in, d_out, call=i)
+             for i in range(8)]
+
+    def run(i):
+        c = calls[i % len(calls)]
+        mxfp4x.mxfp4_experts(c[0], packed, scales, c[1], c[2], c[3], num_threads=threads)
+
+    run(0)
+    t = _bench.best_time(run, repeats=8 if case == "t1" else 3)
+    if case == "t1":
+        floor = _bench.read_floor(_bench.streamed_bytes(packed, scales, calls[0][1]), threads)
+    else:
+        floor = _bench.matmul_roof(n_tokens, top_k, d_out, d_in, threads, repeats=3)
+    return t / floor
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--update", action="store_true", help="store the measured ratios")
+    ap.add_argument("--cases", nargs="+", default=["t1", "t128"], choices=["t1", "t128"])
+    ap.add_argument("--tolerance", type=float, default=1.75)
+    ap.add_argument("--expect-fail", action="store_true",
+                    help="exit 0 only if the gate trips (to prove it can)")
+    args = ap.parse_args(argv)
+    threads = max(1, min(2, torch.get_num_threads()))
+    n_experts, _, d_out, d_in = _bench.SHAPES[SHAPE]
+    packed, scales = _bench.make_experts(n_experts, d_out, d_in)
+    isa = mxfp4x.backend_info()["isa"]
+    if args.update:
+        ratios = {c: min(measure(c, packed, scales, threads) for _ in range(3))
+                  for c in args.cases}
+        with open(BASELINE, "w") as f:
+            json.dump({"isa": isa, "threads": threads, "ratios": ratios}, f, indent=1)
+        print(f"baseline ({isa}, {threads} threads): {ratios}")
+        return 0
+    with open(BASELINE) as f:
+        base = json.load(f)["ratios"]
+    failed = []
+    for case in args.cases:
+        limit = args.tolerance * base[case]
+        tries = []
+        for _ in range(3):
+            tries.append(measure(case, packed, scales, threads))
+            if tries[-1] <= limit:
+                break
+        ok = tries[-1] <= limit
+        what = "kernel / read floor, T=1" if case == "t1" else "kernel / decoded matmul, T=128"
+        print(f"{case}: {what} = {', '.join(f'{r:.2f}' for r in tries)} "
+              f"(baseline {base[case]:.2f}, limit {limit:.2f}, isa {isa}) "
+              f"{'ok' if ok else 'REGRESSION'}")
+        if not ok:
+            failed.append(case)
+    if args.expect_fail:
+        print("gate tripped as expected" if failed else "gate did NOT trip")
+        return 0 if failed else 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
