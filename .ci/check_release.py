@@ -1,5 +1,7 @@
 """Release checks that run here: the cibuildwheel configuration yields the expected
-build identifiers, and the sdist holds everything needed to build the wheel from it."""
+build identifiers; the sdist holds everything needed to build the wheel from it; the
+wheel installs into a clean virtual environment and the test suite passes against it,
+run from a directory outside the checkout."""
 import glob
 import os
 import subprocess
@@ -37,6 +39,25 @@ def main():
         wheels = glob.glob(os.path.join(dist, "*.whl"))
         print(f"sdist ok ({len(names)} files); wheel {os.path.basename(wheels[0])} "
               f"({os.path.getsize(wheels[0]) / 1e6:.2f} MB)")
+        clean_venv_tests(wheels[0])
+
+
+def clean_venv_tests(wheel):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as tmp:
+        venv = os.path.join(tmp, "venv")
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+        py = os.path.join(venv, "bin", "python")
+        pip = [py, "-m", "pip", "install", "--quiet"]
+        subprocess.run(pip + ["torch==2.13.0"], check=True)
+        subprocess.run(pip + [wheel + "[test]"], check=True)
+        out = subprocess.run([py, "-m", "pytest", os.path.join(root, "tests"), "-q",
+                              "-p", "no:cacheprovider", "-x"], cwd=tmp, capture_output=True,
+                             text=True)
+        print(out.stdout[-600:])
+        if out.returncode != 0:
+            sys.exit(f"tests against the wheel in a clean venv failed:\n{out.stderr[-2000:]}")
+        print("clean venv: the test suite passes against the installed wheel")
 
 
 if __name__ == "__main__":
