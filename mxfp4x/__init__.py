@@ -43,9 +43,9 @@ else:
     except PackageNotFoundError:  # built in place, never installed
         __version__ = "0+unknown"
 
-    from ._dispatch import backend_info, mxfp4_experts  # noqa: E402
+    from ._dispatch import backend_info, mxfp4_experts, mxfp4_experts_slots  # noqa: E402
     from ._quantize import dequantize, quantize  # noqa: E402
     from ._reference import mxfp4_experts_reference as reference  # noqa: E402
 
-    __all__ = ["mxfp4_experts", "quantize", "dequantize", "backend_info", "reference",
-               "__version__"]
+    __all__ = ["mxfp4_experts", "mxfp4_experts_slots", "quantize", "dequantize",
+               "backend_info", "reference", "__version__"]

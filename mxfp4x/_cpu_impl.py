@@ -39,13 +39,14 @@ def _threads(num_threads):
     return num_threads if num_threads > 0 else max(1, torch.get_num_threads())
 
 
-def experts(x, packed, scales, sel, mix, shared, num_threads, *, slot_inputs=False,
-            slot_outputs=False, isa=None):
+def experts(x, packed, scales, sel, mix, shared, num_threads, *, slot_outputs=False,
+            isa=None):
     """The op on CPU tensors.  x: (T, I) or, with slot_inputs, (T, K, I).  Returns
     (T, O) = shared + sum_k p W x (dtype of x), or with slot_outputs (T, K, O) = W x.
     num_threads 0: torch.get_num_threads()."""
     check_expert_ids(sel, packed.shape[0])
     num_threads = _threads(num_threads)
+    slot_inputs = x.dim() == 3
     compute = compute_dtype(x.dtype)
     n_tokens, top_k = sel.shape
     d_in = x.shape[-1]
@@ -67,18 +68,19 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, slot_inputs=Fal
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, slot_inputs=False,
-                 slot_outputs=False, isa=None):
-    """dx = sum_k p W^T grad (the transposed product), shaped and typed like x."""
+def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
+    """dx = sum_k p W^T grad (the transposed product), shaped and typed like x.  Per-slot
+    latents (T, K, I) get per-slot rows; a per-slot grad (T, K, O) has weight 1."""
     check_expert_ids(sel, packed.shape[0])
     num_threads = _threads(num_threads)
+    slot_inputs, slot_outputs = x.dim() == 3, grad.dim() == 3
     compute = compute_dtype(x.dtype)
     n_tokens, top_k = sel.shape
     d_in = x.shape[-1]
     keep, wargs = _weights_args(packed, scales)
     sel = sel.to(torch.int64).contiguous()
     grad = grad.to(compute).contiguous()
-    mix = mix.to(compute).contiguous()
+    mix = (grad if slot_outputs else mix).to(compute).contiguous()  # unread with slot_outputs
     n_rows = n_tokens * top_k if slot_inputs else n_tokens
     dx = torch.zeros((n_rows, d_in), dtype=compute)
     half = _cpu.mxfp4_experts_t(

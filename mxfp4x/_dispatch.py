@@ -5,8 +5,8 @@ import numpy as np
 import torch
 
 from . import _cpu
-from ._ops import mxfp4_experts_op
-from ._torch_impl import mxfp4_experts_torch
+from ._ops import mxfp4_experts_op, mxfp4_experts_slots_op
+from ._torch_impl import mxfp4_experts_torch, slots_torch
 from ._validation import check_inputs, check_num_threads
 
 BACKENDS = ("auto", "cpu", "torch")
@@ -23,6 +23,8 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike, scale_byt
     ``y[t] = shared_output[t] + sum_k mixture_weights[t, k] * W[selected_experts[t, k]] @
     latent_tokens[t]``, where ``W[e]`` is expert ``e`` decoded from ``packed_weights``
     (E, O, G, 16) and ``scale_bytes`` (E, O, G) in the MXFP4 (gpt-oss) layout.
+    ``latent_tokens`` may also be (n_tokens, top_k, d_in): slot k then uses its own input
+    ``latent_tokens[t, k]`` (a down projection after a per-slot activation).
 
     Returns a new tensor of shape (n_tokens, d_out) with the dtype and device of
     ``latent_tokens`` (integer latents give the default float dtype).  Accumulation is
@@ -45,6 +47,29 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike, scale_byt
     # the custom op: compiled kernels for CPU tensors, the PyTorch path elsewhere
     return mxfp4_experts_op(x, packed.to(torch.uint8), scales.to(torch.uint8),
                             sel.to(torch.int64), mix, shared, threads)
+
+
+def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
+                        scale_bytes: ArrayLike, selected_experts: ArrayLike, *,
+                        backend: str = "auto", num_threads: Optional[int] = None
+                        ) -> torch.Tensor:
+    """Per-slot outputs without the combine: ``y[t, k] = W[selected_experts[t, k]] @ x``,
+    shape (n_tokens, top_k, d_out), where x is ``latent_tokens[t]`` (n_tokens, d_in) or
+    ``latent_tokens[t, k]`` (n_tokens, top_k, d_in).  As for :func:`mxfp4_experts`:
+    float32 accumulation (float64 for float64), the latents' dtype and device, the same
+    checks, backends and threads; differentiable in ``latent_tokens``."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    threads = check_num_threads(num_threads)
+    x, packed, scales, sel, _, _ = check_inputs(latent_tokens, packed_weights, scale_bytes,
+                                                selected_experts)
+    if backend == "cpu" and x.device.type != "cpu":
+        raise ValueError(f"backend: 'cpu' needs CPU tensors, but latent_tokens is on "
+                         f"{x.device}; use backend='torch' or 'auto'")
+    if backend == "torch":
+        return slots_torch(x, packed, scales, sel)
+    return mxfp4_experts_slots_op(x, packed.to(torch.uint8), scales.to(torch.uint8),
+                                  sel.to(torch.int64), threads)
 
 
 def backend_info() -> Dict[str, Any]:

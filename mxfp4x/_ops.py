@@ -2,8 +2,11 @@
 
 * ``mxfp4_experts(x, packed, scales, sel, mix, shared, num_threads) -> (T, O)``
 * ``mxfp4_experts_slots(x, packed, scales, sel, num_threads) -> (T, K, O)``: W x per
-  slot, no weights, no sum (used for the gradient of the mixture weights).
+  slot, no weights, no sum (a gate/up projection; the gradient of the mixture weights).
 * ``mxfp4_experts_grad_latents(grad, packed, scales, sel, mix, x, num_threads) -> like x``
+
+x is (T, I), or (T, K, I) with one input row per slot (a down projection); grad is
+(T, O), or (T, K, O) for the slots op (then mix is not read).
 
 Each has a fake (meta) implementation, the compiled kernels for CPU tensors and the
 device-agnostic PyTorch implementation for every other device (CUDA first).  The first
@@ -109,3 +112,22 @@ def _backward(ctx, grad):
 
 
 mxfp4_experts_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _slots_setup_context(ctx, inputs, output):
+    x, packed, scales, sel, num_threads = inputs
+    ctx.save_for_backward(x, packed, scales, sel)
+    ctx.num_threads = num_threads
+
+
+def _slots_backward(ctx, grad):
+    """d/dx = sum_k W^T g_k (per slot for per-slot latents)."""
+    x, packed, scales, sel = ctx.saved_tensors
+    d_x = None
+    if ctx.needs_input_grad[0]:
+        d_x = mxfp4_experts_grad_latents_op(grad, packed, scales, sel, grad.new_empty(0), x,
+                                            ctx.num_threads)
+    return d_x, None, None, None, None
+
+
+mxfp4_experts_slots_op.register_autograd(_slots_backward, setup_context=_slots_setup_context)

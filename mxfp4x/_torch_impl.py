@@ -57,12 +57,13 @@ def _row_chunks(device, d_in, itemsize, d_out):
     return [(r0, min(d_out, r0 + chunk)) for r0 in range(0, d_out, chunk)]
 
 
-def slots_torch(x, packed, scales, sel, slot_inputs=False):
-    """(T, K, O): W_{e_tk} x_t (or x_tk with slot_inputs) per slot, no weights, no sum."""
+def slots_torch(x, packed, scales, sel):
+    """(T, K, O): W_{e_tk} x_t (x_tk for per-slot latents) per slot, no weights, no sum."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    slot_inputs = x.dim() == 3
     n_tokens, top_k = sel.shape
     d_out = packed.shape[1]
-    xc = x.to(compute).reshape(-1, x.shape[-1])
+    xc = x.to(compute).reshape(n_tokens * (top_k if slot_inputs else 1), x.shape[-1])
     out = torch.zeros((n_tokens * top_k, d_out), dtype=compute, device=x.device)
     chunks = _row_chunks(x.device, x.shape[-1], xc.element_size(), d_out)
     for e, pairs in _by_expert(sel):
@@ -73,17 +74,21 @@ def slots_torch(x, packed, scales, sel, slot_inputs=False):
     return out.view(n_tokens, top_k, d_out).to(x.dtype)
 
 
-def grad_latents_torch(grad, packed, scales, sel, mix, x, slot_inputs=False):
-    """dx = sum_k p_tk W^T grad_t, shaped and typed like x."""
+def grad_latents_torch(grad, packed, scales, sel, mix, x):
+    """dx = sum_k p_tk W^T grad_t, shaped and typed like x.  Per-slot latents (T, K, I)
+    get per-slot gradients; a per-slot grad (T, K, O) (of the slots op) has weight 1."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     n_tokens, top_k = sel.shape
     d_in = x.shape[-1]
-    g = grad.to(compute)
-    w = mix.to(compute).reshape(-1)
+    slot_inputs, slot_outputs = x.dim() == 3, grad.dim() == 3
+    g = grad.to(compute).reshape(n_tokens * (top_k if slot_outputs else 1), grad.shape[-1])
     per_pair = torch.zeros((n_tokens * top_k, d_in), dtype=compute, device=x.device)
     chunks = _row_chunks(x.device, d_in, g.element_size(), packed.shape[1])
     for e, pairs in _by_expert(sel):
-        ge = g[pairs // top_k] * w[pairs].unsqueeze(1)
+        if slot_outputs:
+            ge = g[pairs]
+        else:
+            ge = g[pairs // top_k] * mix.to(compute).reshape(-1)[pairs].unsqueeze(1)
         for r0, r1 in chunks:
             weight = decode_expert(packed[e, r0:r1], scales[e, r0:r1], compute)
             per_pair[pairs] += ge[:, r0:r1] @ weight
@@ -97,19 +102,21 @@ def grad_latents_torch(grad, packed, scales, sel, mix, x, slot_inputs=False):
 
 
 def mxfp4_experts_torch(x, packed, scales, sel, mix, shared, out_dtype):
+    """shared + sum_k p W x; x is (T, I), or (T, K, I) with one input row per slot."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    slot_inputs = x.dim() == 3
     n_tokens, top_k = sel.shape
     d_out = packed.shape[1]
     y = torch.empty((n_tokens, d_out), dtype=compute, device=x.device)
     y.copy_(shared)
     if n_tokens * top_k == 0 or d_out == 0:
         return y.to(out_dtype)
-    xc = x.to(compute)
+    xc = x.to(compute).reshape(n_tokens * (top_k if slot_inputs else 1), x.shape[-1])
     w = mix.to(compute).reshape(-1)
     contrib = torch.empty((n_tokens * top_k, d_out), dtype=compute, device=x.device)
-    chunks = _row_chunks(x.device, x.shape[1], xc.element_size(), d_out)
+    chunks = _row_chunks(x.device, x.shape[-1], xc.element_size(), d_out)
     for e, pairs in _by_expert(sel):
-        xe, we = xc[pairs // top_k], w[pairs].unsqueeze(1)
+        xe, we = xc[pairs if slot_inputs else pairs // top_k], w[pairs].unsqueeze(1)
         for r0, r1 in chunks:
             weight = decode_expert(packed[e, r0:r1], scales[e, r0:r1], compute)
             contrib[pairs, r0:r1] = (xe @ weight.T) * we

@@ -104,26 +104,34 @@ def index_tensor(name, t):
     return t
 
 
-def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
-                 shared_output):
-    """Coerce and check every input; returns tensors on the latents' device."""
+SKIP = object()  # marks an argument that is not part of this call (per-slot outputs)
+
+
+def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
+                 mixture_weights=SKIP, shared_output=SKIP):
+    """Coerce and check every input; returns tensors on the latents' device.
+
+    latent_tokens is (n_tokens, d_in), or (n_tokens, top_k, d_in) with one input row per
+    slot.  mixture_weights / shared_output given as SKIP are not checked (returned None).
+    """
     names = ("latent_tokens", "packed_weights", "scale_bytes", "selected_experts",
              "mixture_weights", "shared_output")
     raw = (latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
            shared_output)
-    ts = [as_tensor(n, v) for n, v in zip(names, raw, strict=False)]
+    ts = [None if v is SKIP else as_tensor(n, v) for n, v in zip(names, raw, strict=True)]
     device = ts[0].device
-    for n, v, t in zip(names, raw, ts, strict=False):
-        if t.device != device:
-            if isinstance(v, torch.Tensor):
-                raise ValueError(f"{n}: on device {t.device}, but latent_tokens is on {device}; "
-                                 f"move it with .to({str(device)!r})")
-    ts = [t if t.device == device else t.to(device) for t in ts]
+    for n, v, t in zip(names, raw, ts, strict=True):
+        if t is not None and t.device != device and isinstance(v, torch.Tensor):
+            raise ValueError(f"{n}: on device {t.device}, but latent_tokens is on {device}; "
+                             f"move it with .to({str(device)!r})")
+    ts = [t if t is None or t.device == device else t.to(device) for t in ts]
     x, packed, scales, sel, mix, shared = ts
 
-    check_rank("latent_tokens", x, 2, "(n_tokens, d_in)")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"latent_tokens: expected a 2-D tensor (n_tokens, d_in) or a 3-D "
+                         f"tensor (n_tokens, top_k, d_in), got shape {tuple(x.shape)}")
     x = float_tensor("latent_tokens", x)
-    n_tokens, d_in = x.shape
+    n_tokens, d_in = x.shape[0], x.shape[-1]
     if d_in % 32:
         raise ValueError(f"latent_tokens: d_in = {d_in} must be a multiple of 32 (the MXFP4 "
                          f"group size); got shape {tuple(x.shape)}")
@@ -149,18 +157,23 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts, m
         raise ValueError(f"selected_experts: expected {n_tokens} rows (n_tokens of "
                          f"latent_tokens), got shape {tuple(sel.shape)}")
     top_k = sel.shape[1]
+    if x.dim() == 3 and x.shape[1] != top_k:
+        raise ValueError(f"latent_tokens: per-slot latents must be (n_tokens, top_k, d_in) = "
+                         f"({n_tokens}, {top_k}, {d_in}), got shape {tuple(x.shape)}")
 
-    check_rank("mixture_weights", mix, 2, "(n_tokens, top_k)")
-    mix = float_tensor("mixture_weights", mix)
-    if tuple(mix.shape) != (n_tokens, top_k):
-        raise ValueError(f"mixture_weights: expected shape ({n_tokens}, {top_k}) to match "
-                         f"selected_experts, got {tuple(mix.shape)}")
+    if mix is not None:
+        check_rank("mixture_weights", mix, 2, "(n_tokens, top_k)")
+        mix = float_tensor("mixture_weights", mix)
+        if tuple(mix.shape) != (n_tokens, top_k):
+            raise ValueError(f"mixture_weights: expected shape ({n_tokens}, {top_k}) to match "
+                             f"selected_experts, got {tuple(mix.shape)}")
 
-    check_rank("shared_output", shared, 2, "(n_tokens, d_out)")
-    shared = float_tensor("shared_output", shared)
-    if tuple(shared.shape) != (n_tokens, d_out):
-        raise ValueError(f"shared_output: expected shape ({n_tokens}, {d_out}) (n_tokens, "
-                         f"d_out of packed_weights), got {tuple(shared.shape)}")
+    if shared is not None:
+        check_rank("shared_output", shared, 2, "(n_tokens, d_out)")
+        shared = float_tensor("shared_output", shared)
+        if tuple(shared.shape) != (n_tokens, d_out):
+            raise ValueError(f"shared_output: expected shape ({n_tokens}, {d_out}) (n_tokens, "
+                             f"d_out of packed_weights), got {tuple(shared.shape)}")
 
     if not _compiling():  # traced graphs check at run time, inside the op
         check_expert_ids(sel, n_experts)
