@@ -1,0 +1,126 @@
+"""A minimal safetensors reader (memory-mapped, zero-copy) and writer.
+
+The format: an 8-byte little-endian header length N, N bytes of JSON
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
+then the tensors' bytes (offsets relative to the end of the header).  Reading maps the
+file copy-on-write: a tensor is a view of the file's pages until someone writes to it.
+"""
+import json
+import os
+import struct
+import warnings
+from typing import Dict, Iterable, Optional
+
+import numpy as np
+import torch
+
+_NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+       "BOOL": np.bool_}
+_TORCH_NAME = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class SafeTensorsFile:
+    """Read access to one .safetensors file; ``get`` returns zero-copy tensors."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError(f"{path}: not a safetensors file (too short)")
+            (n,) = struct.unpack("<Q", head)
+            if n > os.path.getsize(path) - 8:
+                raise ValueError(f"{path}: not a safetensors file (header length {n})")
+            header = json.loads(f.read(n))
+        self.metadata = header.pop("__metadata__", {})
+        self.header = header
+        self._base = 8 + n
+        self._map = np.memmap(path, dtype=np.uint8, mode="c")
+
+    def keys(self) -> Iterable[str]:
+        return self.header.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.header
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.header:
+            raise KeyError(f"{self.path}: no tensor named {name!r}")
+        info = self.header[name]
+        dtype = info["dtype"]
+        if dtype not in _NP:
+            raise TypeError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
+        begin, end = info["data_offsets"]
+        raw = self._map[self._base + begin:self._base + end]
+        arr: np.ndarray = raw.view(_NP[dtype]) if raw.ctypes.data % np.dtype(_NP[dtype]).itemsize == 0 \
+            else np.frombuffer(raw.tobytes(), dtype=_NP[dtype])  # unaligned: copy (small)
+        arr = arr.reshape(info["shape"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(arr)
+        return t.view(torch.bfloat16) if dtype == "BF16" else t
+
+
+def save_file(tensors: Dict[str, torch.Tensor], path: str,
+              metadata: Optional[Dict[str, str]] = None) -> None:
+    """Write ``tensors`` (CPU, any layout: made contiguous) as a .safetensors file."""
+    header: Dict[str, object] = {"__metadata__": dict(metadata or {})}
+    offset = 0
+    blobs = []
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        if t.dtype not in _TORCH_NAME:
+            raise TypeError(f"{name}: cannot store dtype {t.dtype}")
+        data = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+        header[name] = {"dtype": _TORCH_NAME[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for b in blobs:
+            f.write(b)
+
+
+class SafeTensorsCheckpoint:
+    """A checkpoint: one .safetensors file, or a directory with
+    ``model.safetensors.index.json`` (its weight_map) or a single .safetensors file."""
+
+    def __init__(self, path: str):
+        self.root = path
+        self._files: Dict[str, SafeTensorsFile] = {}
+        self._where: Dict[str, str] = {}
+        if os.path.isdir(path):
+            index = os.path.join(path, "model.safetensors.index.json")
+            if os.path.exists(index):
+                with open(index) as f:
+                    self._where = {k: os.path.join(path, v)
+                                   for k, v in json.load(f)["weight_map"].items()}
+            else:
+                for fname in sorted(os.listdir(path)):
+                    if fname.endswith(".safetensors"):
+                        full = os.path.join(path, fname)
+                        for k in self._file(full).keys():
+                            self._where[k] = full
+        else:
+            for k in self._file(path).keys():
+                self._where[k] = path
+
+    def _file(self, path: str) -> SafeTensorsFile:
+        if path not in self._files:
+            self._files[path] = SafeTensorsFile(path)
+        return self._files[path]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"{self.root}: no tensor named {name!r}")
+        return self._file(self._where[name]).get(name)

@@ -1,0 +1,147 @@
+"""mxfp4x.nn: the expert bank, the gpt-oss block against a float64 reference, and
+checkpoints in the gpt-oss naming (memory-mapped, not copied)."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x import nn
+from mxfp4x._reference import decode_expert
+from mxfp4x._safetensors import SafeTensorsFile, save_file
+from mxfp4x._testing import random_layer
+
+E, H, F, K, T = 4, 64, 96, 2, 7
+
+
+def _gpt_oss_tensors(rng, layer=0):
+    gu = torch.from_numpy(rng.standard_normal((E, 2 * F, H)) * 0.1).float()
+    down = torch.from_numpy(rng.standard_normal((E, H, F)) * 0.1).float()
+    gu_blocks, gu_scales = mxfp4x.quantize(gu)
+    down_blocks, down_scales = mxfp4x.quantize(down)
+    p = f"model.layers.{layer}.mlp.experts."
+    return {p + "gate_up_proj_blocks": gu_blocks, p + "gate_up_proj_scales": gu_scales,
+            p + "gate_up_proj_bias": torch.from_numpy(rng.standard_normal((E, 2 * F))
+                                                      ).bfloat16(),
+            p + "down_proj_blocks": down_blocks, p + "down_proj_scales": down_scales,
+            p + "down_proj_bias": torch.from_numpy(rng.standard_normal((E, H))).bfloat16()}
+
+
+def _reference_block(t, h, idx, w, limit=7.0, alpha=1.702):
+    p = "model.layers.0.mlp.experts."
+    h = h.double().numpy()
+    out = np.zeros((h.shape[0], H))
+    for i in range(h.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[i, k])
+            wgu = decode_expert(t[p + "gate_up_proj_blocks"][e].numpy(),
+                                t[p + "gate_up_proj_scales"][e].numpy())
+            wd = decode_expert(t[p + "down_proj_blocks"][e].numpy(),
+                               t[p + "down_proj_scales"][e].numpy())
+            gu = wgu @ h[i] + t[p + "gate_up_proj_bias"][e].double().numpy()
+            gate, up = np.minimum(gu[0::2], limit), np.clip(gu[1::2], -limit, limit)
+            act = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+            out[i] += float(w[i, k]) * (wd @ act + t[p + "down_proj_bias"][e].double().numpy())
+    return out
+
+
+def _module(t):
+    p = "model.layers.0.mlp.experts."
+    return nn.GptOssExperts(t[p + "gate_up_proj_blocks"], t[p + "gate_up_proj_scales"],
+                            t[p + "gate_up_proj_bias"], t[p + "down_proj_blocks"],
+                            t[p + "down_proj_scales"], t[p + "down_proj_bias"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+def test_gpt_oss_block_against_float64_reference(rng, dtype):
+    t = _gpt_oss_tensors(rng)
+    block = _module(t)
+    h = torch.from_numpy(rng.standard_normal((T, H)) * 3).to(dtype)
+    idx = torch.from_numpy(rng.integers(0, E, (T, K)))
+    w = torch.softmax(torch.randn(T, K), -1)
+    y = block(h, idx, w)
+    assert y.shape == (T, H) and y.dtype == dtype
+    ref = _reference_block(t, h, idx, w)
+    tol = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]
+    np.testing.assert_allclose(y.double().numpy(), ref, rtol=tol, atol=tol * np.abs(ref).max())
+    assert np.abs(ref).max() > 1  # the clamps and both projections are exercised
+    gu = mxfp4x.mxfp4_experts_slots(h.double(), block.gate_up_blocks, block.gate_up_scales, idx)
+    assert (gu.abs() > 7).any()  # some pre-activations hit the clamp
+
+
+def test_gpt_oss_block_gradients_flow(rng):
+    t = _gpt_oss_tensors(rng)
+    block = _module(t)
+    h = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+    w = torch.softmax(torch.randn(T, K, dtype=torch.float64), -1).requires_grad_(True)
+    idx = torch.from_numpy(rng.integers(0, E, (T, K)))
+    assert torch.autograd.gradcheck(lambda a, b: block(a, idx, b), (h, w))
+
+
+def test_checkpoint_is_memory_mapped_and_complete(tmp_path, rng):
+    tensors = {**_gpt_oss_tensors(rng, 0), **_gpt_oss_tensors(rng, 1)}
+    path = str(tmp_path / "model.safetensors")
+    save_file(tensors, path)
+    f = SafeTensorsFile(path)
+    for k, v in tensors.items():
+        assert torch.equal(f.get(k), v), k
+    block = nn.GptOssExperts.from_checkpoint(path, 1)
+    p = "model.layers.1.mlp.experts."
+    assert torch.equal(block.down_blocks, tensors[p + "down_proj_blocks"])
+    h = torch.randn(T, H)
+    idx = torch.from_numpy(rng.integers(0, E, (T, K)))
+    w = torch.rand(T, K)
+    assert torch.isfinite(block(h, idx, w)).all()
+
+
+def test_checkpoint_bytes_are_not_copied(tmp_path, rng):
+    tensors = _gpt_oss_tensors(rng)
+    path = str(tmp_path / "one.safetensors")
+    save_file(tensors, path)
+    f = SafeTensorsFile(path)
+    key = "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    t = f.get(key)
+    lo = f._map.ctypes.data
+    assert lo <= t.data_ptr() < lo + os.path.getsize(path)  # inside the file mapping
+
+
+def test_sharded_checkpoint_and_progress(tmp_path, rng, capsys):
+    t0, t1 = _gpt_oss_tensors(rng, 0), _gpt_oss_tensors(rng, 1)
+    save_file(t0, str(tmp_path / "a.safetensors"))
+    save_file(t1, str(tmp_path / "b.safetensors"))
+    weight_map = {**{k: "a.safetensors" for k in t0}, **{k: "b.safetensors" for k in t1}}
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    blocks = nn.load_gpt_oss_experts(str(tmp_path))
+    assert len(blocks) == 2
+    assert torch.equal(blocks[1].gate_up_scales,
+                       t1["model.layers.1.mlp.experts.gate_up_proj_scales"])
+    assert "2/2" in capsys.readouterr().err
+
+
+def test_mxfp4_experts_module(tmp_path, rng):
+    layer = random_layer(rng, 6, 2, 3, 40, 2)
+    m = nn.MXFP4Experts.from_packed(layer["packed_weights"], layer["scale_bytes"])
+    args = (layer["latent_tokens"], layer["selected_experts"], layer["mixture_weights"])
+    want = mxfp4x.mxfp4_experts(**layer)
+    assert torch.equal(m(*args, layer["shared_output"]), want)
+    no_shared = m(*args)  # a missing shared output is zeros
+    assert torch.equal(no_shared, mxfp4x.mxfp4_experts(**dict(
+        layer, shared_output=torch.zeros_like(layer["shared_output"]))))
+    # state_dict round trip into a fresh module of the same shape
+    fresh = nn.MXFP4Experts(3, 40, 64)
+    fresh.load_state_dict(m.state_dict())
+    assert torch.equal(fresh(*args, layer["shared_output"]), want)
+    # from_float: quantize then run
+    w = torch.randn(3, 40, 64)
+    q = nn.MXFP4Experts.from_float(w)
+    packed, scales = mxfp4x.quantize(w)
+    assert torch.equal(q.packed_weights, packed) and torch.equal(q.scale_bytes, scales)
+    # from_safetensors
+    path = str(tmp_path / "bank.safetensors")
+    save_file({"blocks": layer["packed_weights"], "scales": layer["scale_bytes"]}, path)
+    s = nn.MXFP4Experts.from_safetensors(path, "blocks", "scales")
+    assert torch.equal(s(*args, layer["shared_output"]), want)
+    assert "n_experts=3, d_out=40, d_in=64" in repr(s)
