@@ -55,7 +55,8 @@ class SafeTensorsFile:
             raise TypeError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
         begin, end = info["data_offsets"]
         raw = self._map[self._base + begin:self._base + end]
-        arr: np.ndarray = raw.view(_NP[dtype]) if raw.ctypes.data % np.dtype(_NP[dtype]).itemsize == 0 \
+        aligned = raw.ctypes.data % np.dtype(_NP[dtype]).itemsize == 0
+        arr: np.ndarray = raw.view(_NP[dtype]) if aligned \
             else np.frombuffer(raw.tobytes(), dtype=_NP[dtype])  # unaligned: copy (small)
         arr = arr.reshape(info["shape"])
         with warnings.catch_warnings():
