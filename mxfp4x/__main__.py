@@ -1,4 +1,4 @@
-"""python -m mxfp4x [info | bench]: the main job and a quick look at the backend.
+"""python -m mxfp4x [bench | info | check | quantize]: the main job and tools.
 
 ``bench`` (the default) runs one gpt-oss-20b-like layer (gate/up: E=32, K=4,
 O=5760, I=2880; random MXFP4 weights made in-process), checks a slice of the
@@ -82,7 +82,89 @@ def _cmd_bench(args):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.plot:
+        _plot(rows, args.plot)
     return 0
+
+
+def _cmd_check(args):
+    """Self-test after install: every ISA and dtype, both backends, against the reference."""
+    import numpy as np
+
+    from mxfp4x import _cpu
+    from mxfp4x._testing import random_layer
+
+    failures = 0
+    before = _cpu.current_isa()
+    rng = np.random.default_rng(args.seed)
+    print(f"mxfp4x {mxfp4x.__version__} self-test (seed {args.seed}); "
+          f"isas {_cpu.runnable_isas()}, openmp {_cpu.have_openmp()}")
+    try:
+        for isa in _cpu.runnable_isas():
+            _cpu.set_isa(isa)
+            for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+                for backend in ("cpu", "torch"):
+                    for shape in ((1, 4, 8, 37, 3), (33, 2, 5, 70, 5)):
+                        layer = random_layer(rng, *shape, dtype=dtype, repeat_expert=True)
+                        try:
+                            y = mxfp4x.mxfp4_experts(**layer, backend=backend)
+                            assert_matches_reference(y, layer)
+                            status = "ok"
+                        except AssertionError as exc:
+                            failures += 1
+                            status = f"FAILED: {str(exc).splitlines()[0]}"
+                        print(f"  {isa:7s} {str(dtype)[6:]:9s} {backend:6s} T={shape[0]:<3d} "
+                              f"{status}")
+    finally:
+        _cpu.set_isa(before)
+    print("all checks passed" if not failures else f"{failures} checks FAILED")
+    return 1 if failures else 0
+
+
+def _cmd_quantize(args):
+    """Float tensors of a safetensors file -> MXFP4 (name_blocks, name_scales)."""
+    from mxfp4x._safetensors import SafeTensorsFile, save_file
+
+    src = SafeTensorsFile(args.input)
+    out = {}
+    n_q = 0
+    for name in src.keys():
+        t = src.get(name)
+        if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] % 32 == 0 and \
+                (not args.only or any(s in name for s in args.only)):
+            packed, scales = mxfp4x.quantize(t, args.scale_rule)
+            out[name + "_blocks"], out[name + "_scales"] = packed, scales
+            n_q += 1
+        else:
+            out[name] = t
+    save_file(out, args.output, {"mxfp4x": mxfp4x.__version__, "scale_rule": args.scale_rule})
+    print(f"quantized {n_q} tensors, kept {len(out) - 2 * n_q} as they were -> {args.output}")
+    return 0
+
+
+def _plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for th in sorted({r["threads"] for r in rows}):
+        rs = [r for r in rows if r["threads"] == th]
+        ax.plot([r["tokens"] for r in rs], [r["gflops"] for r in rs], "o-",
+                label=f"mxfp4x, {th} thread(s)")
+        ax.plot([r["tokens"] for r in rs], [r["gflops"] * r["vs_matmul"] for r in rs], "--",
+                label=f"decoded torch.matmul, {th} thread(s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("GFLOP/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
 
 
 def main(argv=None):
@@ -99,11 +181,24 @@ def main(argv=None):
     pb.add_argument("--repeats", type=int, default=5)
     pb.add_argument("--no-torch", action="store_true", help="skip the torch backend timing")
     pb.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    pb.add_argument("--plot", metavar="PNG", help="also plot GFLOP/s against T (matplotlib)")
+    pc = sub.add_parser("check", help="self-test: every ISA, dtype and backend vs the "
+                                      "float64 reference")
+    pc.add_argument("--seed", type=int, default=0)
+    pq = sub.add_parser("quantize", help="float tensors of a .safetensors file -> MXFP4 "
+                                         "(<name>_blocks, <name>_scales)")
+    pq.add_argument("input")
+    pq.add_argument("output")
+    pq.add_argument("--scale-rule", choices=["floor", "ceil", "even"], default="floor")
+    pq.add_argument("--only", nargs="+", metavar="SUBSTRING",
+                    help="quantize only tensors whose names contain one of these")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("info", "bench", "-h", "--help"):
+    if not argv or argv[0] not in ("info", "bench", "check", "quantize", "-h", "--help"):
         argv = ["bench"] + argv  # bench is the default subcommand
     args = p.parse_args(argv)
-    return _cmd_info(args) if args.cmd == "info" else _cmd_bench(args)
+    commands = {"info": _cmd_info, "bench": _cmd_bench, "check": _cmd_check,
+                "quantize": _cmd_quantize}
+    return commands[args.cmd](args)
 
 
 if __name__ == "__main__":
