@@ -34,6 +34,10 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
                                              const int64_t *x_rows, int64_t n_tok, float *out,
                                              int64_t out_stride, float *scratch) noexcept nogil
 
+    ctypedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows,
+                                             int64_t width, const float *coef,
+                                             float *dst) noexcept nogil
+
     ctypedef struct mxfp4x_kernels:
         int isa
         const char *name
@@ -41,6 +45,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         mxfp4x_gemv_f32_fn gemv_f32
         mxfp4x_decode_f32_fn decode_f32
         mxfp4x_panel_dot_f32_fn panel_dot_f32
+        mxfp4x_axpy_rows_f32_fn axpy_rows_f32
 
     float mxfp4x_e8m0_f32(uint8_t s)
     unsigned int mxfp4x_fpenv_enter()

@@ -395,6 +395,7 @@ cdef void _t_tile(const c.mxfp4x_kernels *k, int64_t ct, int64_t n_groups, int64
     cdef real *dst
     cdef const real *grow
     cdef const real *pr
+    cdef float coefs[64]  # >= T_PANEL_ROWS
     cdef c.mxfp4x_rows rows
     rows.row_stride_blocks = blocks_row_stride
     rows.row_stride_scales = scales_row_stride
@@ -415,11 +416,16 @@ cdef void _t_tile(const c.mxfp4x_kernels *k, int64_t ct, int64_t n_groups, int64
             for i in range(n):
                 dst = out + pair_x[s + i] * d_in + g0 * 32
                 grow = g + pair_g[s + i] * d_out
-                for r in range(o1 - o0):
-                    coef = pair_w[s + i] * grow[o0 + r]
-                    pr = panel + r * width
-                    for j in range(width):
-                        dst[j] = dst[j] + coef * pr[j]
+                if real is float:
+                    for r in range(o1 - o0):
+                        coefs[r] = pair_w[s + i] * grow[o0 + r]
+                    k.axpy_rows_f32(panel, o1 - o0, width, coefs, dst)
+                else:
+                    for r in range(o1 - o0):
+                        coef = pair_w[s + i] * grow[o0 + r]
+                        pr = panel + r * width
+                        for j in range(width):
+                            dst[j] = dst[j] + coef * pr[j]
             o0 = o1
 
 

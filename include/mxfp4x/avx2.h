@@ -307,5 +307,35 @@ MXFP4X_AVX2_FN void mxfp4x_panel_dot_f32_avx2(const float *panel, int64_t n_rows
     }
 }
 
+/* dst[j] += sum_r coef[r] * panel[r][j]: 64 columns held in 8 accumulators while the
+ * rows stream past; a column tail of width % 8 falls back to scalar FMAs. */
+MXFP4X_AVX2_FN void mxfp4x_axpy_rows_f32_avx2(const float *panel, int64_t n_rows,
+                                              int64_t width, const float *coef, float *dst) {
+    int64_t j = 0, r;
+    int c;
+    for (; j + 64 <= width; j += 64) {
+        __m256 a[8];
+        for (c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(dst + j + 8 * c);
+        for (r = 0; r < n_rows; r++) {
+            const __m256 cf = _mm256_set1_ps(coef[r]);
+            const float *p = panel + r * width + j;
+            for (c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(cf, _mm256_loadu_ps(p + 8 * c), a[c]);
+        }
+        for (c = 0; c < 8; c++) _mm256_storeu_ps(dst + j + 8 * c, a[c]);
+    }
+    for (; j + 8 <= width; j += 8) {
+        __m256 a = _mm256_loadu_ps(dst + j);
+        for (r = 0; r < n_rows; r++)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(coef[r]), _mm256_loadu_ps(panel + r * width + j), a);
+        _mm256_storeu_ps(dst + j, a);
+    }
+    for (; j < width; j++) {
+        __m128 a = _mm_set_ss(dst[j]);
+        for (r = 0; r < n_rows; r++)
+            a = _mm_fmadd_ss(_mm_set_ss(coef[r]), _mm_set_ss(panel[r * width + j]), a);
+        dst[j] = _mm_cvtss_f32(a);
+    }
+}
+
 #endif /* MXFP4X_HAVE_X86_SIMD */
 #endif /* MXFP4X_AVX2_H */

@@ -166,5 +166,37 @@ MXFP4X_AVX512_FN void mxfp4x_panel_dot_f32_avx512(const float *panel, int64_t n_
     }
 }
 
+/* dst[j] += sum_r coef[r] * panel[r][j]: 128 columns in 8 accumulators; tails of
+ * 16 then 1 column (scalar FMAs). */
+MXFP4X_AVX512_FN void mxfp4x_axpy_rows_f32_avx512(const float *panel, int64_t n_rows,
+                                                  int64_t width, const float *coef,
+                                                  float *dst) {
+    int64_t j = 0, r;
+    int c;
+    for (; j + 128 <= width; j += 128) {
+        __m512 a[8];
+        for (c = 0; c < 8; c++) a[c] = _mm512_loadu_ps(dst + j + 16 * c);
+        for (r = 0; r < n_rows; r++) {
+            const __m512 cf = _mm512_set1_ps(coef[r]);
+            const float *p = panel + r * width + j;
+            for (c = 0; c < 8; c++) a[c] = _mm512_fmadd_ps(cf, _mm512_loadu_ps(p + 16 * c), a[c]);
+        }
+        for (c = 0; c < 8; c++) _mm512_storeu_ps(dst + j + 16 * c, a[c]);
+    }
+    for (; j + 16 <= width; j += 16) {
+        __m512 a = _mm512_loadu_ps(dst + j);
+        for (r = 0; r < n_rows; r++)
+            a = _mm512_fmadd_ps(_mm512_set1_ps(coef[r]), _mm512_loadu_ps(panel + r * width + j),
+                                a);
+        _mm512_storeu_ps(dst + j, a);
+    }
+    for (; j < width; j++) {
+        __m128 a = _mm_set_ss(dst[j]);
+        for (r = 0; r < n_rows; r++)
+            a = _mm_fmadd_ss(_mm_set_ss(coef[r]), _mm_set_ss(panel[r * width + j]), a);
+        dst[j] = _mm_cvtss_f32(a);
+    }
+}
+
 #endif /* MXFP4X_HAVE_X86_SIMD */
 #endif /* MXFP4X_AVX512_H */

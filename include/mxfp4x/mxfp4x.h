@@ -125,6 +125,11 @@ typedef void (*mxfp4x_panel_dot_f32_fn)(const float *panel, int64_t n_rows, int6
                                         int64_t n_tok, float *out, int64_t out_stride,
                                         float *scratch);
 
+/* Transposed product (gradient of the latents): dst[j] += sum_r coef[r] * panel[r][j],
+ * r ascending for every j (one multiply-add per term, as the ISA does them). */
+typedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows, int64_t width,
+                                        const float *coef, float *dst);
+
 /* The driver uses gemv for experts with at most this many tokens in a call, and
  * decode + panel_dot above it (the panel's store and reload then pay off). */
 #define MXFP4X_GEMV_MAX_TOKENS 8
@@ -142,6 +147,7 @@ typedef struct {
     mxfp4x_gemv_f32_fn gemv_f32;
     mxfp4x_decode_f32_fn decode_f32;
     mxfp4x_panel_dot_f32_fn panel_dot_f32;
+    mxfp4x_axpy_rows_f32_fn axpy_rows_f32;
 } mxfp4x_kernels;
 
 /* ---- 16-bit float conversions (exact; used once per call on the latents) ---- */

@@ -104,6 +104,13 @@ static void mxfp4x_panel_dot_f32_scalar(const float *panel, int64_t n_rows, int6
     }
 }
 
+static void mxfp4x_axpy_rows_f32_scalar(const float *panel, int64_t n_rows, int64_t width,
+                                        const float *coef, float *dst) {
+    int64_t r, j;
+    for (r = 0; r < n_rows; r++)
+        for (j = 0; j < width; j++) dst[j] = dst[j] + coef[r] * panel[r * width + j];
+}
+
 /* ---- float64 path (float64 latents): decode exactly, accumulate in binary64 ---- */
 
 static void mxfp4x_decode_f64(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
