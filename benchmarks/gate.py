@@ -3,8 +3,9 @@
 The machine is noisy and CI machines differ, so the gate compares ratios, each taken in
 the same run: kernel time / memory-read floor at T = 1, and kernel time / decoded
 ``torch.matmul`` at T = 128 (gpt-oss-20b down shape: E=32, K=4, O=2880, I=2880).  A case
-fails when its ratio is more than ``--tolerance`` (default 1.75) times the stored one, on
-three measurements in a row (noise passes, a real regression does not).
+fails when its ratio is more than ``--tolerance`` (default 2.0) times the stored one on
+five measurements in a row, two seconds apart (a busy neighbour on a shared machine
+passes; a real regression, like the scalar kernels' 6x at T = 1, does not).
 
     python benchmarks/gate.py                      # check (CI runs this)
     python benchmarks/gate.py --update             # store new baseline ratios
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -48,7 +50,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--update", action="store_true", help="store the measured ratios")
     ap.add_argument("--cases", nargs="+", default=["t1", "t128"], choices=["t1", "t128"])
-    ap.add_argument("--tolerance", type=float, default=1.75)
+    ap.add_argument("--tolerance", type=float, default=2.0)
+    ap.add_argument("--attempts", type=int, default=5)
     ap.add_argument("--expect-fail", action="store_true",
                     help="exit 0 only if the gate trips (to prove it can)")
     args = ap.parse_args(argv)
@@ -69,7 +72,9 @@ def main(argv=None):
     for case in args.cases:
         limit = args.tolerance * base[case]
         tries = []
-        for _ in range(3):
+        for attempt in range(args.attempts):
+            if attempt:
+                time.sleep(2.0)
             tries.append(measure(case, packed, scales, threads))
             if tries[-1] <= limit:
                 break
