@@ -116,9 +116,10 @@ def _cmd_check(args):
                             y = mxfp4x.mxfp4_experts(**layer, backend=backend)
                             assert_matches_reference(y, layer)
                             status = "ok"
-                        except AssertionError as exc:
+                        except Exception as exc:  # noqa: BLE001 - reported, then counted
                             failures += 1
-                            status = f"FAILED: {str(exc).splitlines()[0]}"
+                            status = f"FAILED: {type(exc).__name__}: " \
+                                     f"{(str(exc).splitlines() or [''])[0]}"
                         print(f"  {isa:7s} {str(dtype)[6:]:9s} {backend:6s} T={shape[0]:<3d} "
                               f"{status}")
     finally:
@@ -136,8 +137,9 @@ def _cmd_quantize(args):
     n_q = 0
     for name in src.keys():
         t = src.get(name)
-        if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] % 32 == 0 and \
-                (not args.only or any(s in name for s in args.only)):
+        wanted = any(s in name for s in args.only) if args.only else \
+            not name.endswith("bias")  # biases stay as they are unless asked for
+        if wanted and t.is_floating_point() and t.dim() >= 2 and t.shape[-1] % 32 == 0:
             packed, scales = mxfp4x.quantize(t, args.scale_rule)
             out[name + "_blocks"], out[name + "_scales"] = packed, scales
             n_q += 1
@@ -197,7 +199,9 @@ def main(argv=None):
     pq.add_argument("output")
     pq.add_argument("--scale-rule", choices=["floor", "ceil", "even"], default="floor")
     pq.add_argument("--only", nargs="+", metavar="SUBSTRING",
-                    help="quantize only tensors whose names contain one of these")
+                    help="quantize only tensors whose names contain one of these (default: "
+                         "every float tensor of rank >= 2 with a last dimension divisible "
+                         "by 32, except *bias; groups run along the last dimension)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("info", "bench", "check", "quantize", "-h", "--help"):
         argv = ["bench"] + argv  # bench is the default subcommand

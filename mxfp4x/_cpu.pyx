@@ -375,8 +375,9 @@ def mxfp4_experts(bint f64, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t 
 
 # Groups (of 32 input columns) per parallel task of the transposed product, and rows of
 # W decoded at once into a thread's panel.
-cdef int64_t T_TILE_GROUPS = 8
-cdef int64_t T_PANEL_ROWS = 32
+cdef enum:
+    T_TILE_GROUPS = 8
+    T_PANEL_ROWS = 32   # also the size of _t_tile's coefficient buffer
 
 
 cdef void _t_tile(const c.mxfp4x_kernels *k, int64_t ct, int64_t n_groups, int64_t d_out,
@@ -395,7 +396,7 @@ cdef void _t_tile(const c.mxfp4x_kernels *k, int64_t ct, int64_t n_groups, int64
     cdef real *dst
     cdef const real *grow
     cdef const real *pr
-    cdef float coefs[64]  # >= T_PANEL_ROWS
+    cdef float coefs[T_PANEL_ROWS]
     cdef c.mxfp4x_rows rows
     rows.row_stride_blocks = blocks_row_stride
     rows.row_stride_scales = scales_row_stride

@@ -35,6 +35,19 @@ def _weights_args(packed, scales):
                               scales.stride(0), scales.stride(1))
 
 
+def _check_layout(x, packed, scales, sel, rows_of_x):
+    """O(1) checks for direct callers of torch.ops.mxfp4x.*: the kernels trust shapes."""
+    ok = (packed.dtype == torch.uint8 and scales.dtype == torch.uint8 and packed.dim() == 4
+          and packed.shape[3] == 16 and scales.shape == packed.shape[:3]
+          and x.shape[-1] == 32 * packed.shape[2] and sel.dim() == 2
+          and x.shape[:-1] == rows_of_x and x.dtype in _X_DTYPE_CODES)
+    if not ok:
+        raise ValueError(f"mxfp4x ops: inconsistent inputs: latents {tuple(x.shape)} "
+                         f"{x.dtype}, packed {tuple(packed.shape)} {packed.dtype}, scales "
+                         f"{tuple(scales.shape)} {scales.dtype}, selected {tuple(sel.shape)}; "
+                         f"use mxfp4x.mxfp4_experts, which checks and converts them")
+
+
 def _threads(num_threads):
     return num_threads if num_threads > 0 else max(1, torch.get_num_threads())
 
@@ -47,6 +60,11 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, slot_outputs=Fa
     check_expert_ids(sel, packed.shape[0])
     num_threads = _threads(num_threads)
     slot_inputs = x.dim() == 3
+    _check_layout(x, packed, scales, sel, tuple(sel.shape) if slot_inputs else sel.shape[:1])
+    if not slot_outputs and (mix.shape != sel.shape or
+                             shared.shape != (sel.shape[0], packed.shape[1])):
+        raise ValueError("mxfp4x ops: mixture_weights must be (T, K) and shared_output "
+                         "(T, d_out)")
     compute = compute_dtype(x.dtype)
     n_tokens, top_k = sel.shape
     d_in = x.shape[-1]
@@ -74,6 +92,10 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
     check_expert_ids(sel, packed.shape[0])
     num_threads = _threads(num_threads)
     slot_inputs, slot_outputs = x.dim() == 3, grad.dim() == 3
+    _check_layout(x, packed, scales, sel, tuple(sel.shape) if slot_inputs else sel.shape[:1])
+    want = tuple(sel.shape) if slot_outputs else sel.shape[:1]
+    if grad.shape != want + (packed.shape[1],) or (not slot_outputs and mix.shape != sel.shape):
+        raise ValueError(f"mxfp4x ops: grad {tuple(grad.shape)} does not match the op's output")
     compute = compute_dtype(x.dtype)
     n_tokens, top_k = sel.shape
     d_in = x.shape[-1]

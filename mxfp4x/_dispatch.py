@@ -42,7 +42,8 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike, scale_byt
     if backend == "cpu" and x.device.type != "cpu":
         raise ValueError(f"backend: 'cpu' needs CPU tensors, but latent_tokens is on "
                          f"{x.device}; use backend='torch' or 'auto'")
-    if backend == "torch":  # plain PyTorch ops: autograd and torch.compile see through them
+    if backend == "torch":  # plain PyTorch ops (differentiable; data-dependent routing, so
+        # torch.compile(fullgraph=True) needs the default backend, which goes through the op)
         return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, x.dtype)
     # the custom op: compiled kernels for CPU tensors, the PyTorch path elsewhere
     return mxfp4_experts_op(x, packed.to(torch.uint8), scales.to(torch.uint8),

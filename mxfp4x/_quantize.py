@@ -25,35 +25,31 @@ SCALE_RULES = ("floor", "ceil", "even")
 _E2M1_EMAX = 2
 
 
+def _floor_log2(a):
+    """floor(log2(a)) for float64 a > 0, exactly (torch.log2 rounds just below 2^k up)."""
+    _, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1)
+    return (e - 1).to(torch.float64)
+
+
 def _round_half_even_to_1_mantissa_bit(a):
     """float64 a >= 0 rounded to 2 significant bits, ties to even (exact arithmetic)."""
-    m, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1)
+    m, e = torch.frexp(a)
     return torch.ldexp(torch.round(m * 4) / 4, e)  # torch.round: half to even
 
 
-def quantize(weights: Any, scale_rule: str = "floor") -> Tuple[torch.Tensor, torch.Tensor]:
-    """Float weights (..., I), I a multiple of 32 -> (packed (..., I/32, 16) uint8,
-    scale_bytes (..., I/32) uint8), on the weights' device."""
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule: expected one of {SCALE_RULES}, got {scale_rule!r}")
-    w = torch.as_tensor(weights)
-    if not w.is_floating_point():
-        raise TypeError(f"weights: expected a float tensor, got dtype {w.dtype}")
-    if w.dim() < 1 or w.shape[-1] % GROUP:
-        raise ValueError(f"weights: the last dimension must be a multiple of {GROUP}, got "
-                         f"shape {tuple(w.shape)}")
-    lead = tuple(w.shape[:-1])
-    n_groups = w.shape[-1] // GROUP
-    v = w.detach().to(torch.float64).reshape(lead + (n_groups, GROUP))
+def _quantize_groups(v, scale_rule):
+    """float64 (N, 32) -> (codes (N, 32) uint8, scale bytes (N,) uint8)."""
     special = ~torch.isfinite(v).all(-1)
     v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
     amax = v.abs().amax(-1)
-    if scale_rule == "ceil":
-        exp = torch.ceil(torch.log2(amax / 6))
-    else:
-        a = _round_half_even_to_1_mantissa_bit(amax) if scale_rule == "even" else amax
-        exp = torch.floor(torch.log2(a)) - _E2M1_EMAX
-    exp = torch.where(amax > 0, exp, torch.full_like(exp, -127)).clamp(-127, 127)
+    positive = amax > 0
+    safe = torch.where(positive, amax, torch.ones_like(amax))
+    if scale_rule == "even":
+        safe = _round_half_even_to_1_mantissa_bit(safe)
+    exp = _floor_log2(safe) - _E2M1_EMAX
+    if scale_rule == "ceil":  # the smallest X with amax <= 6 * 2^X: X0 or X0 + 1
+        exp = exp + (safe > 6 * torch.ldexp(torch.ones_like(exp), exp.to(torch.int32))).double()
+    exp = torch.where(positive, exp, torch.full_like(exp, -127)).clamp(-127, 127)
     q = v / torch.ldexp(torch.ones_like(exp), exp.to(torch.int32)).unsqueeze(-1)  # exact
     mag = q.abs()
     # round half to even on the E2M1 grid: steps of 0.5 below 2, 1 below 4, 2 up to 6
@@ -64,11 +60,34 @@ def quantize(weights: Any, scale_rule: str = "floor") -> Tuple[torch.Tensor, tor
     codes = torch.searchsorted(grid, r.contiguous())  # r is on the grid: exact index
     codes = codes | (torch.signbit(q).to(codes.dtype) << 3)
     codes = torch.where(special.unsqueeze(-1), torch.zeros_like(codes), codes)
-    codes = codes.to(torch.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # element 2j low, 2j+1 high
-    scales = (exp + 127).to(torch.uint8)
-    scales = torch.where(special, torch.full_like(scales, 255), scales)
-    return packed.reshape(lead + (n_groups, GROUP_BYTES)), scales
+    scales = torch.where(special, torch.full_like(exp, 255), exp + 127)
+    return codes.to(torch.uint8), scales.to(torch.uint8)
+
+
+def quantize(weights: Any, scale_rule: str = "floor") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Float weights (..., I), I a multiple of 32 -> (packed (..., I/32, 16) uint8,
+    scale_bytes (..., I/32) uint8), on the weights' device.  Groups run along the last
+    axis (for (E, out, in) expert matrices: along ``in``).  Works in float64 in chunks of
+    2^20 groups, so memory stays bounded whatever the tensor size."""
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule: expected one of {SCALE_RULES}, got {scale_rule!r}")
+    w = torch.as_tensor(weights)
+    if not w.is_floating_point():
+        raise TypeError(f"weights: expected a float tensor, got dtype {w.dtype}")
+    if w.dim() < 1 or w.shape[-1] % GROUP:
+        raise ValueError(f"weights: the last dimension must be a multiple of {GROUP}, got "
+                         f"shape {tuple(w.shape)}")
+    lead = tuple(w.shape[:-1])
+    n_groups = w.shape[-1] // GROUP
+    flat = w.detach().reshape(-1, GROUP)
+    packed = torch.empty((flat.shape[0], GROUP_BYTES), dtype=torch.uint8, device=w.device)
+    scales = torch.empty((flat.shape[0],), dtype=torch.uint8, device=w.device)
+    chunk = 1 << 20
+    for i in range(0, flat.shape[0], chunk):
+        codes, sc = _quantize_groups(flat[i:i + chunk].to(torch.float64), scale_rule)
+        packed[i:i + chunk] = codes[:, 0::2] | (codes[:, 1::2] << 4)  # 2j low, 2j+1 high
+        scales[i:i + chunk] = sc
+    return packed.reshape(lead + (n_groups, GROUP_BYTES)), scales.reshape(lead + (n_groups,))
 
 
 def dequantize(packed_weights: Any, scale_bytes: Any,

@@ -22,6 +22,23 @@ _TORCH_NAME = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
+def _check_entry(path, name, info, data_size):
+    """Offsets inside the data section, a known dtype, and a shape that fits the bytes."""
+    try:
+        dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        ok = (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_size
+              and all(isinstance(d, int) and d >= 0 for d in shape))
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{path}: malformed entry for tensor {name!r}: {info!r}")
+    if dtype not in _NP:
+        return  # reported by get(), so that other tensors stay readable
+    if int(np.prod(shape, dtype=np.int64)) * np.dtype(_NP[dtype]).itemsize != end - begin:
+        raise ValueError(f"{path}: tensor {name!r}: shape {shape} of {dtype} does not fill "
+                         f"bytes [{begin}, {end})")
+
+
 class SafeTensorsFile:
     """Read access to one .safetensors file; ``get`` returns zero-copy tensors."""
 
@@ -32,13 +49,22 @@ class SafeTensorsFile:
             if len(head) != 8:
                 raise ValueError(f"{path}: not a safetensors file (too short)")
             (n,) = struct.unpack("<Q", head)
-            if n > os.path.getsize(path) - 8:
+            size = os.path.getsize(path)
+            if n > size - 8:
                 raise ValueError(f"{path}: not a safetensors file (header length {n})")
-            header = json.loads(f.read(n))
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as exc:
+                raise ValueError(f"{path}: not a safetensors file ({exc})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: not a safetensors file (header is not a JSON object)")
         self.metadata = header.pop("__metadata__", {})
+        data_size = size - 8 - n
+        for name, info in header.items():
+            _check_entry(path, name, info, data_size)
         self.header = header
         self._base = 8 + n
-        self._map = np.memmap(path, dtype=np.uint8, mode="c")
+        self._map = np.memmap(path, dtype=np.uint8, mode="c") if size else None
 
     def keys(self) -> Iterable[str]:
         return self.header.keys()
@@ -54,6 +80,9 @@ class SafeTensorsFile:
         if dtype not in _NP:
             raise TypeError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
         begin, end = info["data_offsets"]
+        if self._map is None or begin == end:
+            return torch.empty(info["shape"], dtype=torch.bfloat16 if dtype == "BF16" else
+                               torch.from_numpy(np.empty(0, _NP[dtype])).dtype)
         raw = self._map[self._base + begin:self._base + end]
         aligned = raw.ctypes.data % np.dtype(_NP[dtype]).itemsize == 0
         arr: np.ndarray = raw.view(_NP[dtype]) if aligned \
@@ -71,8 +100,10 @@ def save_file(tensors: Dict[str, torch.Tensor], path: str,
     header: Dict[str, object] = {"__metadata__": dict(metadata or {})}
     offset = 0
     blobs = []
-    for name, t in tensors.items():
-        t = t.detach().cpu().contiguous()
+    # widest elements first: every tensor then starts aligned to its element size
+    # (the format allows no padding between tensors)
+    for name in sorted(tensors, key=lambda k: -tensors[k].element_size()):
+        t = tensors[name].detach().cpu().contiguous()
         if t.dtype not in _TORCH_NAME:
             raise TypeError(f"{name}: cannot store dtype {t.dtype}")
         data = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
@@ -101,8 +132,14 @@ class SafeTensorsCheckpoint:
             index = os.path.join(path, "model.safetensors.index.json")
             if os.path.exists(index):
                 with open(index) as f:
-                    self._where = {k: os.path.join(path, v)
-                                   for k, v in json.load(f)["weight_map"].items()}
+                    weight_map = json.load(f)["weight_map"]
+                root = os.path.realpath(path)
+                for k, v in weight_map.items():
+                    full = os.path.realpath(os.path.join(path, v))
+                    if os.path.dirname(full) != root:
+                        raise ValueError(f"{index}: {k!r} points outside the checkpoint "
+                                         f"folder: {v!r}")
+                    self._where[k] = full
             else:
                 for fname in sorted(os.listdir(path)):
                     if fname.endswith(".safetensors"):

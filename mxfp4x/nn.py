@@ -8,6 +8,12 @@ import torch
 from ._dispatch import mxfp4_experts, mxfp4_experts_slots
 from ._quantize import quantize
 from ._safetensors import SafeTensorsCheckpoint
+from ._validation import as_tensor, byte_tensor
+
+
+def _bytes(name, t):
+    """uint8 bytes, checked as the op checks them (never a silent wrap-around)."""
+    return byte_tensor(name, as_tensor(name, t))
 
 
 class MXFP4Experts(torch.nn.Module):
@@ -45,8 +51,8 @@ class MXFP4Experts(torch.nn.Module):
         m = cls.__new__(cls)
         torch.nn.Module.__init__(m)
         m.num_threads = num_threads
-        m.register_buffer("packed_weights", packed_weights.to(torch.uint8))
-        m.register_buffer("scale_bytes", scale_bytes.to(torch.uint8))
+        m.register_buffer("packed_weights", _bytes("packed_weights", packed_weights))
+        m.register_buffer("scale_bytes", _bytes("scale_bytes", scale_bytes))
         return m
 
     @classmethod
@@ -112,12 +118,15 @@ class GptOssExperts(torch.nn.Module):
             raise ValueError(f"gate_up_blocks {tuple(gate_up_blocks.shape)} and down_blocks "
                              f"{tuple(down_blocks.shape)} do not form a gpt-oss block")
         self.limit, self.alpha, self.num_threads = float(limit), float(alpha), num_threads
-        self.register_buffer("gate_up_blocks", gate_up_blocks.to(torch.uint8))
-        self.register_buffer("gate_up_scales", gate_up_scales.to(torch.uint8))
-        self.register_buffer("down_blocks", down_blocks.to(torch.uint8))
-        self.register_buffer("down_scales", down_scales.to(torch.uint8))
-        self.gate_up_bias = torch.nn.Parameter(gate_up_bias.clone().float(), requires_grad=False)
-        self.down_bias = torch.nn.Parameter(down_bias.clone().float(), requires_grad=False)
+        self.register_buffer("gate_up_blocks", _bytes("gate_up_blocks", gate_up_blocks))
+        self.register_buffer("gate_up_scales", _bytes("gate_up_scales", gate_up_scales))
+        self.register_buffer("down_blocks", _bytes("down_blocks", down_blocks))
+        self.register_buffer("down_scales", _bytes("down_scales", down_scales))
+        bias_dtype = torch.float64 if gate_up_bias.dtype == torch.float64 else torch.float32
+        self.gate_up_bias = torch.nn.Parameter(gate_up_bias.detach().to(bias_dtype, copy=True),
+                                               requires_grad=False)
+        self.down_bias = torch.nn.Parameter(down_bias.detach().to(bias_dtype, copy=True),
+                                            requires_grad=False)
 
     @classmethod
     def from_checkpoint(cls, path, layer: int, prefix: str = "model.layers.{}.mlp.experts.",

@@ -10,7 +10,7 @@ import torch
 import mxfp4x
 from mxfp4x import nn
 from mxfp4x._reference import decode_expert
-from mxfp4x._safetensors import SafeTensorsFile, save_file
+from mxfp4x._safetensors import SafeTensorsCheckpoint, SafeTensorsFile, save_file
 from mxfp4x._testing import random_layer
 
 E, H, F, K, T = 4, 64, 96, 2, 7
@@ -145,3 +145,53 @@ def test_mxfp4_experts_module(tmp_path, rng):
     s = nn.MXFP4Experts.from_safetensors(path, "blocks", "scales")
     assert torch.equal(s(*args, layer["shared_output"]), want)
     assert "n_experts=3, d_out=40, d_in=64" in repr(s)
+
+
+def test_modules_check_their_bytes(rng):
+    layer = random_layer(rng, 2, 1, 2, 4, 1)
+    with pytest.raises(ValueError, match=r"packed_weights.*\[0, 255\]"):
+        nn.MXFP4Experts.from_packed(layer["packed_weights"].long() + 200, layer["scale_bytes"])
+    with pytest.raises(TypeError, match="scale_bytes"):
+        nn.MXFP4Experts.from_packed(layer["packed_weights"], layer["scale_bytes"].float())
+
+
+def _raw_file(path, header, data=b""):
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + data)
+
+
+@pytest.mark.parametrize("header,data", [
+    ({"t": {"dtype": "U8", "shape": [4], "data_offsets": [-8, 0]}}, b"abcd"),
+    ({"t": {"dtype": "U8", "shape": [4], "data_offsets": [0, 100]}}, b"abcd"),
+    ({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 4]}}, b"abcd"),
+    ({"t": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 4]}}, b"abcd"),
+    ([1, 2], b""),
+    ({"t": {"dtype": "U8"}}, b""),
+])
+def test_malformed_safetensors_are_rejected(tmp_path, header, data):
+    path = str(tmp_path / "bad.safetensors")
+    _raw_file(path, header, data)
+    with pytest.raises(ValueError, match="bad.safetensors"):
+        SafeTensorsFile(path)
+
+
+def test_index_cannot_point_outside_the_folder(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with open(tmp_path / "ckpt" / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {"w": "../elsewhere.safetensors"}}, f)
+    with pytest.raises(ValueError, match="outside the checkpoint folder"):
+        SafeTensorsCheckpoint(str(tmp_path / "ckpt"))
+
+
+def test_writer_keeps_every_tensor_aligned(tmp_path):
+    path = str(tmp_path / "mixed.safetensors")
+    tensors = {"odd_bytes": torch.arange(7, dtype=torch.uint8), "f": torch.randn(5),
+               "b": torch.randn(3).bfloat16(), "d": torch.randn(2, dtype=torch.float64)}
+    save_file(tensors, path)
+    f = SafeTensorsFile(path)
+    lo = f._map.ctypes.data
+    for k, v in tensors.items():
+        t = f.get(k)
+        assert torch.equal(t, v)
+        assert lo <= t.data_ptr() < lo + os.path.getsize(path), k  # a view, not a copy

@@ -156,3 +156,22 @@ def test_quantized_layer_runs_through_the_op(rng):
     want = sum(mix[:, k:k + 1] * torch.einsum("toi,ti->to", dense[sel[:, k]], x)
                for k in range(2))
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
+
+
+def test_exponent_is_exact_just_below_a_power_of_two():
+    # torch.log2(8 * (1 - 2^-53)) rounds to 3.0; the scale must still be 2^(2 - 2)
+    w = torch.zeros(1, 32, dtype=torch.float64)
+    w[0, 0] = 8 * (1 - 2.0 ** -53)
+    assert mxfp4x.quantize(w)[1].item() == 127
+    w[0, 0] = 6.0
+    assert mxfp4x.quantize(w, "ceil")[1].item() == 127  # 6 fits 6 * 2^0 exactly
+    w[0, 0] = 6.0 * (1 + 2.0 ** -52)
+    assert mxfp4x.quantize(w, "ceil")[1].item() == 128
+
+
+def test_quantize_in_chunks_matches_one_shot(rng):
+    # more groups than one chunk (2^20): the chunked loop must stitch exactly
+    w = torch.from_numpy(rng.standard_normal((2**20 + 77, 32)).astype(np.float32))
+    packed, scales = mxfp4x.quantize(w)
+    tail_p, tail_s = mxfp4x.quantize(w[-100:])
+    assert torch.equal(packed[-100:], tail_p) and torch.equal(scales[-100:], tail_s)

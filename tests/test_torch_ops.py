@@ -149,3 +149,31 @@ def test_slots_op_matches_reference(rng):
             np.testing.assert_allclose(slots[t, k].numpy(),
                                        w @ layer["latent_tokens"][t].numpy(), rtol=1e-12,
                                        atol=1e-12)
+
+
+def test_grad_op_fake_strides_match_for_transposed_latents(rng):
+    layer = random_layer(rng, 4, 2, 3, 9, 2)
+    x = layer["latent_tokens"].T.contiguous().T  # dense but transposed
+    assert not x.is_contiguous()
+    torch.library.opcheck(torch.ops.mxfp4x.mxfp4_experts_grad_latents.default,
+                          (torch.randn(4, 9), layer["packed_weights"], layer["scale_bytes"],
+                           layer["selected_experts"], layer["mixture_weights"], x, 1))
+
+
+def test_mixture_weight_gradient_keeps_float32_precision_for_bf16(rng):
+    layer = random_layer(rng, 6, 2, 3, 40, 3, dtype=torch.bfloat16)
+    mix = layer["mixture_weights"].float().requires_grad_(True)
+    y = mxfp4x.mxfp4_experts(**dict(layer, mixture_weights=mix))
+    g = torch.randn(y.shape)
+    y.float().backward(g)
+    x = layer["latent_tokens"].double().numpy()
+    sel = layer["selected_experts"].numpy()
+    want = np.zeros((6, 2))
+    for t in range(6):
+        for k in range(2):
+            w = decode_expert(layer["packed_weights"][sel[t, k]].numpy(),
+                              layer["scale_bytes"][sel[t, k]].numpy())
+            # the output is bf16, so the gradient reaching the op is g rounded to bf16
+            want[t, k] = g[t].bfloat16().double().numpy() @ (w @ x[t])
+    err = np.abs(mix.grad.double().numpy() - want) / np.abs(want).max()
+    assert err.max() < 1e-5, err.max()  # rounding W x to bf16 first would give ~1e-2
