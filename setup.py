@@ -3,9 +3,9 @@
 One extension, mxfp4x._cpu, built with OpenMP where the compiler has it (flags
 chosen by compiler type) and serially otherwise.  No -march / -m<isa> flags:
 the SIMD variants carry their own target attributes and are chosen at run time
-(include/mxfp4x/dispatch.h).  No -ffast-math / -Ofast (FTZ/DAZ would flush the
-2^-127 scale), and -ffp-contract=off so the compiler never fuses a mul and an
-add that the kernels keep separate: the order of operations defines the bits.
+(include/mxfp4x/dispatch.h).  No fast-math style optimisation (FTZ/DAZ would
+flush the 2^-127 scale), and -ffp-contract=off so the compiler never fuses a mul
+and an add that the kernels keep separate: the order of operations defines the bits.
 """
 import os
 import sys
@@ -55,7 +55,7 @@ class BuildExt(build_ext):
         if kind == "msvc":
             base = ["/O2", "/fp:precise"]
         else:
-            base = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing",
+            base = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing",
                     "-Wno-unused-function"]
         omp_c, omp_l = _openmp_flags(kind)
         use_omp = os.environ.get("MXFP4X_DISABLE_OPENMP", "") != "1" and _try_compile(

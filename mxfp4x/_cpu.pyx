@@ -228,6 +228,38 @@ cdef void *_xmalloc(int64_t n_bytes) except NULL:
     return p
 
 
+cdef int64_t _route(const int64_t *sel, int64_t n_pairs, int64_t n_experts, int64_t top_k,
+                    const real *wts, bint slot_inputs, bint slot_outputs, int64_t *offsets,
+                    int64_t *fill, int64_t *active, int64_t *pair_x, int64_t *pair_row,
+                    real *pair_w, int64_t *max_count) noexcept nogil:
+    """Stable counting sort of the pairs p = t * top_k + k by expert.
+
+    Fills, per sorted pair, its row of x, its row of the output and its weight (1 for
+    per-slot outputs); offsets[e]..offsets[e + 1] are expert e's pairs; active lists
+    the experts with pairs, ascending.  Returns their number; *max_count is the most
+    pairs of one expert."""
+    cdef int64_t p, e, n_active = 0
+    for e in range(n_experts + 1):
+        offsets[e] = 0
+    for p in range(n_pairs):
+        offsets[sel[p] + 1] += 1
+    max_count[0] = 0
+    for e in range(n_experts):
+        if offsets[e + 1] > 0:
+            active[n_active] = e
+            n_active += 1
+            max_count[0] = max(max_count[0], offsets[e + 1])
+        offsets[e + 1] += offsets[e]
+        fill[e] = offsets[e]
+    for p in range(n_pairs):
+        e = sel[p]
+        pair_x[fill[e]] = p if slot_inputs else p // top_k
+        pair_row[fill[e]] = p if slot_outputs else p // top_k
+        pair_w[fill[e]] = 1 if slot_outputs else wts[p]
+        fill[e] += 1
+    return n_active
+
+
 cdef _run(real dummy, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_groups,
           uintptr_t blocks, int64_t n_experts, int64_t d_out,
           int64_t blocks_expert_stride, int64_t blocks_row_stride,
@@ -236,7 +268,7 @@ cdef _run(real dummy, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_grou
           int n_threads, str isa, bint slot_inputs, bint slot_outputs):
     cdef Ctx ctx
     cdef int64_t d_in = n_groups * 32, n_pairs = n_tokens * top_k
-    cdef int64_t p, e, n_tiles, max_count = 0, n_active = 0, scratch_rows
+    cdef int64_t n_tiles, max_count = 0, n_active = 0, scratch_rows
     cdef const int64_t *sel = <const int64_t *>selected
     cdef const real *wts = <const real *>weights
     cdef real *xbuf = NULL
@@ -268,24 +300,8 @@ cdef _run(real dummy, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_grou
         pair_w = <real *>_xmalloc(n_pairs * sizeof(real))
         xbuf = <real *>_xmalloc(n_x * d_in * sizeof(real))
         with nogil:
-            # stable counting sort of the pairs by expert: pair p = t * top_k + k
-            for e in range(n_experts + 1):
-                offsets[e] = 0
-            for p in range(n_pairs):
-                offsets[sel[p] + 1] += 1
-            for e in range(n_experts):
-                if offsets[e + 1] > 0:
-                    active[n_active] = e
-                    n_active += 1
-                    max_count = max(max_count, offsets[e + 1])
-                offsets[e + 1] += offsets[e]
-                fill[e] = offsets[e]
-            for p in range(n_pairs):
-                e = sel[p]
-                pair_tok[fill[e]] = p if slot_inputs else p // top_k
-                pair_row[fill[e]] = p if slot_outputs else p // top_k
-                pair_w[fill[e]] = 1 if slot_outputs else wts[p]
-                fill[e] += 1
+            n_active = _route(sel, n_pairs, n_experts, top_k, wts, slot_inputs, slot_outputs,
+                              offsets, fill, active, pair_tok, pair_row, pair_w, &max_count)
         # per-thread scratch: a panel of decoded rows, the dot products of one
         # expert's pairs against it, and panel_dot's parked lane accumulators
         scratch_rows = min(TILE_ROWS, (PANEL_BYTES // <int64_t>sizeof(real)) // max(d_in, 1))
@@ -438,7 +454,7 @@ cdef _run_t(real dummy, uintptr_t grad, int64_t n_tokens, int64_t n_groups,
             int n_threads, str isa, bint slot_inputs, bint slot_outputs):
     cdef const c.mxfp4x_kernels *k = _pick(isa)
     cdef int64_t n_pairs = n_tokens * top_k
-    cdef int64_t p, e, ct, n_active = 0
+    cdef int64_t ct, n_active = 0, max_count = 0
     cdef int64_t n_ctiles = (n_groups + T_TILE_GROUPS - 1) // T_TILE_GROUPS
     cdef const int64_t *sel = <const int64_t *>selected
     cdef const real *wts = <const real *>weights
@@ -467,22 +483,8 @@ cdef _run_t(real dummy, uintptr_t grad, int64_t n_tokens, int64_t n_groups,
         pair_w = <real *>_xmalloc(n_pairs * sizeof(real))
         scratch = <char *>_xmalloc(n_threads * per_thread)
         with nogil:
-            for e in range(n_experts + 1):
-                offsets[e] = 0
-            for p in range(n_pairs):
-                offsets[sel[p] + 1] += 1
-            for e in range(n_experts):
-                if offsets[e + 1] > 0:
-                    active[n_active] = e
-                    n_active += 1
-                offsets[e + 1] += offsets[e]
-                fill[e] = offsets[e]
-            for p in range(n_pairs):
-                e = sel[p]
-                pair_x[fill[e]] = p if slot_inputs else p // top_k
-                pair_g[fill[e]] = p if slot_outputs else p // top_k
-                pair_w[fill[e]] = 1 if slot_outputs else wts[p]
-                fill[e] += 1
+            n_active = _route(sel, n_pairs, n_experts, top_k, wts, slot_inputs, slot_outputs,
+                              offsets, fill, active, pair_x, pair_g, pair_w, &max_count)
             # each task owns a range of input columns: dx elements have one writer, and
             # each is accumulated in the order (expert, row, pair): thread-count agnostic
             with parallel(num_threads=n_threads):
