@@ -49,6 +49,26 @@ def _try_compile(compiler, cflags, lflags):
     return True
 
 
+def _openmp_wanted():
+    """OpenMP only where the extension can share torch's runtime.
+
+    Linux: gcc's libgomp, which torch's wheels load first (same soname: one runtime).
+    macOS and Windows: torch ships its own runtime (libomp / Intel's libiomp5md); a
+    clang libomp or MSVC's vcomp beside it would be a second OpenMP runtime in the
+    process, a known source of crashes and oversubscription.  Those builds are serial
+    (the README's platform table); MXFP4X_DISABLE_OPENMP=1 makes any build serial.
+    """
+    if os.environ.get("MXFP4X_DISABLE_OPENMP", "") == "1":
+        return False
+    return not (sys.platform == "darwin" or sys.platform.startswith("win"))
+
+
+def _flags_string(args):
+    """The compile flags, as one C string literal (recorded in backend_info())."""
+    text = " ".join(a for a in args if not a.startswith("-D") and not a.startswith("-I"))
+    return '"' + "".join(ch for ch in text if ch not in '"\\') + '"'
+
+
 class BuildExt(build_ext):
     def build_extensions(self):
         kind = _compiler_kind(self.compiler)
@@ -58,15 +78,20 @@ class BuildExt(build_ext):
             base = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing",
                     "-Wno-unused-function"]
         omp_c, omp_l = _openmp_flags(kind)
-        use_omp = os.environ.get("MXFP4X_DISABLE_OPENMP", "") != "1" and _try_compile(
-            self.compiler, omp_c, omp_l)
+        use_omp = _openmp_wanted() and _try_compile(self.compiler, omp_c, omp_l)
         if not use_omp:
             omp_c, omp_l = [], []
-            print("mxfp4x: OpenMP not available; building the serial CPU kernels",
-                  file=sys.stderr)
+            print("mxfp4x: building the serial CPU kernels (no OpenMP runtime shared with "
+                  "torch on this platform, or MXFP4X_DISABLE_OPENMP=1)", file=sys.stderr)
+        # what the compiler will really see: its own command (with CFLAGS from the
+        # environment and Python's build flags) plus ours
+        driver = list(getattr(self.compiler, "compiler_so", None) or [])[1:]
         for ext in self.extensions:
             ext.extra_compile_args = base + omp_c + list(ext.extra_compile_args or [])
             ext.extra_link_args = omp_l + list(ext.extra_link_args or [])
+            if kind != "msvc":
+                ext.define_macros = list(ext.define_macros or []) + [
+                    ("MXFP4X_BUILD_CFLAGS", _flags_string(driver + ext.extra_compile_args))]
         super().build_extensions()
 
 

@@ -15,6 +15,7 @@ import torch
 
 import mxfp4x
 from mxfp4x import _bench
+from mxfp4x._format import GROUP
 from mxfp4x._testing import assert_matches_reference
 
 
@@ -101,29 +102,24 @@ def _cmd_check(args):
     from mxfp4x._testing import random_layer
 
     failures = 0
-    before = _cpu.current_isa()
     rng = np.random.default_rng(args.seed)
     print(f"mxfp4x {mxfp4x.__version__} self-test (seed {args.seed}); "
           f"isas {_cpu.runnable_isas()}, openmp {_cpu.have_openmp()}")
-    try:
-        for isa in _cpu.runnable_isas():
-            _cpu.set_isa(isa)
-            for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-                for backend in ("cpu", "torch"):
-                    for shape in ((1, 4, 8, 37, 3), (33, 2, 5, 70, 5)):
-                        layer = random_layer(rng, *shape, dtype=dtype, repeat_expert=True)
-                        try:
-                            y = mxfp4x.mxfp4_experts(**layer, backend=backend)
-                            assert_matches_reference(y, layer)
-                            status = "ok"
-                        except Exception as exc:  # noqa: BLE001 - reported, then counted
-                            failures += 1
-                            status = f"FAILED: {type(exc).__name__}: " \
-                                     f"{(str(exc).splitlines() or [''])[0]}"
-                        print(f"  {isa:7s} {str(dtype)[6:]:9s} {backend:6s} T={shape[0]:<3d} "
-                              f"{status}")
-    finally:
-        _cpu.set_isa(before)
+    for isa in _cpu.runnable_isas():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            for backend in ("cpu", "torch"):
+                for shape in ((1, 4, 8, 37, 3), (33, 2, 5, 70, 5)):
+                    layer = random_layer(rng, *shape, dtype=dtype, repeat_expert=True)
+                    try:
+                        y = mxfp4x.mxfp4_experts(**layer, backend=backend, isa=isa)
+                        assert_matches_reference(y, layer)
+                        status = "ok"
+                    except Exception as exc:  # noqa: BLE001 - reported, then counted
+                        failures += 1
+                        status = f"FAILED: {type(exc).__name__}: " \
+                                 f"{(str(exc).splitlines() or [''])[0]}"
+                    print(f"  {isa:7s} {str(dtype)[6:]:9s} {backend:6s} T={shape[0]:<3d} "
+                          f"{status}")
     print("all checks passed" if not failures else f"{failures} checks FAILED")
     return 1 if failures else 0
 
@@ -139,7 +135,7 @@ def _cmd_quantize(args):
         t = src.get(name)
         wanted = any(s in name for s in args.only) if args.only else \
             not name.endswith("bias")  # biases stay as they are unless asked for
-        if wanted and t.is_floating_point() and t.dim() >= 2 and t.shape[-1] % 32 == 0:
+        if wanted and t.is_floating_point() and t.dim() >= 2 and t.shape[-1] % GROUP == 0:
             packed, scales = mxfp4x.quantize(t, args.scale_rule)
             out[name + "_blocks"], out[name + "_scales"] = packed, scales
             n_q += 1

@@ -5,6 +5,8 @@ import time
 import numpy as np
 import torch
 
+from ._format import GROUP, GROUP_BYTES
+
 SHAPES = {  # name: (n_experts, top_k, d_out, d_in)
     "gpt-oss-20b-gate-up": (32, 4, 5760, 2880),
     "gpt-oss-20b-down": (32, 4, 2880, 2880),
@@ -15,8 +17,8 @@ SHAPES = {  # name: (n_experts, top_k, d_out, d_in)
 def make_experts(n_experts, d_out, d_in, seed=0):
     """Random MXFP4 experts: every byte value, scales near 2^-4 (trained-weight range)."""
     rng = np.random.default_rng(seed)
-    n_groups = d_in // 32
-    packed = torch.from_numpy(rng.integers(0, 256, (n_experts, d_out, n_groups, 16),
+    n_groups = d_in // GROUP
+    packed = torch.from_numpy(rng.integers(0, 256, (n_experts, d_out, n_groups, GROUP_BYTES),
                                            dtype=np.uint8))
     scales = torch.from_numpy(rng.integers(119, 125, (n_experts, d_out, n_groups),
                                            dtype=np.uint8))

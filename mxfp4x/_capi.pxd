@@ -1,20 +1,22 @@
 # cython: language_level=3
 """1:1 mirror of include/mxfp4x/dispatch.h (and the headers it includes)."""
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 
 cdef extern from "mxfp4x/dispatch.h" nogil:
+    # ---- mxfp4x.h: format facts
     int MXFP4X_GROUP
     int MXFP4X_GROUP_BYTES
+    int MXFP4X_E8M0_BIAS
+    int MXFP4X_E8M0_NAN
     int MXFP4X_ISA_SCALAR
     int MXFP4X_ISA_AVX2
     int MXFP4X_ISA_AVX512
+    int MXFP4X_LAYOUT_16
     int MXFP4X_DTYPE_F32
     int MXFP4X_DTYPE_F64
     int MXFP4X_DTYPE_BF16
     int MXFP4X_DTYPE_F16
-    int MXFP4X_PANEL_TOKENS
     int MXFP4X_GEMV_MAX_TOKENS
-    int64_t MXFP4X_PANEL_SCRATCH_FLOATS(int64_t n_rows)
 
     ctypedef struct mxfp4x_rows:
         const uint8_t *blocks
@@ -33,7 +35,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
                                              const float *x, int64_t x_stride,
                                              const int64_t *x_rows, int64_t n_tok, float *out,
                                              int64_t out_stride, float *scratch) noexcept nogil
-
+    ctypedef int64_t (*mxfp4x_scratch_fn)(int64_t n_rows) noexcept nogil
     ctypedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows,
                                              int64_t width, const float *coef,
                                              float *dst) noexcept nogil
@@ -42,24 +44,78 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         int isa
         const char *name
         int layout_half
+        int panel_row_block
         mxfp4x_gemv_f32_fn gemv_f32
         mxfp4x_decode_f32_fn decode_f32
         mxfp4x_panel_dot_f32_fn panel_dot_f32
+        mxfp4x_scratch_fn panel_scratch_floats
         mxfp4x_axpy_rows_f32_fn axpy_rows_f32
 
-    float mxfp4x_e8m0_f32(uint8_t s)
-    unsigned int mxfp4x_fpenv_enter()
-    void mxfp4x_fpenv_exit(unsigned int saved)
+    int64_t mxfp4x_layout_pos(int64_t i, int half)
+
+    # ---- mxfp4x.h: the call description
+    ctypedef struct mxfp4x_experts:
+        int64_t n_experts
+        int64_t d_out
+        int64_t n_groups
+        const mxfp4x_rows *rows
+
+    int MXFP4X_FORWARD
+    int MXFP4X_TRANSPOSED
+    int MXFP4X_ROWS_PER_TOKEN
+    int MXFP4X_ROWS_PER_SLOT
+
+    ctypedef struct mxfp4x_call:
+        int product
+        int compute
+        const mxfp4x_kernels *kernels
+        int n_threads
+        mxfp4x_experts experts
+        int64_t n_tokens
+        int64_t top_k
+        const int64_t *selected
+        const void *mix
+        const void *src
+        int src_dtype
+        int src_rows
+        void *dst
+        int dst_rows
+
+    # ---- config.h
+    ctypedef unsigned long long mxfp4x_fpenv  # an integer type on every architecture
+    mxfp4x_fpenv mxfp4x_fpenv_enter()
+    void mxfp4x_fpenv_exit(mxfp4x_fpenv saved)
+    int MXFP4X_BUILT_FAST_MATH
+    int MXFP4X_BUILT_GLOBAL_ISA
+    const char *MXFP4X_BUILD_CFLAGS
+
+    # ---- cpu.h
+    ctypedef struct mxfp4x_cpu_facts:
+        int osxsave
+        int avx
+        int fma
+        int avx2
+        int avx512f
+        uint64_t xcr0
+        int darwin_avx512
+    int mxfp4x_isa_decision(const mxfp4x_cpu_facts *f)
     int mxfp4x_cpu_isas()
+
+    # ---- dispatch.h
     int mxfp4x_n_kernels()
     const mxfp4x_kernels *mxfp4x_kernel_at(int i)
     int mxfp4x_kernel_runnable(int i)
     int mxfp4x_have_openmp()
 
+    # ---- scalar.h: the float64 path and the layout permutations
     void mxfp4x_decode_f64(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
                            double *panel)
     void mxfp4x_panel_dot_f64(const double *panel, int64_t n_rows, int64_t n_groups,
                               const double *x, int64_t x_stride, const int64_t *x_rows,
                               int64_t n_tok, double *out, int64_t out_stride)
+    void mxfp4x_axpy_rows_f64(const double *panel, int64_t n_rows, int64_t width,
+                              const double *coef, double *dst)
     void mxfp4x_prepare_x_f32(const void *row, int dtype, int64_t n_groups, int half, float *dst)
     void mxfp4x_prepare_x_f64(const double *row, int64_t n_groups, double *dst)
+    void mxfp4x_natural_f32(const float *src, int64_t n_groups, int half, float *dst)
+    void mxfp4x_natural_f64(const double *src, int64_t n_groups, int half, double *dst)

@@ -1,25 +1,30 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 # cython: initializedcheck=False, nonecheck=False
-"""The parallel driver of the CPU backend.
+"""The CPU backend's boundary and its parallel driver.
 
-One call: prepare the latents (convert to the compute dtype, deinterleave each
-group once), route the token-expert pairs by expert (a stable counting sort),
-then split the output rows into tiles.  ``prange`` hands whole tiles to
-threads; inside a tile every selected expert's rows are decoded once and applied
-to every pair routed to that expert, and each output element is accumulated by
-that one thread in a fixed order (ascending expert id, then the pair order).
-Results are therefore bit-identical for any thread count and for any batch the
-token sits in.  No locks, no atomics.
+The boundary: a call is described by one C struct (``mxfp4x_call`` in
+include/mxfp4x/mxfp4x.h, mirrored in _capi.pxd) held by a :class:`Call`.  Python
+builds a Call from numpy views of its tensors in one place
+(``mxfp4x._cpu_impl``); the Call checks it in one place (``_check``).  Modes are
+named keywords; nothing that a mode does not use is passed.
 
-The inputs arrive already validated and laid out by ``mxfp4x._dispatch``;
-pointers are passed as integers (torch tensors' ``data_ptr()``), so bf16 needs
-no numpy dtype and nothing is copied here.
+The driver (``Call.run``): one skeleton for both products.  Route the token-expert
+pairs by expert (a stable counting sort, which also checks every expert id), then
+split the work into tasks that each own disjoint output elements: row tiles of the
+output for the forward product, column tiles of the latents for the transposed
+one.  ``prange`` hands whole tasks to threads; each output element is accumulated
+by one thread in a fixed order (ascending expert id, then the pair order), so
+results are bit-identical for any thread count and for any batch a token sits in.
+No locks, no atomics.
 """
 import os
 
+import numpy as np
+
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int64_t, uint8_t, uintptr_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memset
 
 cimport mxfp4x._capi as c
 
@@ -27,13 +32,28 @@ ctypedef fused real:
     float
     double
 
-# Rows of W per parallel task, and the bytes of decoded rows held at once in a
-# thread's panel (it stays L2-resident).
+GROUP = c.MXFP4X_GROUP
+GROUP_BYTES = c.MXFP4X_GROUP_BYTES
+
+# Rows of W per forward task, the bytes of decoded rows held at once in a thread's
+# panel (it stays L2-resident); groups (of input columns) per transposed task and
+# rows per transposed panel.
 cdef int64_t TILE_ROWS = 48
 cdef int64_t PANEL_BYTES = 384 * 1024
+cdef enum:
+    T_TILE_GROUPS = 8
+    T_PANEL_ROWS = 32
 
-cdef int _kernel = -1  # index into mxfp4x_kernel_table, chosen at import
+# names <-> C enums: the modes of a call are named, never inferred
+_DTYPES = {"float32": c.MXFP4X_DTYPE_F32, "float64": c.MXFP4X_DTYPE_F64,
+           "bfloat16": c.MXFP4X_DTYPE_BF16, "float16": c.MXFP4X_DTYPE_F16}
+_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+_PRODUCTS = {"forward": c.MXFP4X_FORWARD, "transposed": c.MXFP4X_TRANSPOSED}
+_ROWS = {"token": c.MXFP4X_ROWS_PER_TOKEN, "slot": c.MXFP4X_ROWS_PER_SLOT}
+DTYPES = tuple(_DTYPES)
 
+
+# ---- ISAs ---------------------------------------------------------------------------
 
 def compiled_isas():
     """ISA names compiled into this build, in order of preference."""
@@ -50,10 +70,6 @@ def have_openmp():
     return bool(c.mxfp4x_have_openmp())
 
 
-def current_isa():
-    return c.mxfp4x_kernel_at(_kernel).name.decode()
-
-
 cdef int _find(str name) except -2:
     for i in range(c.mxfp4x_n_kernels()):
         if c.mxfp4x_kernel_at(i).name.decode() == name:
@@ -61,85 +77,304 @@ cdef int _find(str name) except -2:
     return -1
 
 
-def set_isa(str name):
-    """Force one ISA (used by MXFP4X_ISA at import and by the tests).
-
-    An unknown name, or one this CPU cannot run, raises: never a silent fallback.
-    """
-    global _kernel
-    i = _find(name)
+def _resolve(name, str source):
+    """Index of a runnable ISA by name; ValueError naming the choices otherwise."""
+    i = _find(name) if isinstance(name, str) else -1
     if i < 0:
-        raise ValueError(
-            f"MXFP4X_ISA={name!r} is not an ISA of mxfp4x; choose one of "
-            f"{runnable_isas()} (compiled: {compiled_isas()})")
+        raise ValueError(f"{source}={name!r} is not an ISA of mxfp4x; choose one of "
+                         f"{runnable_isas()} (compiled: {compiled_isas()})")
     if not c.mxfp4x_kernel_runnable(i):
-        raise RuntimeError(
-            f"MXFP4X_ISA={name!r}: this CPU (or OS) cannot run {name}; choose one of "
-            f"{runnable_isas()}")
-    _kernel = i
+        raise ValueError(f"{source}={name!r}: this CPU (or OS) cannot run {name}; choose one "
+                         f"of {runnable_isas()}")
+    return i
 
 
-def _select_at_import():
-    global _kernel
+def _default_kernel():
     forced = os.environ.get("MXFP4X_ISA", "").strip().lower()
     if forced:
-        set_isa(forced)
-    else:
-        for i in range(c.mxfp4x_n_kernels()):
-            if c.mxfp4x_kernel_runnable(i):
-                _kernel = i
-                break
+        return _resolve(forced, "MXFP4X_ISA")
+    return next(i for i in range(c.mxfp4x_n_kernels()) if c.mxfp4x_kernel_runnable(i))
 
 
-_select_at_import()
+# The process default, fixed at import (MXFP4X_ISA or the best runnable ISA); a
+# call chooses its own ISA through its description, never by changing this.
+cdef int _default = _default_kernel()
 
 
-cdef const c.mxfp4x_kernels *_pick(str isa) except NULL:
-    cdef int i = _kernel if isa is None else _find(isa)
-    if i < 0 or not c.mxfp4x_kernel_runnable(i):
-        raise ValueError(f"isa={isa!r} is not runnable here; choose one of {runnable_isas()}")
-    return c.mxfp4x_kernel_at(i)
+def default_isa():
+    """The ISA a call runs when it names none."""
+    return c.mxfp4x_kernel_at(_default).name.decode()
 
 
-def layout_half(str isa=None):
-    """The element order of the ISA's decoded groups (see mxfp4x_prepare_x_f32)."""
-    return _pick(isa).layout_half
+cdef const c.mxfp4x_kernels *_kernels(isa) except NULL:
+    return c.mxfp4x_kernel_at(_default if isa is None else _resolve(isa, "isa"))
 
 
-def decode_rows(uintptr_t blocks, uintptr_t scales, int64_t n_rows, int64_t n_groups,
-                uintptr_t out, str isa=None):
-    """Decode n_rows contiguous rows into out (float32, in the ISA's layout).
+def _isa_decision(*, bint osxsave, bint avx, bint fma, bint avx2, bint avx512f,
+                  unsigned long long xcr0, int darwin_avx512=-1):
+    """The ISAs cpu.h would allow for these CPUID / XCR0 / macOS sysctl facts."""
+    cdef c.mxfp4x_cpu_facts f
+    f.osxsave, f.avx, f.fma, f.avx2, f.avx512f = osxsave, avx, fma, avx2, avx512f
+    f.xcr0 = xcr0
+    f.darwin_avx512 = darwin_avx512
+    mask = c.mxfp4x_isa_decision(&f)
+    names = {c.MXFP4X_ISA_SCALAR: "scalar", c.MXFP4X_ISA_AVX2: "avx2",
+             c.MXFP4X_ISA_AVX512: "avx512"}
+    return sorted(names[b] for b in names if (mask >> b) & 1)
 
-    Testing hook: it runs the chosen ISA's own decode kernel.
+
+def build_info():
+    """How this extension was compiled: the flags and what the compiler's own
+    predefined macros say about fast-math and global ISA flags."""
+    return {"cflags": (<bytes>c.MXFP4X_BUILD_CFLAGS).decode(),
+            "fast_math": bool(c.MXFP4X_BUILT_FAST_MATH),
+            "global_isa_flags": bool(c.MXFP4X_BUILT_GLOBAL_ISA)}
+
+
+# ---- the call description -------------------------------------------------------------
+
+cdef uintptr_t _address(arr, str name, tuple shape, int itemsize, str what) except? 0:
+    """The data address of a C-contiguous numpy array of this shape and item size."""
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy array ({what}), got {type(arr).__name__}")
+    if arr.shape != shape or arr.itemsize != itemsize or not arr.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous {shape} array of {itemsize}-byte "
+                         f"items ({what}), got shape {arr.shape}, dtype {arr.dtype}, "
+                         f"c_contiguous={arr.flags.c_contiguous}")
+    return <uintptr_t>arr.ctypes.data
+
+
+cdef class Experts:
+    """E experts' MXFP4 bytes as the kernels read them: one ``mxfp4x_rows`` per expert,
+    so the experts may be slices of one stacked tensor or separate tensors.
+
+    ``table`` is (n_experts, 4) int64, one row per expert: the addresses of its packed
+    bytes and of its scale bytes, then their row strides in bytes (each row's
+    ``n_groups * 16`` bytes and ``n_groups`` scale bytes contiguous).  ``owner`` keeps
+    the memory alive as long as this object.
     """
-    cdef const c.mxfp4x_kernels *k = _pick(isa)
-    cdef c.mxfp4x_rows rows
-    rows.blocks = <const uint8_t *>blocks
-    rows.scales = <const uint8_t *>scales
-    rows.row_stride_blocks = n_groups * 16
-    rows.row_stride_scales = n_groups
-    rows.n_groups = n_groups
-    with nogil:
-        k.decode_f32(&rows, 0, n_rows, <float *>out)
+    cdef c.mxfp4x_rows *rows
+    cdef readonly int64_t n_experts, d_out, n_groups
+    cdef readonly object owner
+
+    def __cinit__(self, const int64_t[:, ::1] table, *, int64_t d_out, int64_t n_groups,
+                  owner):
+        cdef int64_t e, row_bytes = n_groups * c.MXFP4X_GROUP_BYTES
+        if table.shape[1] != 4 or d_out < 0 or n_groups < 0:
+            raise ValueError(f"Experts: expected an (n_experts, 4) table and d_out, n_groups "
+                             f">= 0, got {(table.shape[0], table.shape[1])}, {d_out}, "
+                             f"{n_groups}")
+        self.n_experts, self.d_out, self.n_groups = table.shape[0], d_out, n_groups
+        self.owner = owner
+        self.rows = <c.mxfp4x_rows *>malloc(max(self.n_experts, 1) * sizeof(c.mxfp4x_rows))
+        if self.rows == NULL:
+            raise MemoryError("mxfp4x: cannot allocate the expert table")
+        for e in range(self.n_experts):
+            if d_out > 1 and (table[e, 2] < row_bytes or table[e, 3] < n_groups):
+                raise ValueError(f"Experts: expert {e}: row strides {table[e, 2]}, "
+                                 f"{table[e, 3]} overlap rows of {row_bytes} / {n_groups} "
+                                 f"bytes")
+            if d_out and n_groups and (table[e, 0] == 0 or table[e, 1] == 0):
+                raise ValueError(f"Experts: expert {e}: null address")
+            self.rows[e].blocks = <const uint8_t *><uintptr_t>table[e, 0]
+            self.rows[e].scales = <const uint8_t *><uintptr_t>table[e, 1]
+            self.rows[e].row_stride_blocks = table[e, 2]
+            self.rows[e].row_stride_scales = table[e, 3]
+            self.rows[e].n_groups = n_groups
+
+    def __dealloc__(self):
+        free(self.rows)
 
 
-cdef struct Ctx:
-    const c.mxfp4x_kernels *k
-    const uint8_t *blocks
-    const uint8_t *scales
-    int64_t blocks_expert_stride, blocks_row_stride
-    int64_t scales_expert_stride, scales_row_stride
-    int64_t d_out, n_groups, d_in
-    int64_t tile_rows, panel_rows
-    const void *x           # prepared latents, one row per token (or per slot), in layout
-    void *out               # (n_tokens or n_pairs, d_out); starts as the shared output
-    const int64_t *active   # active expert ids, ascending
+cdef class Call:
+    """One call of the CPU driver (see ``mxfp4x_call`` in mxfp4x.h for the semantics).
+
+    Keywords name every mode: ``product`` "forward" or "transposed"; ``compute``
+    "float32" or "float64" (accumulation and ``dst``); ``src_dtype`` one of
+    float32, float64, bfloat16, float16 (16-bit latents come as 2-byte integer views);
+    ``src_rows`` / ``dst_rows`` "token" or "slot".  Arrays are C-contiguous numpy
+    arrays: ``selected`` (n_tokens, top_k) int64; ``mix`` (n_tokens, top_k) of
+    ``compute``, or None where the d_out side is per slot; ``src`` and ``dst`` 2-D,
+    one row per token or per slot.  ``isa`` None runs the default ISA.
+    """
+    cdef c.mxfp4x_call desc
+    cdef readonly Experts experts
+    cdef readonly str isa
+    cdef object _keep
+
+    def __cinit__(self, Experts experts not None, *, str product, str compute, selected, mix,
+                  src, str src_dtype, str src_rows, dst, str dst_rows, isa=None,
+                  int n_threads=1):
+        self.experts = experts
+        self._keep = (selected, mix, src, dst)
+        self.desc.kernels = _kernels(isa)
+        self.isa = self.desc.kernels.name.decode()
+        self.desc.experts.n_experts = experts.n_experts
+        self.desc.experts.d_out = experts.d_out
+        self.desc.experts.n_groups = experts.n_groups
+        self.desc.experts.rows = experts.rows
+        self.desc.n_threads = max(1, n_threads)
+        self.desc.product = _named(_PRODUCTS, product, "product")
+        self.desc.compute = _named(_DTYPES, compute, "compute")
+        self.desc.src_dtype = _named(_DTYPES, src_dtype, "src_dtype")
+        self.desc.src_rows = _named(_ROWS, src_rows, "src_rows")
+        self.desc.dst_rows = _named(_ROWS, dst_rows, "dst_rows")
+        self._check(compute, selected, mix, src, src_dtype, src_rows, dst, dst_rows)
+
+    cdef _check(self, str compute, selected, mix, src, str src_dtype, str src_rows, dst,
+                str dst_rows):
+        """Every array's shape, item size and contiguity, and the rules between modes."""
+        cdef int64_t n_tokens, top_k
+        cdef bint forward = self.desc.product == c.MXFP4X_FORWARD
+        cdef int64_t d_in = self.desc.experts.n_groups * c.MXFP4X_GROUP
+        cdef int64_t d_out = self.desc.experts.d_out
+        if compute not in ("float32", "float64"):
+            raise ValueError(f"compute: expected 'float32' or 'float64', got {compute!r}")
+        if not forward and src_dtype != compute:
+            raise ValueError(f"src_dtype: the transposed product reads a gradient of the "
+                             f"compute dtype {compute!r}, got {src_dtype!r}")
+        if not isinstance(selected, np.ndarray) or selected.ndim != 2:
+            raise ValueError("selected: expected a 2-D int64 numpy array (n_tokens, top_k)")
+        n_tokens, top_k = selected.shape
+        self.desc.n_tokens, self.desc.top_k = n_tokens, top_k
+        self.desc.selected = <const int64_t *>_address(
+            selected, "selected", (n_tokens, top_k), 8, "int64 expert ids")
+        if selected.dtype != np.int64:
+            raise ValueError(f"selected: expected int64, got {selected.dtype}")
+        # the d_out side: dst of the forward product, src of the transposed one
+        y_rows = dst_rows if forward else src_rows
+        if (mix is None) != (y_rows == "slot"):
+            raise ValueError(f"mix: {'not ' if y_rows == 'slot' else ''}expected where the "
+                             f"d_out side is per {y_rows} (per-token sums are weighted)")
+        self.desc.mix = NULL if mix is None else <const void *>_address(
+            mix, "mix", (n_tokens, top_k), _ITEMSIZE[compute], f"{compute} mixture weights")
+        rows = {"token": n_tokens, "slot": n_tokens * top_k}
+        self.desc.src = <const void *>_address(
+            src, "src", (rows[src_rows], d_in if forward else d_out), _ITEMSIZE[src_dtype],
+            f"{src_dtype} {'latents' if forward else 'gradient'} per {src_rows}")
+        self.desc.dst = <void *>_address(
+            dst, "dst", (rows[dst_rows], d_out if forward else d_in), _ITEMSIZE[compute],
+            f"{compute} {'outputs' if forward else 'latent gradient'} per {dst_rows}")
+        if not dst.flags.writeable:
+            raise ValueError("dst: the array is read-only")
+
+    @property
+    def n_threads(self):
+        return self.desc.n_threads
+
+    def run(self):
+        """Run the call (GIL released); ``dst`` receives the result."""
+        cdef double d0 = 0
+        cdef float f0 = 0
+        if self.desc.compute == c.MXFP4X_DTYPE_F64:
+            _drive(d0, &self.desc)
+        else:
+            _drive(f0, &self.desc)
+
+
+cdef int _named(dict names, str value, str arg) except -1:
+    if value not in names:
+        raise ValueError(f"{arg}: expected one of {tuple(names)}, got {value!r}")
+    return names[value]
+
+
+# ---- the driver ---------------------------------------------------------------------------
+
+cdef struct Routing:
+    int64_t *offsets    # pairs of expert e: [offsets[e], offsets[e + 1]) of the sorted pairs
+    int64_t *active     # experts with pairs, ascending
     int64_t n_active
-    const int64_t *offsets  # pairs of expert e: [offsets[e], offsets[e + 1])
-    const int64_t *pair_tok  # per sorted pair: its row of x
-    const int64_t *pair_row  # per sorted pair: its row of out
-    const void *pair_w
-    bint assign             # per-slot outputs: out[row] = dot (no weight, no sum)
+    int64_t max_count   # most pairs of one expert
+    int64_t *pair_src   # per sorted pair: its row of src
+    int64_t *pair_dst   # per sorted pair: its row of dst
+    void *pair_w        # per sorted pair: its weight (1 without mix), compute dtype
+
+
+# What every task of one call reads; per-thread scratch is carved from `scratch`.
+cdef struct Work:
+    const c.mxfp4x_call *call
+    Routing r
+    const void *x       # forward: latents prepared in the kernel layout; transposed: src
+    void *out           # forward: call.dst; transposed: dx in the kernel layout
+    int64_t n_tasks
+    int64_t task_size   # forward: rows of W per task; transposed: groups per task
+    int64_t panel_rows
+    int64_t panel_len, dots_len   # elements of the compute dtype per thread
+    int64_t lanes_len             # floats of panel_dot scratch per thread
+    int64_t per_thread            # bytes per thread, whole cache lines
+    char *scratch
+
+
+cdef void *_xmalloc(int64_t n_bytes, bint zero=False) except NULL:
+    cdef void *p = calloc(<size_t>max(n_bytes, 64), 1) if zero else \
+        malloc(<size_t>max(n_bytes, 64))
+    if p == NULL:
+        raise MemoryError(f"mxfp4x: cannot allocate {n_bytes} bytes of scratch memory")
+    return p
+
+
+cdef int64_t _route(real dummy, const c.mxfp4x_call *call, Routing *r,
+                    int64_t *fill) noexcept nogil:
+    """Stable counting sort of the pairs p = t * top_k + k by expert.  Returns -1, or
+    the pair index of the first expert id outside [0, n_experts)."""
+    cdef int64_t p, e, n_experts = call.experts.n_experts, top_k = call.top_k
+    cdef int64_t n_pairs = call.n_tokens * top_k
+    cdef const real *mix = <const real *>call.mix
+    cdef real *w = <real *>r.pair_w
+    cdef bint src_slot = call.src_rows == c.MXFP4X_ROWS_PER_SLOT
+    cdef bint dst_slot = call.dst_rows == c.MXFP4X_ROWS_PER_SLOT
+    for e in range(n_experts + 1):
+        r.offsets[e] = 0
+    for p in range(n_pairs):
+        e = call.selected[p]
+        if e < 0 or e >= n_experts:
+            return p
+        r.offsets[e + 1] += 1
+    r.n_active = 0
+    r.max_count = 0
+    for e in range(n_experts):
+        if r.offsets[e + 1] > 0:
+            r.active[r.n_active] = e
+            r.n_active += 1
+            r.max_count = max(r.max_count, r.offsets[e + 1])
+        r.offsets[e + 1] += r.offsets[e]
+        fill[e] = r.offsets[e]
+    for p in range(n_pairs):
+        e = call.selected[p]
+        r.pair_src[fill[e]] = p if src_slot else p // top_k
+        r.pair_dst[fill[e]] = p if dst_slot else p // top_k
+        w[fill[e]] = 1 if mix == NULL else mix[p]
+        fill[e] += 1
+    return -1
+
+
+cdef void _plan(real dummy, Work *w) noexcept nogil:
+    """Task split and per-thread scratch of the call's product."""
+    cdef const c.mxfp4x_call *call = w.call
+    cdef int64_t d_in = call.experts.n_groups * c.MXFP4X_GROUP, block, n_chunks, rows
+    cdef const c.mxfp4x_kernels *k = call.kernels
+    w.lanes_len = 0
+    w.dots_len = 0
+    if call.product == c.MXFP4X_FORWARD:
+        w.task_size = TILE_ROWS
+        w.n_tasks = (call.experts.d_out + TILE_ROWS - 1) // TILE_ROWS
+        # a tile's rows in equal panels of at most PANEL_BYTES, whole register blocks
+        block = 1 if real is double else k.panel_row_block
+        rows = max(1, (PANEL_BYTES // <int64_t>sizeof(real)) // max(d_in, 1))
+        n_chunks = (TILE_ROWS + rows - 1) // rows
+        rows = (TILE_ROWS + n_chunks - 1) // n_chunks
+        w.panel_rows = min(TILE_ROWS, (rows + block - 1) // block * block)
+        w.panel_len = w.panel_rows * d_in
+        w.dots_len = max(w.r.max_count * w.panel_rows, c.MXFP4X_GEMV_MAX_TOKENS * TILE_ROWS)
+        if real is float:
+            w.lanes_len = k.panel_scratch_floats(w.panel_rows)
+    else:
+        w.task_size = T_TILE_GROUPS
+        w.n_tasks = (call.experts.n_groups + T_TILE_GROUPS - 1) // T_TILE_GROUPS
+        w.panel_rows = T_PANEL_ROWS
+        w.panel_len = T_PANEL_ROWS * T_TILE_GROUPS * c.MXFP4X_GROUP
+    w.per_thread = ((w.panel_len + w.dots_len) * <int64_t>sizeof(real) + w.lanes_len * 4
+                    + 63) // 64 * 64
 
 
 cdef void _combine(real *out, int64_t d_out, int64_t col, const int64_t *rows,
@@ -163,372 +398,247 @@ cdef void _combine(real *out, int64_t d_out, int64_t col, const int64_t *rows,
                 y[r] = y[r] + wt * d[r]
 
 
-cdef void _tile(const Ctx *ctx, int64_t tile, real *panel, real *dots,
-                float *lanes) noexcept nogil:
-    cdef int64_t row_start = tile * ctx.tile_rows
-    cdef int64_t row_end = min(ctx.d_out, row_start + ctx.tile_rows)
+cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noexcept nogil:
+    """Output rows [row_start, row_end) for every pair: each active expert's rows are
+    decoded once (in registers for a few tokens on float32, into panels otherwise)."""
+    cdef const c.mxfp4x_call *call = w.call
+    cdef const c.mxfp4x_kernels *k = call.kernels
+    cdef int64_t d_out = call.experts.d_out, n_groups = call.experts.n_groups
+    cdef int64_t d_in = n_groups * c.MXFP4X_GROUP
+    cdef int64_t row_start = task * w.task_size
+    cdef int64_t row_end = min(d_out, row_start + w.task_size)
     cdef int64_t a, e, s, n, c0, c1
+    cdef bint assign = call.mix == NULL
     cdef c.mxfp4x_rows rows
-    cdef const int64_t *toks
-    cdef const int64_t *orows
+    cdef const int64_t *srcs
+    cdef const int64_t *dsts
+    cdef real *panel = <real *>mine
+    cdef real *dots = panel + w.panel_len
+    cdef float *lanes = <float *>(dots + w.dots_len)
     cdef const real *ws
-    rows.row_stride_blocks = ctx.blocks_row_stride
-    rows.row_stride_scales = ctx.scales_row_stride
-    rows.n_groups = ctx.n_groups
-    for a in range(ctx.n_active):
-        e = ctx.active[a]
-        s = ctx.offsets[e]
-        n = ctx.offsets[e + 1] - s
-        toks = ctx.pair_tok + s
-        orows = ctx.pair_row + s
-        ws = (<const real *>ctx.pair_w) + s
-        rows.blocks = ctx.blocks + e * ctx.blocks_expert_stride
-        rows.scales = ctx.scales + e * ctx.scales_expert_stride
+    for a in range(w.r.n_active):
+        e = w.r.active[a]
+        s = w.r.offsets[e]
+        n = w.r.offsets[e + 1] - s
+        srcs = w.r.pair_src + s
+        dsts = w.r.pair_dst + s
+        ws = (<const real *>w.r.pair_w) + s
+        rows = call.experts.rows[e]
         if real is float:
             if n <= c.MXFP4X_GEMV_MAX_TOKENS:
                 # one or a few tokens: fused decode + dot in registers, no panel
-                ctx.k.gemv_f32(&rows, row_start, row_end, <const float *>ctx.x, ctx.d_in, toks,
-                               n, dots, row_end - row_start)
-                _combine(<real *>ctx.out, ctx.d_out, row_start, orows, ws, n, dots,
-                         row_end - row_start, ctx.assign)
+                k.gemv_f32(&rows, row_start, row_end, <const float *>w.x, d_in, srcs, n, dots,
+                           row_end - row_start)
+                _combine(<real *>w.out, d_out, row_start, dsts, ws, n, dots,
+                         row_end - row_start, assign)
                 continue
         c0 = row_start
         while c0 < row_end:
-            c1 = min(row_end, c0 + ctx.panel_rows)
+            c1 = min(row_end, c0 + w.panel_rows)
             if real is float:
-                ctx.k.decode_f32(&rows, c0, c1, panel)
-                ctx.k.panel_dot_f32(panel, c1 - c0, ctx.n_groups, <const float *>ctx.x,
-                                    ctx.d_in, toks, n, dots, c1 - c0, lanes)
+                k.decode_f32(&rows, c0, c1, panel)
+                k.panel_dot_f32(panel, c1 - c0, n_groups, <const float *>w.x, d_in, srcs, n,
+                                dots, c1 - c0, lanes)
             else:
                 c.mxfp4x_decode_f64(&rows, c0, c1, panel)
-                c.mxfp4x_panel_dot_f64(panel, c1 - c0, ctx.n_groups, <const double *>ctx.x,
-                                       ctx.d_in, toks, n, dots, c1 - c0)
-            _combine(<real *>ctx.out, ctx.d_out, c0, orows, ws, n, dots, c1 - c0, ctx.assign)
+                c.mxfp4x_panel_dot_f64(panel, c1 - c0, n_groups, <const double *>w.x, d_in,
+                                       srcs, n, dots, c1 - c0)
+            _combine(<real *>w.out, d_out, c0, dsts, ws, n, dots, c1 - c0, assign)
             c0 = c1
 
 
-cdef void _prepare(real *dst, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_groups,
-                   int half, int n_threads) noexcept nogil:
-    cdef int64_t t, d_in = n_groups * 32
-    cdef int64_t elem = 8 if x_dtype == c.MXFP4X_DTYPE_F64 else (
-        4 if x_dtype == c.MXFP4X_DTYPE_F32 else 2)
-    for t in prange(n_tokens, num_threads=n_threads, schedule='static'):
-        if real is float:
-            c.mxfp4x_prepare_x_f32(<const void *>(x + <uintptr_t>(t * d_in * elem)), x_dtype,
-                                   n_groups, half, dst + t * d_in)
-        else:
-            c.mxfp4x_prepare_x_f64(<const double *>(x + <uintptr_t>(t * d_in * elem)),
-                                   n_groups, dst + t * d_in)
-
-
-cdef void *_xmalloc(int64_t n_bytes) except NULL:
-    cdef void *p = malloc(<size_t>max(n_bytes, 64))
-    if p == NULL:
-        raise MemoryError(f"mxfp4x: cannot allocate {n_bytes} bytes of scratch memory")
-    return p
-
-
-cdef int64_t _route(const int64_t *sel, int64_t n_pairs, int64_t n_experts, int64_t top_k,
-                    const real *wts, bint slot_inputs, bint slot_outputs, int64_t *offsets,
-                    int64_t *fill, int64_t *active, int64_t *pair_x, int64_t *pair_row,
-                    real *pair_w, int64_t *max_count) noexcept nogil:
-    """Stable counting sort of the pairs p = t * top_k + k by expert.
-
-    Fills, per sorted pair, its row of x, its row of the output and its weight (1 for
-    per-slot outputs); offsets[e]..offsets[e + 1] are expert e's pairs; active lists
-    the experts with pairs, ascending.  Returns their number; *max_count is the most
-    pairs of one expert."""
-    cdef int64_t p, e, n_active = 0
-    for e in range(n_experts + 1):
-        offsets[e] = 0
-    for p in range(n_pairs):
-        offsets[sel[p] + 1] += 1
-    max_count[0] = 0
-    for e in range(n_experts):
-        if offsets[e + 1] > 0:
-            active[n_active] = e
-            n_active += 1
-            max_count[0] = max(max_count[0], offsets[e + 1])
-        offsets[e + 1] += offsets[e]
-        fill[e] = offsets[e]
-    for p in range(n_pairs):
-        e = sel[p]
-        pair_x[fill[e]] = p if slot_inputs else p // top_k
-        pair_row[fill[e]] = p if slot_outputs else p // top_k
-        pair_w[fill[e]] = 1 if slot_outputs else wts[p]
-        fill[e] += 1
-    return n_active
-
-
-cdef _run(real dummy, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_groups,
-          uintptr_t blocks, int64_t n_experts, int64_t d_out,
-          int64_t blocks_expert_stride, int64_t blocks_row_stride,
-          uintptr_t scales, int64_t scales_expert_stride, int64_t scales_row_stride,
-          uintptr_t selected, int64_t top_k, uintptr_t weights, uintptr_t out,
-          int n_threads, str isa, bint slot_inputs, bint slot_outputs):
-    cdef Ctx ctx
-    cdef int64_t d_in = n_groups * 32, n_pairs = n_tokens * top_k
-    cdef int64_t n_tiles, max_count = 0, n_active = 0, scratch_rows
-    cdef const int64_t *sel = <const int64_t *>selected
-    cdef const real *wts = <const real *>weights
-    cdef real *xbuf = NULL
-    cdef char *scratch = NULL
-    cdef char *mine
-    cdef int64_t panel_len, dots_len, lanes_len, per_thread
-    cdef unsigned int fpenv
-    cdef int half
-    cdef int64_t *offsets = NULL
-    cdef int64_t *fill = NULL
-    cdef int64_t *active = NULL
-    cdef int64_t *pair_tok = NULL
-    cdef int64_t *pair_row = NULL
-    cdef real *pair_w = NULL
-    cdef int64_t n_x = n_pairs if slot_inputs else n_tokens
-    cdef int tid
-    cdef int64_t tile
-    if n_pairs == 0 or d_out == 0:
-        return
-    ctx.k = _pick(isa)
-    n_tiles = (d_out + TILE_ROWS - 1) // TILE_ROWS
-    n_threads = <int>max(1, min(<int64_t>n_threads, n_tiles))  # more threads than tiles idle
-    try:
-        offsets = <int64_t *>_xmalloc((n_experts + 1) * 8)
-        fill = <int64_t *>_xmalloc((n_experts + 1) * 8)
-        active = <int64_t *>_xmalloc((n_experts + 1) * 8)
-        pair_tok = <int64_t *>_xmalloc(n_pairs * 8)
-        pair_row = <int64_t *>_xmalloc(n_pairs * 8)
-        pair_w = <real *>_xmalloc(n_pairs * sizeof(real))
-        xbuf = <real *>_xmalloc(n_x * d_in * sizeof(real))
-        with nogil:
-            n_active = _route(sel, n_pairs, n_experts, top_k, wts, slot_inputs, slot_outputs,
-                              offsets, fill, active, pair_tok, pair_row, pair_w, &max_count)
-        # per-thread scratch: a panel of decoded rows, the dot products of one
-        # expert's pairs against it, and panel_dot's parked lane accumulators
-        scratch_rows = min(TILE_ROWS, (PANEL_BYTES // <int64_t>sizeof(real)) // max(d_in, 1))
-        scratch_rows = max(12, scratch_rows - scratch_rows % 12)
-        panel_len = scratch_rows * d_in
-        dots_len = max(max_count * scratch_rows, c.MXFP4X_GEMV_MAX_TOKENS * TILE_ROWS)
-        lanes_len = c.MXFP4X_PANEL_SCRATCH_FLOATS(scratch_rows)
-        per_thread = panel_len * <int64_t>sizeof(real) + dots_len * <int64_t>sizeof(real) \
-            + lanes_len * 4
-        per_thread = (per_thread + 63) // 64 * 64  # each thread's scratch on its own lines
-        scratch = <char *>_xmalloc(n_threads * per_thread)
-        ctx.blocks = <const uint8_t *>blocks
-        ctx.scales = <const uint8_t *>scales
-        ctx.blocks_expert_stride = blocks_expert_stride
-        ctx.blocks_row_stride = blocks_row_stride
-        ctx.scales_expert_stride = scales_expert_stride
-        ctx.scales_row_stride = scales_row_stride
-        ctx.d_out = d_out
-        ctx.n_groups = n_groups
-        ctx.d_in = d_in
-        ctx.tile_rows = TILE_ROWS
-        ctx.panel_rows = scratch_rows
-        ctx.x = xbuf
-        ctx.out = <void *>out
-        ctx.active = active
-        ctx.n_active = n_active
-        ctx.offsets = offsets
-        ctx.pair_tok = pair_tok
-        ctx.pair_row = pair_row
-        ctx.pair_w = pair_w
-        ctx.assign = slot_outputs
-        half = 16 if real is double else ctx.k.layout_half
-        with nogil:
-            _prepare(xbuf, x, x_dtype, n_x, n_groups, half, n_threads)
-            with parallel(num_threads=n_threads):
-                tid = threadid()
-                mine = scratch + tid * per_thread
-                fpenv = c.mxfp4x_fpenv_enter()
-                for tile in prange(n_tiles, schedule='dynamic'):
-                    _tile(&ctx, tile, <real *>mine,
-                          <real *>(mine + panel_len * <int64_t>sizeof(real)),
-                          <float *>(mine + (panel_len + dots_len) * <int64_t>sizeof(real)))
-                c.mxfp4x_fpenv_exit(fpenv)
-    finally:
-        free(offsets)
-        free(fill)
-        free(active)
-        free(pair_tok)
-        free(pair_row)
-        free(pair_w)
-        free(xbuf)
-        free(scratch)
-
-
-def mxfp4_experts(bint f64, uintptr_t x, int x_dtype, int64_t n_tokens, int64_t n_groups,
-                  uintptr_t blocks, int64_t n_experts, int64_t d_out,
-                  int64_t blocks_expert_stride, int64_t blocks_row_stride,
-                  uintptr_t scales, int64_t scales_expert_stride, int64_t scales_row_stride,
-                  uintptr_t selected, int64_t top_k, uintptr_t weights, uintptr_t out,
-                  int n_threads, str isa=None, bint slot_inputs=False,
-                  bint slot_outputs=False):
-    """out += sum_k weights[t, k] * W[selected[t, k]] @ x[t], in place.
-
-    out (float32, or float64 when f64) holds the shared output on entry; weights
-    have out's dtype; selected is int64 and already checked against [0, n_experts);
-    every buffer is C-contiguous except the strided expert/row dimensions of the
-    blocks and scales (their last dimensions are contiguous).  Strides in bytes.
-
-    slot_inputs: x has one row per (token, slot), pair p = t * top_k + k uses row p.
-    slot_outputs: out has one row per pair and receives W x unweighted, not summed.
-    """
-    cdef double d0 = 0
-    cdef float f0 = 0
-    if f64:
-        _run(d0, x, x_dtype, n_tokens, n_groups, blocks, n_experts, d_out,
-             blocks_expert_stride, blocks_row_stride, scales, scales_expert_stride,
-             scales_row_stride, selected, top_k, weights, out, n_threads, isa,
-             slot_inputs, slot_outputs)
-    else:
-        _run(f0, x, x_dtype, n_tokens, n_groups, blocks, n_experts, d_out,
-             blocks_expert_stride, blocks_row_stride, scales, scales_expert_stride,
-             scales_row_stride, selected, top_k, weights, out, n_threads, isa,
-             slot_inputs, slot_outputs)
-
-
-# ---- the transposed product, for the gradient of the latents ------------------------
-
-# Groups (of 32 input columns) per parallel task of the transposed product, and rows of
-# W decoded at once into a thread's panel.
-cdef enum:
-    T_TILE_GROUPS = 8
-    T_PANEL_ROWS = 32   # also the size of _t_tile's coefficient buffer
-
-
-cdef void _t_tile(const c.mxfp4x_kernels *k, int64_t ct, int64_t n_groups, int64_t d_out,
-                  uintptr_t blocks, int64_t blocks_expert_stride, int64_t blocks_row_stride,
-                  uintptr_t scales, int64_t scales_expert_stride, int64_t scales_row_stride,
-                  const int64_t *active, int64_t n_active, const int64_t *offsets,
-                  const int64_t *pair_x, const int64_t *pair_g, const real *pair_w,
-                  const real *g, real *out, real *panel) noexcept nogil:
-    """Columns [32 g0, 32 g1) of dx: every active expert, its rows in panels, every pair."""
-    cdef int64_t d_in = n_groups * 32
-    cdef int64_t g0 = ct * T_TILE_GROUPS
-    cdef int64_t g1 = min(n_groups, g0 + T_TILE_GROUPS)
-    cdef int64_t width = (g1 - g0) * 32
-    cdef int64_t a, e, s, n, i, r, j, o0, o1
-    cdef real coef
+cdef void _transposed_task(real dummy, const Work *w, int64_t task,
+                           char *mine) noexcept nogil:
+    """Columns [32 g0, 32 g1) of dx (in the kernel layout): every active expert, its rows
+    in panels, every pair; each element summed in the order (expert, row, pair)."""
+    cdef const c.mxfp4x_call *call = w.call
+    cdef int64_t n_groups = call.experts.n_groups, d_out = call.experts.d_out
+    cdef int64_t d_in = n_groups * c.MXFP4X_GROUP
+    cdef int64_t g0 = task * w.task_size
+    cdef int64_t g1 = min(n_groups, g0 + w.task_size)
+    cdef int64_t width = (g1 - g0) * c.MXFP4X_GROUP
+    cdef int64_t a, e, s, n, i, r, o0, o1
+    cdef real coefs[T_PANEL_ROWS]
+    cdef real *panel = <real *>mine
     cdef real *dst
+    cdef real wt
     cdef const real *grow
-    cdef const real *pr
-    cdef float coefs[T_PANEL_ROWS]
     cdef c.mxfp4x_rows rows
-    rows.row_stride_blocks = blocks_row_stride
-    rows.row_stride_scales = scales_row_stride
-    rows.n_groups = g1 - g0
-    for a in range(n_active):
-        e = active[a]
-        s = offsets[e]
-        n = offsets[e + 1] - s
-        rows.blocks = (<const uint8_t *>blocks) + e * blocks_expert_stride + g0 * 16
-        rows.scales = (<const uint8_t *>scales) + e * scales_expert_stride + g0
+    for a in range(w.r.n_active):
+        e = w.r.active[a]
+        s = w.r.offsets[e]
+        n = w.r.offsets[e + 1] - s
+        rows = call.experts.rows[e]
+        rows.blocks = rows.blocks + g0 * c.MXFP4X_GROUP_BYTES
+        rows.scales = rows.scales + g0
+        rows.n_groups = g1 - g0
         o0 = 0
         while o0 < d_out:
-            o1 = min(d_out, o0 + T_PANEL_ROWS)
+            o1 = min(d_out, o0 + w.panel_rows)
             if real is float:
-                k.decode_f32(&rows, o0, o1, panel)
+                call.kernels.decode_f32(&rows, o0, o1, panel)
             else:
                 c.mxfp4x_decode_f64(&rows, o0, o1, panel)
             for i in range(n):
-                dst = out + pair_x[s + i] * d_in + g0 * 32
-                grow = g + pair_g[s + i] * d_out
+                dst = (<real *>w.out) + w.r.pair_dst[s + i] * d_in + g0 * c.MXFP4X_GROUP
+                grow = (<const real *>w.x) + w.r.pair_src[s + i] * d_out
+                wt = (<const real *>w.r.pair_w)[s + i]
+                for r in range(o1 - o0):
+                    coefs[r] = wt * grow[o0 + r]
                 if real is float:
-                    for r in range(o1 - o0):
-                        coefs[r] = pair_w[s + i] * grow[o0 + r]
-                    k.axpy_rows_f32(panel, o1 - o0, width, coefs, dst)
+                    call.kernels.axpy_rows_f32(panel, o1 - o0, width, coefs, dst)
                 else:
-                    for r in range(o1 - o0):
-                        coef = pair_w[s + i] * grow[o0 + r]
-                        pr = panel + r * width
-                        for j in range(width):
-                            dst[j] = dst[j] + coef * pr[j]
+                    c.mxfp4x_axpy_rows_f64(panel, o1 - o0, width, coefs, dst)
             o0 = o1
 
 
-cdef _run_t(real dummy, uintptr_t grad, int64_t n_tokens, int64_t n_groups,
-            uintptr_t blocks, int64_t n_experts, int64_t d_out,
-            int64_t blocks_expert_stride, int64_t blocks_row_stride,
-            uintptr_t scales, int64_t scales_expert_stride, int64_t scales_row_stride,
-            uintptr_t selected, int64_t top_k, uintptr_t weights, uintptr_t dx,
-            int n_threads, str isa, bint slot_inputs, bint slot_outputs):
-    cdef const c.mxfp4x_kernels *k = _pick(isa)
-    cdef int64_t n_pairs = n_tokens * top_k
-    cdef int64_t ct, n_active = 0, max_count = 0
-    cdef int64_t n_ctiles = (n_groups + T_TILE_GROUPS - 1) // T_TILE_GROUPS
-    cdef const int64_t *sel = <const int64_t *>selected
-    cdef const real *wts = <const real *>weights
-    cdef const real *g = <const real *>grad
-    cdef real *out = <real *>dx
-    cdef int64_t *offsets = NULL
+cdef void _prepare(real dummy, const c.mxfp4x_call *call, real *dst, int half,
+                   int n_threads) noexcept nogil:
+    """Forward latents: each row converted to the compute dtype, in the kernel layout."""
+    cdef int64_t t, n_groups = call.experts.n_groups
+    cdef int64_t d_in = n_groups * c.MXFP4X_GROUP
+    cdef int64_t n_rows = call.n_tokens * (call.top_k if call.src_rows == c.MXFP4X_ROWS_PER_SLOT
+                                           else 1)
+    cdef int64_t elem = 8 if call.src_dtype == c.MXFP4X_DTYPE_F64 else (
+        4 if call.src_dtype == c.MXFP4X_DTYPE_F32 else 2)
+    cdef const char *src = <const char *>call.src
+    for t in prange(n_rows, num_threads=n_threads, schedule='static'):
+        if real is float:
+            c.mxfp4x_prepare_x_f32(src + t * d_in * elem, call.src_dtype, n_groups, half,
+                                   dst + t * d_in)
+        else:
+            c.mxfp4x_prepare_x_f64(<const double *>(src + t * d_in * elem), n_groups,
+                                   dst + t * d_in)
+
+
+cdef void _finish(real dummy, const c.mxfp4x_call *call, const real *dx, int half,
+                  int n_threads) noexcept nogil:
+    """Transposed result: rows of dx from the kernel layout to natural order in dst."""
+    cdef int64_t t, n_groups = call.experts.n_groups
+    cdef int64_t d_in = n_groups * c.MXFP4X_GROUP
+    cdef int64_t n_rows = call.n_tokens * (call.top_k if call.dst_rows == c.MXFP4X_ROWS_PER_SLOT
+                                           else 1)
+    cdef real *dst = <real *>call.dst
+    for t in prange(n_rows, num_threads=n_threads, schedule='static'):
+        if real is float:
+            c.mxfp4x_natural_f32(dx + t * d_in, n_groups, half, dst + t * d_in)
+        else:
+            c.mxfp4x_natural_f64(dx + t * d_in, n_groups, half, dst + t * d_in)
+
+
+cdef _drive(real dummy, const c.mxfp4x_call *call):
+    """The one driver skeleton: route, plan, prepare, run the tasks in parallel, finish."""
+    cdef Work w
+    cdef int64_t n_groups = call.experts.n_groups
+    cdef int64_t d_in = n_groups * c.MXFP4X_GROUP
+    cdef int64_t n_pairs = call.n_tokens * call.top_k, bad = -1, task
+    cdef int64_t n_x_rows
     cdef int64_t *fill = NULL
-    cdef int64_t *active = NULL
-    cdef int64_t *pair_x = NULL
-    cdef int64_t *pair_g = NULL
-    cdef real *pair_w = NULL
-    cdef char *scratch = NULL
-    cdef real *panel
-    cdef int64_t per_thread = T_PANEL_ROWS * T_TILE_GROUPS * 32 * <int64_t>sizeof(real) + 64
-    cdef unsigned int fpenv
-    cdef int tid
-    if n_pairs == 0 or d_out == 0 or n_groups == 0:
-        return
-    n_threads = <int>max(1, min(<int64_t>n_threads, n_ctiles))
+    cdef void *layout_buf = NULL
+    cdef bint forward = call.product == c.MXFP4X_FORWARD
+    cdef int half = c.MXFP4X_LAYOUT_16 if real is double else call.kernels.layout_half
+    cdef int n_threads, tid
+    cdef c.mxfp4x_fpenv fpenv
+    cdef char *mine
+    w.call = call
+    w.r.offsets = w.r.active = w.r.pair_src = w.r.pair_dst = NULL
+    w.r.pair_w = NULL
+    w.scratch = NULL
     try:
-        offsets = <int64_t *>_xmalloc((n_experts + 1) * 8)
-        fill = <int64_t *>_xmalloc((n_experts + 1) * 8)
-        active = <int64_t *>_xmalloc((n_experts + 1) * 8)
-        pair_x = <int64_t *>_xmalloc(n_pairs * 8)
-        pair_g = <int64_t *>_xmalloc(n_pairs * 8)
-        pair_w = <real *>_xmalloc(n_pairs * sizeof(real))
-        scratch = <char *>_xmalloc(n_threads * per_thread)
+        w.r.offsets = <int64_t *>_xmalloc((call.experts.n_experts + 1) * 8)
+        w.r.active = <int64_t *>_xmalloc((call.experts.n_experts + 1) * 8)
+        fill = <int64_t *>_xmalloc((call.experts.n_experts + 1) * 8)
+        w.r.pair_src = <int64_t *>_xmalloc(n_pairs * 8)
+        w.r.pair_dst = <int64_t *>_xmalloc(n_pairs * 8)
+        w.r.pair_w = _xmalloc(n_pairs * <int64_t>sizeof(real))
         with nogil:
-            n_active = _route(sel, n_pairs, n_experts, top_k, wts, slot_inputs, slot_outputs,
-                              offsets, fill, active, pair_x, pair_g, pair_w, &max_count)
-            # each task owns a range of input columns: dx elements have one writer, and
-            # each is accumulated in the order (expert, row, pair): thread-count agnostic
+            bad = _route(dummy, call, &w.r, fill)
+        if bad >= 0:
+            from mxfp4x._validation import expert_id_error
+            raise expert_id_error(call.selected[bad], call.experts.n_experts)
+        n_x_rows = call.n_tokens * (call.top_k if (call.src_rows if forward else call.dst_rows)
+                                    == c.MXFP4X_ROWS_PER_SLOT else 1)
+        # (a forward product with d_in = 0 still runs: every dot is 0, the result p * 0)
+        if n_pairs == 0 or call.experts.d_out == 0 or (d_in == 0 and not forward):
+            if not forward:  # an empty sum
+                memset(call.dst, 0, n_x_rows * d_in * <int64_t>sizeof(real))
+            return
+        _plan(dummy, &w)
+        n_threads = <int>max(1, min(<int64_t>call.n_threads, w.n_tasks))  # more would idle
+        w.scratch = <char *>_xmalloc(n_threads * w.per_thread)
+        # forward: the latents in the kernel layout; transposed: dx in it (zeroed)
+        layout_buf = _xmalloc(n_x_rows * d_in * <int64_t>sizeof(real), not forward)
+        if forward:
+            w.x = layout_buf
+            w.out = call.dst
+        else:
+            w.x = call.src
+            w.out = layout_buf
+        with nogil:
+            if forward:
+                _prepare(dummy, call, <real *>layout_buf, half, n_threads)
             with parallel(num_threads=n_threads):
                 tid = threadid()
-                panel = <real *>(scratch + tid * per_thread)
+                mine = w.scratch + tid * w.per_thread
                 fpenv = c.mxfp4x_fpenv_enter()
-                for ct in prange(n_ctiles, schedule='dynamic'):
-                    _t_tile(k, ct, n_groups, d_out, blocks, blocks_expert_stride,
-                            blocks_row_stride, scales, scales_expert_stride,
-                            scales_row_stride, active, n_active, offsets, pair_x, pair_g,
-                            pair_w, g, out, panel)
+                for task in prange(w.n_tasks, schedule='dynamic'):
+                    if forward:
+                        _forward_task(dummy, &w, task, mine)
+                    else:
+                        _transposed_task(dummy, &w, task, mine)
                 c.mxfp4x_fpenv_exit(fpenv)
+            if not forward:
+                _finish(dummy, call, <const real *>layout_buf, half, n_threads)
     finally:
-        free(offsets)
+        free(w.r.offsets)
+        free(w.r.active)
         free(fill)
-        free(active)
-        free(pair_x)
-        free(pair_g)
-        free(pair_w)
-        free(scratch)
+        free(w.r.pair_src)
+        free(w.r.pair_dst)
+        free(w.r.pair_w)
+        free(w.scratch)
+        free(layout_buf)
 
 
-def mxfp4_experts_t(bint f64, uintptr_t grad, int64_t n_tokens, int64_t n_groups,
-                    uintptr_t blocks, int64_t n_experts, int64_t d_out,
-                    int64_t blocks_expert_stride, int64_t blocks_row_stride,
-                    uintptr_t scales, int64_t scales_expert_stride, int64_t scales_row_stride,
-                    uintptr_t selected, int64_t top_k, uintptr_t weights, uintptr_t dx,
-                    int n_threads, str isa=None, bint slot_inputs=False,
-                    bint slot_outputs=False):
-    """dx[x_row(p)] += weights[p] * W[selected[p]]^T grad[out_row(p)], in place.
+# ---- testing hook -----------------------------------------------------------------------
 
-    The transposed product (gradient of the latents).  dx is (rows of x, d_in) in the
-    element layout of the ISA's decode (``layout_half(isa)``; 16 on the float64 path)
-    and must start at zero; grad is (rows of out, d_out), contiguous, of dx's dtype.
-    Returns the layout used.
-    """
-    cdef double d0 = 0
-    cdef float f0 = 0
-    if f64:
-        _run_t(d0, grad, n_tokens, n_groups, blocks, n_experts, d_out, blocks_expert_stride,
-               blocks_row_stride, scales, scales_expert_stride, scales_row_stride, selected,
-               top_k, weights, dx, n_threads, isa, slot_inputs, slot_outputs)
-        return 16
-    _run_t(f0, grad, n_tokens, n_groups, blocks, n_experts, d_out, blocks_expert_stride,
-           blocks_row_stride, scales, scales_expert_stride, scales_row_stride, selected,
-           top_k, weights, dx, n_threads, isa, slot_inputs, slot_outputs)
-    return _pick(isa).layout_half
+def decode_rows(packed, scales, *, isa=None, str compute="float32"):
+    """(n_rows, n_groups, 16) uint8 bytes and (n_rows, n_groups) scale bytes -> the
+    (n_rows, 32 n_groups) weights, decoded by the ISA's own decode kernel (the float64
+    path's for compute="float64"), in natural element order."""
+    cdef const c.mxfp4x_kernels *k = _kernels(isa)
+    cdef c.mxfp4x_rows rows
+    cdef int64_t n_rows, n_groups, r, d_in
+    cdef bint f64 = compute == "float64"
+    cdef int half = c.MXFP4X_LAYOUT_16 if f64 else k.layout_half
+    cdef uintptr_t p, o
+    if compute not in ("float32", "float64"):
+        raise ValueError(f"compute: expected 'float32' or 'float64', got {compute!r}")
+    packed = np.ascontiguousarray(packed, dtype=np.uint8)
+    scales = np.ascontiguousarray(scales, dtype=np.uint8)
+    if packed.ndim != 3 or packed.shape[2] != c.MXFP4X_GROUP_BYTES or \
+            scales.shape != packed.shape[:2]:
+        raise ValueError(f"decode_rows: expected (R, G, 16) and (R, G), got {packed.shape}, "
+                         f"{scales.shape}")
+    n_rows, n_groups = packed.shape[0], packed.shape[1]
+    d_in = n_groups * c.MXFP4X_GROUP
+    panel = np.empty((n_rows, d_in), np.float64 if f64 else np.float32)
+    out = np.empty_like(panel)
+    rows.blocks = <const uint8_t *><uintptr_t>packed.ctypes.data
+    rows.scales = <const uint8_t *><uintptr_t>scales.ctypes.data
+    rows.row_stride_blocks = n_groups * c.MXFP4X_GROUP_BYTES
+    rows.row_stride_scales = n_groups
+    rows.n_groups = n_groups
+    p, o = panel.ctypes.data, out.ctypes.data
+    with nogil:
+        if f64:
+            c.mxfp4x_decode_f64(&rows, 0, n_rows, <double *>p)
+            for r in range(n_rows):
+                c.mxfp4x_natural_f64(<double *>p + r * d_in, n_groups, half,
+                                     <double *>o + r * d_in)
+        else:
+            k.decode_f32(&rows, 0, n_rows, <float *>p)
+            for r in range(n_rows):
+                c.mxfp4x_natural_f32(<float *>p + r * d_in, n_groups, half,
+                                     <float *>o + r * d_in)
+    return out

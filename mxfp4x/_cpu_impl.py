@@ -1,23 +1,29 @@
-"""The CPU backend in torch terms: lay the tensors out for the Cython driver, call it.
+"""The CPU backend in torch terms: the one place that turns tensors into a call of the
+compiled driver (``mxfp4x._cpu.Call``), which checks it and runs it.
 
-Inputs arrive checked (``_validation``); these functions only arrange memory:
-latents contiguous (16-bit ones stay 16-bit), each group's 16 bytes contiguous
-(outer expert / row strides are passed through, so expert slices are not copied),
-expert ids as int64, weights and the accumulator in the compute dtype.
+Memory is arranged here and nowhere else: each expert row's packed bytes and scale
+bytes contiguous (outer expert / row strides pass through, so expert slices and
+per-expert tensors are never copied), latents contiguous in their own dtype (16-bit
+ones stay 16-bit), expert ids int64, weights and results in the compute dtype.
 """
+from typing import Optional, Sequence, Union
+
 import torch
 
 from . import _cpu
-from ._validation import check_expert_ids
+from ._format import GROUP_BYTES
 
-_X_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+Bytes = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64",
+                torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _inner_contiguous(t, inner):
+def _rows_contiguous(t, inner):
     """t with its last ``inner`` dims C-contiguous (outer strides may be anything)."""
     expected = 1
     for d in range(t.dim() - 1, t.dim() - 1 - inner, -1):
@@ -27,89 +33,127 @@ def _inner_contiguous(t, inner):
     return t
 
 
-def _weights_args(packed, scales):
-    packed = _inner_contiguous(packed, 2)
-    scales = _inner_contiguous(scales, 1)
-    return (packed, scales), (packed.data_ptr(), packed.shape[0], packed.shape[1],
-                              packed.stride(0), packed.stride(1), scales.data_ptr(),
-                              scales.stride(0), scales.stride(1))
+def _array(t):
+    """A zero-copy numpy view of a contiguous CPU tensor (16-bit floats as int16)."""
+    t = t.detach()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    return t.numpy()
 
 
-def _check_layout(x, packed, scales, sel, rows_of_x):
-    """O(1) checks for direct callers of torch.ops.mxfp4x.*: the kernels trust shapes."""
-    ok = (packed.dtype == torch.uint8 and scales.dtype == torch.uint8 and packed.dim() == 4
-          and packed.shape[3] == 16 and scales.shape == packed.shape[:3]
-          and x.shape[-1] == 32 * packed.shape[2] and sel.dim() == 2
-          and x.shape[:-1] == rows_of_x and x.dtype in _X_DTYPE_CODES)
-    if not ok:
-        raise ValueError(f"mxfp4x ops: inconsistent inputs: latents {tuple(x.shape)} "
-                         f"{x.dtype}, packed {tuple(packed.shape)} {packed.dtype}, scales "
-                         f"{tuple(scales.shape)} {scales.dtype}, selected {tuple(sel.shape)}; "
-                         f"use mxfp4x.mxfp4_experts, which checks and converts them")
+def _expert_bytes(name, t, n_groups):
+    """One expert's bytes as (d_out, n_groups * 16) rows: (O, G, 16) or (O, G*16)."""
+    if t.dtype != torch.uint8:
+        raise TypeError(f"{name}: expected uint8 bytes, got {t.dtype}")
+    if t.dim() == 3 and t.shape[2] == GROUP_BYTES and (n_groups is None or
+                                                        t.shape[1] == n_groups):
+        return _rows_contiguous(t, 2).flatten(1) if t.shape[0] else t.reshape(0, -1)
+    if t.dim() == 2 and (n_groups is None or t.shape[1] == n_groups * GROUP_BYTES):
+        return _rows_contiguous(t, 1)
+    raise ValueError(f"{name}: expected (d_out, n_groups, 16) or (d_out, n_groups * 16) "
+                     f"bytes, got shape {tuple(t.shape)}")
+
+
+def experts_of(packed: Bytes, scales: Bytes) -> _cpu.Experts:
+    """The experts' description for the driver: packed (E, O, G, 16) and scales
+    (E, O, G) uint8, or lists of E per-expert tensors (O, G, 16) / (O, G*16) and
+    (O, G).  Nothing is stacked or copied (rows already contiguous); the result keeps
+    the tensors alive."""
+    if isinstance(packed, torch.Tensor):
+        if packed.dim() != 4 or packed.shape[3] != GROUP_BYTES or not isinstance(
+                scales, torch.Tensor) or tuple(scales.shape) != tuple(packed.shape[:3]) or \
+                packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
+            raise ValueError(f"mxfp4x: expected uint8 packed (E, O, G, 16) and scales "
+                             f"(E, O, G), got {tuple(packed.shape)} {packed.dtype} and "
+                             f"{tuple(getattr(scales, 'shape', ()))} "
+                             f"{getattr(scales, 'dtype', type(scales).__name__)}")
+        pk: torch.Tensor = _rows_contiguous(packed, 2)
+        sc: torch.Tensor = _rows_contiguous(scales, 1)
+        n_experts, d_out, n_groups = pk.shape[:3]
+        e = torch.arange(n_experts, dtype=torch.int64)
+        table = torch.stack((pk.data_ptr() + e * pk.stride(0), sc.data_ptr() + e * sc.stride(0),
+                             torch.full_like(e, pk.stride(1)), torch.full_like(e, sc.stride(1))),
+                            dim=1)
+        return _cpu.Experts(table.numpy(), d_out=d_out, n_groups=n_groups, owner=(pk, sc))
+    if len(packed) != len(scales) or not len(packed):
+        raise ValueError(f"mxfp4x: expected as many scale tensors as packed ones (at least "
+                         f"one), got {len(packed)} and {len(scales)}")
+    keep = []
+    rows = []
+    groups: Optional[int] = None
+    outs = 0
+    if isinstance(scales, torch.Tensor):
+        raise ValueError("scale_bytes: expected a list of per-expert tensors, as "
+                         "packed_weights is")
+    for i, (p, s) in enumerate(zip(packed, scales, strict=True)):
+        p = _expert_bytes(f"packed_weights[{i}]", p, groups)
+        if groups is None:
+            outs, groups = p.shape[0], p.shape[1] // GROUP_BYTES
+        if s.dtype != torch.uint8 or tuple(s.shape) != (outs, groups) or p.shape[0] != outs:
+            raise ValueError(f"expert {i}: expected packed ({outs}, {groups}, 16) and uint8 "
+                             f"scales ({outs}, {groups}), got {tuple(p.shape)} and "
+                             f"{tuple(s.shape)} {s.dtype}")
+        s = _rows_contiguous(s, 1)
+        keep.append((p, s))
+        rows.append((p.data_ptr(), s.data_ptr(), p.stride(0), s.stride(0)))
+    table = torch.tensor(rows, dtype=torch.int64)
+    return _cpu.Experts(table.numpy(), d_out=outs, n_groups=groups or 0, owner=keep)
 
 
 def _threads(num_threads):
     return num_threads if num_threads > 0 else max(1, torch.get_num_threads())
 
 
-def experts(x, packed, scales, sel, mix, shared, num_threads, *, slot_outputs=False,
+def _operand_rows(t, per_slot):
+    """A (T, W) or per-slot (T, K, W) tensor as contiguous 2-D rows."""
+    t = t.contiguous()
+    return t.reshape(-1, t.shape[-1]) if per_slot else t
+
+
+def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_outputs=False,
             isa=None):
-    """The op on CPU tensors.  x: (T, I) or, with slot_inputs, (T, K, I).  Returns
-    (T, O) = shared + sum_k p W x (dtype of x), or with slot_outputs (T, K, O) = W x.
-    num_threads 0: torch.get_num_threads()."""
-    check_expert_ids(sel, packed.shape[0])
-    num_threads = _threads(num_threads)
-    slot_inputs = x.dim() == 3
-    _check_layout(x, packed, scales, sel, tuple(sel.shape) if slot_inputs else sel.shape[:1])
-    if not slot_outputs and (mix.shape != sel.shape or
-                             shared.shape != (sel.shape[0], packed.shape[1])):
-        raise ValueError("mxfp4x ops: mixture_weights must be (T, K) and shared_output "
-                         "(T, d_out)")
+    """The forward product on CPU tensors.  x: (T, I), or (T, K, I) with one latent
+    row per slot.  Returns shared + sum_k p W x (T, O) in x's dtype, or with
+    ``per_slot_outputs`` W x per slot (T, K, O) (mix and shared then None)."""
     compute = compute_dtype(x.dtype)
     n_tokens, top_k = sel.shape
-    d_in = x.shape[-1]
-    d_out = packed.shape[1]
-    x = x.contiguous()
-    keep, wargs = _weights_args(packed, scales)
-    sel = sel.to(torch.int64).contiguous()
-    if slot_outputs:
-        out = torch.empty((n_tokens, top_k, d_out), dtype=compute)
-        mix = out  # unused by the kernel
+    slot_latents = x.dim() == 3
+    ex = experts_of(packed, scales)
+    if per_slot_outputs:
+        out = torch.empty((n_tokens * top_k, ex.d_out), dtype=compute)
+        mix_arr = None
     else:
-        out = torch.empty((n_tokens, d_out), dtype=compute)
-        out.copy_(shared)
-        mix = mix.to(compute).contiguous()
-    _cpu.mxfp4_experts(compute == torch.float64, x.data_ptr(), _X_DTYPE_CODES[x.dtype],
-                       n_tokens, d_in // 32, *wargs, sel.data_ptr(), top_k, mix.data_ptr(),
-                       out.data_ptr(), num_threads, isa, slot_inputs, slot_outputs)
-    del keep
+        if tuple(shared.shape) != (n_tokens, ex.d_out):
+            raise ValueError(f"shared_output: expected ({n_tokens}, {ex.d_out}), got "
+                             f"{tuple(shared.shape)}")
+        out = shared.detach().to(compute, copy=True).contiguous()
+        mix_arr = _array(mix.to(compute).contiguous())
+    x2 = _operand_rows(x, slot_latents)
+    _cpu.Call(ex, product="forward", compute=_DTYPE_NAMES[compute],
+              selected=_array(sel.to(torch.int64).contiguous()), mix=mix_arr,
+              src=_array(x2), src_dtype=_DTYPE_NAMES[x.dtype],
+              src_rows="slot" if slot_latents else "token", dst=_array(out),
+              dst_rows="slot" if per_slot_outputs else "token", isa=isa,
+              n_threads=_threads(num_threads)).run()
+    if per_slot_outputs:
+        out = out.view(n_tokens, top_k, ex.d_out)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
-    """dx = sum_k p W^T grad (the transposed product), shaped and typed like x.  Per-slot
-    latents (T, K, I) get per-slot rows; a per-slot grad (T, K, O) has weight 1."""
-    check_expert_ids(sel, packed.shape[0])
-    num_threads = _threads(num_threads)
-    slot_inputs, slot_outputs = x.dim() == 3, grad.dim() == 3
-    _check_layout(x, packed, scales, sel, tuple(sel.shape) if slot_inputs else sel.shape[:1])
-    want = tuple(sel.shape) if slot_outputs else sel.shape[:1]
-    if grad.shape != want + (packed.shape[1],) or (not slot_outputs and mix.shape != sel.shape):
-        raise ValueError(f"mxfp4x ops: grad {tuple(grad.shape)} does not match the op's output")
+    """The transposed product: dx = sum_k p W^T grad, shaped and typed like x.  Per-slot
+    latents (T, K, I) get per-slot rows; a per-slot grad (T, K, O) (of the per-slot
+    outputs) has weight 1 (mix None)."""
     compute = compute_dtype(x.dtype)
-    n_tokens, top_k = sel.shape
-    d_in = x.shape[-1]
-    keep, wargs = _weights_args(packed, scales)
-    sel = sel.to(torch.int64).contiguous()
-    grad = grad.to(compute).contiguous()
-    mix = (grad if slot_outputs else mix).to(compute).contiguous()  # unread with slot_outputs
-    n_rows = n_tokens * top_k if slot_inputs else n_tokens
-    dx = torch.zeros((n_rows, d_in), dtype=compute)
-    half = _cpu.mxfp4_experts_t(
-        compute == torch.float64, grad.data_ptr(), n_tokens, d_in // 32, *wargs,
-        sel.data_ptr(), top_k, mix.data_ptr(), dx.data_ptr(), num_threads, isa, slot_inputs,
-        slot_outputs)
-    del keep
-    # back from the kernel's element layout: block of 2*half = [evens, odds] -> natural
-    dx = dx.view(n_rows, d_in // (2 * half), 2, half).transpose(2, 3).reshape(x.shape)
-    return dx.to(x.dtype)
+    slot_latents, slot_grad = x.dim() == 3, grad.dim() == 3
+    ex = experts_of(packed, scales)
+    n_rows = x.shape[0] * (x.shape[1] if slot_latents else 1)
+    dx = torch.empty((n_rows, x.shape[-1]), dtype=compute)
+    _cpu.Call(ex, product="transposed", compute=_DTYPE_NAMES[compute],
+              selected=_array(sel.to(torch.int64).contiguous()),
+              mix=None if slot_grad else _array(mix.to(compute).contiguous()),
+              src=_array(_operand_rows(grad.to(compute), slot_grad)),
+              src_dtype=_DTYPE_NAMES[compute], src_rows="slot" if slot_grad else "token",
+              dst=_array(dx), dst_rows="slot" if slot_latents else "token", isa=isa,
+              n_threads=_threads(num_threads)).run()
+    return dx.view(x.shape).to(x.dtype)

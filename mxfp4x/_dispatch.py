@@ -8,16 +8,31 @@ from . import _cpu
 from ._ops import mxfp4_experts_op, mxfp4_experts_slots_op
 from ._torch_impl import mxfp4_experts_torch, slots_torch
 from ._validation import check_inputs, check_num_threads
+from ._version import __version__
 
 BACKENDS = ("auto", "cpu", "torch")
 
 ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[Any]]
 
 
+def _check_backend(backend, isa):
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if isa is not None:
+        _cpu._resolve(isa, "isa")  # ValueError naming the runnable ISAs
+
+
+def _check_device(backend, x):
+    if backend == "cpu" and x.device.type != "cpu":
+        raise ValueError(f"backend: 'cpu' needs CPU tensors, but latent_tokens is on "
+                         f"{x.device}; use backend='torch' or 'auto'")
+
+
 def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike, scale_bytes: ArrayLike,
                   selected_experts: ArrayLike, mixture_weights: ArrayLike,
                   shared_output: ArrayLike, *, backend: str = "auto",
-                  num_threads: Optional[int] = None) -> torch.Tensor:
+                  num_threads: Optional[int] = None, isa: Optional[str] = None
+                  ) -> torch.Tensor:
     """Routed MXFP4 experts plus the shared output.
 
     ``y[t] = shared_output[t] + sum_k mixture_weights[t, k] * W[selected_experts[t, k]] @
@@ -32,53 +47,49 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike, scale_byt
 
     backend: "auto" (CPU tensors -> compiled CPU kernels, other devices -> PyTorch),
     "cpu" or "torch".  num_threads: CPU threads (None: torch.get_num_threads()).
+    isa: the CPU instruction set for this call, one of ``backend_info()["isas"]`` (None:
+    ``backend_info()["isa"]``, the best one or ``MXFP4X_ISA``).
     """
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    _check_backend(backend, isa)
     threads = check_num_threads(num_threads)
     x, packed, scales, sel, mix, shared = check_inputs(
         latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
         shared_output)
-    if backend == "cpu" and x.device.type != "cpu":
-        raise ValueError(f"backend: 'cpu' needs CPU tensors, but latent_tokens is on "
-                         f"{x.device}; use backend='torch' or 'auto'")
+    _check_device(backend, x)
     if backend == "torch":  # plain PyTorch ops (differentiable; data-dependent routing, so
         # torch.compile(fullgraph=True) needs the default backend, which goes through the op)
         return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, x.dtype)
     # the custom op: compiled kernels for CPU tensors, the PyTorch path elsewhere
     return mxfp4_experts_op(x, packed.to(torch.uint8), scales.to(torch.uint8),
-                            sel.to(torch.int64), mix, shared, threads)
+                            sel.to(torch.int64), mix, shared, threads, isa)
 
 
 def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
                         scale_bytes: ArrayLike, selected_experts: ArrayLike, *,
-                        backend: str = "auto", num_threads: Optional[int] = None
-                        ) -> torch.Tensor:
+                        backend: str = "auto", num_threads: Optional[int] = None,
+                        isa: Optional[str] = None) -> torch.Tensor:
     """Per-slot outputs without the combine: ``y[t, k] = W[selected_experts[t, k]] @ x``,
     shape (n_tokens, top_k, d_out), where x is ``latent_tokens[t]`` (n_tokens, d_in) or
     ``latent_tokens[t, k]`` (n_tokens, top_k, d_in).  As for :func:`mxfp4_experts`:
     float32 accumulation (float64 for float64), the latents' dtype and device, the same
-    checks, backends and threads; differentiable in ``latent_tokens``."""
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    checks, backends, threads and ISA; differentiable in ``latent_tokens``."""
+    _check_backend(backend, isa)
     threads = check_num_threads(num_threads)
     x, packed, scales, sel, _, _ = check_inputs(latent_tokens, packed_weights, scale_bytes,
                                                 selected_experts)
-    if backend == "cpu" and x.device.type != "cpu":
-        raise ValueError(f"backend: 'cpu' needs CPU tensors, but latent_tokens is on "
-                         f"{x.device}; use backend='torch' or 'auto'")
+    _check_device(backend, x)
     if backend == "torch":
         return slots_torch(x, packed, scales, sel)
     return mxfp4_experts_slots_op(x, packed.to(torch.uint8), scales.to(torch.uint8),
-                                  sel.to(torch.int64), threads)
+                                  sel.to(torch.int64), threads, isa)
 
 
 def backend_info() -> Dict[str, Any]:
-    """What the CPU backend runs here: ISA in use, runnable ISAs, OpenMP, threads, version."""
-    from . import __version__
-
+    """What the CPU backend runs here: the default ISA, runnable ISAs, OpenMP, threads,
+    version, and how the extension was built (its compile flags, and whether the
+    compiler saw fast-math or global ISA flags: both must be False in a shipped build)."""
     return {
-        "isa": _cpu.current_isa(),
+        "isa": _cpu.default_isa(),
         "isas": _cpu.runnable_isas(),
         "compiled_isas": _cpu.compiled_isas(),
         "openmp": _cpu.have_openmp(),
@@ -86,4 +97,5 @@ def backend_info() -> Dict[str, Any]:
         "version": __version__,
         "torch": torch.__version__,
         "cuda": torch.cuda.is_available(),
+        "build": _cpu.build_info(),
     }

@@ -1,6 +1,8 @@
-"""The specification in numpy, in float64: slow and obviously correct.
+"""The specification in numpy, in float64: slow and obviously correct, and the
+documented error bound every result is held to.
 
-Used by the tests and by the benchmarks' result checks.  Not a fast path.
+Used by the tests and by the benchmarks' result checks.  Not a fast path.  (numpy
+only: the QEMU portability probe runs it without torch.)
 """
 import numpy as np
 
@@ -45,3 +47,28 @@ def mxfp4_experts_reference(latent_tokens, packed_weights, scale_bytes, selected
                     cache[e] = decode_expert(packed[e][rows], scales[e][rows], absolute)
                 y[t] += p[t, k] * (cache[e] @ x[t])
     return y
+
+
+# unit roundoff and smallest subnormal of each dtype, by name
+_UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24,
+                  "float64": 2.0 ** -53}
+_TINY = {"float16": 2.0 ** -25, "bfloat16": 2.0 ** -134, "float32": 2.0 ** -150,
+         "float64": 2.0 ** -1075}
+
+
+def error_bound(magnitude, n_terms, acc="float32", reference=None, out=None):
+    """The documented bound on |result - float64 reference|, elementwise.
+
+    ``magnitude`` is the float64 sum of the absolute values of the terms (the reference
+    computed on |x|, |W|, |p|, |shared|).  A sum of ``n_terms`` products accumulated in
+    ``acc`` in any order is within gamma_n * magnitude, gamma_n = n u / (1 - n u) (the
+    classic dot-product bound), plus an underflow allowance of n subnormals; a result
+    rounded once to ``out`` adds u_out * |reference| and one subnormal of ``out``.
+    A wrong index, nibble or scale misses it by orders of magnitude.
+    """
+    u = _UNIT_ROUNDOFF[acc]
+    gamma = n_terms * u / (1 - n_terms * u)
+    bound = gamma * np.asarray(magnitude, dtype=np.float64) + n_terms * _TINY[acc]
+    if out is not None:
+        bound = bound + _UNIT_ROUNDOFF[out] * np.abs(reference) + _TINY[out]
+    return bound

@@ -8,7 +8,6 @@ file copy-on-write: a tensor is a view of the file's pages until someone writes 
 import json
 import os
 import struct
-import warnings
 from typing import Dict, Iterable, Optional
 
 import numpy as np
@@ -85,12 +84,10 @@ class SafeTensorsFile:
                                torch.from_numpy(np.empty(0, _NP[dtype])).dtype)
         raw = self._map[self._base + begin:self._base + end]
         aligned = raw.ctypes.data % np.dtype(_NP[dtype]).itemsize == 0
-        arr: np.ndarray = raw.view(_NP[dtype]) if aligned \
-            else np.frombuffer(raw.tobytes(), dtype=_NP[dtype])  # unaligned: copy (small)
-        arr = arr.reshape(info["shape"])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.from_numpy(arr)
+        # the copy-on-write map is writable, so torch.from_numpy needs no warnings filter;
+        # an unaligned tensor is copied into a fresh (aligned, writable) array
+        arr: np.ndarray = (raw if aligned else raw.copy()).view(_NP[dtype])
+        t = torch.from_numpy(arr.reshape(info["shape"]))
         return t.view(torch.bfloat16) if dtype == "BF16" else t
 
 

@@ -1,15 +1,20 @@
-"""Helpers shared by the tests and the benchmarks: random MXFP4 layers and the
-error bound a float32 (or float64) computation is held to."""
+"""Helpers shared by the tests and the benchmarks: random MXFP4 layers, the error
+bound a float32 (or float64) computation is held to, and threads started together."""
+import threading
+
 import numpy as np
 import torch
 
-from ._reference import mxfp4_experts_reference
+from ._reference import error_bound, mxfp4_experts_reference
 
-_UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
-_OUT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8,
-                 torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
-_OUT_TINY = {torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134,
-             torch.float32: 2.0 ** -150, torch.float64: 2.0 ** -1075}
+
+def dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def acc_name(dtype):
+    """The accumulation dtype of a result of ``dtype`` (float64 only for float64)."""
+    return "float64" if dtype == torch.float64 else "float32"
 
 
 def random_layer(rng, n_tokens, top_k, n_experts, d_out, n_groups, dtype=torch.float32,
@@ -42,10 +47,8 @@ def _np(t):
 def reference_and_bound(layer, out_dtype, rows=None):
     """(float64 reference, per-element error bound) for a result of ``out_dtype``.
 
-    The bound is the classic one for a float32 (float64 for float64 outputs)
-    dot product summed in any order: gamma_n * sum |terms|, n = d_in + top_k + 2,
-    plus one rounding to the output dtype and an underflow allowance.  A wrong
-    index, nibble or scale misses it by orders of magnitude.
+    The bound is ``_reference.error_bound`` for float32 accumulation (float64 for
+    float64 outputs) over n = d_in + top_k + 2 terms, rounded once to ``out_dtype``.
     """
     x = _np(layer["latent_tokens"])
     packed = _np(layer["packed_weights"])
@@ -56,12 +59,8 @@ def reference_and_bound(layer, out_dtype, rows=None):
     ref = mxfp4_experts_reference(x, packed, scales, sel, mix, shared, rows=rows)
     mag = mxfp4_experts_reference(np.abs(x), packed, scales, sel, np.abs(mix),
                                   np.abs(shared), rows=rows, absolute=True)
-    acc = torch.float64 if out_dtype == torch.float64 else torch.float32
-    n = x.shape[1] + sel.shape[1] + 2
-    u = _UNIT_ROUNDOFF[acc]
-    gamma = n * u / (1 - n * u)
-    bound = gamma * mag + _OUT_ROUNDOFF[out_dtype] * np.abs(ref) + n * _OUT_TINY[acc] \
-        + _OUT_TINY[out_dtype]
+    bound = error_bound(mag, x.shape[1] + sel.shape[1] + 2, acc_name(out_dtype), ref,
+                        dtype_name(out_dtype))
     return ref, bound
 
 
@@ -81,3 +80,23 @@ def assert_matches_reference(result, layer, rows=None):
         assert np.all(err <= bound[ok]), (
             f"error {err[worst]:.3g} exceeds the bound {bound[ok][worst]:.3g} "
             f"(reference {ref[ok][worst]:.6g}, got {got[ok][worst]:.6g})")
+
+
+def run_threads(n, work):
+    """work(i) in n threads started together; returns the exceptions they raised."""
+    errors = []
+    barrier = threading.Barrier(n)
+
+    def body(i):
+        try:
+            barrier.wait()
+            work(i)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

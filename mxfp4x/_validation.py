@@ -1,9 +1,9 @@
 """Input coercion and checks.  Every error names the argument, what it got and
 what was expected, and is raised before any kernel runs."""
-import warnings
-
 import numpy as np
 import torch
+
+from ._format import GROUP, GROUP_BYTES
 
 MAX_THREADS = 4096
 
@@ -28,6 +28,24 @@ def _min_max(t):
     return int(t.min()), int(t.max())
 
 
+class _WritableView:
+    """Exposes a read-only array's memory as writable to numpy (and keeps it alive)."""
+
+    def __init__(self, arr):
+        self.arr = arr
+        self.__array_interface__ = dict(arr.__array_interface__, data=(arr.ctypes.data, False))
+
+
+def writable_view(arr):
+    """``arr`` itself, or for a read-only array (a read-only np.memmap of a checkpoint)
+    a view of the same memory that torch.from_numpy accepts without its "not writable"
+    warning: mxfp4x never writes to its inputs.  No warnings filter is touched, so
+    this is safe from any number of threads."""
+    if arr.flags.writeable:
+        return arr
+    return np.asarray(_WritableView(arr))
+
+
 def as_tensor(name, value):
     """A torch tensor viewing (or, for lists, holding) ``value``; never a write."""
     if isinstance(value, torch.Tensor):
@@ -41,14 +59,11 @@ def as_tensor(name, value):
                             f"{value.dtype}")
         if any(s < 0 for s in value.strides) or not value.dtype.isnative:
             value = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("="))
-        with warnings.catch_warnings():
-            # read-only arrays (e.g. np.memmap of a checkpoint): we never write to inputs
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                return torch.from_numpy(value)
-            except TypeError:
-                return torch.from_numpy(value.astype(np.int64 if value.dtype.kind in "iu"
-                                                     else np.float64))
+        try:
+            return torch.from_numpy(writable_view(value))
+        except TypeError:
+            return torch.from_numpy(value.astype(np.int64 if value.dtype.kind in "iu"
+                                                 else np.float64))
     if isinstance(value, (list, tuple)):
         try:
             return torch.tensor(value)
@@ -132,16 +147,17 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
                          f"tensor (n_tokens, top_k, d_in), got shape {tuple(x.shape)}")
     x = float_tensor("latent_tokens", x)
     n_tokens, d_in = x.shape[0], x.shape[-1]
-    if d_in % 32:
-        raise ValueError(f"latent_tokens: d_in = {d_in} must be a multiple of 32 (the MXFP4 "
-                         f"group size); got shape {tuple(x.shape)}")
-    n_groups = d_in // 32
+    if d_in % GROUP:
+        raise ValueError(f"latent_tokens: d_in = {d_in} must be a multiple of {GROUP} (the "
+                         f"MXFP4 group size); got shape {tuple(x.shape)}")
+    n_groups = d_in // GROUP
 
     check_rank("packed_weights", packed, 4, "(n_experts, d_out, n_groups, 16)")
     packed = byte_tensor("packed_weights", packed)
     n_experts, d_out = packed.shape[0], packed.shape[1]
-    if packed.shape[2] != n_groups or packed.shape[3] != 16:
-        raise ValueError(f"packed_weights: expected shape (n_experts, d_out, {n_groups}, 16) "
+    if packed.shape[2] != n_groups or packed.shape[3] != GROUP_BYTES:
+        raise ValueError(f"packed_weights: expected shape (n_experts, d_out, {n_groups}, "
+                         f"{GROUP_BYTES}) "
                          f"for d_in = {d_in}, got {tuple(packed.shape)}")
 
     check_rank("scale_bytes", scales, 3, "(n_experts, d_out, n_groups)")
@@ -162,36 +178,43 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
                          f"({n_tokens}, {top_k}, {d_in}), got shape {tuple(x.shape)}")
 
     if mix is not None:
-        check_rank("mixture_weights", mix, 2, "(n_tokens, top_k)")
-        mix = float_tensor("mixture_weights", mix)
-        if tuple(mix.shape) != (n_tokens, top_k):
-            raise ValueError(f"mixture_weights: expected shape ({n_tokens}, {top_k}) to match "
-                             f"selected_experts, got {tuple(mix.shape)}")
-
+        mix = _float_matrix("mixture_weights", mix, (n_tokens, top_k), "(n_tokens, top_k)",
+                            "to match selected_experts")
     if shared is not None:
-        check_rank("shared_output", shared, 2, "(n_tokens, d_out)")
-        shared = float_tensor("shared_output", shared)
-        if tuple(shared.shape) != (n_tokens, d_out):
-            raise ValueError(f"shared_output: expected shape ({n_tokens}, {d_out}) (n_tokens, "
-                             f"d_out of packed_weights), got {tuple(shared.shape)}")
+        shared = _float_matrix("shared_output", shared, (n_tokens, d_out), "(n_tokens, d_out)",
+                               "(n_tokens, d_out of packed_weights)")
 
-    if not _compiling():  # traced graphs check at run time, inside the op
-        check_expert_ids(sel, n_experts)
+    # expert ids are checked once, by the implementation that runs (the CPU driver while it
+    # routes the pairs, the PyTorch path before it indexes): see check_expert_ids
     return x, packed, scales, sel, mix, shared
+
+
+def _float_matrix(name, t, shape, dims, why):
+    """A 2-D float tensor of exactly ``shape`` (integers promoted)."""
+    check_rank(name, t, 2, dims)
+    t = float_tensor(name, t)
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape} {why}, got {tuple(t.shape)}")
+    return t
 
 
 def _compiling():
     return torch.compiler.is_compiling()
 
 
+def expert_id_error(bad, n_experts):
+    """The error for an expert id outside [0, n_experts), wherever it is found."""
+    return IndexError(f"selected_experts: expert id {bad} is outside [0, {n_experts}) "
+                      f"(n_experts of packed_weights)")
+
+
 def check_expert_ids(sel, n_experts):
-    """IndexError unless every id lies in [0, n_experts): before any kernel indexes."""
+    """IndexError unless every id lies in [0, n_experts): before the PyTorch path indexes.
+    (The CPU driver checks while it routes the pairs: one scan either way.)"""
     if sel.numel():
         lo, hi = _min_max(sel)
         if lo < 0 or hi >= n_experts:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"selected_experts: expert id {bad} is outside [0, {n_experts}) "
-                             f"(n_experts of packed_weights)")
+            raise expert_id_error(lo if lo < 0 else hi, n_experts)
 
 
 def check_num_threads(num_threads):

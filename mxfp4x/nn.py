@@ -6,6 +6,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ._dispatch import mxfp4_experts, mxfp4_experts_slots
+from ._format import GROUP, GROUP_BYTES
 from ._quantize import quantize
 from ._safetensors import SafeTensorsCheckpoint
 from ._validation import as_tensor, byte_tensor
@@ -29,19 +30,20 @@ class MXFP4Experts(torch.nn.Module):
 
     def __init__(self, n_experts: int, d_out: int, d_in: int, num_threads: Optional[int] = None):
         super().__init__()
-        if d_in % 32:
-            raise ValueError(f"d_in: must be a multiple of 32, got {d_in}")
+        if d_in % GROUP:
+            raise ValueError(f"d_in: must be a multiple of {GROUP}, got {d_in}")
         self.num_threads = num_threads
         self.register_buffer("packed_weights",
-                             torch.zeros((n_experts, d_out, d_in // 32, 16), dtype=torch.uint8))
+                             torch.zeros((n_experts, d_out, d_in // GROUP, GROUP_BYTES),
+                                         dtype=torch.uint8))
         self.register_buffer("scale_bytes",
-                             torch.zeros((n_experts, d_out, d_in // 32), dtype=torch.uint8))
+                             torch.zeros((n_experts, d_out, d_in // GROUP), dtype=torch.uint8))
 
     @classmethod
     def from_packed(cls, packed_weights: torch.Tensor, scale_bytes: torch.Tensor,
                     num_threads: Optional[int] = None) -> "MXFP4Experts":
         """Wrap existing bytes (no copy when they are uint8 already)."""
-        if packed_weights.dim() != 4 or packed_weights.shape[-1] != 16:
+        if packed_weights.dim() != 4 or packed_weights.shape[-1] != GROUP_BYTES:
             raise ValueError(f"packed_weights: expected (E, d_out, G, 16), got "
                              f"{tuple(packed_weights.shape)}")
         if tuple(scale_bytes.shape) != tuple(packed_weights.shape[:3]):
@@ -83,7 +85,7 @@ class MXFP4Experts(torch.nn.Module):
 
     def extra_repr(self) -> str:
         e, o, g, _ = self.packed_weights.shape
-        return f"n_experts={e}, d_out={o}, d_in={32 * g}"
+        return f"n_experts={e}, d_out={o}, d_in={GROUP * g}"
 
 
 class GptOssExperts(torch.nn.Module):
@@ -113,8 +115,8 @@ class GptOssExperts(torch.nn.Module):
                  alpha: float = 1.702, num_threads: Optional[int] = None):
         super().__init__()
         e, two_f, g_h, _ = gate_up_blocks.shape
-        if two_f % 2 or down_blocks.shape[:2] != (e, 32 * g_h) or \
-                down_blocks.shape[2] * 32 != two_f // 2:
+        if two_f % 2 or down_blocks.shape[:2] != (e, GROUP * g_h) or \
+                down_blocks.shape[2] * GROUP != two_f // 2:
             raise ValueError(f"gate_up_blocks {tuple(gate_up_blocks.shape)} and down_blocks "
                              f"{tuple(down_blocks.shape)} do not form a gpt-oss block")
         self.limit, self.alpha, self.num_threads = float(limit), float(alpha), num_threads

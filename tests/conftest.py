@@ -1,4 +1,5 @@
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -31,10 +32,17 @@ def pytest_report_header(config):
     ]
 
 
+def rng_for(seed, nodeid):
+    """The generator of one test: from the session seed and a stable hash of the test's
+    id (CRC-32, not hash(), which changes with PYTHONHASHSEED), so MXFP4X_TEST_SEED
+    reproduces a failure in any process."""
+    return np.random.default_rng([seed, zlib.crc32(nodeid.encode())])
+
+
 @pytest.fixture
 def rng(request):
     """Fresh random inputs per test, reproducible from the seed in the header."""
-    return np.random.default_rng([SEED, abs(hash(request.node.nodeid)) % 2**32])
+    return rng_for(SEED, request.node.nodeid)
 
 
 def _isa_params():
@@ -45,11 +53,8 @@ def _isa_params():
 
 @pytest.fixture(params=_isa_params())
 def isa(request):
-    """Each compiled ISA this CPU can run, forced for the duration of the test."""
-    before = _cpu.current_isa()
-    _cpu.set_isa(request.param)
-    yield request.param
-    _cpu.set_isa(before)
+    """Each compiled ISA this CPU can run; a test passes it to its calls (isa=...)."""
+    return request.param
 
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]

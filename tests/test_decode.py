@@ -12,13 +12,6 @@ def _all_bytes_all_scales():
     return packed, scales
 
 
-def _undo_layout(panel, isa):
-    """Natural element order from the ISA's layout (blocks of 2*half: evens, odds)."""
-    half = _cpu.layout_half(isa)
-    g = panel.reshape(panel.shape[0], -1, 2, half)
-    return np.stack((g[:, :, 0], g[:, :, 1]), axis=-1).reshape(panel.shape[0], -1)
-
-
 def _same_bits(a, b):
     a = np.asarray(a, dtype=np.float32)
     b = np.asarray(b, dtype=np.float32)
@@ -29,9 +22,7 @@ def test_decode_kernel_exhaustive(isa):
     packed, scales = _all_bytes_all_scales()
     with np.errstate(over="ignore"):  # 6 * 2^127 overflows float32 to inf, as the kernels do
         ref = _reference.decode_expert(packed, scales).astype(np.float32)
-    out = np.full((256, 16 * 32), np.float32(7.25))
-    _cpu.decode_rows(packed.ctypes.data, scales.ctypes.data, 256, 16, out.ctypes.data, isa)
-    got = _undo_layout(out, isa)
+    got = _cpu.decode_rows(packed, scales, isa=isa)
     # the reference is float64; each value (a code times a power of two) is exact in
     # float32 except that NaN payloads and code 8 (-0.0) must keep their bits
     nan = np.isnan(ref)
@@ -43,13 +34,20 @@ def test_decode_kernel_exhaustive(isa):
 def test_decode_signed_zero_and_subnormal_scale(isa):
     packed = np.array([[[0x08] + [0x80] + [0x11] * 14]], dtype=np.uint8)
     scales = np.zeros((1, 1), dtype=np.uint8)
-    out = np.zeros((1, 32), dtype=np.float32)
-    _cpu.decode_rows(packed.ctypes.data, scales.ctypes.data, 1, 1, out.ctypes.data, isa)
-    got = _undo_layout(out, isa)[0]
+    got = _cpu.decode_rows(packed, scales, isa=isa)[0]
     assert got[0] == 0 and np.signbit(got[0])        # code 8 -> -0.0
     assert got[1] == 0 and not np.signbit(got[1])    # code 0 -> +0.0
     assert got[3] == 0 and np.signbit(got[3])        # high nibble 8 -> -0.0
     assert got[4] == np.float32(0.5 * 2.0 ** -127) and got[4] != 0  # not flushed
+
+
+def test_float64_decode_kernel_exhaustive():
+    packed, scales = _all_bytes_all_scales()
+    ref = _reference.decode_expert(packed, scales)
+    got = _cpu.decode_rows(packed, scales, compute="float64")
+    nan = np.isnan(ref)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint64), ref[~nan].view(np.uint64))
 
 
 def test_torch_decode_exhaustive():

@@ -4,15 +4,17 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import mxfp4x
 from mxfp4x import _cpu
+from mxfp4x._testing import random_layer, run_threads
 
 _PROBE = r"""
 import json, numpy as np, torch, mxfp4x
-from mxfp4x._testing import random_layer
+from mxfp4x._testing import random_layer, run_threads
 layer = random_layer(np.random.default_rng(5), 3, 2, 4, 64, 40)
 y = mxfp4x.mxfp4_experts(**layer)
 print(json.dumps({"isa": mxfp4x.backend_info()["isa"], "bits": y.view(torch.int32).tolist()}))
@@ -56,18 +58,9 @@ def test_forced_isa_is_the_one_that_ran(isa):
     assert got["isa"] == isa
     # the same layer in this process, per ISA: the subprocess result carries the bits of
     # the forced ISA's own arithmetic (and differs from the others where they differ)
-    import numpy as np
-
-    from mxfp4x._testing import random_layer
     layer = random_layer(np.random.default_rng(5), 3, 2, 4, 64, 40)
-    before = _cpu.current_isa()
-    per_isa = {}
-    try:
-        for name in _cpu.runnable_isas():
-            _cpu.set_isa(name)
-            per_isa[name] = mxfp4x.mxfp4_experts(**layer).view(torch.int32).tolist()
-    finally:
-        _cpu.set_isa(before)
+    per_isa = {name: mxfp4x.mxfp4_experts(**layer, isa=name).view(torch.int32).tolist()
+               for name in _cpu.runnable_isas()}
     assert got["bits"] == per_isa[isa]
     for name, bits in per_isa.items():
         if bits != per_isa[isa]:
@@ -77,7 +70,7 @@ def test_forced_isa_is_the_one_that_ran(isa):
 def test_unknown_isa_is_an_error_naming_the_choices():
     out = _run_probe("sse9")
     assert out.returncode != 0
-    assert "MXFP4X_ISA='sse9'" in out.stderr and "scalar" in out.stderr
+    assert "ValueError: MXFP4X_ISA='sse9'" in out.stderr and "scalar" in out.stderr
 
 
 def test_unsupported_isa_is_an_error():
@@ -86,19 +79,74 @@ def test_unsupported_isa_is_an_error():
         pytest.skip("this CPU runs every compiled ISA")
     out = _run_probe(missing[0])
     assert out.returncode != 0
-    assert "cannot run" in out.stderr and missing[0] in out.stderr
+    assert "ValueError" in out.stderr and "cannot run" in out.stderr and missing[0] in out.stderr
 
 
-def test_set_isa_refuses_silently_falling_back():
-    with pytest.raises(ValueError, match="not an ISA"):
-        _cpu.set_isa("neon9")
+@pytest.mark.parametrize("bad", ["neon9", "AVX2", 3])
+def test_isa_argument_refuses_silently_falling_back(rng, bad):
+    layer = random_layer(rng, 2, 1, 2, 8, 1)
+    with pytest.raises(ValueError, match="isa=.*choose one of"):
+        mxfp4x.mxfp4_experts(**layer, isa=bad)
+    with pytest.raises(ValueError, match="isa="):
+        mxfp4x.mxfp4_experts_slots(layer["latent_tokens"], layer["packed_weights"],
+                                   layer["scale_bytes"], layer["selected_experts"], isa=bad)
 
 
-def test_openmp_present_when_required():
-    if os.environ.get("MXFP4X_REQUIRE_OPENMP") == "1":
-        assert mxfp4x.backend_info()["openmp"], "the build lost OpenMP"
-    else:
-        pytest.skip("set MXFP4X_REQUIRE_OPENMP=1 to require OpenMP")
+def test_unrunnable_isa_argument_is_the_same_error_class(rng):
+    missing = [n for n in _cpu.compiled_isas() if n not in _cpu.runnable_isas()]
+    if not missing:
+        pytest.skip("this CPU runs every compiled ISA")
+    with pytest.raises(ValueError, match="cannot run"):
+        mxfp4x.mxfp4_experts(**random_layer(rng, 2, 1, 2, 8, 1), isa=missing[0])
+
+
+def test_isa_per_call_from_concurrent_threads(rng):
+    """Threads that run different ISAs at once each get their own ISA's bits: the choice
+    travels with the call, nothing process-wide is switched."""
+    layer = random_layer(rng, 5, 2, 3, 70, 6)
+    names = _cpu.runnable_isas()
+    expected = {n: mxfp4x.mxfp4_experts(**layer, isa=n) for n in names}
+    default = mxfp4x.backend_info()["isa"]
+
+    def work(i):
+        name = names[i % len(names)]
+        for _ in range(20):
+            assert torch.equal(mxfp4x.mxfp4_experts(**layer, isa=name, num_threads=1),
+                               expected[name])
+
+    errors = run_threads(6, work)
+    assert not errors, errors
+    assert mxfp4x.backend_info()["isa"] == default
+
+
+_AVX2_FACTS = dict(osxsave=True, avx=True, fma=True, avx2=True)
+
+
+@pytest.mark.parametrize("facts,expected", [
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0xE7), ["avx2", "avx512", "scalar"]),
+    # AVX-512 CPU under an OS that does not save ZMM state: no avx512
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0x07), ["avx2", "scalar"]),
+    # OS without AVX state, or no OSXSAVE: scalar only
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0x03), ["scalar"]),
+    (dict(_AVX2_FACTS, osxsave=False, avx512f=True, xcr0=0xE7), ["scalar"]),
+    (dict(_AVX2_FACTS, fma=False, avx512f=False, xcr0=0x07), ["scalar"]),
+    # macOS: AVX-512 state is enabled lazily (XCR0 shows it off); the sysctl decides
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0x07, darwin_avx512=1), ["avx2", "avx512", "scalar"]),
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0xE7, darwin_avx512=0), ["avx2", "scalar"]),
+    (dict(_AVX2_FACTS, avx512f=False, xcr0=0x07, darwin_avx512=1), ["avx2", "scalar"]),
+], ids=["linux-avx512", "no-zmm-state", "no-avx-state", "no-osxsave", "no-fma",
+        "macos-lazy-avx512", "macos-no-avx512", "macos-cpu-without-avx512"])
+def test_isa_decision(facts, expected):
+    assert _cpu._isa_decision(**facts) == expected
+
+
+def test_openmp_as_expected():
+    """MXFP4X_REQUIRE_OPENMP=1: the build must have OpenMP (Linux); =0: it must be serial
+    (macOS and Windows wheels, whose torch ships its own OpenMP runtime: setup.py)."""
+    want = os.environ.get("MXFP4X_REQUIRE_OPENMP")
+    if want not in ("0", "1"):
+        pytest.skip("set MXFP4X_REQUIRE_OPENMP=1 (or 0) to check the build's OpenMP")
+    assert mxfp4x.backend_info()["openmp"] == (want == "1"), "OpenMP is not as the build says"
 
 
 def test_single_openmp_runtime():

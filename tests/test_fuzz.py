@@ -136,12 +136,7 @@ def test_fuzz_against_reference(layer, dtype, index_dtype, backend, isa, layout)
     layer_np = {k: (v.double().numpy() if v.is_floating_point() else v.numpy().astype(
         np.int64)) for k, v in tensors.items()}
     args = {k: _layout(v, layout) for k, v in tensors.items()}
-    before = _cpu.current_isa()
-    _cpu.set_isa(isa)
-    try:
-        y = mxfp4x.mxfp4_experts(**args, backend=backend)
-    finally:
-        _cpu.set_isa(before)
+    y = mxfp4x.mxfp4_experts(**args, backend=backend, isa=isa)
     assert y.dtype == dtype and y.shape == tensors["shared_output"].shape
     checked = check(y, layer_np, dtype)
     note(f"checked {checked} of {y.numel()} outputs")

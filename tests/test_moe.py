@@ -39,7 +39,7 @@ def test_spec_example(form, backend):
 ])
 def test_cpu_matches_reference(isa, rng, dtype, shape):
     layer = random_layer(rng, *shape, dtype=dtype, repeat_expert=True)
-    y = mxfp4x.mxfp4_experts(**layer, backend="cpu")
+    y = mxfp4x.mxfp4_experts(**layer, backend="cpu", isa=isa)
     assert y.dtype == dtype and y.shape == (shape[0], shape[3])
     assert_matches_reference(y, layer)
 
@@ -106,8 +106,8 @@ def test_non_contiguous_views(isa, rng, backend):
     layer = random_layer(rng, 5, 2, 4, 17, 3, dtype=torch.bfloat16)
     views = {k: _strided(v) for k, v in layer.items()}
     assert not any(v.is_contiguous() for v in views.values())
-    y = mxfp4x.mxfp4_experts(**views, backend=backend)
-    assert torch.equal(y, mxfp4x.mxfp4_experts(**layer, backend=backend))
+    y = mxfp4x.mxfp4_experts(**views, backend=backend, isa=isa)
+    assert torch.equal(y, mxfp4x.mxfp4_experts(**layer, backend=backend, isa=isa))
     assert_matches_reference(y, layer)
 
 
@@ -146,7 +146,7 @@ def test_scale_255_is_nan_exactly_where_used(rng, isa):
     layer["selected_experts"][:] = torch.tensor([[0], [1], [2], [1]])
     layer["scale_bytes"][1, 2, 1] = 255
     for backend in ("cpu", "torch"):
-        y = mxfp4x.mxfp4_experts(**layer, backend=backend)
+        y = mxfp4x.mxfp4_experts(**layer, backend=backend, isa=isa)
         nan = torch.isnan(y)
         expected = torch.zeros_like(nan)
         expected[1, 2] = expected[3, 2] = True
@@ -162,5 +162,5 @@ def test_subnormal_scale_survives(isa):
             packed = torch.zeros(1, 1, 1, 16, dtype=torch.uint8)
             packed[0, 0, 0, 0] = 3  # element 0: code 3 = 1.5
             y = mxfp4x.mxfp4_experts(x, packed, torch.zeros(1, 1, 1, dtype=torch.uint8),
-                                     [[0]], [[1.0]], torch.zeros(1, 1), backend=backend)
+                                     [[0]], [[1.0]], torch.zeros(1, 1), backend=backend, isa=isa)
             assert y.item() == 1.5 * 2.0 ** -127, (dtype, backend, y.item())

@@ -34,22 +34,20 @@ sys.modules["mxfp4x"] = pkg  # the package's modules, without its torch-importin
 from mxfp4x import _cpu, _reference
 
 rng = np.random.default_rng(3)
-result = {"isa": _cpu.current_isa(), "isas": _cpu.runnable_isas()}
+result = {"isa": _cpu.default_isa(), "isas": _cpu.runnable_isas()}
 
-# decode: all 256 bytes x all 256 scale bytes, bit for bit
+# decode: all 256 bytes x all 256 scale bytes, bit for bit (natural order from the hook)
 packed = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (256, 1, 1))
 scales = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, 16))
-out = np.zeros((256, 512), np.float32)
-_cpu.decode_rows(packed.ctypes.data, scales.ctypes.data, 256, 16, out.ctypes.data)
-half = _cpu.layout_half()
-got = out.reshape(256, -1, 2, half).transpose(0, 1, 3, 2).reshape(256, 512)
+got = _cpu.decode_rows(packed, scales)
 with np.errstate(over="ignore"):
     ref = _reference.decode_expert(packed, scales).astype(np.float32)
 nan = np.isnan(ref)
 result["decode_ok"] = bool((np.isnan(got) == nan).all() and
                            (got[~nan].view(np.uint32) == ref[~nan].view(np.uint32)).all())
 
-# a whole call, one token (gemv) and many (panel), against the float64 reference
+# a whole call, one token (gemv) and many (panel), against the float64 reference,
+# through the same typed boundary as the torch facade (numpy arrays, no torch)
 T, K, E, O, G = 20, 3, 4, 37, 5
 x = rng.standard_normal((T, 32 * G)).astype(np.float32)
 pk = rng.integers(0, 256, (E, O, G, 16), dtype=np.uint8)
@@ -59,14 +57,15 @@ sel[0] = 1
 mix = rng.random((T, K)).astype(np.float32)
 shared = rng.standard_normal((T, O)).astype(np.float32)
 y = shared.copy()
-_cpu.mxfp4_experts(False, x.ctypes.data, 0, T, G, pk.ctypes.data, E, O, pk.strides[0],
-                   pk.strides[1], sc.ctypes.data, sc.strides[0], sc.strides[1],
-                   sel.ctypes.data, K, mix.ctypes.data, y.ctypes.data, 2)
+table = np.array([[pk[e].ctypes.data, sc[e].ctypes.data, pk.strides[1], sc.strides[1]]
+                  for e in range(E)], dtype=np.int64)
+experts = _cpu.Experts(table, d_out=O, n_groups=G, owner=(pk, sc))
+_cpu.Call(experts, product="forward", compute="float32", selected=sel, mix=mix, src=x,
+          src_dtype="float32", src_rows="token", dst=y, dst_rows="token", n_threads=2).run()
 ref = _reference.mxfp4_experts_reference(x, pk, sc, sel, mix, shared)
 mag = _reference.mxfp4_experts_reference(np.abs(x), pk, sc, sel, np.abs(mix), np.abs(shared),
                                          absolute=True)
-n = 32 * G + K + 2
-bound = n * 2.0 ** -24 / (1 - n * 2.0 ** -24) * mag
+bound = _reference.error_bound(mag, 32 * G + K + 2, "float32")
 result["moe_ok"] = bool((np.abs(y - ref) <= bound).all())
 result["moe_worst"] = float((np.abs(y - ref) / bound).max())
 print(json.dumps(result))

@@ -50,12 +50,7 @@ def test_random_calls_match_reference(shape, seed, dtype, index_dtype, backend, 
                                       repeat):
     layer = random_layer(np.random.default_rng(seed), *shape, dtype=dtype,
                          index_dtype=index_dtype, repeat_expert=repeat)
-    before = _cpu.current_isa()
-    _cpu.set_isa(isa)
-    try:
-        y = mxfp4x.mxfp4_experts(**_as_form(layer, form), backend=backend)
-    finally:
-        _cpu.set_isa(before)
+    y = mxfp4x.mxfp4_experts(**_as_form(layer, form), backend=backend, isa=isa)
     assert y.dtype == dtype and y.shape == (shape[0], shape[3])
     assert_matches_reference(y, layer)
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._testing import assert_matches_reference, random_layer
+from mxfp4x._testing import assert_matches_reference, random_layer, run_threads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 _GARBAGE = r"""
 import sys, numpy as np, torch, mxfp4x
@@ -99,9 +100,9 @@ def test_garbage_never_crashes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_bitwise_deterministic_1_to_4_threads_and_repeats(isa, rng, dtype):
     layer = random_layer(rng, 45, 4, 5, 333, 7, dtype=dtype, repeat_expert=True)
-    first = mxfp4x.mxfp4_experts(**layer, num_threads=1)
+    first = mxfp4x.mxfp4_experts(**layer, num_threads=1, isa=isa)
     for n in (2, 3, 4, 1, 4):
-        y = mxfp4x.mxfp4_experts(**layer, num_threads=n)
+        y = mxfp4x.mxfp4_experts(**layer, num_threads=n, isa=isa)
         assert torch.equal(y.view(torch.uint8), first.view(torch.uint8)), n
 
 
@@ -118,9 +119,9 @@ def test_batch_invariance_1_7_512(isa, rng, dtype):
         return {k: (v if k in ("packed_weights", "scale_bytes") else v[idx])
                 for k, v in big.items()}
 
-    y512 = mxfp4x.mxfp4_experts(**big)
-    y1 = mxfp4x.mxfp4_experts(**take(slice(row, row + 1)))
-    y7 = mxfp4x.mxfp4_experts(**take(slice(row - 3, row + 4)))
+    y512 = mxfp4x.mxfp4_experts(**big, isa=isa)
+    y1 = mxfp4x.mxfp4_experts(**take(slice(row, row + 1)), isa=isa)
+    y7 = mxfp4x.mxfp4_experts(**take(slice(row - 3, row + 4)), isa=isa)
     assert torch.equal(y1[0].view(torch.uint8), y512[row].view(torch.uint8))
     assert torch.equal(y7[3].view(torch.uint8), y512[row].view(torch.uint8))
     assert_matches_reference(y1, take(slice(row, row + 1)))
@@ -130,23 +131,13 @@ def test_eight_python_threads_concurrently(rng):
     layers = [random_layer(np.random.default_rng(i), 9 + i, 3, 4, 150, 6) for i in range(8)]
     expected = [mxfp4x.mxfp4_experts(**layer, num_threads=1) for layer in layers]
     got = [None] * 8
-    errors = []
-    barrier = threading.Barrier(8)
 
     def work(i):
-        try:
-            barrier.wait()
-            for _ in range(5):
-                got[i] = mxfp4x.mxfp4_experts(**layers[i], num_threads=1 + i % 2)
-                assert torch.equal(got[i], expected[i])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for _ in range(5):
+            got[i] = mxfp4x.mxfp4_experts(**layers[i], num_threads=1 + i % 2)
+            assert torch.equal(got[i], expected[i])
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_threads(8, work)
     assert not errors, errors
     for g, e in zip(got, expected, strict=False):
         assert torch.equal(g, e)
@@ -197,12 +188,12 @@ def test_subnormal_scale_survives_flush_denormal_and_bf16(isa):
     packed = torch.zeros(1, 1, 1, 16, dtype=torch.uint8)
     packed[0, 0, 0, 1] = 0x05  # element 2: code 5 = 3.0
     scales = torch.zeros(1, 1, 1, dtype=torch.uint8)
-    mxfp4x.mxfp4_experts(x.bfloat16(), packed, scales, [[0]], [[1.0]], [[0.0]])
+    mxfp4x.mxfp4_experts(x.bfloat16(), packed, scales, [[0]], [[1.0]], [[0.0]], isa=isa)
     had = torch.set_flush_denormal(True)
     try:
         for dtype in (torch.float32, torch.float64):
             y = mxfp4x.mxfp4_experts(x.to(dtype), packed, scales, [[0]], [[1.0]], [[0.0]],
-                                     backend="cpu", num_threads=2)
+                                     backend="cpu", num_threads=2, isa=isa)
             assert y.item() == 3.0 * 2.0 ** -127, (dtype, y.item())
         # the caller's floating-point environment is restored: it still flushes
         if had:
@@ -220,7 +211,7 @@ def test_overflow_follows_ieee(isa, backend):
     packed = torch.zeros(1, 1, 1, 16, dtype=torch.uint8)
     packed[0, 0, 0, 0] = 0x07  # element 0: code 7 = 6.0
     y = mxfp4x.mxfp4_experts(x, packed, torch.full((1, 1, 1), 127, dtype=torch.uint8),
-                             [[0], [0]], [[1.0], [1.0]], [[0.0], [0.0]], backend=backend)
+                             [[0], [0]], [[1.0], [1.0]], [[0.0], [0.0]], backend=backend, isa=isa)
     assert y[0, 0].item() == float("inf") and y[1, 0].item() == float("-inf")
 
 
@@ -230,7 +221,7 @@ def test_sum_of_negative_zero_weights_is_positive_zero(isa):
     packed = torch.full((1, 1, 1, 16), 0x88, dtype=torch.uint8)
     y = mxfp4x.mxfp4_experts(torch.ones(1, 32), packed, torch.full((1, 1, 1), 127,
                                                                     dtype=torch.uint8),
-                             [[0]], [[1.0]], [[-0.0]], backend="cpu")
+                             [[0]], [[1.0]], [[-0.0]], backend="cpu", isa=isa)
     assert y.item() == 0.0 and not np.signbit(y.item())
 
 
@@ -287,3 +278,57 @@ def test_packed_weights_over_2_to_the_31_bytes():
         y = mxfp4x.mxfp4_experts(**layer, backend=backend)
         for rows in (slice(0, 40), slice(d_out - 40, d_out)):
             assert_matches_reference(y[:, rows], layer, rows=rows)
+
+
+def test_eight_threads_with_numpy_inputs_leave_warning_filters_alone(rng):
+    """numpy inputs (read-only ones too: a read-only np.memmap of a checkpoint) from 8
+    threads at once: right answers, no warning, and the process's warnings filters are
+    exactly what they were (catch_warnings is not thread-safe, so mxfp4x uses none)."""
+    import warnings
+
+    layers = []
+    for i in range(8):
+        layer = random_layer(np.random.default_rng(100 + i), 5 + i, 2, 3, 40, 3)
+        as_np = {k: v.numpy().copy() for k, v in layer.items()}
+        for k in ("packed_weights", "scale_bytes", "latent_tokens"):
+            as_np[k].setflags(write=False)
+        layers.append((as_np, mxfp4x.mxfp4_experts(**layer, num_threads=1)))
+    filters_before = list(warnings.filters)
+
+    def work(i):
+        for _ in range(10):
+            got = mxfp4x.mxfp4_experts(**layers[i][0], num_threads=1)
+            assert torch.equal(got, layers[i][1])
+
+    with warnings.catch_warnings(record=True) as seen:  # this (main) thread only
+        warnings.simplefilter("always")
+        filters_inside = list(warnings.filters)
+        errors = run_threads(8, work)
+        assert list(warnings.filters) == filters_inside
+    assert not errors, errors
+    assert not [w for w in seen if "writable" in str(w.message)], [str(w.message) for w in seen]
+    assert list(warnings.filters) == filters_before
+
+
+def test_readonly_numpy_input_is_read_in_place(rng):
+    layer = random_layer(rng, 3, 2, 2, 16, 2)
+    packed = layer["packed_weights"].numpy().copy()
+    packed.setflags(write=False)
+    t = mxfp4x._validation.as_tensor("packed_weights", packed)
+    assert t.data_ptr() == packed.ctypes.data  # a view, not a copy
+    assert not packed.flags.writeable
+
+
+def test_seed_is_stable_across_pythonhashseed():
+    """MXFP4X_TEST_SEED reproduces a test's data in any process: the per-test stream does
+    not depend on PYTHONHASHSEED (hash() of a str does)."""
+    code = ("import conftest; print(conftest.rng_for(7, 'tests/test_x.py::test_y[avx2]')"
+            ".integers(0, 2**62, 4).tolist())")
+    draws = []
+    for hash_seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=hash_seed)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300, cwd=HERE, env=env)
+        assert out.returncode == 0, out.stderr
+        draws.append(out.stdout.strip())
+    assert draws[0] == draws[1]

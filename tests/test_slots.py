@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._reference import decode_expert
-from mxfp4x._testing import random_layer
+from mxfp4x._reference import decode_expert, error_bound
+from mxfp4x._testing import acc_name, random_layer
 
 
 def _ref_slots(x, packed, scales, sel):
@@ -22,11 +22,8 @@ def _ref_slots(x, packed, scales, sel):
 
 
 def _bound(x, packed, scales, sel):
-    n = x.shape[-1] + 2
-    packed_abs = packed & 0x77
-    mag = _ref_slots(x.abs(), packed_abs, scales, sel)
-    u = 2.0 ** -53 if x.dtype == torch.float64 else 2.0 ** -24
-    return n * u * mag + 1e-300
+    mag = _ref_slots(x.abs(), packed & 0x77, scales, sel)  # |W|: both sign bits cleared
+    return error_bound(mag, x.shape[-1] + 2, acc_name(x.dtype))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -38,7 +35,7 @@ def test_slots_against_reference(isa, rng, backend, per_slot_x, dtype):
     if per_slot_x:
         x = torch.from_numpy(rng.standard_normal((11, 3, 96))).to(dtype)
     y = mxfp4x.mxfp4_experts_slots(x, layer["packed_weights"], layer["scale_bytes"],
-                                   layer["selected_experts"], backend=backend)
+                                   layer["selected_experts"], backend=backend, isa=isa)
     assert y.shape == (11, 3, 29) and y.dtype == dtype
     ref = _ref_slots(x, layer["packed_weights"], layer["scale_bytes"],
                      layer["selected_experts"])
@@ -50,7 +47,7 @@ def test_slots_against_reference(isa, rng, backend, per_slot_x, dtype):
 def test_per_slot_latents_combined_against_reference(isa, rng, backend):
     layer = random_layer(rng, 9, 4, 5, 21, 2, repeat_expert=True)
     x = torch.from_numpy(rng.standard_normal((9, 4, 64))).float()
-    y = mxfp4x.mxfp4_experts(**dict(layer, latent_tokens=x), backend=backend)
+    y = mxfp4x.mxfp4_experts(**dict(layer, latent_tokens=x), backend=backend, isa=isa)
     slots = _ref_slots(x, layer["packed_weights"], layer["scale_bytes"],
                        layer["selected_experts"])
     ref = layer["shared_output"].double().numpy() + (

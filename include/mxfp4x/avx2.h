@@ -224,6 +224,18 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_sta
  * are parked in `lanes` unreduced, so the per-lane sequence is exactly the
  * unchunked one. */
 #define MXFP4X_AVX2_KC 512
+#define MXFP4X_AVX2_MR 3          /* panel rows per register block */
+#define MXFP4X_AVX2_NT 4          /* tokens per register block */
+#define MXFP4X_AVX2_TOKENS 64     /* tokens per super-block (bounds the scratch) */
+/* floats parked per (MR x NT) block: one 8-lane accumulator per (row, token) */
+#define MXFP4X_AVX2_BLOCK_FLOATS (MXFP4X_AVX2_MR * MXFP4X_AVX2_NT * 8)
+MXFP4X_STATIC_ASSERT(MXFP4X_AVX2_TOKENS % MXFP4X_AVX2_NT == 0, "whole token blocks");
+
+/* panel_dot's scratch: the parked accumulators of every block of one super-block. */
+static int64_t mxfp4x_panel_scratch_f32_avx2(int64_t n_rows) {
+    return ((n_rows + MXFP4X_AVX2_MR - 1) / MXFP4X_AVX2_MR) *
+           (MXFP4X_AVX2_TOKENS / MXFP4X_AVX2_NT) * MXFP4X_AVX2_BLOCK_FLOATS;
+}
 
 MXFP4X_AVX2_INLINE void mxfp4x_block_avx2(const float *p0, const float *p1, const float *p2,
                                           int mr, const float *const *xs, int nt, int64_t k0,
@@ -280,21 +292,22 @@ MXFP4X_AVX2_FN void mxfp4x_panel_dot_f32_avx2(const float *panel, int64_t n_rows
             for (r = 0; r < n_rows; r++) out[t * out_stride + r] = 0.0f;
         return;
     }
-    /* tokens in super-blocks of MXFP4X_PANEL_TOKENS: bounded scratch, L2-sized latents */
-    for (t0 = 0; t0 < n_tok; t0 += MXFP4X_PANEL_TOKENS) {
-        const int64_t t1 = t0 + MXFP4X_PANEL_TOKENS < n_tok ? t0 + MXFP4X_PANEL_TOKENS : n_tok;
+    /* tokens in super-blocks of MXFP4X_AVX2_TOKENS: bounded scratch, L2-sized latents */
+    for (t0 = 0; t0 < n_tok; t0 += MXFP4X_AVX2_TOKENS) {
+        const int64_t t1 = t0 + MXFP4X_AVX2_TOKENS < n_tok ? t0 + MXFP4X_AVX2_TOKENS : n_tok;
         for (k0 = 0; k0 < d_in; k0 += MXFP4X_AVX2_KC) {
             const int64_t k1 = k0 + MXFP4X_AVX2_KC < d_in ? k0 + MXFP4X_AVX2_KC : d_in;
-            for (r = 0; r < n_rows; r += 3) {
-                const int mr = n_rows - r < 3 ? (int)(n_rows - r) : 3;
+            for (r = 0; r < n_rows; r += MXFP4X_AVX2_MR) {
+                const int mr = n_rows - r < MXFP4X_AVX2_MR ? (int)(n_rows - r) : MXFP4X_AVX2_MR;
                 const float *p0 = panel + r * d_in;
                 const float *p1 = mr > 1 ? p0 + d_in : p0, *p2 = mr > 2 ? p0 + 2 * d_in : p0;
-                for (t = t0; t < t1; t += 4) {
-                    const int nt = t1 - t < 4 ? (int)(t1 - t) : 4;
-                    const float *xs[4];
-                    float *lb = scratch + ((r / 3) * (MXFP4X_PANEL_TOKENS / 4) + (t - t0) / 4) * 96;
+                for (t = t0; t < t1; t += MXFP4X_AVX2_NT) {
+                    const int nt = t1 - t < MXFP4X_AVX2_NT ? (int)(t1 - t) : MXFP4X_AVX2_NT;
+                    const float *xs[MXFP4X_AVX2_NT];
+                    float *lb = scratch + ((r / MXFP4X_AVX2_MR) * (MXFP4X_AVX2_TOKENS / MXFP4X_AVX2_NT) +
+                                           (t - t0) / MXFP4X_AVX2_NT) * MXFP4X_AVX2_BLOCK_FLOATS;
                     for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
-                    if (k0 == 0) memset(lb, 0, 96 * sizeof(float));
+                    if (k0 == 0) memset(lb, 0, MXFP4X_AVX2_BLOCK_FLOATS * sizeof(float));
                     mxfp4x_block_dispatch_avx2(p0, p1, p2, mr, xs, nt, k0, k1, lb);
                     if (k1 == d_in)
                         for (rr = 0; rr < mr; rr++)

@@ -114,7 +114,13 @@ MXFP4X_AVX512_FN void mxfp4x_decode_f32_avx512(const mxfp4x_rows *w, int64_t row
     }
 }
 
-/* Register block of 4 rows x 4 tokens (16 accumulators of 32 zmm). */
+/* Register block of 4 rows x 4 tokens (16 accumulators of 32 zmm); no scratch. */
+#define MXFP4X_AVX512_MR 4
+static int64_t mxfp4x_panel_scratch_f32_avx512(int64_t n_rows) {
+    (void)n_rows;
+    return 0;
+}
+
 MXFP4X_AVX512_FN void mxfp4x_panel_dot_f32_avx512(const float *panel, int64_t n_rows,
                                                   int64_t n_groups, const float *x,
                                                   int64_t x_stride, const int64_t *x_rows,

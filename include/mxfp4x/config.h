@@ -74,19 +74,68 @@
         MXFP4X_PREFETCH((p) + 3 * (stride));                                               \
     } while (0)
 
-/* Floating-point environment of a kernel thread: FTZ/DAZ off (a process may have
- * turned them on, e.g. torch.set_flush_denormal(True); they would flush the
- * 2^-127 scale and subnormal latents), restored on exit. */
+/* Floating-point environment of a kernel thread: flush-to-zero off (a process may
+ * have turned it on, e.g. torch.set_flush_denormal(True); it would flush the 2^-127
+ * scale and subnormal latents), restored on exit.
+ *   x86-64:  MXCSR.FTZ (bit 15) and MXCSR.DAZ (bit 6);
+ *   AArch64: FPCR.FZ (bit 24; Arm ARM, FPCR) -- FZ16 (bit 19) only affects
+ *            half-precision arithmetic, which the kernels never do. */
+#define MXFP4X_MXCSR_FTZ 0x8000u
+#define MXFP4X_MXCSR_DAZ 0x0040u
+#define MXFP4X_FPCR_FZ (1ull << 24)
 #if MXFP4X_ARCH_X86_64
-static unsigned int mxfp4x_fpenv_enter(void) {
+typedef unsigned int mxfp4x_fpenv;
+static mxfp4x_fpenv mxfp4x_fpenv_enter(void) {
     const unsigned int saved = _mm_getcsr();
-    _mm_setcsr(saved & ~(0x8000u | 0x0040u)); /* FTZ (bit 15), DAZ (bit 6) */
+    _mm_setcsr(saved & ~(MXFP4X_MXCSR_FTZ | MXFP4X_MXCSR_DAZ));
     return saved;
 }
-static void mxfp4x_fpenv_exit(unsigned int saved) { _mm_setcsr(saved); }
+static void mxfp4x_fpenv_exit(mxfp4x_fpenv saved) { _mm_setcsr(saved); }
+#elif (defined(__aarch64__) || defined(_M_ARM64)) && MXFP4X_GNUC
+typedef unsigned long long mxfp4x_fpenv;
+static mxfp4x_fpenv mxfp4x_fpenv_enter(void) {
+    unsigned long long saved;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved));
+    if (saved & MXFP4X_FPCR_FZ) {
+        const unsigned long long cleared = saved & ~MXFP4X_FPCR_FZ;
+        __asm__ __volatile__("msr fpcr, %0" : : "r"(cleared));
+    }
+    return saved;
+}
+static void mxfp4x_fpenv_exit(mxfp4x_fpenv saved) {
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved));
+}
+#elif defined(_M_ARM64)
+#include <intrin.h>
+typedef unsigned long long mxfp4x_fpenv;
+static mxfp4x_fpenv mxfp4x_fpenv_enter(void) {
+    const unsigned long long saved = (unsigned long long)_ReadStatusReg(ARM64_FPCR);
+    _WriteStatusReg(ARM64_FPCR, (__int64)(saved & ~MXFP4X_FPCR_FZ));
+    return saved;
+}
+static void mxfp4x_fpenv_exit(mxfp4x_fpenv saved) { _WriteStatusReg(ARM64_FPCR, (__int64)saved); }
 #else
-static unsigned int mxfp4x_fpenv_enter(void) { return 0; }
-static void mxfp4x_fpenv_exit(unsigned int saved) { (void)saved; }
+/* Other architectures: no flush-to-zero control known to the build; the FTZ test
+ * (tests/test_reliability.py) reports it if torch.set_flush_denormal works here. */
+typedef unsigned int mxfp4x_fpenv;
+static mxfp4x_fpenv mxfp4x_fpenv_enter(void) { return 0; }
+static void mxfp4x_fpenv_exit(mxfp4x_fpenv saved) { (void)saved; }
+#endif
+
+/* Build facts the tests check against the shipping rules (no fast-math, no global
+ * ISA flags), read from the compiler's own predefined macros. */
+#if defined(__FAST_MATH__) || defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__
+#  define MXFP4X_BUILT_FAST_MATH 1
+#else
+#  define MXFP4X_BUILT_FAST_MATH 0
+#endif
+#if defined(__AVX__) || defined(__AVX2__) || defined(__AVX512F__) || defined(__FMA__)
+#  define MXFP4X_BUILT_GLOBAL_ISA 1 /* -mavx*, -march=haswell/native...: not shippable */
+#else
+#  define MXFP4X_BUILT_GLOBAL_ISA 0
+#endif
+#ifndef MXFP4X_BUILD_CFLAGS
+#  define MXFP4X_BUILD_CFLAGS "unknown"
 #endif
 
 #endif /* MXFP4X_CONFIG_H */

@@ -6,6 +6,30 @@
 
 #include "mxfp4x.h"
 
+/* What detection reads; the decision below is a pure function of it (unit-tested
+ * through mxfp4x._cpu._isa_decision, including the macOS case no CI runs). */
+typedef struct {
+    int osxsave, avx, fma, avx2, avx512f;
+    uint64_t xcr0;
+    int darwin_avx512; /* macOS: sysctl hw.optional.avx512f (1/0); -1 elsewhere */
+} mxfp4x_cpu_facts;
+
+/* Bit mask of the ISAs (1 << MXFP4X_ISA_*) a CPU and OS with these facts can run.
+ * XCR0 bits 1, 2: SSE and AVX (YMM upper halves) state enabled by the OS; bits 5..7:
+ * opmask, ZMM_Hi256, Hi16_ZMM state.  macOS enables the AVX-512 state lazily, on a
+ * thread's first AVX-512 instruction, so XCR0 shows it off until then: there the
+ * kernel's own sysctl answer is the OS check instead. */
+static int mxfp4x_isa_decision(const mxfp4x_cpu_facts *f) {
+    int mask = 1 << MXFP4X_ISA_SCALAR;
+    int zmm_state;
+    if (f->osxsave && f->avx && f->fma && f->avx2 && (f->xcr0 & 0x6) == 0x6)
+        mask |= 1 << MXFP4X_ISA_AVX2;
+    zmm_state = f->darwin_avx512 >= 0 ? f->darwin_avx512 == 1 : (f->xcr0 & 0xE6) == 0xE6;
+    if ((mask & (1 << MXFP4X_ISA_AVX2)) && f->avx512f && zmm_state)
+        mask |= 1 << MXFP4X_ISA_AVX512;
+    return mask;
+}
+
 #if MXFP4X_HAVE_X86_SIMD
 #if defined(_MSC_VER) && !defined(__clang__)
 #include <intrin.h>
@@ -29,33 +53,36 @@ static uint64_t mxfp4x_xgetbv0(void) {
 }
 #endif
 
-/* Bit mask of the ISAs (1 << MXFP4X_ISA_*) this CPU and OS can run. */
+#if defined(__APPLE__)
+#include <sys/sysctl.h>
+static int mxfp4x_darwin_avx512(void) {
+    int v = 0;
+    size_t n = sizeof v;
+    return sysctlbyname("hw.optional.avx512f", &v, &n, NULL, 0) == 0 && v ? 1 : 0;
+}
+#else
+static int mxfp4x_darwin_avx512(void) { return -1; }
+#endif
+
 static int mxfp4x_detect_isas(void) {
     uint32_t r[4];
-    int mask = 1 << MXFP4X_ISA_SCALAR;
-    uint32_t max_leaf;
-    int osxsave, avx, fma, avx2 = 0, avx512f = 0;
-    uint64_t xcr0 = 0;
-
+    mxfp4x_cpu_facts f = {0, 0, 0, 0, 0, 0, -1};
     mxfp4x_cpuid(0, 0, r);
-    max_leaf = r[0];
-    if (max_leaf < 1) return mask;
-    mxfp4x_cpuid(1, 0, r);
-    osxsave = (r[2] >> 27) & 1;
-    avx = (r[2] >> 28) & 1;
-    fma = (r[2] >> 12) & 1;
-    if (max_leaf >= 7) {
-        mxfp4x_cpuid(7, 0, r);
-        avx2 = (r[1] >> 5) & 1;
-        avx512f = (r[1] >> 16) & 1;
+    if (r[0] >= 1) {
+        const uint32_t max_leaf = r[0];
+        mxfp4x_cpuid(1, 0, r);
+        f.osxsave = (r[2] >> 27) & 1;
+        f.avx = (r[2] >> 28) & 1;
+        f.fma = (r[2] >> 12) & 1;
+        if (max_leaf >= 7) {
+            mxfp4x_cpuid(7, 0, r);
+            f.avx2 = (r[1] >> 5) & 1;
+            f.avx512f = (r[1] >> 16) & 1;
+        }
+        if (f.osxsave) f.xcr0 = mxfp4x_xgetbv0();
+        f.darwin_avx512 = mxfp4x_darwin_avx512();
     }
-    if (osxsave) xcr0 = mxfp4x_xgetbv0();
-    /* XCR0: bit 1 SSE, bit 2 AVX (YMM high halves) state. */
-    if (osxsave && avx && fma && avx2 && (xcr0 & 0x6) == 0x6) mask |= 1 << MXFP4X_ISA_AVX2;
-    /* plus bits 5..7: opmask, ZMM_Hi256, Hi16_ZMM state. */
-    if ((mask & (1 << MXFP4X_ISA_AVX2)) && avx512f && (xcr0 & 0xE6) == 0xE6)
-        mask |= 1 << MXFP4X_ISA_AVX512;
-    return mask;
+    return mxfp4x_isa_decision(&f);
 }
 #else
 static int mxfp4x_detect_isas(void) { return 1 << MXFP4X_ISA_SCALAR; }

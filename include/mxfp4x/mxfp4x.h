@@ -11,10 +11,13 @@
  *
  *   value(element) = E2M1[code] * 2^(s - 127);  s = 255 is NaN.
  *
- * Kernels work in a "deinterleaved" element order inside every group of 32:
- * the 16 even elements (the low nibbles) first, then the 16 odd ones (the high
- * nibbles).  Latent rows are permuted once per call into that order
- * (mxfp4x_prepare_x_*), so a kernel never has to interleave nibbles again.
+ * Kernels work in a "deinterleaved" element order (a layout) chosen per ISA:
+ * blocks of 2*half elements, each holding its `half` even elements (low
+ * nibbles) then its `half` odd ones (high nibbles).  half = 16 (scalar,
+ * AVX-512, the float64 path): a group's 16 low nibbles, then its 16 high ones;
+ * half = 4 (AVX2): per 8 elements, 4 even then 4 odd.  Latent rows are
+ * permuted once per call into the layout (mxfp4x_prepare_x_*, through
+ * mxfp4x_layout_pos), so a kernel never has to interleave nibbles again.
  */
 #ifndef MXFP4X_H
 #define MXFP4X_H
@@ -39,14 +42,11 @@ enum {
     MXFP4X_ISA_COUNT = 3
 };
 
-/* Element orders ("layouts") of a decoded group: blocks of 2*half elements, each
- * holding its `half` even elements then its `half` odd ones.  half = 16: all the
- * low nibbles of a group, then all the high ones (scalar, AVX-512); half = 4:
- * per 8 elements, 4 even then 4 odd (AVX2). */
+/* Layouts (see the top of this file): the `half` of each kernel's layout. */
 #define MXFP4X_LAYOUT_16 16
 #define MXFP4X_LAYOUT_4 4
 
-/* Latent dtypes understood by mxfp4x_prepare_x_*. */
+/* Operand dtypes (latents: any; everything else: the compute dtype F32 or F64). */
 enum {
     MXFP4X_DTYPE_F32 = 0,
     MXFP4X_DTYPE_F64 = 1,
@@ -112,8 +112,9 @@ typedef struct {
  *
  *   gemv:      out[t * out_stride + r - row_start] = W[r] . x[x_rows[t]]
  *              fused, weights decoded in registers (for one or a few tokens)
- *   decode:    panel[(r - row_start) * d_in + i] = W[r][i] (deinterleaved order)
- *   panel_dot: out[t * out_stride + r] = panel[r] . x[x_rows[t]]
+ *   decode:    panel[(r - row_start) * d_in + i] = W[r][i] (the ISA's layout)
+ *   panel_dot: out[t * out_stride + r] = panel[r] . x[x_rows[t]]; `scratch` holds
+ *              panel_scratch_floats(n_rows) floats (the ISA's own blocking)
  */
 typedef void (*mxfp4x_gemv_f32_fn)(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
                                    const float *x, int64_t x_stride, const int64_t *x_rows,
@@ -124,6 +125,7 @@ typedef void (*mxfp4x_panel_dot_f32_fn)(const float *panel, int64_t n_rows, int6
                                         const float *x, int64_t x_stride, const int64_t *x_rows,
                                         int64_t n_tok, float *out, int64_t out_stride,
                                         float *scratch);
+typedef int64_t (*mxfp4x_scratch_fn)(int64_t n_rows);
 
 /* Transposed product (gradient of the latents): dst[j] += sum_r coef[r] * panel[r][j],
  * r ascending for every j (one multiply-add per term, as the ISA does them). */
@@ -134,21 +136,70 @@ typedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows, int6
  * decode + panel_dot above it (the panel's store and reload then pay off). */
 #define MXFP4X_GEMV_MAX_TOKENS 8
 
-/* panel_dot works on at most this many tokens at a time; its scratch holds the
- * unreduced lane accumulators of every (3-row, 4-token) block of one such batch. */
-#define MXFP4X_PANEL_TOKENS 64
-#define MXFP4X_PANEL_SCRATCH_FLOATS(n_rows) \
-    ((((int64_t)(n_rows) + 2) / 3) * (MXFP4X_PANEL_TOKENS / 4) * 96)
-
 typedef struct {
     int isa;
     const char *name;
-    int layout_half; /* element order inside a group, see mxfp4x_prepare_x_f32 */
+    int layout_half;     /* element order inside a group, see mxfp4x_layout_pos */
+    int panel_row_block; /* panel_dot's rows per register block: panels hold a multiple */
     mxfp4x_gemv_f32_fn gemv_f32;
     mxfp4x_decode_f32_fn decode_f32;
     mxfp4x_panel_dot_f32_fn panel_dot_f32;
+    mxfp4x_scratch_fn panel_scratch_floats; /* floats of panel_dot scratch for n_rows */
     mxfp4x_axpy_rows_f32_fn axpy_rows_f32;
 } mxfp4x_kernels;
+
+/* Where natural element i of a row sits in a kernel layout of half-size `half`
+ * (blocks of 2*half elements: the `half` even ones, then the `half` odd ones).
+ * The only statement of the layouts: preparing latents and undoing the
+ * transposed product's order both go through it. */
+MXFP4X_INLINE int64_t mxfp4x_layout_pos(int64_t i, int half) {
+    const int64_t j = i % (2 * half);
+    return (i - j) + (j & 1) * half + (j >> 1);
+}
+
+/* ---- one call of the CPU driver, described once ------------------------------
+ *
+ * Built from tensors in one place (mxfp4x/_cpu_impl.py through the Call type of
+ * mxfp4x/_cpu.pyx), checked in one place (_cpu.pyx, _check_call), and read by
+ * the one driver skeleton.  Modes are named fields, never inferred from shapes.
+ */
+
+/* The experts: expert e's rows are rows[e] (stacked or one tensor each: any
+ * mix of base pointers and row strides). */
+typedef struct {
+    int64_t n_experts, d_out, n_groups;
+    const mxfp4x_rows *rows;
+} mxfp4x_experts;
+
+enum { MXFP4X_FORWARD = 0, MXFP4X_TRANSPOSED = 1 };          /* product */
+enum { MXFP4X_ROWS_PER_TOKEN = 0, MXFP4X_ROWS_PER_SLOT = 1 }; /* rows of an operand */
+
+/* For every pair p = t * top_k + k with e = selected[p] and w = mix ? mix[p] : 1:
+ *
+ *   FORWARD     src: latents (rows, d_in) of src_dtype; dst: (rows, d_out) of compute.
+ *               mix given:  dst[t]  += w * (W_e src[row_src(p)])  (dst holds the shared output)
+ *               mix NULL:   dst[p]   = W_e src[row_src(p)]         (per-slot outputs)
+ *   TRANSPOSED  src: gradient (rows, d_out) of compute; dst: (rows, d_in) of compute:
+ *                           dst[row_dst(p)] = sum over its pairs of w * (W_e^T src[row_src(p)])
+ *
+ * Rows in natural element order.  row_src(p) = p if src_rows is PER_SLOT else t, and
+ * likewise row_dst.  mix is given exactly when the d_out side is per token (the
+ * products are summed over the slots there). */
+typedef struct {
+    int product;                    /* MXFP4X_FORWARD or MXFP4X_TRANSPOSED */
+    int compute;                    /* MXFP4X_DTYPE_F32 or _F64: accumulation, `dst` */
+    const mxfp4x_kernels *kernels;  /* the ISA this call runs (float32 compute) */
+    int n_threads;
+    mxfp4x_experts experts;
+    int64_t n_tokens, top_k;
+    const int64_t *selected;        /* (n_tokens, top_k); ids checked while routing */
+    const void *mix;                /* (n_tokens, top_k) of compute, or NULL */
+    const void *src;
+    int src_dtype;                  /* MXFP4X_DTYPE_*: any for FORWARD, compute otherwise */
+    int src_rows;                   /* MXFP4X_ROWS_* */
+    void *dst;
+    int dst_rows;                   /* MXFP4X_ROWS_* */
+} mxfp4x_call;
 
 /* ---- 16-bit float conversions (exact; used once per call on the latents) ---- */
 

@@ -90,6 +90,12 @@ static void mxfp4x_decode_f32_scalar(const mxfp4x_rows *w, int64_t row_start, in
     }
 }
 
+/* One row at a time, no scratch. */
+static int64_t mxfp4x_panel_scratch_f32_scalar(int64_t n_rows) {
+    (void)n_rows;
+    return 0;
+}
+
 static void mxfp4x_panel_dot_f32_scalar(const float *panel, int64_t n_rows, int64_t n_groups,
                                         const float *x, int64_t x_stride, const int64_t *x_rows,
                                         int64_t n_tok, float *out, int64_t out_stride,
@@ -152,6 +158,14 @@ static void mxfp4x_panel_dot_f64(const double *panel, int64_t n_rows, int64_t n_
     }
 }
 
+/* Transposed float64 product: dst[j] += sum_r coef[r] * panel[r][j], r ascending. */
+static void mxfp4x_axpy_rows_f64(const double *panel, int64_t n_rows, int64_t width,
+                                 const double *coef, double *dst) {
+    int64_t r, j;
+    for (r = 0; r < n_rows; r++)
+        for (j = 0; j < width; j++) dst[j] = dst[j] + coef[r] * panel[r * width + j];
+}
+
 /* ---- latent preparation: convert one row to the compute dtype, deinterleaved ---- */
 
 /* Element at position i (natural order) of a row of the given dtype, as float. */
@@ -164,33 +178,33 @@ MXFP4X_INLINE float mxfp4x_load_f32(const void *row, int dtype, int64_t i) {
     }
 }
 
-/* Permute one latent row into a kernel layout (mxfp4x.h): for every block of
- * 2*half elements starting at b, dst[b + j] = x[b + 2j] and
- * dst[b + half + j] = x[b + 2j + 1], j < half.  With half = 16 and b = 32g:
- * the 16 low-nibble elements of group g, then its 16 high-nibble ones. */
+/* Permute one latent row into a kernel layout (mxfp4x_layout_pos), converting it
+ * to float32. */
 static void mxfp4x_prepare_x_f32(const void *row, int dtype, int64_t n_groups, int half,
                                  float *dst) {
     const int64_t n = n_groups * MXFP4X_GROUP;
-    int64_t b;
-    int j;
-    for (b = 0; b < n; b += 2 * half) {
-        for (j = 0; j < half; j++) {
-            dst[b + j] = mxfp4x_load_f32(row, dtype, b + 2 * j);
-            dst[b + half + j] = mxfp4x_load_f32(row, dtype, b + 2 * j + 1);
-        }
-    }
+    int64_t i;
+    for (i = 0; i < n; i++) dst[mxfp4x_layout_pos(i, half)] = mxfp4x_load_f32(row, dtype, i);
 }
 
+/* The float64 path's layout is MXFP4X_LAYOUT_16 (its decode is mxfp4x_decode_f64). */
 static void mxfp4x_prepare_x_f64(const double *row, int64_t n_groups, double *dst) {
-    int64_t g;
-    int j;
-    for (g = 0; g < n_groups; g++) {
-        const int64_t base = g * MXFP4X_GROUP;
-        for (j = 0; j < 16; j++) {
-            dst[base + j] = row[base + 2 * j];
-            dst[base + 16 + j] = row[base + 2 * j + 1];
-        }
-    }
+    const int64_t n = n_groups * MXFP4X_GROUP;
+    int64_t i;
+    for (i = 0; i < n; i++) dst[mxfp4x_layout_pos(i, MXFP4X_LAYOUT_16)] = row[i];
+}
+
+/* The inverse permutation: a row in a kernel layout back to natural order. */
+static void mxfp4x_natural_f32(const float *src, int64_t n_groups, int half, float *dst) {
+    const int64_t n = n_groups * MXFP4X_GROUP;
+    int64_t i;
+    for (i = 0; i < n; i++) dst[i] = src[mxfp4x_layout_pos(i, half)];
+}
+
+static void mxfp4x_natural_f64(const double *src, int64_t n_groups, int half, double *dst) {
+    const int64_t n = n_groups * MXFP4X_GROUP;
+    int64_t i;
+    for (i = 0; i < n; i++) dst[i] = src[mxfp4x_layout_pos(i, half)];
 }
 
 #endif /* MXFP4X_SCALAR_H */
