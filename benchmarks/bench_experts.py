@@ -46,8 +46,11 @@ SHAPES = ["gpt-oss-20b-gate-up", "gpt-oss-20b-down"]
 TOKENS = [1, 8, 32, 512]
 
 
-def _case(benchmark, shape, n_tokens, dtype, threads, impl):
+def _case(benchmark, shape, n_tokens, dtype, threads, impl, form="stacked"):
     packed, scales, n_experts, top_k, d_out, d_in = experts(shape)
+    if form == "list":  # one allocation per expert, as from a per-expert checkpoint
+        packed = [packed[e].clone() for e in range(n_experts)]
+        scales = [scales[e].clone() for e in range(n_experts)]
     n_calls = 4
     calls = [_bench.make_tokens(n_tokens, top_k, n_experts, d_in, d_out, dtype, call=i)
              for i in range(n_calls)]
@@ -55,7 +58,8 @@ def _case(benchmark, shape, n_tokens, dtype, threads, impl):
     y = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared, backend=impl,
                              num_threads=threads)
     rows = slice(0, min(d_out, 64))
-    layer = dict(latent_tokens=x[:3], packed_weights=packed, scale_bytes=scales,
+    layer = dict(latent_tokens=x[:3], packed_weights=experts(shape)[0],
+                 scale_bytes=experts(shape)[1],
                  selected_experts=sel[:3], mixture_weights=mix[:3], shared_output=shared[:3])
     assert_matches_reference(y[:3, rows], layer, rows=rows)
 
@@ -69,11 +73,11 @@ def _case(benchmark, shape, n_tokens, dtype, threads, impl):
 
     rounds = 1 if SMALL else (8 if n_tokens <= 32 else 3)
     benchmark.pedantic(run, rounds=rounds, iterations=1, warmup_rounds=1)
-    n_bytes = _bench.streamed_bytes(packed, scales, sel)
+    n_bytes = _bench.streamed_bytes(experts(shape)[0], experts(shape)[1], sel)
     n_flops = _bench.flops(n_tokens, top_k, d_out, d_in)
     info = benchmark.extra_info
     info.update(shape=shape, tokens=n_tokens, dtype=str(dtype).replace("torch.", ""),
-                threads=threads, impl=impl, isa=mxfp4x.backend_info()["isa"],
+                threads=threads, impl=impl, form=form, isa=mxfp4x.backend_info()["isa"],
                 bytes=n_bytes, flops=n_flops)
     if benchmark.stats is None:  # --benchmark-disable: the smoke run stops here
         return
@@ -101,3 +105,13 @@ def test_torch_backend_baseline(benchmark, n_tokens, threads):
     shape = "gpt-oss-20b-gate-up"
     benchmark.group = f"{shape} T={n_tokens} float32"
     _case(benchmark, shape, n_tokens, torch.float32, threads, "torch")
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize("n_tokens", [1, 512])
+def test_list_form(benchmark, n_tokens, threads):
+    """Experts as E separate tensors (Kimi K3's checkpoint layout): compare with the
+    stacked case of the same group (the target: within 5 %)."""
+    shape = "gpt-oss-20b-gate-up"
+    benchmark.group = f"{shape} T={n_tokens} float32"
+    _case(benchmark, shape, n_tokens, torch.float32, threads, "cpu", form="list")

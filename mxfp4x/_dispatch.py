@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from . import _cpu
-from ._ops import mxfp4_experts_op, mxfp4_experts_slots_op
+from ._ops import experts_op, slots_op
 from ._torch_impl import mxfp4_experts_torch, slots_torch
 from ._validation import check_inputs, check_num_threads
 from ._version import __version__
@@ -37,7 +37,11 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike, scale_byt
 
     ``y[t] = shared_output[t] + sum_k mixture_weights[t, k] * W[selected_experts[t, k]] @
     latent_tokens[t]``, where ``W[e]`` is expert ``e`` decoded from ``packed_weights``
-    (E, O, G, 16) and ``scale_bytes`` (E, O, G) in the MXFP4 (gpt-oss) layout.
+    (E, O, G, 16) and ``scale_bytes`` (E, O, G) in the MXFP4 (gpt-oss) layout, or from
+    lists of E per-expert tensors, packed (O, G, 16) or (O, G*16) and scales (O, G), read
+    in place (a per-expert checkpoint such as Kimi K3's: nothing is stacked or copied;
+    bit-identical to the stacked form).  Scales typed ``torch.float8_e8m0fnu`` are read
+    as their bytes.
     ``latent_tokens`` may also be (n_tokens, top_k, d_in): slot k then uses its own input
     ``latent_tokens[t, k]`` (a down projection after a per-slot activation).
 
@@ -60,8 +64,8 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike, scale_byt
         # torch.compile(fullgraph=True) needs the default backend, which goes through the op)
         return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, x.dtype)
     # the custom op: compiled kernels for CPU tensors, the PyTorch path elsewhere
-    return mxfp4_experts_op(x, packed.to(torch.uint8), scales.to(torch.uint8),
-                            sel.to(torch.int64), mix, shared, threads, isa)
+    return experts_op(packed)(x, packed, scales, sel.to(torch.int64), mix, shared, threads,
+                              isa or "")
 
 
 def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
@@ -80,8 +84,7 @@ def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
     _check_device(backend, x)
     if backend == "torch":
         return slots_torch(x, packed, scales, sel)
-    return mxfp4_experts_slots_op(x, packed.to(torch.uint8), scales.to(torch.uint8),
-                                  sel.to(torch.int64), threads, isa)
+    return slots_op(packed)(x, packed, scales, sel.to(torch.int64), threads, isa or "")
 
 
 def backend_info() -> Dict[str, Any]:

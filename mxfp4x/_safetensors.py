@@ -8,17 +8,22 @@ file copy-on-write: a tensor is a view of the file's pages until someone writes 
 import json
 import os
 import struct
-from typing import Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import numpy as np
 import torch
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+       "F8_E8M0": np.uint8,
        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
        "BOOL": np.bool_}
+# dtypes numpy lacks: stored as same-width integers, viewed back (never cast by value)
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+_VIEW_AS = {"BF16": torch.bfloat16, **({"F8_E8M0": _E8M0} if _E8M0 is not None else {})}
 _TORCH_NAME = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+               **({_E8M0: "F8_E8M0"} if _E8M0 is not None else {})}
 
 
 def _check_entry(path, name, info, data_size):
@@ -80,7 +85,7 @@ class SafeTensorsFile:
             raise TypeError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
         begin, end = info["data_offsets"]
         if self._map is None or begin == end:
-            return torch.empty(info["shape"], dtype=torch.bfloat16 if dtype == "BF16" else
+            return torch.empty(info["shape"], dtype=_VIEW_AS.get(dtype) or
                                torch.from_numpy(np.empty(0, _NP[dtype])).dtype)
         raw = self._map[self._base + begin:self._base + end]
         aligned = raw.ctypes.data % np.dtype(_NP[dtype]).itemsize == 0
@@ -88,33 +93,60 @@ class SafeTensorsFile:
         # an unaligned tensor is copied into a fresh (aligned, writable) array
         arr: np.ndarray = (raw if aligned else raw.copy()).view(_NP[dtype])
         t = torch.from_numpy(arr.reshape(info["shape"]))
-        return t.view(torch.bfloat16) if dtype == "BF16" else t
+        return t.view(_VIEW_AS[dtype]) if dtype in _VIEW_AS else t
 
 
 def save_file(tensors: Dict[str, torch.Tensor], path: str,
               metadata: Optional[Dict[str, str]] = None) -> None:
     """Write ``tensors`` (CPU, any layout: made contiguous) as a .safetensors file."""
+    def maker(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return lambda: t
+
+    write_file(path, {name: (t.dtype, tuple(t.shape), maker(t)) for name, t in tensors.items()},
+               metadata)
+
+
+def write_file(path: str, entries: Dict[str, Tuple[torch.dtype, Tuple[int, ...],
+                                                   Callable[[], torch.Tensor]]],
+               metadata: Optional[Dict[str, str]] = None) -> None:
+    """Write a .safetensors file whose tensors are made one at a time while it is
+    written (``name -> (dtype, shape, make)``): a file larger than memory can be written.
+    A tensor ``make()`` returns None for is left unwritten (all zero bytes, sparse on
+    disk)."""
     header: Dict[str, object] = {"__metadata__": dict(metadata or {})}
     offset = 0
-    blobs = []
     # widest elements first: every tensor then starts aligned to its element size
     # (the format allows no padding between tensors)
-    for name in sorted(tensors, key=lambda k: -tensors[k].element_size()):
-        t = tensors[name].detach().cpu().contiguous()
-        if t.dtype not in _TORCH_NAME:
-            raise TypeError(f"{name}: cannot store dtype {t.dtype}")
-        data = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
-        header[name] = {"dtype": _TORCH_NAME[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-        blobs.append(data)
+    order = sorted(entries, key=lambda k: -torch.empty((), dtype=entries[k][0]).element_size())
+    for name in order:
+        dtype, shape = entries[name][0], entries[name][1]
+        if dtype not in _TORCH_NAME:
+            raise TypeError(f"{name}: cannot store dtype {dtype}")
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _TORCH_NAME[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for b in blobs:
-            f.write(b)
+        base = f.tell()
+        for name in order:
+            dtype, shape, make = entries[name]
+            t = make()
+            begin, end = header[name]["data_offsets"]  # type: ignore[index]
+            if t is None:
+                continue
+            t = t.detach().cpu().contiguous()
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: made {t.dtype} {tuple(t.shape)}, declared {dtype} "
+                                 f"{tuple(shape)}")
+            if _TORCH_NAME[dtype] in _VIEW_AS:  # no numpy dtype: the same-width integers
+                t = t.view(torch.int16 if t.element_size() == 2 else torch.uint8)
+            f.seek(base + begin)
+            f.write(t.numpy().tobytes())
+        f.truncate(base + offset)  # the full length, also when the last tensors are sparse
 
 
 class SafeTensorsCheckpoint:

@@ -32,13 +32,20 @@ def _tables(device, dtype):
 
 
 def decode_expert(packed, scales, dtype=torch.float32):
-    """(O, G, 16) uint8 bytes and (O, G) uint8 scales -> (O, 32 G) matrix of ``dtype``."""
+    """(O, G, 16) (or (O, G*16)) uint8 bytes and (O, G) uint8 scales -> (O, 32 G) matrix
+    of ``dtype``."""
     pairs, e8m0 = _tables(packed.device, dtype)
-    d_out, n_groups = packed.shape[0], packed.shape[1]
+    d_out, n_groups = scales.shape[0], scales.shape[1]
     values = torch.nn.functional.embedding(packed.reshape(-1).int(), pairs)
     values = values.reshape(d_out, n_groups, GROUP)
     values.mul_(e8m0[scales.int()].unsqueeze(-1))
     return values.reshape(d_out, n_groups * GROUP)
+
+
+def d_out_of(packed):
+    """Rows per expert of stacked (E, O, G, 16) bytes or of a list of (O, G, 16) tensors
+    (both index as packed[e][rows])."""
+    return packed.shape[1] if isinstance(packed, torch.Tensor) else packed[0].shape[0]
 
 
 def _by_expert(sel):
@@ -60,18 +67,18 @@ def _row_chunks(device, d_in, itemsize, d_out):
 
 def slots_torch(x, packed, scales, sel):
     """(T, K, O): W_{e_tk} x_t (x_tk for per-slot latents) per slot, no weights, no sum."""
-    check_expert_ids(sel, packed.shape[0])
+    check_expert_ids(sel, len(packed))
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     slot_inputs = x.dim() == 3
     n_tokens, top_k = sel.shape
-    d_out = packed.shape[1]
+    d_out = d_out_of(packed)
     xc = x.to(compute).reshape(n_tokens * (top_k if slot_inputs else 1), x.shape[-1])
     out = torch.zeros((n_tokens * top_k, d_out), dtype=compute, device=x.device)
     chunks = _row_chunks(x.device, x.shape[-1], xc.element_size(), d_out)
     for e, pairs in _by_expert(sel):
         xe = xc[pairs if slot_inputs else pairs // top_k]
         for r0, r1 in chunks:
-            weight = decode_expert(packed[e, r0:r1], scales[e, r0:r1], compute)
+            weight = decode_expert(packed[e][r0:r1], scales[e][r0:r1], compute)
             out[pairs, r0:r1] = xe @ weight.T
     return out.view(n_tokens, top_k, d_out).to(x.dtype)
 
@@ -80,21 +87,21 @@ def grad_latents_torch(grad, packed, scales, sel, mix, x):
     """dx = sum_k p_tk W^T grad_t, shaped and typed like x.  Per-slot latents (T, K, I)
     get per-slot gradients; a per-slot grad (T, K, O) (of the slots op) has weight 1 (mix
     is not read)."""
-    check_expert_ids(sel, packed.shape[0])
+    check_expert_ids(sel, len(packed))
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     n_tokens, top_k = sel.shape
     d_in = x.shape[-1]
     slot_inputs, slot_outputs = x.dim() == 3, grad.dim() == 3
     g = grad.to(compute).reshape(n_tokens * (top_k if slot_outputs else 1), grad.shape[-1])
     per_pair = torch.zeros((n_tokens * top_k, d_in), dtype=compute, device=x.device)
-    chunks = _row_chunks(x.device, d_in, g.element_size(), packed.shape[1])
+    chunks = _row_chunks(x.device, d_in, g.element_size(), d_out_of(packed))
     for e, pairs in _by_expert(sel):
         if slot_outputs:
             ge = g[pairs]
         else:
             ge = g[pairs // top_k] * mix.to(compute).reshape(-1)[pairs].unsqueeze(1)
         for r0, r1 in chunks:
-            weight = decode_expert(packed[e, r0:r1], scales[e, r0:r1], compute)
+            weight = decode_expert(packed[e][r0:r1], scales[e][r0:r1], compute)
             per_pair[pairs] += ge[:, r0:r1] @ weight
     per_pair = per_pair.view(n_tokens, top_k, d_in)
     if slot_inputs:
@@ -107,11 +114,11 @@ def grad_latents_torch(grad, packed, scales, sel, mix, x):
 
 def mxfp4_experts_torch(x, packed, scales, sel, mix, shared, out_dtype):
     """shared + sum_k p W x; x is (T, I), or (T, K, I) with one input row per slot."""
-    check_expert_ids(sel, packed.shape[0])
+    check_expert_ids(sel, len(packed))
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     slot_inputs = x.dim() == 3
     n_tokens, top_k = sel.shape
-    d_out = packed.shape[1]
+    d_out = d_out_of(packed)
     y = torch.empty((n_tokens, d_out), dtype=compute, device=x.device)
     y.copy_(shared)
     if n_tokens * top_k == 0 or d_out == 0:
@@ -123,7 +130,7 @@ def mxfp4_experts_torch(x, packed, scales, sel, mix, shared, out_dtype):
     for e, pairs in _by_expert(sel):
         xe, we = xc[pairs if slot_inputs else pairs // top_k], w[pairs].unsqueeze(1)
         for r0, r1 in chunks:
-            weight = decode_expert(packed[e, r0:r1], scales[e, r0:r1], compute)
+            weight = decode_expert(packed[e][r0:r1], scales[e][r0:r1], compute)
             contrib[pairs, r0:r1] = (xe @ weight.T) * we
     contrib = contrib.view(n_tokens, top_k, d_out)
     for k in range(top_k):

@@ -92,10 +92,17 @@ def float_tensor(name, t, allow_int=True):
                     f"{_dtype_name(t.dtype)}")
 
 
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
 def byte_tensor(name, t):
-    """uint8 passes as is; other integer dtypes must hold values in [0, 255]."""
+    """uint8 passes as is; float8_e8m0fnu scales are their bytes (read by view: a cast by
+    value would turn byte s into 2^(s-127)); other integer dtypes must hold values in
+    [0, 255]."""
     if t.dtype == torch.uint8:
         return t
+    if _E8M0 is not None and t.dtype == _E8M0:
+        return t.view(torch.uint8)
     if t.dtype not in _INT_DTYPES:
         raise TypeError(f"{name}: expected an integer tensor of bytes (uint8, or any integer "
                         f"dtype with values in [0, 255]), got dtype {_dtype_name(t.dtype)}")
@@ -122,6 +129,52 @@ def index_tensor(name, t):
 SKIP = object()  # marks an argument that is not part of this call (per-slot outputs)
 
 
+def is_expert_list(value):
+    """Experts given one tensor (or array) each, as a list or tuple, not nested lists."""
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(
+        isinstance(v, (torch.Tensor, np.ndarray)) for v in value)
+
+
+def _expert_entries(name, value, device):
+    entries = []
+    for e, v in enumerate(value):
+        t = as_tensor(f"{name}[{e}]", v)
+        if t.device != device:
+            if isinstance(v, torch.Tensor):
+                raise ValueError(f"{name}[{e}]: on device {t.device}, but latent_tokens is on "
+                                 f"{device}; move it with .to({str(device)!r})")
+            t = t.to(device)
+        entries.append(byte_tensor(f"{name}[{e}]", t))
+    return entries
+
+
+def check_expert_list(packed_weights, scale_bytes, n_groups, d_in, device):
+    """Per-expert packed (O, G, 16) or (O, G*16) and scales (O, G): every entry the same
+    shape and dtype; returns (packed as (O, G, 16) views, scales, n_experts, d_out)."""
+    if not is_expert_list(scale_bytes):
+        raise ValueError("scale_bytes: packed_weights is a list of per-expert tensors, so "
+                         "scale_bytes must be one too (a list or tuple of (d_out, n_groups) "
+                         f"tensors), got {type(scale_bytes).__name__}")
+    if len(scale_bytes) != len(packed_weights):
+        raise ValueError(f"scale_bytes: expected {len(packed_weights)} per-expert tensors (as "
+                         f"packed_weights), got {len(scale_bytes)}")
+    packed = _expert_entries("packed_weights", packed_weights, device)
+    scales = _expert_entries("scale_bytes", scale_bytes, device)
+    first = packed[0]
+    d_out = first.shape[0] if first.dim() else 0
+    for e, (p, sc) in enumerate(zip(packed, scales, strict=True)):
+        if p.dim() == 2 and p.shape == (d_out, n_groups * GROUP_BYTES):
+            packed[e] = p = p.unflatten(1, (n_groups, GROUP_BYTES))
+        if tuple(p.shape) != (d_out, n_groups, GROUP_BYTES):
+            raise ValueError(f"packed_weights[{e}]: expected shape ({d_out}, {n_groups}, "
+                             f"{GROUP_BYTES}) or ({d_out}, {n_groups * GROUP_BYTES}) for "
+                             f"d_in = {d_in} (as entry 0), got {tuple(p.shape)}")
+        if tuple(sc.shape) != (d_out, n_groups):
+            raise ValueError(f"scale_bytes[{e}]: expected shape ({d_out}, {n_groups}) to "
+                             f"match packed_weights[{e}], got {tuple(sc.shape)}")
+    return packed, scales, len(packed), d_out
+
+
 def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
                  mixture_weights=SKIP, shared_output=SKIP):
     """Coerce and check every input; returns tensors on the latents' device.
@@ -133,7 +186,9 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
              "mixture_weights", "shared_output")
     raw = (latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
            shared_output)
-    ts = [None if v is SKIP else as_tensor(n, v) for n, v in zip(names, raw, strict=True)]
+    listed = is_expert_list(packed_weights)
+    ts = [None if v is SKIP or (listed and n in ("packed_weights", "scale_bytes"))
+          else as_tensor(n, v) for n, v in zip(names, raw, strict=True)]
     device = ts[0].device
     for n, v, t in zip(names, raw, ts, strict=True):
         if t is not None and t.device != device and isinstance(v, torch.Tensor):
@@ -152,20 +207,11 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
                          f"MXFP4 group size); got shape {tuple(x.shape)}")
     n_groups = d_in // GROUP
 
-    check_rank("packed_weights", packed, 4, "(n_experts, d_out, n_groups, 16)")
-    packed = byte_tensor("packed_weights", packed)
-    n_experts, d_out = packed.shape[0], packed.shape[1]
-    if packed.shape[2] != n_groups or packed.shape[3] != GROUP_BYTES:
-        raise ValueError(f"packed_weights: expected shape (n_experts, d_out, {n_groups}, "
-                         f"{GROUP_BYTES}) "
-                         f"for d_in = {d_in}, got {tuple(packed.shape)}")
-
-    check_rank("scale_bytes", scales, 3, "(n_experts, d_out, n_groups)")
-    scales = byte_tensor("scale_bytes", scales)
-    if tuple(scales.shape) != (n_experts, d_out, n_groups):
-        raise ValueError(f"scale_bytes: expected shape ({n_experts}, {d_out}, {n_groups}) to "
-                         f"match packed_weights {tuple(packed.shape)}, got "
-                         f"{tuple(scales.shape)}")
+    if listed:
+        packed, scales, n_experts, d_out = check_expert_list(packed_weights, scale_bytes,
+                                                             n_groups, d_in, device)
+    else:
+        packed, scales, n_experts, d_out = _check_stacked(packed, scales, n_groups, d_in)
 
     check_rank("selected_experts", sel, 2, "(n_tokens, top_k)")
     sel = index_tensor("selected_experts", sel)
@@ -187,6 +233,23 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
     # expert ids are checked once, by the implementation that runs (the CPU driver while it
     # routes the pairs, the PyTorch path before it indexes): see check_expert_ids
     return x, packed, scales, sel, mix, shared
+
+
+def _check_stacked(packed, scales, n_groups, d_in):
+    check_rank("packed_weights", packed, 4, "(n_experts, d_out, n_groups, 16), or a list of "
+               "per-expert tensors")
+    packed = byte_tensor("packed_weights", packed)
+    n_experts, d_out = packed.shape[0], packed.shape[1]
+    if packed.shape[2] != n_groups or packed.shape[3] != GROUP_BYTES:
+        raise ValueError(f"packed_weights: expected shape (n_experts, d_out, {n_groups}, "
+                         f"{GROUP_BYTES}) for d_in = {d_in}, got {tuple(packed.shape)}")
+    check_rank("scale_bytes", scales, 3, "(n_experts, d_out, n_groups)")
+    scales = byte_tensor("scale_bytes", scales)
+    if tuple(scales.shape) != (n_experts, d_out, n_groups):
+        raise ValueError(f"scale_bytes: expected shape ({n_experts}, {d_out}, {n_groups}) to "
+                         f"match packed_weights {tuple(packed.shape)}, got "
+                         f"{tuple(scales.shape)}")
+    return packed, scales, n_experts, d_out
 
 
 def _float_matrix(name, t, shape, dims, why):

@@ -1,5 +1,6 @@
-"""torch.nn modules over the mxfp4x ops: a generic MXFP4 expert bank and the gpt-oss
-experts block, with checkpoint loading that maps, not copies, the packed bytes."""
+"""torch.nn modules over the mxfp4x ops: a generic MXFP4 expert bank, the gpt-oss
+experts block and the Kimi K3 MoE layer (KimiK3MoE, KimiK3Router, KimiK3Experts), with
+checkpoint loading that maps, not copies, the packed bytes."""
 import sys
 from typing import List, Optional, Sequence
 
@@ -7,6 +8,7 @@ import torch
 
 from ._dispatch import mxfp4_experts, mxfp4_experts_slots
 from ._format import GROUP, GROUP_BYTES
+from ._kimi_k3 import KimiK3Experts, KimiK3MoE, KimiK3Router  # noqa: F401
 from ._quantize import quantize
 from ._safetensors import SafeTensorsCheckpoint
 from ._validation import as_tensor, byte_tensor

@@ -1,0 +1,168 @@
+"""Per-expert MXFP4 checkpoints: where a model family keeps its expert tensors, its
+config, and reading them as the kernels want them (memory-mapped, never copied).
+
+A family is a :class:`ExpertLayout`: the name of one expert matrix's packed bytes and
+scale bytes for (layer, expert, projection), and which projection is gate, up, down.
+Adding a family (e.g. DeepSeek-V4, whose experts are
+``layers.{L}.ffn.experts.{j}.{w1,w2,w3}.{weight,scale}`` with I8 bytes and F8_E8M0
+scales) is one more entry in ``FAMILIES`` plus its block module.
+
+Kimi K3 (``KIMI_K3``), as released (moonshotai/Kimi-K3; read through the public ports:
+llama.cpp ``conversion/kimi_k3.py``, vLLM, SGLang, MaxText, and Moonshot's
+``modeling_kimi_linear.py``):
+
+* ``config.json``: the text model under ``text_config`` (``model_type`` "kimi_linear");
+  ``quantization_config``: ``quant_method`` "compressed-tensors", ``format``
+  "mxfp4-pack-quantized" under ``config_groups.group_0`` (4 bits, float, group 32,
+  ``scale_dtype`` uint8); only the routed experts carry ``weight_packed`` tensors.
+* expert j of layer L: ``[language_model.]model.layers.{L}.block_sparse_moe.experts.{j}
+  .{w1,w2,w3}.weight_packed`` uint8 (out, in/2), the low nibble the even input column
+  (compressed-tensors packs ``codes[2j] | codes[2j+1] << 4``: the gpt-oss order), and
+  ``.weight_scale`` uint8 (out, in/32), E8M0 (2^(s-127)).  w1 = gate, w3 = up, w2 = down.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._format import GROUP_BYTES
+from ._safetensors import SafeTensorsCheckpoint
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a family names its per-expert MXFP4 tensors."""
+
+    name: str
+    expert: str                      # "...{layer}...{expert}...{proj}.{kind}" (no prefix)
+    packed: str                      # kind of the packed bytes
+    scale: str                       # kind of the scale bytes
+    roles: Dict[str, str]            # role (gate, up, down) -> projection name
+    prefixes: Tuple[str, ...] = ("",)
+    block: str = ""                  # "...{layer}..." of the block's other tensors
+    extra: Dict[str, str] = field(default_factory=dict)
+
+    def tensor(self, prefix: str, layer: int, expert: int, role: str, kind: str) -> str:
+        return prefix + self.expert.format(layer=layer, expert=expert, proj=self.roles[role],
+                                           kind=kind)
+
+
+KIMI_K3 = ExpertLayout(
+    name="kimi-k3",
+    expert="model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.{kind}",
+    packed="weight_packed", scale="weight_scale",
+    roles={"gate": "w1", "up": "w3", "down": "w2"},
+    prefixes=("language_model.", ""),
+    block="model.layers.{layer}.block_sparse_moe.",
+)
+
+FAMILIES = {KIMI_K3.name: KIMI_K3}
+
+
+def read_config(path: str) -> dict:
+    """The text model's config from ``config.json`` in a checkpoint folder (the
+    ``text_config`` of a multimodal config, as Kimi K3's)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    return config.get("text_config", config)
+
+
+def open_checkpoint(path) -> SafeTensorsCheckpoint:
+    return path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
+
+
+def find_prefix(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout, layer: int) -> str:
+    """The name prefix this checkpoint uses (e.g. "language_model." or none)."""
+    for prefix in layout.prefixes:
+        if layout.tensor(prefix, layer, 0, "down", layout.packed) in ckpt:
+            return prefix
+    tried = [layout.tensor(p, layer, 0, "down", layout.packed) for p in layout.prefixes]
+    raise KeyError(f"{ckpt.root}: no {layout.name} experts for layer {layer} (looked for "
+                   f"{tried})")
+
+
+def as_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Bytes by view, never by value: uint8 as is, int8 and float8_e8m0fnu viewed."""
+    if t.dtype == torch.uint8:
+        return t
+    if t.dtype == torch.int8 or (_E8M0 is not None and t.dtype == _E8M0):
+        return t.view(torch.uint8)
+    raise TypeError(f"{name}: expected bytes (U8, I8 or F8_E8M0), got {t.dtype}")
+
+
+def expert_list(experts, n_experts: int) -> List[int]:
+    """``experts`` (None: all; a range, a list, or a (start, end) pair) as a sorted list."""
+    if experts is None:
+        return list(range(n_experts))
+    if isinstance(experts, tuple) and len(experts) == 2:
+        experts = range(*experts)
+    ids = sorted(int(e) for e in experts)
+    if not ids or ids[0] < 0 or ids[-1] >= n_experts or len(set(ids)) != len(ids):
+        raise ValueError(f"experts: expected distinct ids in [0, {n_experts}), got {ids[:8]}"
+                         f"{'...' if len(ids) > 8 else ''}")
+    return ids
+
+
+def load_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout, layer: int,
+                 experts: Sequence[int], prefix: str,
+                 progress: Optional["Progress"] = None) -> Dict[str, Tuple[list, list]]:
+    """role -> (packed list, scales list) of the given experts, views of the mapped files
+    (pages are read only when a kernel touches them)."""
+    out: Dict[str, Tuple[list, list]] = {role: ([], []) for role in layout.roles}
+    for i, e in enumerate(experts):
+        for role in layout.roles:
+            pn = layout.tensor(prefix, layer, e, role, layout.packed)
+            sn = layout.tensor(prefix, layer, e, role, layout.scale)
+            packed, scales = as_bytes(pn, ckpt.get(pn)), as_bytes(sn, ckpt.get(sn))
+            if packed.dim() != 2 or packed.shape[1] % GROUP_BYTES or tuple(scales.shape) != (
+                    packed.shape[0], packed.shape[1] // GROUP_BYTES):
+                raise ValueError(f"{pn} {tuple(packed.shape)} and {sn} {tuple(scales.shape)}: "
+                                 f"expected (out, in/2) bytes and (out, in/32) scales")
+            out[role][0].append(packed)
+            out[role][1].append(scales)
+        if progress is not None:
+            progress.update(i + 1)
+    return out
+
+
+class Progress:
+    """A progress bar on stderr: redrawn in place on a terminal, a few plain lines
+    otherwise (no carriage-return noise in logs)."""
+
+    def __init__(self, total: int, label: str, stream=None):
+        import sys
+
+        self.total, self.label = max(1, total), label
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._last = -1
+
+    def update(self, done: int):
+        frac = done / self.total
+        if self.tty:
+            bar = "#" * int(30 * frac)
+            self.stream.write(f"\r{self.label} [{bar:30s}] {done}/{self.total}")
+            if done >= self.total:
+                self.stream.write("\n")
+        else:
+            step = int(4 * frac)  # 0%, 25%, 50%, 75%, 100%
+            if step == self._last:
+                return
+            self._last = step
+            self.stream.write(f"{self.label}: {done}/{self.total}\n")
+        self.stream.flush()
+
+
+def iter_expert_tensors(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout,
+                        layers: Iterable[int], n_experts: int, prefix: str):
+    """Names of every expert tensor (packed and scale) of these layers."""
+    for layer in layers:
+        for e in range(n_experts):
+            for role in layout.roles:
+                for kind in (layout.packed, layout.scale):
+                    yield layout.tensor(prefix, layer, e, role, kind)

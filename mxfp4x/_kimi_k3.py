@@ -1,0 +1,404 @@
+"""The Kimi K3 MoE block over the mxfp4x ops (``mxfp4x.nn.KimiK3*``), and its float64
+reference.
+
+The block (Moonshot's ``KimiSparseMoeBlock`` in ``modeling_kimi_linear.py``):
+
+    sel, p = router(x)                          sigmoid scores, biased choice, top-k
+    h = down_proj(x)                            latent MoE: hidden -> latent
+    y = sum_k p_k w2_e (situ(w1_e h) * clip(w3_e h))   routed experts, in MXFP4
+    y = up_proj(rms_norm(y))                    latent -> hidden
+    out = y + shared(x)                         shared experts: a dense SiTU MLP
+
+with situ(g) = beta tanh(g / beta) sigmoid(g), clip(u) = beta_lin tanh(u / beta_lin)
+(config ``activation_situ_beta`` 4.0, ``activation_situ_linear_beta`` 25.0).
+"""
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import _checkpoints as ck
+from ._dispatch import mxfp4_experts, mxfp4_experts_slots
+
+
+def situ(g, beta):
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g)
+
+
+def clip(u, linear_beta):
+    return u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _split(weights):
+    """(packed, scales) of one projection: a pair of lists, or stacked tensors (E, O,
+    G, 16) / (E, O, G) seen as lists of per-expert views (nothing copied)."""
+    packed, scales = weights
+    if isinstance(packed, torch.Tensor):
+        packed, scales = list(packed.unbind(0)), list(scales.unbind(0))
+    return list(packed), list(scales)
+
+
+class KimiK3Experts(torch.nn.Module):
+    """The routed experts of a Kimi K3 layer, in the latent space:
+    ``forward(h (T, L), selected_experts (T, K), routing_weights (T, K)) -> (T, L)``,
+    ``sum_k p_k w2_e (situ(w1_e h) * clip(w3_e h))``.
+
+    ``w1``, ``w3``, ``w2`` are (packed, scales) of gate, up and down: lists of per-expert
+    tensors ((O, in/2) or (O, in/32, 16) bytes, (O, in/32) scales), as the checkpoint
+    holds them, or stacked tensors; never copied.  The gate and up products run as one
+    call of the per-slot op over the 2E matrices (each decoded once); SiTU and the clip in
+    float32 (float64 for float64); the down product with the weighted combine.
+
+    ``expert_ids``: the global ids of the experts held (default all, 0..E-1).  A module
+    holding a subset (a process serving some of the experts) refuses tokens routed
+    elsewhere; the expert-parallel op combines such modules across processes.
+    ``isa``: the CPU instruction set of its calls (None: the default).
+    """
+
+    def __init__(self, w1, w3, w2, beta: float = 4.0, linear_beta: Optional[float] = 25.0,
+                 expert_ids: Optional[Sequence[int]] = None,
+                 num_threads: Optional[int] = None, isa: Optional[str] = None):
+        super().__init__()
+        self.isa = isa
+        g_packed, g_scales = _split(w1)
+        u_packed, u_scales = _split(w3)
+        self.down_packed, self.down_scales = _split(w2)
+        if not (len(g_packed) == len(u_packed) == len(self.down_packed) > 0):
+            raise ValueError(f"w1, w3, w2: expected the same number of experts, got "
+                             f"{len(g_packed)}, {len(u_packed)}, {len(self.down_packed)}")
+        self.n_local = len(g_packed)
+        self.gate_up_packed = g_packed + u_packed
+        self.gate_up_scales = g_scales + u_scales
+        self.beta, self.linear_beta, self.num_threads = float(beta), linear_beta, num_threads
+        ids = list(range(self.n_local)) if expert_ids is None else [int(e) for e in expert_ids]
+        if len(ids) != self.n_local:
+            raise ValueError(f"expert_ids: expected {self.n_local} ids, got {len(ids)}")
+        self.expert_ids = ids
+        self._local = None
+        if ids != list(range(self.n_local)):
+            lookup = torch.full((max(ids) + 1,), -1, dtype=torch.int64)
+            lookup[torch.tensor(ids)] = torch.arange(self.n_local)
+            self._local = lookup
+
+    def local_ids(self, selected_experts: torch.Tensor) -> torch.Tensor:
+        sel = selected_experts.to(torch.int64)
+        if self._local is None:
+            return sel
+        inside = (sel >= 0) & (sel < len(self._local))
+        local = torch.where(inside, self._local[sel.clamp(0, len(self._local) - 1)], -1)
+        if bool((local < 0).any()):
+            bad = int(sel[local < 0][0])
+            raise IndexError(f"selected_experts: expert {bad} is not held by this module "
+                             f"(it holds {self.n_local} experts, ids {self.expert_ids[0]}..."
+                             f"{self.expert_ids[-1]})")
+        return local
+
+    def forward(self, h: torch.Tensor, selected_experts: torch.Tensor,
+                routing_weights: torch.Tensor) -> torch.Tensor:
+        acc = _acc(h.dtype)
+        sel = self.local_ids(selected_experts)
+        top_k = sel.shape[1]
+        both = torch.cat((sel, sel + self.n_local), dim=1)  # gate slots, then up slots
+        gu = mxfp4_experts_slots(h, self.gate_up_packed, self.gate_up_scales, both,
+                                 num_threads=self.num_threads, isa=self.isa).to(acc)
+        act = situ(gu[:, :top_k], self.beta) * clip(gu[:, top_k:], self.linear_beta)
+        zeros = torch.zeros((h.shape[0], self.down_packed[0].shape[0]), dtype=acc,
+                            device=h.device)
+        out = mxfp4_experts(act, self.down_packed, self.down_scales, sel,
+                            routing_weights.to(acc), zeros, num_threads=self.num_threads,
+                            isa=self.isa)
+        return out.to(h.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"n_experts={self.n_local}, d_latent={self.down_packed[0].shape[0]}, "
+                f"d_ff={self.gate_up_packed[0].shape[0]}, beta={self.beta}, "
+                f"linear_beta={self.linear_beta}")
+
+
+class KimiK3Router(torch.nn.Module):
+    """The sigmoid router: ``forward(x (T, H)) -> (selected (T, K) int64, weights (T, K))``.
+
+    scores = sigmoid(x W^T) in float32 (float64 for float64 x); the choice ranks
+    scores + ``e_score_correction_bias`` (grouped when ``n_group > topk_group > 0``: the
+    ``topk_group`` groups with the best two-expert sums); the weights are the unbiased
+    scores of the chosen experts, renormalised to sum to 1 (``renormalize``), times
+    ``scaling``.  Ties go to the lower expert id (a stable sort), so the choice is
+    deterministic.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+                 renormalize: bool = True, scaling: float = 1.0, n_group: int = 1,
+                 topk_group: int = 1):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+        self.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self.top_k, self.renormalize, self.scaling = int(top_k), bool(renormalize), scaling
+        self.n_group, self.topk_group = int(n_group), int(topk_group)
+
+    def forward(self, x: torch.Tensor):
+        acc = _acc(x.dtype)
+        scores = torch.sigmoid(F.linear(x.to(acc), self.weight.to(acc)))
+        choice = scores + self.bias.to(acc)
+        n_tok, n_exp = choice.shape
+        if self.n_group > 1 and self.n_group > self.topk_group:
+            groups = choice.view(n_tok, self.n_group, -1)
+            group_score = groups.topk(2, dim=-1).values.sum(-1)
+            keep = torch.sort(group_score, dim=-1, descending=True, stable=True).indices
+            mask = torch.zeros_like(group_score, dtype=torch.bool)
+            mask.scatter_(1, keep[:, :self.topk_group], True)
+            choice = choice.masked_fill(~mask.repeat_interleave(n_exp // self.n_group, 1),
+                                        float("-inf"))
+        selected = torch.sort(choice, dim=-1, descending=True, stable=True).indices
+        selected = selected[:, :self.top_k]
+        weights = scores.gather(1, selected)
+        if self.top_k > 1 and self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return selected, weights * self.scaling
+
+
+def _rms_norm(y, weight, eps):
+    """Moonshot's KimiRMSNorm: normalise in float32 (float64 for float64), then weight."""
+    z = y.to(_acc(y.dtype))
+    z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(y.dtype) * z.to(y.dtype)
+
+
+def _linear(x, w):
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+
+
+class KimiK3MoE(torch.nn.Module):
+    """One Kimi K3 MoE layer: ``forward(x (T, hidden)) -> (T, hidden)`` (see the module
+    docstring).  The dense parts (router, latent projections, norm, shared experts) are
+    plain torch in the input's dtype with the checkpoint's weights (bf16 as released; a
+    float32 input upcasts them each call); the routed experts are
+    :class:`KimiK3Experts`."""
+
+    def __init__(self, router: KimiK3Router, down_proj: torch.Tensor,
+                 experts: KimiK3Experts, norm_weight: Optional[torch.Tensor],
+                 up_proj: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor,
+                 shared_down: torch.Tensor, norm_eps: float = 1e-5):
+        super().__init__()
+        self.router, self.experts = router, experts
+        frozen = dict(requires_grad=False)
+        self.down_proj = torch.nn.Parameter(down_proj.detach(), **frozen)
+        self.up_proj = torch.nn.Parameter(up_proj.detach(), **frozen)
+        self.norm_weight = None if norm_weight is None else torch.nn.Parameter(
+            norm_weight.detach(), **frozen)
+        self.shared_gate = torch.nn.Parameter(shared_gate.detach(), **frozen)
+        self.shared_up = torch.nn.Parameter(shared_up.detach(), **frozen)
+        self.shared_down = torch.nn.Parameter(shared_down.detach(), **frozen)
+        self.norm_eps = float(norm_eps)
+
+    def shared(self, x):
+        acc = _acc(x.dtype)
+        g, u = _linear(x, self.shared_gate).to(acc), _linear(x, self.shared_up).to(acc)
+        act = situ(g, self.experts.beta) * clip(u, self.experts.linear_beta)
+        return _linear(act.to(x.dtype), self.shared_down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        selected, weights = self.router(x)
+        h = _linear(x, self.down_proj)
+        y = self.experts(h, selected, weights)
+        if self.norm_weight is not None:
+            y = _rms_norm(y, self.norm_weight, self.norm_eps)
+        return _linear(y, self.up_proj) + self.shared(x)
+
+    @classmethod
+    def from_checkpoint(cls, path, layer: int, experts=None, num_threads: Optional[int] = None,
+                        progress: bool = True) -> "KimiK3MoE":
+        """Layer ``layer`` of a Kimi K3 checkpoint folder (``config.json`` and one or
+        sharded ``.safetensors`` files).  ``experts`` (a range, a list or (start, end))
+        maps only those experts' bytes; the bytes stay views of the files' mappings."""
+        config = ck.read_config(path if isinstance(path, str) else path.root)
+        ckpt = ck.open_checkpoint(path)
+        layout = ck.KIMI_K3
+        prefix = ck.find_prefix(ckpt, layout, layer)
+        base = prefix + layout.block.format(layer=layer)
+        ids = ck.expert_list(experts, int(config["num_experts"]))
+        bar = ck.Progress(len(ids), f"layer {layer} experts") if progress else None
+        proj = ck.load_experts(ckpt, layout, layer, ids, prefix, bar)
+        routed = KimiK3Experts(proj["gate"], proj["up"], proj["down"],
+                               beta=config.get("activation_situ_beta") or 1.0,
+                               linear_beta=config.get("activation_situ_linear_beta"),
+                               expert_ids=ids, num_threads=num_threads)
+        router = KimiK3Router(
+            ckpt.get(base + "gate.weight"), ckpt.get(base + "gate.e_score_correction_bias"),
+            top_k=config["num_experts_per_token"],
+            renormalize=config.get("moe_renormalize", True),
+            scaling=config.get("routed_scaling_factor", 1.0),
+            n_group=config.get("num_expert_group", 1), topk_group=config.get("topk_group", 1))
+        norm = base + "routed_expert_norm.weight"
+        return cls(router, ckpt.get(base + "routed_expert_down_proj.weight"), routed,
+                   ckpt.get(norm) if config.get("latent_moe_use_norm") and norm in ckpt
+                   else None, ckpt.get(base + "routed_expert_up_proj.weight"),
+                   ckpt.get(base + "shared_experts.gate_proj.weight"),
+                   ckpt.get(base + "shared_experts.up_proj.weight"),
+                   ckpt.get(base + "shared_experts.down_proj.weight"),
+                   norm_eps=config.get("rms_norm_eps", 1e-5))
+
+
+# ---- float64 reference --------------------------------------------------------------------
+
+def _np64(t):
+    return t.detach().to(torch.float64).numpy() if isinstance(t, torch.Tensor) else \
+        np.asarray(t, dtype=np.float64)
+
+
+def _decode_all(packed: List[torch.Tensor], scales: List[torch.Tensor]):
+    from ._reference import decode_expert
+    return [decode_expert(p.reshape(p.shape[0], -1, 16).numpy(), s.numpy())
+            for p, s in zip(packed, scales, strict=True)]
+
+
+def kimi_k3_reference(block: KimiK3MoE, x, selected, weights, rows=None):
+    """The block in float64 numpy, for the given routing (the router is checked on its
+    own): every matrix (dense weights as stored, experts decoded exactly) and every
+    activation in float64.  ``rows`` restricts the output columns computed."""
+    x = _np64(x)
+    sel = block.experts.local_ids(torch.as_tensor(selected)).numpy()
+    p = _np64(weights)
+    ex = block.experts
+    w1 = _decode_all(ex.gate_up_packed[:ex.n_local], ex.gate_up_scales[:ex.n_local])
+    w3 = _decode_all(ex.gate_up_packed[ex.n_local:], ex.gate_up_scales[ex.n_local:])
+    w2 = _decode_all(ex.down_packed, ex.down_scales)
+    b, bl = ex.beta, ex.linear_beta
+
+    def situ64(g):
+        return b * np.tanh(g / b) / (1 + np.exp(-g))
+
+    def clip64(u):
+        return u if bl is None else bl * np.tanh(u / bl)
+
+    h = x @ _np64(block.down_proj).T
+    y = np.zeros((x.shape[0], w2[0].shape[0]))
+    for t in range(x.shape[0]):
+        for k in range(sel.shape[1]):
+            e = sel[t, k]
+            y[t] += p[t, k] * (w2[e] @ (situ64(w1[e] @ h[t]) * clip64(w3[e] @ h[t])))
+    if block.norm_weight is not None:
+        y = y / np.sqrt((y ** 2).mean(-1, keepdims=True) + block.norm_eps)
+        y = y * _np64(block.norm_weight)
+    up = _np64(block.up_proj)
+    down = _np64(block.shared_down)
+    if rows is not None:
+        up, down = up[rows], down[rows]
+    shared = (situ64(x @ _np64(block.shared_gate).T) * clip64(x @ _np64(block.shared_up).T)) \
+        @ down.T
+    return y @ up.T + shared
+
+
+# ---- checkpoints in the release's layout (tests, the `layer` main job) ----------------------
+
+K3_SIZES = dict(hidden_size=7168, routed_expert_hidden_size=3584, num_experts=896,
+                num_experts_per_token=16, moe_intermediate_size=3072, num_shared_experts=2,
+                num_hidden_layers=93, first_k_dense_replace=1)
+
+
+def k3_config(**sizes) -> dict:
+    """A config.json as Kimi K3's: the text model under ``text_config``, the
+    compressed-tensors MXFP4 quantization config, ``sizes`` overriding the real ones."""
+    text = dict(K3_SIZES, model_type="kimi_linear", hidden_act="situ",
+                activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
+                moe_router_activation_func="sigmoid", moe_renormalize=True,
+                routed_scaling_factor=1.0, num_expert_group=1, topk_group=1,
+                use_grouped_topk=True, latent_moe_use_norm=True, rms_norm_eps=1e-5,
+                moe_layer_freq=1)
+    text.update(sizes)
+    text["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "format": "mxfp4-pack-quantized", "targets": ["Linear"],
+            "input_activations": None,
+            "weights": {"num_bits": 4, "type": "float", "strategy": "group",
+                        "group_size": 32, "symmetric": True, "dynamic": False,
+                        "scale_dtype": "torch.uint8"}}},
+        "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
+                   "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*"]}
+    return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+            "text_config": text}
+
+
+def write_k3_checkpoint(folder: str, config: dict, layers: Sequence[int], seed: int = 0,
+                        shards: int = 2, dense_dtype=torch.bfloat16, prefix="language_model.",
+                        sparse: bool = False, packed_dtype=torch.uint8,
+                        scale_dtype=torch.uint8, progress: bool = False) -> None:
+    """Random MoE layers of a Kimi K3-layout checkpoint: ``config.json``, ``shards``
+    safetensors files and ``model.safetensors.index.json``, the real tensor names.
+    Written one tensor at a time (a full 14.8 GB layer never sits in memory);
+    ``sparse`` leaves every tensor a hole in its file (all zero bytes, no disk used);
+    ``packed_dtype`` / ``scale_dtype`` store the bytes typed as int8 / float8_e8m0fnu,
+    as other files of the family do."""
+    import json
+    import os
+
+    from ._safetensors import write_file
+
+    text = config.get("text_config", config)
+    hid, lat = text["hidden_size"], text["routed_expert_hidden_size"]
+    n_exp, inter = text["num_experts"], text["moe_intermediate_size"]
+    shared = inter * text["num_shared_experts"]
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+    def dense(shape, fan_in, scale=1.0):
+        return lambda: torch.from_numpy(rng.standard_normal(shape) * (scale / fan_in ** 0.5)
+                                        ).to(dense_dtype)
+
+    def mxfp4(rows, cols):
+        return (lambda: torch.from_numpy(rng.integers(0, 256, (rows, cols // 2), np.uint8)
+                                         ).view(packed_dtype),
+                lambda: torch.from_numpy(rng.integers(119, 126, (rows, cols // 32), np.uint8)
+                                         ).view(scale_dtype))
+
+    files: List[dict] = [{} for _ in range(shards)]
+    names: dict = {}
+    for layer in layers:
+        base = prefix + KIMI_LAYOUT_BLOCK.format(layer=layer)
+        block = {
+            "gate.weight": (dense_dtype, (n_exp, hid), dense((n_exp, hid), hid)),
+            "gate.e_score_correction_bias": (torch.float32, (n_exp,), lambda: torch.from_numpy(
+                rng.standard_normal(n_exp) * 0.01).float()),
+            "routed_expert_down_proj.weight": (dense_dtype, (lat, hid), dense((lat, hid), hid)),
+            "routed_expert_up_proj.weight": (dense_dtype, (hid, lat), dense((hid, lat), lat)),
+            "routed_expert_norm.weight": (dense_dtype, (lat,), lambda: torch.from_numpy(
+                1 + 0.1 * rng.standard_normal(lat)).to(dense_dtype)),
+            "shared_experts.gate_proj.weight": (dense_dtype, (shared, hid),
+                                                dense((shared, hid), hid)),
+            "shared_experts.up_proj.weight": (dense_dtype, (shared, hid),
+                                              dense((shared, hid), hid)),
+            "shared_experts.down_proj.weight": (dense_dtype, (hid, shared),
+                                                dense((hid, shared), shared)),
+        }
+        for name, entry in block.items():
+            files[0][base + name] = entry
+        for e in range(n_exp):
+            for proj, (rows, cols) in (("w1", (inter, lat)), ("w3", (inter, lat)),
+                                       ("w2", (lat, inter))):
+                make_p, make_s = mxfp4(rows, cols)
+                stem = f"{base}experts.{e}.{proj}."
+                files[e % shards][stem + "weight_packed"] = (packed_dtype, (rows, cols // 2),
+                                                             make_p)
+                files[e % shards][stem + "weight_scale"] = (scale_dtype, (rows, cols // 32),
+                                                            make_s)
+    for i, entries in enumerate(files):
+        if sparse:
+            entries = {k: (d, shape, lambda: None) for k, (d, shape, _) in entries.items()}
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        if progress:
+            print(f"writing {fname} ({len(entries)} tensors)", flush=True)
+        write_file(os.path.join(folder, fname), entries)
+        names.update({name: fname for name in entries})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": names}, f)
+
+
+KIMI_LAYOUT_BLOCK = ck.KIMI_K3.block

@@ -1,0 +1,161 @@
+"""Kimi K3 MoE layers from checkpoints in the release's layout (tiny sizes, real names
+and config nesting): router, routed experts, the whole block against a float64
+reference, partial loads, byte dtypes, and untouched pages."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x import nn
+from mxfp4x._kimi_k3 import k3_config, kimi_k3_reference, write_k3_checkpoint
+
+TINY = dict(hidden_size=256, routed_expert_hidden_size=128, num_experts=16,
+            num_experts_per_token=4, moe_intermediate_size=64, num_shared_experts=2,
+            num_hidden_layers=3)
+# |block - float64 reference| <= TOL * max|reference|, the routing shared: float32
+# matmuls and activations (~1e-7 relative each, over sums of a few hundred terms);
+# bfloat16 rounds the dense matmuls and every cast to 8 bits
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("k3"))
+    write_k3_checkpoint(folder, k3_config(**TINY), [1, 2], seed=3, shards=2,
+                        dense_dtype=torch.float32)
+    return folder
+
+
+def test_checkpoint_has_the_release_layout(ckpt):
+    with open(os.path.join(ckpt, "config.json")) as f:
+        config = json.load(f)
+    q = config["text_config"]["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors" and q["format"] == "mxfp4-pack-quantized"
+    assert q["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    with open(os.path.join(ckpt, "model.safetensors.index.json")) as f:
+        names = json.load(f)["weight_map"]
+    assert "language_model.model.layers.1.block_sparse_moe.experts.15.w2.weight_packed" in names
+    assert len(set(names.values())) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layer", [1, 2])
+def test_block_matches_float64_reference(isa, ckpt, rng, dtype, layer):
+    block = nn.KimiK3MoE.from_checkpoint(ckpt, layer=layer, progress=False)
+    block.experts.isa = isa
+    x = torch.from_numpy(rng.standard_normal((11, 256))).to(dtype)
+    y = block(x)
+    assert y.shape == (11, 256) and y.dtype == dtype
+    sel, w = block.router(x)
+    ref = kimi_k3_reference(block, x, sel, w)
+    err = np.abs(y.double().numpy() - ref).max()
+    assert err <= TOL[dtype] * np.abs(ref).max(), (err, np.abs(ref).max())
+
+
+def test_one_token_is_batch_invariant(ckpt, rng):
+    block = nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, progress=False)
+    x = torch.from_numpy(rng.standard_normal((7, 256))).float()
+    h = torch.from_numpy(rng.standard_normal((7, 128))).float()
+    sel, w = block.router(x)
+    full = block.experts(h, sel, w)
+    for t in (0, 6):
+        assert torch.equal(block.experts(h[t:t + 1], sel[t:t + 1], w[t:t + 1])[0], full[t])
+
+
+def test_router_ties_go_to_the_lower_id():
+    router = nn.KimiK3Router(torch.zeros(8, 4), torch.zeros(8), top_k=3)
+    sel, w = router(torch.randn(5, 4))
+    assert sel.tolist() == [[0, 1, 2]] * 5
+    torch.testing.assert_close(w, torch.full((5, 3), 1 / 3))
+
+
+def test_router_against_brute_force(rng):
+    n_exp, top_k = 12, 3
+    weight = torch.from_numpy(rng.standard_normal((n_exp, 16))).float()
+    bias = torch.from_numpy(rng.standard_normal(n_exp)).float()
+    x = torch.from_numpy(rng.standard_normal((20, 16))).float()
+    for n_group, topk_group, scaling in ((1, 1, 1.0), (4, 2, 2.5)):
+        router = nn.KimiK3Router(weight, bias, top_k, scaling=scaling, n_group=n_group,
+                                 topk_group=topk_group)
+        sel, w = router(x)
+        scores = 1 / (1 + np.exp(-(x.double().numpy() @ weight.double().numpy().T)))
+        choice = scores + bias.double().numpy()
+        for t in range(20):
+            allowed = np.arange(n_exp)
+            if n_group > 1:
+                g = choice[t].reshape(n_group, -1)
+                best = np.argsort(-np.sort(g, axis=1)[:, -2:].sum(1), kind="stable")[:topk_group]
+                allowed = np.concatenate([np.arange(i * 3, i * 3 + 3) for i in sorted(best)])
+            order = allowed[np.argsort(-choice[t][allowed], kind="stable")][:top_k]
+            assert sorted(sel[t].tolist()) == sorted(order.tolist())
+            want = scores[t][sel[t].numpy()]
+            np.testing.assert_allclose(w[t].numpy(), want / want.sum() * scaling, rtol=1e-5)
+            if n_group > 1:
+                assert set(sel[t].tolist()) <= set(allowed.tolist())
+
+
+def test_partial_load_maps_only_the_asked_experts(ckpt, rng):
+    full = nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, progress=False)
+    part = nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, experts=range(8, 16), progress=False)
+    assert part.experts.n_local == 8 and part.experts.expert_ids == list(range(8, 16))
+    h = torch.from_numpy(rng.standard_normal((6, 128))).float()
+    sel = torch.from_numpy(rng.integers(8, 16, (6, 4)))
+    w = torch.from_numpy(rng.random((6, 4))).float()
+    assert torch.equal(part.experts(h, sel, w), full.experts(h, sel, w))
+    with pytest.raises(IndexError, match="expert 3 is not held"):
+        part.experts(h, torch.full((6, 4), 3), w)
+    with pytest.raises(ValueError, match="experts: expected distinct ids"):
+        nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, experts=[3, 3], progress=False)
+
+
+@pytest.mark.skipif(getattr(torch, "float8_e8m0fnu", None) is None, reason="no e8m0 dtype")
+def test_no_prefix_and_typed_bytes(tmp_path, ckpt, rng):
+    """No "language_model." prefix, bytes stored I8 and scales F8_E8M0: read by view,
+    the same layer."""
+    write_k3_checkpoint(str(tmp_path), k3_config(**TINY), [1, 2], seed=3, shards=2,
+                        dense_dtype=torch.float32, prefix="", packed_dtype=torch.int8,
+                        scale_dtype=torch.float8_e8m0fnu)
+    a = nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, progress=False)
+    b = nn.KimiK3MoE.from_checkpoint(str(tmp_path), layer=1, progress=False)
+    x = torch.from_numpy(rng.standard_normal((5, 256))).float()
+    assert torch.equal(a(x), b(x))
+
+
+def test_progress_bar_is_plain_off_a_terminal(ckpt, capsys):
+    nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err and "layer 1 experts: 16/16" in err
+
+
+_RSS = r"""
+import sys, torch, mxfp4x
+from mxfp4x import nn
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+before = rss()
+block = nn.KimiK3MoE.from_checkpoint(sys.argv[1], layer=1, progress=False)
+print(block.experts.n_local, (rss() - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_full_size_layer_maps_without_touching_pages(tmp_path):
+    """A real-size K3 layer (896 experts, 14.8 GB of expert bytes, as holes in a sparse
+    file): loading it grows the resident set by less than 64 MiB."""
+    write_k3_checkpoint(str(tmp_path), k3_config(), [1], shards=4, sparse=True)
+    out = subprocess.run([sys.executable, "-c", _RSS, str(tmp_path)], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    n, grown = out.stdout.split()
+    assert int(n) == 896
+    assert float(grown) < 64, f"RSS grew by {grown} MiB"
+
+
+def test_nn_exports():
+    assert mxfp4x.nn.KimiK3MoE is nn.KimiK3MoE
