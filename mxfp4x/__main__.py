@@ -1,4 +1,5 @@
-"""python -m mxfp4x [bench | info | check | quantize]: the main job and tools.
+"""python -m mxfp4x [bench | info | check | quantize | verify | layer]: the main job and
+tools.
 
 ``bench`` (the default) runs one gpt-oss-20b-like layer (gate/up: E=32, K=4,
 O=5760, I=2880; random MXFP4 weights made in-process), checks a slice of the
@@ -8,6 +9,7 @@ floor and a torch matmul roof measured in the same run.
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -146,6 +148,132 @@ def _cmd_quantize(args):
     return 0
 
 
+def _cmd_verify(args):
+    """sha256 of every expert tensor: the file's bytes vs the bytes the loader hands to the
+    kernels (and vs a manifest)."""
+    from mxfp4x._checkpoints import verify_experts
+
+    manifest = None
+    if args.manifest:
+        with open(args.manifest) as f:
+            manifest = json.load(f)
+    t0 = time.perf_counter()
+    report = verify_experts(args.checkpoint, layers=args.layers, manifest=manifest)
+    for name, what in report["mismatches"][:20]:
+        print(f"MISMATCH {name}: {what}")
+    if args.write_manifest:
+        with open(args.write_manifest, "w") as f:
+            json.dump(report["hashes"], f, indent=0, sort_keys=True)
+    print(f"{report['checked']} expert tensors of layers {report['layers']}, "
+          f"{report['bytes'] / 1e9:.2f} GB, read in {time.perf_counter() - t0:.1f} s: "
+          + ("the bytes handed to the kernels are the file's bytes"
+             + (" and match the manifest" if manifest is not None else "")
+             if not report["mismatches"] else f"{len(report['mismatches'])} MISMATCHES"))
+    return 1 if report["mismatches"] else 0
+
+
+def _rss_mapped():
+    """(resident, mapped file-backed) bytes of this process (Linux; zeros elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        rss = int(fields["VmRSS"].split()[0]) * 1024
+        mapped = 0
+        with open("/proc/self/smaps") as f:
+            path = ""
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and "-" in parts[0]:
+                    path = parts[5]
+                elif parts and parts[0] == "Size:" and path.endswith(".safetensors"):
+                    mapped += int(parts[1]) * 1024
+        return rss, mapped
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def _cmd_layer(args):
+    """One MoE layer in the real checkpoint layout, written, mapped, run and checked."""
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    from mxfp4x import _kimi_k3
+
+    if args.model != "kimi-k3":
+        print(f"layer: --model {args.model} is not supported yet (kimi-k3 is)",
+              file=sys.stderr)
+        return 2
+    sizes = dict(_kimi_k3.K3_SIZES)
+    per_expert = 3 * sizes["moe_intermediate_size"] * sizes["routed_expert_hidden_size"] \
+        * 17 // 32  # bytes + scale bytes of w1, w3, w2
+    n_experts = args.experts or sizes["num_experts"]
+    root = args.dir or tempfile.gettempdir()
+    free = shutil.disk_usage(root).free
+    fits = max(sizes["num_experts_per_token"], int((free - (2 << 30)) * 0.8 // per_expert))
+    if n_experts > fits:
+        print(f"layer: {n_experts} experts need {n_experts * per_expert / 1e9:.1f} GB; "
+              f"{free / 1e9:.1f} GB free in {root}: using {fits} experts (--experts)")
+        n_experts = fits
+    folder = tempfile.mkdtemp(prefix="mxfp4x-k3-", dir=root)
+    try:
+        t0 = time.perf_counter()
+        config = _kimi_k3.k3_config(num_experts=n_experts, num_hidden_layers=2)
+        _kimi_k3.write_k3_checkpoint(folder, config, [1], seed=0,
+                                     shards=max(1, n_experts // 128), progress=True)
+        on_disk = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+        print(f"kimi-k3 layer 1: {n_experts} experts (top-{sizes['num_experts_per_token']}, "
+              f"hidden {sizes['hidden_size']}, latent {sizes['routed_expert_hidden_size']}, "
+              f"ff {sizes['moe_intermediate_size']}), {on_disk / 1e9:.2f} GB written in "
+              f"{time.perf_counter() - t0:.1f} s to {folder}")
+        rss0, _ = _rss_mapped()
+        block = mxfp4x.nn.KimiK3MoE.from_checkpoint(folder, layer=1)
+        rss1, mapped = _rss_mapped()
+        print(f"mapped: {mapped / 1e9:.2f} GB of files; resident grew by "
+              f"{(rss1 - rss0) / 2**20:.0f} MiB while loading")
+        rng = np.random.default_rng(0)
+        for n_tokens in args.tokens:
+            x = torch.from_numpy(rng.standard_normal((n_tokens, sizes["hidden_size"]))
+                                 ).to(torch.bfloat16)
+            sel, w = block.router(x)
+            n_bytes = len(torch.unique(sel)) * per_expert
+            for th in args.threads or [max(1, torch.get_num_threads())]:
+                old = torch.get_num_threads()
+                torch.set_num_threads(th)
+                block.experts.num_threads = th
+                try:
+                    times = []
+                    for _ in range(args.repeats if n_tokens <= 64 else 1):
+                        t1 = time.perf_counter()
+                        y = block(x)
+                        times.append(time.perf_counter() - t1)
+                finally:
+                    torch.set_num_threads(old)
+                t = min(times)
+                rss, _ = _rss_mapped()
+                print(f"T={n_tokens:<4d} threads={th}  {t * 1e3:9.1f} ms  "
+                      f"{n_tokens / t:9.1f} tokens/s  {n_bytes / t / 1e9:6.2f} GB/s of expert "
+                      f"bytes ({n_bytes / 1e9:.2f} GB, {len(torch.unique(sel))} experts)  "
+                      f"resident {rss / 2**30:.2f} GiB", flush=True)
+            # a slice against the float64 reference of the block (the same routing)
+            rows = slice(0, 64)
+            t_check = min(n_tokens, 2)
+            ref = _kimi_k3.kimi_k3_reference(block, x[:t_check], sel[:t_check], w[:t_check],
+                                             rows=rows)
+            got = y[:t_check, rows].double().numpy()
+            err = float(np.abs(got - ref).max() / np.abs(ref).max())
+            if not err <= 3e-2:  # bfloat16 latents and dense parts (tests/test_kimi_k3.py)
+                print(f"check FAILED: relative error {err:.3g}")
+                return 1
+            print(f"check: T={n_tokens} rows 0..63 of {t_check} token(s) match the float64 "
+                  f"block reference (relative error {err:.2g}, bfloat16 bound 3e-2)")
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
 def _plot(rows, path):
     try:
         import matplotlib
@@ -198,12 +326,30 @@ def main(argv=None):
                     help="quantize only tensors whose names contain one of these (default: "
                          "every float tensor of rank >= 2 with a last dimension divisible "
                          "by 32, except *bias; groups run along the last dimension)")
+    pv = sub.add_parser("verify", help="sha256 of every expert tensor of a checkpoint: the "
+                                       "file's bytes vs the bytes the loader hands to the "
+                                       "kernels")
+    pv.add_argument("checkpoint")
+    pv.add_argument("--layers", type=int, nargs="+", default=None)
+    pv.add_argument("--manifest", metavar="JSON", help="also compare with these hashes")
+    pv.add_argument("--write-manifest", metavar="JSON", help="write the hashes")
+    pl = sub.add_parser("layer", help="a whole MoE layer in the real checkpoint layout: "
+                                      "write, map, run, check")
+    pl.add_argument("--model", choices=["kimi-k3"], default="kimi-k3")
+    pl.add_argument("--experts", type=int, default=None,
+                    help="fewer experts than the model's (to fit a small disk); top-k and "
+                         "the matrix shapes stay")
+    pl.add_argument("--tokens", type=int, nargs="+", default=[1, 512])
+    pl.add_argument("--threads", type=int, nargs="+", default=None)
+    pl.add_argument("--repeats", type=int, default=3)
+    pl.add_argument("--dir", default=None, help="where to write the layer (default: TMPDIR)")
+    pl.add_argument("--keep", action="store_true", help="keep the written checkpoint")
+    commands = {"info": _cmd_info, "bench": _cmd_bench, "check": _cmd_check,
+                "quantize": _cmd_quantize, "verify": _cmd_verify, "layer": _cmd_layer}
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("info", "bench", "check", "quantize", "-h", "--help"):
+    if not argv or argv[0] not in (*commands, "-h", "--help"):
         argv = ["bench"] + argv  # bench is the default subcommand
     args = p.parse_args(argv)
-    commands = {"info": _cmd_info, "bench": _cmd_bench, "check": _cmd_check,
-                "quantize": _cmd_quantize}
     return commands[args.cmd](args)
 
 

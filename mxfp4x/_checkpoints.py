@@ -166,3 +166,87 @@ def iter_expert_tensors(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout,
             for role in layout.roles:
                 for kind in (layout.packed, layout.scale):
                     yield layout.tensor(prefix, layer, e, role, kind)
+
+
+def family_of(config: dict) -> ExpertLayout:
+    """The layout of a checkpoint's family from its (text) config."""
+    if config.get("model_type") in ("kimi_linear", "kimi_k3") or "routed_expert_hidden_size" \
+            in config:
+        return KIMI_K3
+    raise ValueError(f"unknown MoE family (model_type {config.get('model_type')!r}); mxfp4x "
+                     f"knows {sorted(FAMILIES)}")
+
+
+def moe_layers(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout, config: dict) -> List[int]:
+    """The layers whose experts this checkpoint holds."""
+    found = []
+    for layer in range(int(config.get("num_hidden_layers", 0))):
+        if any(layout.tensor(p, layer, 0, "down", layout.packed) in ckpt
+               for p in layout.prefixes):
+            found.append(layer)
+    return found
+
+
+def _file_sha256(path: str, begin: int, end: int) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(begin)
+        left = end - begin
+        while left:
+            chunk = f.read(min(left, 1 << 24))
+            if not chunk:
+                raise ValueError(f"{path}: ends before byte {end}")
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def _tensor_sha256(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
+
+
+def verify_experts(path: str, layers: Optional[Sequence[int]] = None,
+                   manifest: Optional[Dict[str, str]] = None,
+                   handed: Optional[Dict[str, torch.Tensor]] = None) -> dict:
+    """sha256 of every expert tensor's byte range read straight from its file, against the
+    bytes the loader hands to the kernels (``handed``: name -> tensor, default: what
+    :func:`load_experts` maps), and against ``manifest`` (name -> sha256) if given.
+
+    Returns ``{"checked", "bytes", "hashes", "mismatches"}``; a mismatch is
+    ``(name, what)``."""
+    config = read_config(path)
+    ckpt = open_checkpoint(path)
+    layout = family_of(config)
+    n_experts = int(config["num_experts"])
+    layers = moe_layers(ckpt, layout, config) if layers is None else list(layers)
+    hashes: Dict[str, str] = {}
+    mismatches = []
+    n_bytes = 0
+    for layer in layers:
+        prefix = find_prefix(ckpt, layout, layer)
+        loaded = handed
+        if loaded is None:
+            proj = load_experts(ckpt, layout, layer, range(n_experts), prefix)
+            loaded = {}
+            for role, (packed, scales) in proj.items():
+                for e, (p, s) in enumerate(zip(packed, scales, strict=True)):
+                    loaded[layout.tensor(prefix, layer, e, role, layout.packed)] = p
+                    loaded[layout.tensor(prefix, layer, e, role, layout.scale)] = s
+        for name in iter_expert_tensors(ckpt, layout, [layer], n_experts, prefix):
+            file_path, begin, end = ckpt.byte_range(name)
+            hashes[name] = digest = _file_sha256(file_path, begin, end)
+            n_bytes += end - begin
+            if name not in loaded:
+                mismatches.append((name, "not handed to the kernels"))
+            elif _tensor_sha256(loaded[name]) != digest:
+                mismatches.append((name, "the bytes handed to the kernels differ from the "
+                                         "file's"))
+            if manifest is not None and manifest.get(name) != digest:
+                mismatches.append((name, "the file's bytes differ from the manifest"
+                                   if name in manifest else "missing from the manifest"))
+    return {"checked": len(hashes), "bytes": n_bytes, "hashes": hashes,
+            "mismatches": mismatches, "layers": layers}

@@ -250,10 +250,19 @@ def _np64(t):
         np.asarray(t, dtype=np.float64)
 
 
-def _decode_all(packed: List[torch.Tensor], scales: List[torch.Tensor]):
-    from ._reference import decode_expert
-    return [decode_expert(p.reshape(p.shape[0], -1, 16).numpy(), s.numpy())
-            for p, s in zip(packed, scales, strict=True)]
+class _Decoded(dict):
+    """Expert matrices decoded to float64 on first use (a reference at model size decodes
+    only the experts its tokens select)."""
+
+    def __init__(self, packed: List[torch.Tensor], scales: List[torch.Tensor]):
+        super().__init__()
+        self.packed, self.scales = packed, scales
+
+    def __missing__(self, e):
+        from ._reference import decode_expert
+        p, s = self.packed[e], self.scales[e]
+        self[e] = w = decode_expert(p.reshape(p.shape[0], -1, 16).numpy(), s.numpy())
+        return w
 
 
 def kimi_k3_reference(block: KimiK3MoE, x, selected, weights, rows=None):
@@ -264,9 +273,9 @@ def kimi_k3_reference(block: KimiK3MoE, x, selected, weights, rows=None):
     sel = block.experts.local_ids(torch.as_tensor(selected)).numpy()
     p = _np64(weights)
     ex = block.experts
-    w1 = _decode_all(ex.gate_up_packed[:ex.n_local], ex.gate_up_scales[:ex.n_local])
-    w3 = _decode_all(ex.gate_up_packed[ex.n_local:], ex.gate_up_scales[ex.n_local:])
-    w2 = _decode_all(ex.down_packed, ex.down_scales)
+    w1 = _Decoded(ex.gate_up_packed[:ex.n_local], ex.gate_up_scales[:ex.n_local])
+    w3 = _Decoded(ex.gate_up_packed[ex.n_local:], ex.gate_up_scales[ex.n_local:])
+    w2 = _Decoded(ex.down_packed, ex.down_scales)
     b, bl = ex.beta, ex.linear_beta
 
     def situ64(g):
@@ -276,7 +285,7 @@ def kimi_k3_reference(block: KimiK3MoE, x, selected, weights, rows=None):
         return u if bl is None else bl * np.tanh(u / bl)
 
     h = x @ _np64(block.down_proj).T
-    y = np.zeros((x.shape[0], w2[0].shape[0]))
+    y = np.zeros((x.shape[0], ex.down_packed[0].shape[0]))
     for t in range(x.shape[0]):
         for k in range(sel.shape[1]):
             e = sel[t, k]
@@ -402,3 +411,18 @@ def write_k3_checkpoint(folder: str, config: dict, layers: Sequence[int], seed: 
 
 
 KIMI_LAYOUT_BLOCK = ck.KIMI_K3.block
+
+
+def expert_tensors(experts: KimiK3Experts, prefix: str, layer: int) -> dict:
+    """Checkpoint name -> the tensor a :class:`KimiK3Experts` hands to the kernels (for
+    ``verify``)."""
+    layout, n = ck.KIMI_K3, experts.n_local
+    out = {}
+    for i, e in enumerate(experts.expert_ids):
+        for role, packed, scales in (
+                ("gate", experts.gate_up_packed[i], experts.gate_up_scales[i]),
+                ("up", experts.gate_up_packed[n + i], experts.gate_up_scales[n + i]),
+                ("down", experts.down_packed[i], experts.down_scales[i])):
+            out[layout.tensor(prefix, layer, e, role, layout.packed)] = packed
+            out[layout.tensor(prefix, layer, e, role, layout.scale)] = scales
+    return out

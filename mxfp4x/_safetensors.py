@@ -191,3 +191,11 @@ class SafeTensorsCheckpoint:
         if name not in self._where:
             raise KeyError(f"{self.root}: no tensor named {name!r}")
         return self._file(self._where[name]).get(name)
+
+    def byte_range(self, name: str):
+        """(file path, first byte, end byte) of a tensor's data in its file."""
+        if name not in self._where:
+            raise KeyError(f"{self.root}: no tensor named {name!r}")
+        f = self._file(self._where[name])
+        begin, end = f.header[name]["data_offsets"]
+        return f.path, f._base + begin, f._base + end

@@ -159,3 +159,52 @@ def test_full_size_layer_maps_without_touching_pages(tmp_path):
 
 def test_nn_exports():
     assert mxfp4x.nn.KimiK3MoE is nn.KimiK3MoE
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "mxfp4x", *args], capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_verify_cli_and_a_corrupted_byte(tmp_path):
+    """verify proves the kernels get the file's bytes; a manifest catches one flipped byte
+    in the file."""
+    folder = str(tmp_path / "ck")
+    write_k3_checkpoint(folder, k3_config(**TINY), [1, 2], seed=5, shards=2,
+                        dense_dtype=torch.float32)
+    manifest = str(tmp_path / "sha256.json")
+    out = _cli("verify", folder, "--write-manifest", manifest)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "192 expert tensors of layers [1, 2]" in out.stdout
+    from mxfp4x._safetensors import SafeTensorsCheckpoint
+    name = "language_model.model.layers.2.block_sparse_moe.experts.7.w3.weight_packed"
+    path, begin, end = SafeTensorsCheckpoint(folder).byte_range(name)
+    with open(path, "r+b") as f:
+        f.seek(begin + (end - begin) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    out = _cli("verify", folder, "--manifest", manifest)
+    assert out.returncode == 1
+    assert f"MISMATCH {name}: the file's bytes differ from the manifest" in out.stdout
+
+
+def test_verify_catches_bytes_the_kernels_would_not_get(ckpt):
+    from mxfp4x._checkpoints import verify_experts
+    from mxfp4x._kimi_k3 import expert_tensors
+    block = nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, progress=False)
+    handed = expert_tensors(block.experts, "language_model.", 1)
+    assert not verify_experts(ckpt, layers=[1], handed=handed)["mismatches"]
+    victim = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"
+    handed[victim] = handed[victim].clone()
+    handed[victim][0, 0] ^= 1
+    bad = verify_experts(ckpt, layers=[1], handed=handed)["mismatches"]
+    assert bad == [(victim, "the bytes handed to the kernels differ from the file's")]
+
+
+def test_layer_main_job_runs(tmp_path):
+    out = _cli("layer", "--model", "kimi-k3", "--experts", "16", "--tokens", "1", "3",
+               "--threads", "1", "--repeats", "1", "--dir", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "tokens/s" in out.stdout and out.stdout.count("check: T=") == 2
+    assert not os.listdir(tmp_path)  # the written layer is removed
