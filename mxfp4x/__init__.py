@@ -25,13 +25,14 @@ from ._reference import mxfp4_experts_reference as reference  # noqa: E402
 from ._version import __version__  # noqa: E402
 
 __all__ = ["mxfp4_experts", "mxfp4_experts_slots", "quantize", "dequantize",
-           "backend_info", "reference", "nn", "__version__"]
+           "backend_info", "reference", "nn", "distributed", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    """``mxfp4x.nn`` on first use, as ``torch.nn`` is reachable after ``import torch``."""
-    if name == "nn":
+    """``mxfp4x.nn`` and ``mxfp4x.distributed`` on first use, as ``torch.nn`` is reachable
+    after ``import torch``."""
+    if name in ("nn", "distributed"):
         import importlib
 
-        return importlib.import_module(".nn", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'mxfp4x' has no attribute {name!r}")

@@ -377,13 +377,21 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
                     + 63) // 64 * 64
 
 
+cdef inline void _accumulate(real *y, real w, const real *d, int64_t width) noexcept nogil:
+    """y += w * d: one rounding for the product, one for the sum.  The one combine
+    arithmetic of mxfp4x: the driver and :func:`combine` (expert parallelism) both use it,
+    so a result combined from remote products has the driver's bits."""
+    cdef int64_t r
+    for r in range(width):
+        y[r] = y[r] + w * d[r]
+
+
 cdef void _combine(real *out, int64_t d_out, int64_t col, const int64_t *rows,
                    const real *ws, int64_t n, const real *dots, int64_t width,
                    bint assign) noexcept nogil:
-    """out[row, col:col+width] += w * dots[i]: one rounding for the product, one for the
-    sum (or, for per-slot outputs, out[row, col:col+width] = dots[i])."""
+    """out[row, col:col+width] += w * dots[i] (or, for per-slot outputs,
+    out[row, col:col+width] = dots[i])."""
     cdef int64_t i, r
-    cdef real wt
     cdef real *y
     cdef const real *d
     for i in range(n):
@@ -393,9 +401,50 @@ cdef void _combine(real *out, int64_t d_out, int64_t col, const int64_t *rows,
             for r in range(width):
                 y[r] = d[r]
         else:
-            wt = ws[i]
-            for r in range(width):
-                y[r] = y[r] + wt * d[r]
+            _accumulate(y, ws[i], d, width)
+
+
+cdef void _combine_tokens(real dummy, real *out, const real *dots, const real *mix,
+                          const int64_t *order, int64_t n_tokens, int64_t top_k,
+                          int64_t d_out, int n_threads) noexcept nogil:
+    cdef int64_t t, j, p
+    for t in prange(n_tokens, num_threads=n_threads, schedule='static'):
+        for j in range(top_k):
+            p = t * top_k + order[t * top_k + j]
+            _accumulate(out + t * d_out, mix[p], dots + p * d_out, d_out)
+
+
+def combine(out, dots, selected, mix, *, int n_threads=1):
+    """out[t] += sum_k mix[t, k] * dots[t * K + k], the slots of each token taken in the
+    CPU driver's order (ascending expert id, then slot) with its arithmetic: given the
+    same products (W x per slot, e.g. computed on other processes), the result has the
+    bits of the driver's own combine.  out (T, O), dots (T*K, O) and mix (T, K): float32
+    or float64 numpy arrays of one dtype; selected (T, K) int64; all C-contiguous."""
+    cdef double d0 = 0
+    cdef float f0 = 0
+    cdef int64_t n_tokens, top_k, d_out
+    if not isinstance(selected, np.ndarray) or selected.ndim != 2:
+        raise ValueError("selected: expected a 2-D int64 numpy array (n_tokens, top_k)")
+    n_tokens, top_k = selected.shape
+    d_out = out.shape[1] if isinstance(out, np.ndarray) and out.ndim == 2 else -1
+    order = np.argsort(selected, axis=1, kind="stable").astype(np.int64)
+    itemsize = out.itemsize if isinstance(out, np.ndarray) else 0
+    if itemsize not in (4, 8) or out.dtype.kind != "f":
+        raise ValueError(f"out: expected a float32 or float64 array, got {out!r:.60}")
+    what = "float64" if itemsize == 8 else "float32"
+    cdef uintptr_t o = _address(out, "out", (n_tokens, d_out), itemsize, what)
+    cdef uintptr_t d = _address(dots, "dots", (n_tokens * top_k, d_out), itemsize, what)
+    cdef uintptr_t m = _address(mix, "mix", (n_tokens, top_k), itemsize, what)
+    cdef uintptr_t r = _address(order, "order", (n_tokens, top_k), 8, "int64")
+    if not out.flags.writeable or out.dtype != dots.dtype or out.dtype != mix.dtype:
+        raise ValueError("out, dots, mix: expected one float dtype and a writable out")
+    with nogil:
+        if itemsize == 8:
+            _combine_tokens(d0, <double *>o, <const double *>d, <const double *>m,
+                            <const int64_t *>r, n_tokens, top_k, d_out, max(1, n_threads))
+        else:
+            _combine_tokens(f0, <float *>o, <const float *>d, <const float *>m,
+                            <const int64_t *>r, n_tokens, top_k, d_out, max(1, n_threads))
 
 
 cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noexcept nogil:
