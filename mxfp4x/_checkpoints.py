@@ -114,11 +114,14 @@ def load_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout, layer: int,
     """role -> (packed list, scales list) of the given experts, views of the mapped files
     (pages are read only when a kernel touches them)."""
     out: Dict[str, Tuple[list, list]] = {role: ([], []) for role in layout.roles}
+    names = [layout.tensor(prefix, layer, e, role, kind) for e in experts
+             for role in layout.roles for kind in (layout.packed, layout.scale)]
+    mapped = ckpt.get_many(names)  # one window per file: about these experts' bytes only
     for i, e in enumerate(experts):
         for role in layout.roles:
             pn = layout.tensor(prefix, layer, e, role, layout.packed)
             sn = layout.tensor(prefix, layer, e, role, layout.scale)
-            packed, scales = as_bytes(pn, ckpt.get(pn)), as_bytes(sn, ckpt.get(sn))
+            packed, scales = as_bytes(pn, mapped[pn]), as_bytes(sn, mapped[sn])
             if packed.dim() != 2 or packed.shape[1] % GROUP_BYTES or tuple(scales.shape) != (
                     packed.shape[0], packed.shape[1] // GROUP_BYTES):
                 raise ValueError(f"{pn} {tuple(packed.shape)} and {sn} {tuple(scales.shape)}: "

@@ -56,15 +56,20 @@ class KimiK3Experts(torch.nn.Module):
 
     ``expert_ids``: the global ids of the experts held (default all, 0..E-1).  A module
     holding a subset (a process serving some of the experts) refuses tokens routed
-    elsewhere; the expert-parallel op combines such modules across processes.
-    ``isa``: the CPU instruction set of its calls (None: the default).
+    elsewhere, unless ``group`` (a torch.distributed process group, e.g.
+    ``torch.distributed.group.WORLD``) is given: then the held ids must be one range, the
+    ranks' ranges cover all experts, and every token's pairs go to the ranks owning their
+    experts, which run the whole expert MLP and send back one row per pair (one round
+    trip, inference).  ``isa``: the CPU instruction set of its calls (None: the default).
     """
 
     def __init__(self, w1, w3, w2, beta: float = 4.0, linear_beta: Optional[float] = 25.0,
                  expert_ids: Optional[Sequence[int]] = None,
-                 num_threads: Optional[int] = None, isa: Optional[str] = None):
+                 num_threads: Optional[int] = None, isa: Optional[str] = None,
+                 group=None):
         super().__init__()
-        self.isa = isa
+        self.isa, self.group = isa, group
+        self.last_routing = None
         g_packed, g_scales = _split(w1)
         u_packed, u_scales = _split(w3)
         self.down_packed, self.down_scales = _split(w2)
@@ -79,6 +84,8 @@ class KimiK3Experts(torch.nn.Module):
         if len(ids) != self.n_local:
             raise ValueError(f"expert_ids: expected {self.n_local} ids, got {len(ids)}")
         self.expert_ids = ids
+        if group is not None and ids != list(range(ids[0], ids[0] + len(ids))):
+            raise ValueError("expert_ids: an expert-parallel module holds one range of ids")
         self._local = None
         if ids != list(range(self.n_local)):
             lookup = torch.full((max(ids) + 1,), -1, dtype=torch.int64)
@@ -98,8 +105,28 @@ class KimiK3Experts(torch.nn.Module):
                              f"{self.expert_ids[-1]})")
         return local
 
+    def mlp(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """w2_e (situ(w1_e x) * clip(w3_e x)) per row (P, L), for local expert ids (P,):
+        the per-pair work of an expert-parallel owner, in the compute dtype."""
+        acc = _acc(rows.dtype)
+        ids = local_ids.view(-1, 1).to(torch.int64)
+        gu = mxfp4_experts_slots(rows, self.gate_up_packed, self.gate_up_scales,
+                                 torch.cat((ids, ids + self.n_local), dim=1),
+                                 num_threads=self.num_threads, isa=self.isa).to(acc)
+        act = situ(gu[:, 0], self.beta) * clip(gu[:, 1], self.linear_beta)
+        return mxfp4_experts_slots(act, self.down_packed, self.down_scales, ids,
+                                   num_threads=self.num_threads, isa=self.isa)[:, 0]
+
     def forward(self, h: torch.Tensor, selected_experts: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            from .distributed import expert_parallel
+            out, self.last_routing = expert_parallel(
+                self.mlp, h, selected_experts, routing_weights,
+                expert_range=(self.expert_ids[0], self.expert_ids[-1] + 1),
+                d_out=self.down_packed[0].shape[0], group=self.group,
+                num_threads=self.num_threads)
+            return out
         acc = _acc(h.dtype)
         sel = self.local_ids(selected_experts)
         top_k = sel.shape[1]
@@ -211,10 +238,12 @@ class KimiK3MoE(torch.nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path, layer: int, experts=None, num_threads: Optional[int] = None,
-                        progress: bool = True) -> "KimiK3MoE":
+                        progress: bool = True, group=None) -> "KimiK3MoE":
         """Layer ``layer`` of a Kimi K3 checkpoint folder (``config.json`` and one or
         sharded ``.safetensors`` files).  ``experts`` (a range, a list or (start, end))
-        maps only those experts' bytes; the bytes stay views of the files' mappings."""
+        maps only those experts' bytes; the bytes stay views of the files' mappings.
+        ``group``: expert-parallel over this torch.distributed group (``experts`` then
+        this rank's range; see :class:`KimiK3Experts`)."""
         config = ck.read_config(path if isinstance(path, str) else path.root)
         ckpt = ck.open_checkpoint(path)
         layout = ck.KIMI_K3
@@ -226,7 +255,7 @@ class KimiK3MoE(torch.nn.Module):
         routed = KimiK3Experts(proj["gate"], proj["up"], proj["down"],
                                beta=config.get("activation_situ_beta") or 1.0,
                                linear_beta=config.get("activation_situ_linear_beta"),
-                               expert_ids=ids, num_threads=num_threads)
+                               expert_ids=ids, num_threads=num_threads, group=group)
         router = KimiK3Router(
             ckpt.get(base + "gate.weight"), ckpt.get(base + "gate.e_score_correction_bias"),
             top_k=config["num_experts_per_token"],

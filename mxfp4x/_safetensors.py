@@ -68,7 +68,8 @@ class SafeTensorsFile:
             _check_entry(path, name, info, data_size)
         self.header = header
         self._base = 8 + n
-        self._map = np.memmap(path, dtype=np.uint8, mode="c") if size else None
+        self._size = size
+        self._whole: Optional[np.ndarray] = None  # the whole file, mapped on first get()
 
     def keys(self) -> Iterable[str]:
         return self.header.keys()
@@ -77,17 +78,60 @@ class SafeTensorsFile:
         return name in self.header
 
     def get(self, name: str) -> torch.Tensor:
+        """One tensor, a view of a copy-on-write mapping of the whole file."""
+        self._info(name)
+        if self._whole is None and self._size:
+            self._whole = np.memmap(self.path, dtype=np.uint8, mode="c")
+        return self._view(self._whole, 0, name)
+
+    def get_many(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        """Several tensors as views of one mapping of just the span of the file that holds
+        them: a process that serves some of the experts maps only (about) their bytes."""
+        names = list(names)
+        if not names:
+            return {}
+        spans = [self._info(n)["data_offsets"] for n in names]
+        begin = self._base + min(b for b, _ in spans)
+        end = self._base + max(e for _, e in spans)
+        window = np.memmap(self.path, dtype=np.uint8, mode="c", offset=begin,
+                           shape=(end - begin,)) if end > begin else None
+        return {n: self._view(window, begin, n) for n in names}
+
+    def get_rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of a tensor's first dimension (e.g. some experts of a stacked
+        tensor), a view of a mapping of just their bytes."""
+        info = self._info(name)
+        shape = list(info["shape"])
+        if not shape or not 0 <= start <= end <= shape[0]:
+            raise ValueError(f"{self.path}: rows [{start}, {end}) of {name!r} {shape}")
+        row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(_NP[info["dtype"]]).itemsize
+        begin = info["data_offsets"][0]
+        sub = dict(info, shape=[end - start] + shape[1:],
+                   data_offsets=[begin + start * row, begin + end * row])
+        key = f"{name}[{start}:{end}]"
+        self.header[key] = sub  # a derived entry, viewed like any other
+        try:
+            return self.get_many([key])[key]
+        finally:
+            del self.header[key]
+
+    def _info(self, name: str) -> dict:
         if name not in self.header:
             raise KeyError(f"{self.path}: no tensor named {name!r}")
         info = self.header[name]
+        if info["dtype"] not in _NP:
+            raise TypeError(f"{self.path}: tensor {name!r} has unsupported dtype "
+                            f"{info['dtype']}")
+        return info
+
+    def _view(self, mapped: Optional[np.ndarray], mapped_at: int, name: str) -> torch.Tensor:
+        info = self.header[name]
         dtype = info["dtype"]
-        if dtype not in _NP:
-            raise TypeError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
         begin, end = info["data_offsets"]
-        if self._map is None or begin == end:
+        if mapped is None or begin == end:
             return torch.empty(info["shape"], dtype=_VIEW_AS.get(dtype) or
                                torch.from_numpy(np.empty(0, _NP[dtype])).dtype)
-        raw = self._map[self._base + begin:self._base + end]
+        raw = mapped[self._base + begin - mapped_at:self._base + end - mapped_at]
         aligned = raw.ctypes.data % np.dtype(_NP[dtype]).itemsize == 0
         # the copy-on-write map is writable, so torch.from_numpy needs no warnings filter;
         # an unaligned tensor is copied into a fresh (aligned, writable) array
@@ -191,6 +235,23 @@ class SafeTensorsCheckpoint:
         if name not in self._where:
             raise KeyError(f"{self.root}: no tensor named {name!r}")
         return self._file(self._where[name]).get(name)
+
+    def get_many(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        """Tensors as views of one mapping per file of just the span that holds them."""
+        by_file: Dict[str, list] = {}
+        for n in names:
+            if n not in self._where:
+                raise KeyError(f"{self.root}: no tensor named {n!r}")
+            by_file.setdefault(self._where[n], []).append(n)
+        out: Dict[str, torch.Tensor] = {}
+        for path, ns in by_file.items():
+            out.update(self._file(path).get_many(ns))
+        return out
+
+    def get_rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"{self.root}: no tensor named {name!r}")
+        return self._file(self._where[name]).get_rows(name, start, end)
 
     def byte_range(self, name: str):
         """(file path, first byte, end byte) of a tensor's data in its file."""

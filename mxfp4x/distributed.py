@@ -29,7 +29,8 @@ products then come from the PyTorch implementation, whose matmuls are not batch
 invariant: equal within rounding, not bitwise).  Every rank of the group must call the
 op the same number of times, and backward likewise (as with DistributedDataParallel).
 """
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ from ._dispatch import _check_backend
 from ._ops import mxfp4_experts_grad_latents_list_op, mxfp4_experts_grad_latents_op, slots_op
 from ._validation import check_inputs, check_num_threads, expert_id_error, is_expert_list
 
-__all__ = ["mxfp4_experts", "mxfp4_experts_slots", "ExpertRouting"]
+__all__ = ["mxfp4_experts", "mxfp4_experts_slots", "ExpertRouting", "expert_parallel"]
 
 _DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 _VERIFIED: Dict[Any, Tuple[Tuple[int, int], ...]] = {}  # group -> ranges, checked once
@@ -109,6 +110,18 @@ def _agree(local_error: Optional[BaseException], meta: List[int], group) -> _Pla
     return plan
 
 
+def _agree_ids(sel, plan, meta, group):
+    """The global expert count is known once the ranges are agreed: ids are checked
+    before any data moves, and a bad one is an error on every rank (a second small
+    all_gather)."""
+    bad = None
+    if sel.numel():
+        lo, hi = int(sel.min()), int(sel.max())
+        if lo < 0 or hi >= plan.n_experts:
+            bad = expert_id_error(lo if lo < 0 else hi, plan.n_experts)
+    _agree(bad, meta, group)
+
+
 def _to_backend(t, group):
     """NCCL moves CUDA tensors only."""
     backend = dist.get_backend(group)
@@ -123,6 +136,8 @@ class ExpertRouting:
 
     def __init__(self, plan: _Plan, sel: torch.Tensor, rows_per_slot: bool, group):
         self.plan, self.group = plan, group
+        self.bytes_sent = 0          # payload this rank sent, all exchanges of the call
+        self.comm_seconds = 0.0      # wall time inside the all-to-alls (waits included)
         n_tokens, top_k = sel.shape
         self.n_tokens, self.top_k = n_tokens, top_k
         flat = sel.reshape(-1).to(torch.int64).cpu()
@@ -161,8 +176,12 @@ class ExpertRouting:
         out = torch.empty((int(sum(recv)), width), dtype=torch.uint8)
         src = _to_backend(as_bytes, self.group)
         dst = _to_backend(out, self.group)
+        t0 = time.perf_counter()
         dist.all_to_all_single(dst, src, output_split_sizes=list(map(int, recv)),
                                input_split_sizes=list(map(int, send)), group=self.group)
+        self.comm_seconds += time.perf_counter() - t0
+        mine = self.plan.rank
+        self.bytes_sent += (int(sum(send)) - int(send[mine])) * width  # not to itself
         return dst.cpu().view(t.dtype).reshape((int(sum(recv)),) + tuple(shape))
 
     def send_rows_of(self, x_rows: torch.Tensor) -> torch.Tensor:
@@ -337,14 +356,7 @@ def _run(latent_tokens, packed_local, scales_local, selected_experts, mixture_we
             packed.shape[1] != plan.d_out:
         packed = torch.empty((0, plan.d_out) + tuple(packed.shape[2:]), dtype=torch.uint8)
         scales = torch.empty((0, plan.d_out, packed.shape[2]), dtype=torch.uint8)
-    # the global expert count is known now: ids are checked before any data moves, and a
-    # bad one is an error on every rank (a second small all_gather, as in _agree)
-    bad = None
-    if sel.numel():
-        lo, hi = int(sel.min()), int(sel.max())
-        if lo < 0 or hi >= plan.n_experts:
-            bad = expert_id_error(lo if lo < 0 else hi, plan.n_experts)
-    _agree(bad, meta, group)
+    _agree_ids(sel, plan, meta, group)
     return _EPFunction.apply(x, mix, shared, packed, scales, sel, plan, group, threads, isa,
                              per_slot_outputs)
 
@@ -370,3 +382,43 @@ def mxfp4_experts_slots(latent_tokens, packed_local, scales_local, selected_expe
     :func:`mxfp4_experts`); bit-identical to :func:`mxfp4x.mxfp4_experts_slots`."""
     return _run(latent_tokens, packed_local, scales_local, selected_experts, None, None,
                 expert_range, group, num_threads, isa, True)
+
+
+def expert_parallel(local_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                    latents: torch.Tensor, selected_experts: torch.Tensor,
+                    mixture_weights: torch.Tensor, *, expert_range: Tuple[int, int],
+                    d_out: int, group=None, num_threads: Optional[int] = None):
+    """A whole expert computation made expert-parallel in one round trip (inference):
+    each pair's latent row goes to the owner of its expert, which runs
+    ``local_fn(rows (P, I), local expert ids (P,)) -> (P, d_out)`` in the compute dtype
+    (e.g. a gated MLP: gate/up, activation, down), the results come back and are combined
+    ``sum_k p W x`` in the CPU driver's order, from zeros.  Returns ``(out (T, d_out) in
+    the latents' dtype, the routing)`` (its ``bytes_sent`` and ``comm_seconds``)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("mxfp4x.distributed: torch.distributed is not initialised")
+    error: Optional[BaseException] = None
+    x, sel, mix = latents, selected_experts, mixture_weights
+    try:
+        e0, e1 = (int(v) for v in expert_range)
+        if x.dim() != 2 or sel.dim() != 2 or sel.shape[0] != x.shape[0] or \
+                tuple(mix.shape) != tuple(sel.shape) or x.dtype not in _DTYPE_CODE:
+            raise ValueError(f"latents (T, I) float, selected_experts and mixture_weights "
+                             f"(T, K) expected, got {tuple(x.shape)} {x.dtype}, "
+                             f"{tuple(sel.shape)}, {tuple(mix.shape)}")
+        meta = [e0, e1, x.shape[-1], d_out, _DTYPE_CODE[x.dtype], sel.shape[1], 0, 0, 0]
+    except (ValueError, TypeError) as exc:
+        error, meta = exc, [0] * 9
+    plan = _agree(error, meta, group)
+    _agree_ids(sel, plan, meta, group)
+    routing = ExpertRouting(plan, sel, False, group)
+    recv = routing.send_rows_of(x.detach().cpu())
+    compute = _compute(x.dtype)
+    rows = recv[routing.recv_row_of_pair].to(compute)
+    local = local_fn(rows, routing.recv_expert) if rows.shape[0] else \
+        torch.empty((0, d_out), dtype=compute)
+    dots = routing.pairs_back(local.to(compute).contiguous())
+    out = torch.zeros((x.shape[0], d_out), dtype=compute)
+    _cpu.combine(out.numpy(), dots.numpy(), sel.to(torch.int64).cpu().contiguous().numpy(),
+                 mix.detach().to(compute).cpu().contiguous().numpy(),
+                 n_threads=max(1, num_threads or torch.get_num_threads()))
+    return out.to(x.dtype), routing

@@ -1,6 +1,7 @@
 """torch.nn modules over the mxfp4x ops: a generic MXFP4 expert bank, the gpt-oss
 experts block and the Kimi K3 MoE layer (KimiK3MoE, KimiK3Router, KimiK3Experts), with
 checkpoint loading that maps, not copies, the packed bytes."""
+import functools
 import sys
 from typing import List, Optional, Sequence
 
@@ -19,19 +20,42 @@ def _bytes(name, t):
     return byte_tensor(name, as_tensor(name, t))
 
 
+def _range(expert_range, n_local, group):
+    """(e0, e1) of the experts a module holds: all of them unless expert-parallel."""
+    if expert_range is None:
+        if group is not None:
+            raise ValueError("expert_range: an expert-parallel module (group=...) needs the "
+                             "range (e0, e1) of the experts it holds")
+        return 0, n_local
+    e0, e1 = (int(v) for v in expert_range)
+    if e1 - e0 != n_local or e0 < 0:
+        raise ValueError(f"expert_range: {(e0, e1)} names {e1 - e0} experts, the bytes hold "
+                         f"{n_local}")
+    if group is None and e0 != 0:
+        raise ValueError("expert_range: a module holding some of the experts needs group= "
+                         "(torch.distributed) to reach the others")
+    return e0, e1
+
+
 class MXFP4Experts(torch.nn.Module):
     """E experts W_e (d_out x d_in) stored in MXFP4: buffers ``packed_weights``
     (E, d_out, d_in/32, 16) and ``scale_bytes`` (E, d_out, d_in/32), uint8.
 
     ``forward(latent_tokens, selected_experts, mixture_weights, shared_output=None)``
     returns ``shared_output + sum_k p_tk W_{e_tk} x_t`` (zeros for a missing shared output).
+
+    Expert-parallel: built with ``expert_range=(e0, e1)`` (the buffers then hold experts
+    e0..e1-1) and ``group`` (torch.distributed), its forward is
+    :func:`mxfp4x.distributed.mxfp4_experts` (bit-identical to one process).
     """
 
     packed_weights: torch.Tensor
     scale_bytes: torch.Tensor
 
-    def __init__(self, n_experts: int, d_out: int, d_in: int, num_threads: Optional[int] = None):
+    def __init__(self, n_experts: int, d_out: int, d_in: int, num_threads: Optional[int] = None,
+                 expert_range=None, group=None):
         super().__init__()
+        self.expert_range, self.group = _range(expert_range, n_experts, group), group
         if d_in % GROUP:
             raise ValueError(f"d_in: must be a multiple of {GROUP}, got {d_in}")
         self.num_threads = num_threads
@@ -43,7 +67,8 @@ class MXFP4Experts(torch.nn.Module):
 
     @classmethod
     def from_packed(cls, packed_weights: torch.Tensor, scale_bytes: torch.Tensor,
-                    num_threads: Optional[int] = None) -> "MXFP4Experts":
+                    num_threads: Optional[int] = None, expert_range=None,
+                    group=None) -> "MXFP4Experts":
         """Wrap existing bytes (no copy when they are uint8 already)."""
         if packed_weights.dim() != 4 or packed_weights.shape[-1] != GROUP_BYTES:
             raise ValueError(f"packed_weights: expected (E, d_out, G, 16), got "
@@ -55,6 +80,7 @@ class MXFP4Experts(torch.nn.Module):
         m = cls.__new__(cls)
         torch.nn.Module.__init__(m)
         m.num_threads = num_threads
+        m.expert_range, m.group = _range(expert_range, e, group), group
         m.register_buffer("packed_weights", _bytes("packed_weights", packed_weights))
         m.register_buffer("scale_bytes", _bytes("scale_bytes", scale_bytes))
         return m
@@ -68,10 +94,17 @@ class MXFP4Experts(torch.nn.Module):
 
     @classmethod
     def from_safetensors(cls, path: str, blocks_key: str, scales_key: str,
-                         num_threads: Optional[int] = None) -> "MXFP4Experts":
-        """Load (memory-mapped) from a .safetensors file or checkpoint directory."""
+                         num_threads: Optional[int] = None, expert_range=None,
+                         group=None) -> "MXFP4Experts":
+        """Load (memory-mapped) from a .safetensors file or checkpoint directory; with
+        ``expert_range`` only those experts' bytes are mapped."""
         ckpt = SafeTensorsCheckpoint(path)
-        return cls.from_packed(ckpt.get(blocks_key), ckpt.get(scales_key), num_threads)
+        if expert_range is None:
+            return cls.from_packed(ckpt.get(blocks_key), ckpt.get(scales_key), num_threads)
+        e0, e1 = expert_range
+        return cls.from_packed(ckpt.get_rows(blocks_key, e0, e1),
+                               ckpt.get_rows(scales_key, e0, e1), num_threads,
+                               expert_range=expert_range, group=group)
 
     def forward(self, latent_tokens: torch.Tensor, selected_experts: torch.Tensor,
                 mixture_weights: torch.Tensor,
@@ -81,6 +114,13 @@ class MXFP4Experts(torch.nn.Module):
             dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
             shared_output = torch.zeros((x.shape[0], self.packed_weights.shape[1]),
                                         dtype=dtype, device=x.device)
+        if self.group is not None:
+            from . import distributed
+            return distributed.mxfp4_experts(latent_tokens, self.packed_weights,
+                                             self.scale_bytes, selected_experts,
+                                             mixture_weights, shared_output,
+                                             expert_range=self.expert_range, group=self.group,
+                                             num_threads=self.num_threads)
         return mxfp4_experts(latent_tokens, self.packed_weights, self.scale_bytes,
                              selected_experts, mixture_weights, shared_output,
                              num_threads=self.num_threads)
@@ -104,6 +144,10 @@ class GptOssExperts(torch.nn.Module):
     Buffers: ``gate_up_blocks`` (E, 2F, H/32, 16), ``gate_up_scales`` (E, 2F, H/32),
     ``down_blocks`` (E, H, F/32, 16), ``down_scales`` (E, H, F/32); parameters
     ``gate_up_bias`` (E, 2F) and ``down_bias`` (E, H).
+
+    Expert-parallel: with ``expert_range=(e0, e1)`` and ``group``, the block buffers hold
+    experts e0..e1-1 (the biases, small, stay whole) and both projections run through
+    :mod:`mxfp4x.distributed` (the gate/up per slot, the down combined).
     """
 
     gate_up_blocks: torch.Tensor
@@ -114,11 +158,14 @@ class GptOssExperts(torch.nn.Module):
     def __init__(self, gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor,
                  gate_up_bias: torch.Tensor, down_blocks: torch.Tensor,
                  down_scales: torch.Tensor, down_bias: torch.Tensor, limit: float = 7.0,
-                 alpha: float = 1.702, num_threads: Optional[int] = None):
+                 alpha: float = 1.702, num_threads: Optional[int] = None, expert_range=None,
+                 group=None):
         super().__init__()
         e, two_f, g_h, _ = gate_up_blocks.shape
+        self.expert_range, self.group = _range(expert_range, e, group), group
         if two_f % 2 or down_blocks.shape[:2] != (e, GROUP * g_h) or \
-                down_blocks.shape[2] * GROUP != two_f // 2:
+                down_blocks.shape[2] * GROUP != two_f // 2 or (expert_range is None and
+                                                                gate_up_bias.shape[0] != e):
             raise ValueError(f"gate_up_blocks {tuple(gate_up_blocks.shape)} and down_blocks "
                              f"{tuple(down_blocks.shape)} do not form a gpt-oss block")
         self.limit, self.alpha, self.num_threads = float(limit), float(alpha), num_threads
@@ -136,18 +183,31 @@ class GptOssExperts(torch.nn.Module):
     def from_checkpoint(cls, path, layer: int, prefix: str = "model.layers.{}.mlp.experts.",
                         **kwargs) -> "GptOssExperts":
         """One layer's experts from a gpt-oss safetensors checkpoint (a file, a directory,
-        or an open SafeTensorsCheckpoint), packed bytes memory-mapped, not copied."""
+        or an open SafeTensorsCheckpoint), packed bytes memory-mapped, not copied; with
+        ``expert_range=(e0, e1)`` only those experts' bytes are mapped."""
         ckpt = path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
         p = prefix.format(layer)
-        return cls(ckpt.get(p + "gate_up_proj_blocks"), ckpt.get(p + "gate_up_proj_scales"),
-                   ckpt.get(p + "gate_up_proj_bias"), ckpt.get(p + "down_proj_blocks"),
-                   ckpt.get(p + "down_proj_scales"), ckpt.get(p + "down_proj_bias"), **kwargs)
+        rng = kwargs.get("expert_range")
+
+        def experts(name):
+            return ckpt.get(p + name) if rng is None else ckpt.get_rows(p + name, *rng)
+
+        return cls(experts("gate_up_proj_blocks"), experts("gate_up_proj_scales"),
+                   ckpt.get(p + "gate_up_proj_bias"), experts("down_proj_blocks"),
+                   experts("down_proj_scales"), ckpt.get(p + "down_proj_bias"), **kwargs)
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
         acc = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
-        gate_up = mxfp4_experts_slots(hidden_states, self.gate_up_blocks, self.gate_up_scales,
-                                      router_indices, num_threads=self.num_threads).to(acc)
+        slots, combined = mxfp4_experts_slots, mxfp4_experts
+        if self.group is not None:
+            from . import distributed
+            slots = functools.partial(distributed.mxfp4_experts_slots,
+                                      expert_range=self.expert_range, group=self.group)
+            combined = functools.partial(distributed.mxfp4_experts,
+                                         expert_range=self.expert_range, group=self.group)
+        gate_up = slots(hidden_states, self.gate_up_blocks, self.gate_up_scales,
+                        router_indices, num_threads=self.num_threads).to(acc)
         gate_up = gate_up + self.gate_up_bias.to(acc)[router_indices]
         gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
         gate = gate.clamp(max=self.limit)
@@ -155,8 +215,8 @@ class GptOssExperts(torch.nn.Module):
         act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
         weights = routing_weights.to(acc)
         bias = (weights.unsqueeze(-1) * self.down_bias.to(acc)[router_indices]).sum(1)
-        out = mxfp4_experts(act, self.down_blocks, self.down_scales, router_indices, weights,
-                            bias, num_threads=self.num_threads)
+        out = combined(act, self.down_blocks, self.down_scales, router_indices, weights, bias,
+                       num_threads=self.num_threads)
         return out.to(hidden_states.dtype)
 
 

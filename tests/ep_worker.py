@@ -93,6 +93,73 @@ def bad_input(name, rank, world):
     return {"raised": None}
 
 
+def kimi(name, rank, world):
+    """A Kimi K3 experts module split across the ranks: bit-identical to one process."""
+    from mxfp4x import nn
+    n_exp, lat, ff = 10, 64, 96
+    rng = np.random.default_rng(21)
+    mats = {}
+    for role, (o, i) in (("w1", (ff, lat)), ("w3", (ff, lat)), ("w2", (lat, ff))):
+        mats[role] = (torch.from_numpy(rng.integers(0, 256, (n_exp, o, i // 32, 16), np.uint8)),
+                      torch.from_numpy(rng.integers(119, 126, (n_exp, o, i // 32), np.uint8)))
+    full = nn.KimiK3Experts(mats["w1"], mats["w3"], mats["w2"])
+    counts, start, n = token_counts(rank, world, 3)
+    h = torch.from_numpy(rng.standard_normal((sum(counts), lat))).float()
+    sel = torch.from_numpy(rng.integers(0, n_exp, (sum(counts), 4)))
+    w = torch.from_numpy(rng.random((sum(counts), 4))).float()
+    cuts = split(n_exp, world, uneven=False)  # a module holds at least one expert
+    e0, e1 = int(cuts[rank]), int(cuts[rank + 1])
+    part = nn.KimiK3Experts(*[(p[e0:e1], s[e0:e1]) for p, s in
+                              (mats["w1"], mats["w3"], mats["w2"])],
+                            expert_ids=range(e0, e1), group=dist.group.WORLD)
+    mine = slice(start, start + n)
+    got = part(h[mine], sel[mine], w[mine])
+    return {"equal": bool(torch.equal(bits(got), bits(full(h, sel, w)[mine]))),
+            "bytes": part.last_routing.bytes_sent}
+
+
+def modules(name, rank, world):
+    """MXFP4Experts and GptOssExperts, expert-parallel, against one process (bitwise)."""
+    from mxfp4x import nn
+    from mxfp4x._safetensors import save_file
+    rng = np.random.default_rng(31)
+    n_exp, hid, ff = 6, 64, 64
+    pre = "model.layers.0.mlp.experts."
+    t = {pre + "gate_up_proj_blocks": rng.integers(0, 256, (n_exp, 2 * ff, hid // 32, 16),
+                                                   np.uint8),
+         pre + "gate_up_proj_scales": rng.integers(120, 127, (n_exp, 2 * ff, hid // 32),
+                                                   np.uint8),
+         pre + "gate_up_proj_bias": rng.standard_normal((n_exp, 2 * ff)).astype(np.float32),
+         pre + "down_proj_blocks": rng.integers(0, 256, (n_exp, hid, ff // 32, 16), np.uint8),
+         pre + "down_proj_scales": rng.integers(120, 127, (n_exp, hid, ff // 32), np.uint8),
+         pre + "down_proj_bias": rng.standard_normal((n_exp, hid)).astype(np.float32)}
+    path = os.path.join(os.environ["EP_TMP"], "gptoss.safetensors")
+    if rank == 0:
+        save_file({k: torch.from_numpy(v) for k, v in t.items()}, path)
+    dist.barrier()
+    counts, start, n = token_counts(rank, world, 3)
+    x = torch.from_numpy(rng.standard_normal((sum(counts), hid))).float()
+    sel = torch.from_numpy(rng.integers(0, n_exp, (sum(counts), 2)))
+    w = torch.from_numpy(rng.random((sum(counts), 2))).float()
+    cuts = split(n_exp, world, uneven=False)
+    e0, e1 = int(cuts[rank]), int(cuts[rank + 1])
+    mine = slice(start, start + n)
+    full = nn.GptOssExperts.from_checkpoint(path, 0)
+    part = nn.GptOssExperts.from_checkpoint(path, 0, expert_range=(e0, e1),
+                                            group=dist.group.WORLD)
+    ok_gpt = torch.equal(bits(part(x[mine], sel[mine], w[mine])), bits(full(x, sel, w)[mine]))
+    key = "model.layers.0.mlp.experts.down_proj_blocks"
+    bank = nn.MXFP4Experts.from_safetensors(path, key, key.replace("blocks", "scales"))
+    part_bank = nn.MXFP4Experts.from_safetensors(path, key, key.replace("blocks", "scales"),
+                                                 expert_range=(e0, e1),
+                                                 group=dist.group.WORLD)
+    xb = torch.from_numpy(rng.standard_normal((sum(counts), ff))).float()
+    ok_bank = torch.equal(bits(part_bank(xb[mine], sel[mine], w[mine])),
+                          bits(bank(xb, sel, w)[mine]))
+    return {"equal": bool(ok_gpt and ok_bank), "gpt": bool(ok_gpt), "bank": bool(ok_bank),
+            "local_experts": int(part.gate_up_blocks.shape[0])}
+
+
 def gradcheck(name, rank, world):
     layer = random_layer(np.random.default_rng(8), 3, 2, 4, 7, 1, dtype=torch.float64,
                          repeat_expert=True)
@@ -143,7 +210,8 @@ def main():
     results = {}
     for name in sys.argv[1:]:
         fn = bad_input if name.startswith("bad") else gradcheck if name == "gradcheck" \
-            else die if name == "die" else scenario
+            else die if name == "die" else kimi if name == "kimi" \
+            else modules if name == "modules" else scenario
         results[name] = fn(name, rank, world)
     print(json.dumps({"rank": rank, "results": results}), flush=True)
     if "die" in sys.argv:

@@ -14,7 +14,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "ep_worker.py")
 SCENARIOS = ["even-f32", "uneven-f32", "even-bf16", "uneven-f64", "slots-f32-uneven",
-             "perslot-f32", "list-f32-uneven", "bad-id", "bad-shape"]
+             "perslot-f32", "list-f32-uneven", "kimi", "modules", "bad-id", "bad-shape"]
 
 
 def _port():
@@ -32,11 +32,14 @@ def _launch(world, args, prefix=lambda rank: [], addr="127.0.0.1", timeout=300,
 
 
 def _launch_once(world, args, prefix, addr, timeout, env_of):
+    import tempfile
     port = _port()
+    scratch = tempfile.mkdtemp(prefix="mxfp4x-ep-")
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=addr,
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env_of(rank))
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", EP_TMP=scratch,
+                   **env_of(rank))
         procs.append(subprocess.Popen(prefix(rank) + [sys.executable, WORKER, *args],
                                       env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
@@ -50,6 +53,7 @@ def _launch_once(world, args, prefix, addr, timeout, env_of):
                 q.kill()
             pytest.fail(f"a rank hung (world {world}, {args})")
         outs.append((p.returncode, out, err))
+    shutil.rmtree(scratch, ignore_errors=True)
     return outs
 
 

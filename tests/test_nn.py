@@ -103,7 +103,7 @@ def test_checkpoint_bytes_are_not_copied(tmp_path, rng):
     f = SafeTensorsFile(path)
     key = "model.layers.0.mlp.experts.gate_up_proj_blocks"
     t = f.get(key)
-    lo = f._map.ctypes.data
+    lo = f._whole.ctypes.data
     assert lo <= t.data_ptr() < lo + os.path.getsize(path)  # inside the file mapping
 
 
@@ -184,13 +184,27 @@ def test_index_cannot_point_outside_the_folder(tmp_path):
         SafeTensorsCheckpoint(str(tmp_path / "ckpt"))
 
 
+def test_get_many_maps_just_the_span(tmp_path):
+    path = str(tmp_path / "span.safetensors")
+    tensors = {f"t{i}": torch.arange(i * 1000, i * 1000 + 4096, dtype=torch.int32)
+               for i in range(6)}
+    save_file(tensors, path)
+    f = SafeTensorsFile(path)
+    got = f.get_many(["t2", "t3"])
+    assert f._whole is None  # the whole file was never mapped
+    for k in ("t2", "t3"):
+        assert torch.equal(got[k], tensors[k])
+    assert abs(got["t3"].data_ptr() - got["t2"].data_ptr()) == 4096 * 4  # one window
+
+
 def test_writer_keeps_every_tensor_aligned(tmp_path):
     path = str(tmp_path / "mixed.safetensors")
     tensors = {"odd_bytes": torch.arange(7, dtype=torch.uint8), "f": torch.randn(5),
                "b": torch.randn(3).bfloat16(), "d": torch.randn(2, dtype=torch.float64)}
     save_file(tensors, path)
     f = SafeTensorsFile(path)
-    lo = f._map.ctypes.data
+    f.get("f")
+    lo = f._whole.ctypes.data
     for k, v in tensors.items():
         t = f.get(k)
         assert torch.equal(t, v)
