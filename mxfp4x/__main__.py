@@ -183,8 +183,8 @@ def _rss_mapped():
             path = ""
             for line in f:
                 parts = line.split()
-                if len(parts) >= 6 and "-" in parts[0]:
-                    path = parts[5]
+                if len(parts) >= 5 and "-" in parts[0] and ":" not in parts[0]:
+                    path = parts[5] if len(parts) >= 6 else ""  # a new mapping
                 elif parts and parts[0] == "Size:" and path.endswith(".safetensors"):
                     mapped += int(parts[1]) * 1024
         return rss, mapped
@@ -274,6 +274,106 @@ def _cmd_layer(args):
     return 0
 
 
+def _cmd_ep_bench(args):
+    """Kimi K3 routed experts split over the ranks of torchrun (or one process)."""
+    import datetime
+    import shutil
+    import tempfile
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from mxfp4x import _checkpoints as ck
+    from mxfp4x import _kimi_k3
+
+    launched = "RANK" in os.environ
+    if launched:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    else:  # one process, same code path
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    threads = args.threads or max(1, torch.get_num_threads())
+    torch.set_num_threads(threads)
+    sizes = dict(_kimi_k3.K3_SIZES)
+    n_exp = args.experts or sizes["num_experts"]
+    lat, ff, top_k = (sizes["routed_expert_hidden_size"], sizes["moe_intermediate_size"],
+                      sizes["num_experts_per_token"])
+    per_expert = 3 * ff * lat * 17 // 32
+    folder = [None]
+    if rank == 0:
+        folder[0] = args.checkpoint or tempfile.mkdtemp(prefix="mxfp4x-ep-", dir=args.dir)
+        if not args.checkpoint:
+            _kimi_k3.write_k3_checkpoint(folder[0], _kimi_k3.k3_config(
+                num_experts=n_exp, num_hidden_layers=2), [1], seed=0,
+                shards=max(1, n_exp // 64), progress=True)
+    dist.broadcast_object_list(folder, src=0)
+    dist.barrier()
+    cuts = np.linspace(0, n_exp, world + 1).astype(int)
+    e0, e1 = int(cuts[rank]), int(cuts[rank + 1])
+    rss0, _ = _rss_mapped()
+    ckpt = ck.open_checkpoint(folder[0])
+    proj = ck.load_experts(ckpt, ck.KIMI_K3, 1, range(e0, e1),
+                           ck.find_prefix(ckpt, ck.KIMI_K3, 1))
+    experts = mxfp4x.nn.KimiK3Experts(proj["gate"], proj["up"], proj["down"],
+                                      expert_ids=range(e0, e1), num_threads=threads,
+                                      group=dist.group.WORLD if world > 1 else None)
+    rows = []
+    for n_tokens in args.tokens:
+        g = torch.Generator().manual_seed(n_tokens)
+        h = torch.randn(n_tokens, lat, generator=g).to(torch.bfloat16)
+        sel = torch.rand(n_tokens, n_exp, generator=g).topk(top_k, dim=1).indices
+        w = torch.rand(n_tokens, top_k, generator=g)
+        mine = slice(*(int(v) for v in np.linspace(0, n_tokens, world + 1).astype(int)
+                       [rank:rank + 2]))
+        best = (float("inf"), 0, 0.0)
+        for _ in range(args.repeats if n_tokens <= 64 else 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            experts(h[mine], sel[mine], w[mine])
+            dt = time.perf_counter() - t0
+            routing = experts.last_routing
+            sent = routing.bytes_sent if routing is not None else 0
+            comm = routing.comm_seconds if routing is not None else 0.0
+            best = min(best, (dt, sent, comm))
+        rss, mapped = _rss_mapped()
+        mine_row = [best[0], best[1], best[2], rss, mapped, e1 - e0]
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine_row)
+        active = len(torch.unique(sel))
+        row = dict(tokens=n_tokens, world=world, threads=threads, experts=n_exp,
+                   time_s=max(r[0] for r in everyone),
+                   sent_bytes=sum(r[1] for r in everyone),
+                   comm_share=float(np.mean([r[2] / r[0] for r in everyone])),
+                   resident=[r[3] for r in everyone], mapped=[r[4] for r in everyone],
+                   expert_bytes=active * per_expert)
+        rows.append(row)
+        if rank == 0:
+            print(f"T={n_tokens:<4d} {world} process(es) x {threads} thread(s): "
+                  f"{row['time_s'] * 1e3:9.1f} ms/call, sent {row['sent_bytes'] / 1e6:8.2f} "
+                  f"MB/call ({row['comm_share'] * 100:4.1f} % of the time in the "
+                  f"all-to-alls), {active} experts ({row['expert_bytes'] / 1e9:.2f} GB), "
+                  f"resident {[f'{r / 2**30:.2f}' for r in row['resident']]} GiB, mapped "
+                  f"{[f'{m / 2**30:.2f}' for m in row['mapped']]} GiB per rank", flush=True)
+    if rank == 0:
+        print(f"E={n_exp} experts ({n_exp * per_expert / 1e9:.1f} GB), top-{top_k}; each rank "
+              f"maps and holds only its {n_exp // world}-expert share "
+              f"(resident grew by {(rss0 and (_rss_mapped()[0] - rss0)) / 2**20:.0f} MiB on "
+              f"rank 0 in all)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0 and not args.checkpoint and not args.keep:
+        shutil.rmtree(folder[0], ignore_errors=True)
+    return 0
+
+
 def _plot(rows, path):
     try:
         import matplotlib
@@ -344,8 +444,20 @@ def main(argv=None):
     pl.add_argument("--repeats", type=int, default=3)
     pl.add_argument("--dir", default=None, help="where to write the layer (default: TMPDIR)")
     pl.add_argument("--keep", action="store_true", help="keep the written checkpoint")
+    pe = sub.add_parser("ep-bench", help="Kimi K3 experts split across processes: run under "
+                                         "torchrun --nproc-per-node N")
+    pe.add_argument("--experts", type=int, default=None, help="fewer than 896 experts (top-16 "
+                                                              "and the shapes stay)")
+    pe.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512])
+    pe.add_argument("--threads", type=int, default=None, help="threads per process")
+    pe.add_argument("--repeats", type=int, default=3)
+    pe.add_argument("--checkpoint", default=None, help="an existing K3 checkpoint folder")
+    pe.add_argument("--dir", default=None, help="where to write the layer (default: TMPDIR)")
+    pe.add_argument("--keep", action="store_true")
+    pe.add_argument("--json", metavar="PATH")
     commands = {"info": _cmd_info, "bench": _cmd_bench, "check": _cmd_check,
-                "quantize": _cmd_quantize, "verify": _cmd_verify, "layer": _cmd_layer}
+                "quantize": _cmd_quantize, "verify": _cmd_verify, "layer": _cmd_layer,
+                "ep-bench": _cmd_ep_bench}
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in (*commands, "-h", "--help"):
         argv = ["bench"] + argv  # bench is the default subcommand
