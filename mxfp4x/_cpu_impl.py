@@ -6,8 +6,9 @@ bytes contiguous (outer expert / row strides pass through, so expert slices and
 per-expert tensors are never copied), latents contiguous in their own dtype (16-bit
 ones stay 16-bit), expert ids int64, weights and results in the compute dtype.
 """
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
+import numpy as np
 import torch
 
 from . import _cpu
@@ -58,7 +59,9 @@ def experts_of(packed: Bytes, scales: Bytes) -> _cpu.Experts:
     """The experts' description for the driver: packed (E, O, G, 16) and scales
     (E, O, G) uint8, or lists of E per-expert tensors (O, G, 16) / (O, G*16) and
     (O, G).  Nothing is stacked or copied (rows already contiguous); the result keeps
-    the tensors alive."""
+    the tensors alive.  An ``_cpu.Experts`` passes through (a module's cached table)."""
+    if isinstance(packed, _cpu.Experts):
+        return packed
     if isinstance(packed, torch.Tensor):
         if packed.dim() != 4 or packed.shape[3] != GROUP_BYTES or not isinstance(
                 scales, torch.Tensor) or tuple(scales.shape) != tuple(packed.shape[:3]) or \
@@ -75,29 +78,33 @@ def experts_of(packed: Bytes, scales: Bytes) -> _cpu.Experts:
                              torch.full_like(e, pk.stride(1)), torch.full_like(e, sc.stride(1))),
                             dim=1)
         return _cpu.Experts(table.numpy(), d_out=d_out, n_groups=n_groups, owner=(pk, sc))
-    if len(packed) != len(scales) or not len(packed):
-        raise ValueError(f"mxfp4x: expected as many scale tensors as packed ones (at least "
-                         f"one), got {len(packed)} and {len(scales)}")
-    keep = []
-    rows = []
-    groups: Optional[int] = None
-    outs = 0
     if isinstance(scales, torch.Tensor):
         raise ValueError("scale_bytes: expected a list of per-expert tensors, as "
                          "packed_weights is")
+    if len(packed) != len(scales) or not len(packed):
+        raise ValueError(f"mxfp4x: expected as many scale tensors as packed ones (at least "
+                         f"one), got {len(packed)} and {len(scales)}")
+    p0 = _expert_bytes("packed_weights[0]", packed[0], None)
+    d_out, n_groups = p0.shape[0], p0.shape[1] // GROUP_BYTES
+    shape_p, shape_s = tuple(packed[0].shape), (d_out, n_groups)
+    u8 = torch.uint8
+    keep = []
+    rows = []
     for i, (p, s) in enumerate(zip(packed, scales, strict=True)):
-        p = _expert_bytes(f"packed_weights[{i}]", p, groups)
-        if groups is None:
-            outs, groups = p.shape[0], p.shape[1] // GROUP_BYTES
-        if s.dtype != torch.uint8 or tuple(s.shape) != (outs, groups) or p.shape[0] != outs:
-            raise ValueError(f"expert {i}: expected packed ({outs}, {groups}, 16) and uint8 "
-                             f"scales ({outs}, {groups}), got {tuple(p.shape)} and "
-                             f"{tuple(s.shape)} {s.dtype}")
-        s = _rows_contiguous(s, 1)
-        keep.append((p, s))
+        # the common case (contiguous uint8 entries of one shape) costs a few attribute
+        # reads per expert: a checkpoint layer passes hundreds of them on every call
+        if not (p.dtype == u8 and s.dtype == u8 and p.shape == shape_p and
+                s.shape == shape_s and p.is_contiguous() and s.is_contiguous()):
+            p = _expert_bytes(f"packed_weights[{i}]", p, n_groups)
+            if s.dtype != u8 or tuple(s.shape) != shape_s or p.shape[0] != d_out:
+                raise ValueError(f"expert {i}: expected packed ({d_out}, {n_groups}, 16) and "
+                                 f"uint8 scales {shape_s}, got {tuple(p.shape)} and "
+                                 f"{tuple(s.shape)} {s.dtype}")
+            s = _rows_contiguous(s, 1)
+            keep.append((p, s))
         rows.append((p.data_ptr(), s.data_ptr(), p.stride(0), s.stride(0)))
-    table = torch.tensor(rows, dtype=torch.int64)
-    return _cpu.Experts(table.numpy(), d_out=outs, n_groups=groups or 0, owner=keep)
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), 4)
+    return _cpu.Experts(table, d_out=d_out, n_groups=n_groups, owner=(packed, scales, keep))
 
 
 def _threads(num_threads):

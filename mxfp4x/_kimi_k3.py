@@ -105,17 +105,37 @@ class KimiK3Experts(torch.nn.Module):
                              f"{self.expert_ids[-1]})")
         return local
 
+    def _direct(self, x: torch.Tensor) -> bool:
+        """CPU inference: call the driver with the tables built once (a K3 layer passes
+        2688 expert tensors; re-reading them on every call would cost milliseconds)."""
+        return x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
+
+    def _tables(self):
+        if getattr(self, "_table_cache", None) is None:
+            from . import _cpu_impl
+            self._table_cache = (
+                _cpu_impl.experts_of(self.gate_up_packed, self.gate_up_scales),
+                _cpu_impl.experts_of(self.down_packed, self.down_scales))
+        return self._table_cache
+
+    def _slots(self, x, table_index, packed, scales, sel):
+        if self._direct(x):
+            from . import _cpu_impl
+            return _cpu_impl.experts(x, self._tables()[table_index], None, sel.to(torch.int64),
+                                     None, None, self.num_threads or 0, per_slot_outputs=True,
+                                     isa=self.isa)
+        return mxfp4_experts_slots(x, packed, scales, sel, num_threads=self.num_threads,
+                                   isa=self.isa)
+
     def mlp(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """w2_e (situ(w1_e x) * clip(w3_e x)) per row (P, L), for local expert ids (P,):
         the per-pair work of an expert-parallel owner, in the compute dtype."""
         acc = _acc(rows.dtype)
         ids = local_ids.view(-1, 1).to(torch.int64)
-        gu = mxfp4_experts_slots(rows, self.gate_up_packed, self.gate_up_scales,
-                                 torch.cat((ids, ids + self.n_local), dim=1),
-                                 num_threads=self.num_threads, isa=self.isa).to(acc)
+        gu = self._slots(rows, 0, self.gate_up_packed, self.gate_up_scales,
+                         torch.cat((ids, ids + self.n_local), dim=1)).to(acc)
         act = situ(gu[:, 0], self.beta) * clip(gu[:, 1], self.linear_beta)
-        return mxfp4_experts_slots(act, self.down_packed, self.down_scales, ids,
-                                   num_threads=self.num_threads, isa=self.isa)[:, 0]
+        return self._slots(act, 1, self.down_packed, self.down_scales, ids)[:, 0]
 
     def forward(self, h: torch.Tensor, selected_experts: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
@@ -131,14 +151,18 @@ class KimiK3Experts(torch.nn.Module):
         sel = self.local_ids(selected_experts)
         top_k = sel.shape[1]
         both = torch.cat((sel, sel + self.n_local), dim=1)  # gate slots, then up slots
-        gu = mxfp4_experts_slots(h, self.gate_up_packed, self.gate_up_scales, both,
-                                 num_threads=self.num_threads, isa=self.isa).to(acc)
+        gu = self._slots(h, 0, self.gate_up_packed, self.gate_up_scales, both).to(acc)
         act = situ(gu[:, :top_k], self.beta) * clip(gu[:, top_k:], self.linear_beta)
         zeros = torch.zeros((h.shape[0], self.down_packed[0].shape[0]), dtype=acc,
                             device=h.device)
-        out = mxfp4_experts(act, self.down_packed, self.down_scales, sel,
-                            routing_weights.to(acc), zeros, num_threads=self.num_threads,
-                            isa=self.isa)
+        if self._direct(act) and self._direct(h):
+            from . import _cpu_impl
+            out = _cpu_impl.experts(act, self._tables()[1], None, sel, routing_weights.to(acc),
+                                    zeros, self.num_threads or 0, isa=self.isa)
+        else:
+            out = mxfp4_experts(act, self.down_packed, self.down_scales, sel,
+                                routing_weights.to(acc), zeros, num_threads=self.num_threads,
+                                isa=self.isa)
         return out.to(h.dtype)
 
     def extra_repr(self) -> str:

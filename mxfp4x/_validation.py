@@ -148,6 +148,27 @@ def _expert_entries(name, value, device):
     return entries
 
 
+def _uniform_bytes(packed, scales, n_groups, device):
+    """Every entry a uint8 torch tensor on ``device``, packed all of entry 0's shape,
+    (O, G, 16) or (O, G*16), scales all (O, G)."""
+    p0 = packed[0]
+    if not isinstance(p0, torch.Tensor) or p0.dim() not in (2, 3) or not p0.shape[0]:
+        return False
+    shape_p = p0.shape
+    if shape_p[1:] not in ((n_groups, GROUP_BYTES), (n_groups * GROUP_BYTES,)):
+        return False
+    shape_s = (shape_p[0], n_groups)
+    u8 = torch.uint8
+    tensor = torch.Tensor
+    for p, s in zip(packed, scales, strict=True):
+        if not (isinstance(p, tensor) and isinstance(s, tensor) and p.dtype == u8 and
+                s.dtype == u8 and p.shape == shape_p and s.shape == shape_s and
+                p.device == device and s.device == device and p.layout == torch.strided
+                and s.layout == torch.strided):
+            return False
+    return True
+
+
 def check_expert_list(packed_weights, scale_bytes, n_groups, d_in, device):
     """Per-expert packed (O, G, 16) or (O, G*16) and scales (O, G): every entry the same
     shape and dtype; returns (packed as (O, G, 16) views, scales, n_experts, d_out)."""
@@ -158,6 +179,11 @@ def check_expert_list(packed_weights, scale_bytes, n_groups, d_in, device):
     if len(scale_bytes) != len(packed_weights):
         raise ValueError(f"scale_bytes: expected {len(packed_weights)} per-expert tensors (as "
                          f"packed_weights), got {len(scale_bytes)}")
+    if _uniform_bytes(packed_weights, scale_bytes, n_groups, device):
+        # the common case, a few attribute reads per expert (a checkpoint layer passes
+        # hundreds of experts on every call): entries are used as they are
+        return list(packed_weights), list(scale_bytes), len(packed_weights), \
+            packed_weights[0].shape[0]
     packed = _expert_entries("packed_weights", packed_weights, device)
     scales = _expert_entries("scale_bytes", scale_bytes, device)
     first = packed[0]

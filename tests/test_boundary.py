@@ -87,7 +87,7 @@ def test_per_expert_tensors_are_bit_identical_to_stacked(isa, rng, form):
         packed = [p.flatten(1) for p in packed]
     scales = [layer["scale_bytes"][e].clone() for e in range(5)]
     ex = _cpu_impl.experts_of(packed, scales)
-    assert [p.data_ptr() for p, _ in ex.owner] == [p.data_ptr() for p in packed]
+    assert ex.owner[0] is packed and ex.owner[2] == []  # read in place, none re-laid
     sel = layer["selected_experts"]
     for per_slot in (False, True):
         if per_slot:
