@@ -280,19 +280,27 @@ class KimiK3MoE(torch.nn.Module):
                                beta=config.get("activation_situ_beta") or 1.0,
                                linear_beta=config.get("activation_situ_linear_beta"),
                                expert_ids=ids, num_threads=num_threads, group=group)
+        names = ["gate.weight", "gate.e_score_correction_bias",
+                 "routed_expert_down_proj.weight", "routed_expert_up_proj.weight",
+                 "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+                 "shared_experts.down_proj.weight"]
+        use_norm = config.get("latent_moe_use_norm") and base + "routed_expert_norm.weight" \
+            in ckpt
+        if use_norm:
+            names.append("routed_expert_norm.weight")
+        dense = {n[len(base):]: t for n, t in ckpt.get_many([base + n for n in names]).items()}
         router = KimiK3Router(
-            ckpt.get(base + "gate.weight"), ckpt.get(base + "gate.e_score_correction_bias"),
+            dense["gate.weight"], dense["gate.e_score_correction_bias"],
             top_k=config["num_experts_per_token"],
             renormalize=config.get("moe_renormalize", True),
             scaling=config.get("routed_scaling_factor", 1.0),
             n_group=config.get("num_expert_group", 1), topk_group=config.get("topk_group", 1))
-        norm = base + "routed_expert_norm.weight"
-        return cls(router, ckpt.get(base + "routed_expert_down_proj.weight"), routed,
-                   ckpt.get(norm) if config.get("latent_moe_use_norm") and norm in ckpt
-                   else None, ckpt.get(base + "routed_expert_up_proj.weight"),
-                   ckpt.get(base + "shared_experts.gate_proj.weight"),
-                   ckpt.get(base + "shared_experts.up_proj.weight"),
-                   ckpt.get(base + "shared_experts.down_proj.weight"),
+        return cls(router, dense["routed_expert_down_proj.weight"], routed,
+                   dense["routed_expert_norm.weight"] if use_norm else None,
+                   dense["routed_expert_up_proj.weight"],
+                   dense["shared_experts.gate_proj.weight"],
+                   dense["shared_experts.up_proj.weight"],
+                   dense["shared_experts.down_proj.weight"],
                    norm_eps=config.get("rms_norm_eps", 1e-5))
 
 
