@@ -11,6 +11,9 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="the multi-process tests run on Linux (gloo over TCP)")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "ep_worker.py")
 SCENARIOS = ["even-f32", "uneven-f32", "even-bf16", "uneven-f64", "slots-f32-uneven",
