@@ -201,10 +201,8 @@ def _cmd_layer(args):
 
     from mxfp4x import _kimi_k3
 
-    if args.model != "kimi-k3":
-        print(f"layer: --model {args.model} is not supported yet (kimi-k3 is)",
-              file=sys.stderr)
-        return 2
+    if args.model == "gpt-oss-20b":
+        return _layer_gpt_oss(args)
     sizes = dict(_kimi_k3.K3_SIZES)
     per_expert = 3 * sizes["moe_intermediate_size"] * sizes["routed_expert_hidden_size"] \
         * 17 // 32  # bytes + scale bytes of w1, w3, w2
@@ -379,6 +377,74 @@ def _cmd_ep_bench(args):
     return 0
 
 
+def _layer_gpt_oss(args):
+    """The gpt-oss-20b variant of ``layer``: one MoE layer (router and experts)."""
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    from mxfp4x import _gpt_oss
+
+    folder = tempfile.mkdtemp(prefix="mxfp4x-gpt-oss-", dir=args.dir)
+    try:
+        t0 = time.perf_counter()
+        cfg = _gpt_oss.write_gpt_oss_layer(folder, **({"num_local_experts": args.experts}
+                                                      if args.experts else {}))
+        size = os.path.getsize(os.path.join(folder, "model.safetensors"))
+        print(f"gpt-oss-20b layer 0: {cfg['num_local_experts']} experts (top-"
+              f"{cfg['experts_per_token']}, hidden {cfg['hidden_size']}), {size / 1e9:.2f} GB "
+              f"written in {time.perf_counter() - t0:.1f} s to {folder}")
+        rss0, _ = _rss_mapped()
+        from mxfp4x._safetensors import SafeTensorsCheckpoint
+        ck = SafeTensorsCheckpoint(folder)
+        block = mxfp4x.nn.GptOssExperts.from_checkpoint(ck, 0)
+        rw = ck.get("model.layers.0.mlp.router.weight")
+        rb = ck.get("model.layers.0.mlp.router.bias")
+        rss1, mapped = _rss_mapped()
+        print(f"mapped: {mapped / 1e9:.2f} GB of files; resident grew by "
+              f"{(rss1 - rss0) / 2**20:.0f} MiB while loading")
+        per_expert = (block.gate_up_blocks[0].numel() + block.gate_up_scales[0].numel()
+                      + block.down_blocks[0].numel() + block.down_scales[0].numel())
+        rng = np.random.default_rng(0)
+        for n_tokens in args.tokens:
+            x = torch.from_numpy(rng.standard_normal((n_tokens, cfg["hidden_size"]))).float()
+            idx, w = _gpt_oss.route(x, rw, rb, cfg["experts_per_token"])
+            n_bytes = len(torch.unique(idx)) * per_expert
+            for th in args.threads or [max(1, torch.get_num_threads())]:
+                old = torch.get_num_threads()
+                torch.set_num_threads(th)
+                block.num_threads = th
+                try:
+                    times = []
+                    for _ in range(args.repeats if n_tokens <= 64 else 1):
+                        t1 = time.perf_counter()
+                        idx, w = _gpt_oss.route(x, rw, rb, cfg["experts_per_token"])
+                        y = block(x, idx, w)
+                        times.append(time.perf_counter() - t1)
+                finally:
+                    torch.set_num_threads(old)
+                t = min(times)
+                rss, _ = _rss_mapped()
+                print(f"T={n_tokens:<4d} threads={th}  layer {t * 1e3:9.1f} ms "
+                      f"({n_tokens / t:7.1f} tokens/s, {n_bytes / t / 1e9:5.2f} GB/s of "
+                      f"{n_bytes / 1e9:.2f} GB of expert bytes)  resident {rss / 2**30:.2f} GiB",
+                      flush=True)
+            rows = slice(0, 64)
+            k = min(n_tokens, 2)
+            ref = _gpt_oss.gpt_oss_reference(block, x[:k], idx[:k], w[:k], rows=rows)
+            err = float(np.abs(y[:k, rows].double().numpy() - ref).max() / np.abs(ref).max())
+            if not err <= 1e-4:  # float32 accumulation (tests/test_nn.py's bound)
+                print(f"check FAILED: relative error {err:.3g}")
+                return 1
+            print(f"check: T={n_tokens} rows 0..63 of {k} token(s) match the float64 "
+                  f"reference (relative error {err:.2g}, float32 bound 1e-4)")
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
 def _plot(rows, path):
     try:
         import matplotlib
@@ -440,7 +506,7 @@ def main(argv=None):
     pv.add_argument("--write-manifest", metavar="JSON", help="write the hashes")
     pl = sub.add_parser("layer", help="a whole MoE layer in the real checkpoint layout: "
                                       "write, map, run, check")
-    pl.add_argument("--model", choices=["kimi-k3"], default="kimi-k3")
+    pl.add_argument("--model", choices=["kimi-k3", "gpt-oss-20b"], default="kimi-k3")
     pl.add_argument("--experts", type=int, default=None,
                     help="fewer experts than the model's (to fit a small disk); top-k and "
                          "the matrix shapes stay")

@@ -103,8 +103,9 @@ def experts_of(packed: Bytes, scales: Bytes) -> _cpu.Experts:
             s = _rows_contiguous(s, 1)
             keep.append((p, s))
         rows.append((p.data_ptr(), s.data_ptr(), p.stride(0), s.stride(0)))
-    table = np.array(rows, dtype=np.int64).reshape(len(rows), 4)
-    return _cpu.Experts(table, d_out=d_out, n_groups=n_groups, owner=(packed, scales, keep))
+    per_expert = np.array(rows, dtype=np.int64).reshape(len(rows), 4)
+    return _cpu.Experts(per_expert, d_out=d_out, n_groups=n_groups,
+                        owner=(packed, scales, keep))
 
 
 def _threads(num_threads):

@@ -208,3 +208,10 @@ def test_layer_main_job_runs(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "tokens/s" in out.stdout and out.stdout.count("check: T=") == 2
     assert not os.listdir(tmp_path)  # the written layer is removed
+
+
+def test_layer_main_job_gpt_oss(tmp_path):
+    out = _cli("layer", "--model", "gpt-oss-20b", "--experts", "8", "--tokens", "2",
+               "--threads", "1", "--repeats", "1", "--dir", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "tokens/s" in out.stdout and "check: T=2" in out.stdout
