@@ -95,15 +95,15 @@ static void mxfp4x_fpenv_exit(mxfp4x_fpenv saved) { _mm_setcsr(saved); }
 typedef unsigned long long mxfp4x_fpenv;
 static mxfp4x_fpenv mxfp4x_fpenv_enter(void) {
     unsigned long long saved;
-    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved));
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved) : : "memory");
     if (saved & MXFP4X_FPCR_FZ) {
         const unsigned long long cleared = saved & ~MXFP4X_FPCR_FZ;
-        __asm__ __volatile__("msr fpcr, %0" : : "r"(cleared));
+        __asm__ __volatile__("msr fpcr, %0" : : "r"(cleared) : "memory");
     }
     return saved;
 }
 static void mxfp4x_fpenv_exit(mxfp4x_fpenv saved) {
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved));
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved) : "memory");
 }
 #elif defined(_M_ARM64)
 #include <intrin.h>
