@@ -16,7 +16,6 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int MXFP4X_DTYPE_F64
     int MXFP4X_DTYPE_BF16
     int MXFP4X_DTYPE_F16
-    int MXFP4X_GEMV_MAX_TOKENS
 
     ctypedef struct mxfp4x_rows:
         const uint8_t *blocks
@@ -45,6 +44,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         const char *name
         int layout_half
         int panel_row_block
+        int gemv_max_tokens
         mxfp4x_gemv_f32_fn gemv_f32
         mxfp4x_decode_f32_fn decode_f32
         mxfp4x_panel_dot_f32_fn panel_dot_f32

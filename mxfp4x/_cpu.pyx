@@ -365,7 +365,8 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
         rows = (TILE_ROWS + n_chunks - 1) // n_chunks
         w.panel_rows = min(TILE_ROWS, (rows + block - 1) // block * block)
         w.panel_len = w.panel_rows * d_in
-        w.dots_len = max(w.r.max_count * w.panel_rows, c.MXFP4X_GEMV_MAX_TOKENS * TILE_ROWS)
+        # the dot products of one expert's pairs: against a panel, or (gemv) a whole tile
+        w.dots_len = w.r.max_count * max(w.panel_rows, TILE_ROWS)
         if real is float:
             w.lanes_len = k.panel_scratch_floats(w.panel_rows)
     else:
@@ -474,7 +475,7 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
         ws = (<const real *>w.r.pair_w) + s
         rows = call.experts.rows[e]
         if real is float:
-            if n <= c.MXFP4X_GEMV_MAX_TOKENS:
+            if n <= k.gemv_max_tokens:
                 # one or a few tokens: fused decode + dot in registers, no panel
                 k.gemv_f32(&rows, row_start, row_end, <const float *>w.x, d_in, srcs, n, dots,
                            row_end - row_start)

@@ -224,6 +224,8 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_sta
  * are parked in `lanes` unreduced, so the per-lane sequence is exactly the
  * unchunked one. */
 #define MXFP4X_AVX2_KC 512
+/* The gemv/panel crossover (tuned on AMD Zen 3): panels from 9 tokens per expert on. */
+#define MXFP4X_AVX2_GEMV_MAX_TOKENS 8
 #define MXFP4X_AVX2_MR 3          /* panel rows per register block */
 #define MXFP4X_AVX2_NT 4          /* tokens per register block */
 #define MXFP4X_AVX2_TOKENS 64     /* tokens per super-block (bounds the scratch) */

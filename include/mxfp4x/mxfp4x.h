@@ -132,15 +132,16 @@ typedef int64_t (*mxfp4x_scratch_fn)(int64_t n_rows);
 typedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows, int64_t width,
                                         const float *coef, float *dst);
 
-/* The driver uses gemv for experts with at most this many tokens in a call, and
- * decode + panel_dot above it (the panel's store and reload then pay off). */
-#define MXFP4X_GEMV_MAX_TOKENS 8
+/* The driver uses gemv for experts with at most gemv_max_tokens tokens in a call (a
+ * per-ISA crossover, measured: see each ISA's header), and decode + panel_dot above it
+ * (where the panel's store and reload pay off). */
 
 typedef struct {
     int isa;
     const char *name;
     int layout_half;     /* element order inside a group, see mxfp4x_layout_pos */
     int panel_row_block; /* panel_dot's rows per register block: panels hold a multiple */
+    int gemv_max_tokens; /* gemv up to this many tokens per expert, panels above */
     mxfp4x_gemv_f32_fn gemv_f32;
     mxfp4x_decode_f32_fn decode_f32;
     mxfp4x_panel_dot_f32_fn panel_dot_f32;
