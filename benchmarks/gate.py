@@ -7,9 +7,13 @@ fails when its ratio is more than ``--tolerance`` (default 2.0) times the stored
 five measurements in a row, four seconds apart (a busy neighbour on a shared machine
 passes; a real regression, like the scalar kernels' 6x at T = 1, does not).
 
+Baselines are keyed by ISA and thread count ("avx512-2"): a host is compared only with
+ratios measured on the same kind of kernels.  On a host whose key has no baseline the
+gate records one (in gate_baseline.json) and skips the comparison, saying so.
+
     python benchmarks/gate.py                      # check (CI runs this)
-    python benchmarks/gate.py --update             # store new baseline ratios
-    MXFP4X_ISA=scalar python benchmarks/gate.py --cases t1 --expect-fail
+    python benchmarks/gate.py --update             # store new baseline ratios for this key
+    MXFP4X_ISA=scalar python benchmarks/gate.py --cases t1 --expect-fail --against avx512
                                                    # a deliberately slowed kernel trips it
 """
 import argparse
@@ -46,6 +50,17 @@ def measure(case, packed, scales, threads):
     return t / floor
 
 
+def _load():
+    """{"<isa>-<threads>": {case: ratio}} (an older single-baseline file is read as one key)."""
+    if not os.path.exists(BASELINE):
+        return {}
+    with open(BASELINE) as f:
+        data = json.load(f)
+    if "ratios" in data:
+        return {f"{data['isa']}-{data['threads']}": data["ratios"]}
+    return data
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--update", action="store_true", help="store the measured ratios")
@@ -54,20 +69,29 @@ def main(argv=None):
     ap.add_argument("--attempts", type=int, default=5)
     ap.add_argument("--expect-fail", action="store_true",
                     help="exit 0 only if the gate trips (to prove it can)")
+    ap.add_argument("--against", metavar="ISA",
+                    help="compare with this ISA's baseline (default: the ISA that runs)")
     args = ap.parse_args(argv)
     threads = max(1, min(2, torch.get_num_threads()))
     n_experts, _, d_out, d_in = _bench.SHAPES[SHAPE]
     packed, scales = _bench.make_experts(n_experts, d_out, d_in)
     isa = mxfp4x.backend_info()["isa"]
-    if args.update:  # the median of five: a typical value, not a lucky one
+    key = f"{args.against or isa}-{threads}"
+    baselines = _load()
+    if args.update or key not in baselines:
+        if key not in baselines and args.expect_fail:
+            print(f"no baseline for {key} to trip against")
+            return 1
+        # the median of five: a typical value, not a lucky one
         ratios = {c: sorted(measure(c, packed, scales, threads) for _ in range(5))[2]
-                  for c in args.cases}
+                  for c in ("t1", "t128")}
+        baselines[key] = ratios
         with open(BASELINE, "w") as f:
-            json.dump({"isa": isa, "threads": threads, "ratios": ratios}, f, indent=1)
-        print(f"baseline ({isa}, {threads} threads): {ratios}")
+            json.dump(baselines, f, indent=1, sort_keys=True)
+        print(f"baseline {key} recorded: {ratios}" + ("" if args.update else
+              " (this host's kind had none; nothing compared: baselines are per ISA)"))
         return 0
-    with open(BASELINE) as f:
-        base = json.load(f)["ratios"]
+    base = baselines[key]
     failed = []
     for case in args.cases:
         limit = args.tolerance * base[case]
@@ -81,7 +105,7 @@ def main(argv=None):
         ok = tries[-1] <= limit
         what = "kernel / read floor, T=1" if case == "t1" else "kernel / decoded matmul, T=128"
         print(f"{case}: {what} = {', '.join(f'{r:.2f}' for r in tries)} "
-              f"(baseline {base[case]:.2f}, limit {limit:.2f}, isa {isa}) "
+              f"(baseline {key} {base[case]:.2f}, limit {limit:.2f}, isa {isa}) "
               f"{'ok' if ok else 'REGRESSION'}")
         if not ok:
             failed.append(case)

@@ -35,6 +35,7 @@ def _cmd_bench(args):
     n_experts, top_k, d_out, d_in = _bench.SHAPES[args.shape]
     dtype = getattr(torch, args.dtype)
     threads = args.threads or [max(1, torch.get_num_threads())]
+    tty = sys.stderr.isatty()
     t0 = time.perf_counter()
     packed, scales = _bench.make_experts(n_experts, d_out, d_in)
     print(f"mxfp4x {mxfp4x.__version__}: {args.shape} E={n_experts} K={top_k} O={d_out} "
@@ -59,8 +60,9 @@ def _cmd_bench(args):
             step = len(rows) + 1
             n_steps = len(args.tokens) * len(threads)
             bar = "#" * (20 * (step - 1) // n_steps)
-            print(f"\r[{bar:20s}] {step}/{n_steps} measuring T={n_tokens} threads={th}...",
-                  end="", file=sys.stderr, flush=True)
+            if tty:  # a progress bar on a terminal only: none in logs
+                print(f"\r[{bar:20s}] {step}/{n_steps} measuring T={n_tokens} threads={th}...",
+                      end="", file=sys.stderr, flush=True)
             def run(i, backend, calls=calls, th=th):
                 c = calls[i % len(calls)]
                 mxfp4x.mxfp4_experts(c[0], packed, scales, c[1], c[2], c[3], backend=backend,
@@ -81,7 +83,8 @@ def _cmd_bench(args):
                              matmul_ms=t_mm * 1e3, vs_read=t_cpu / t_read,
                              vs_matmul=t_cpu / t_mm))
             r = rows[-1]
-            print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
+            if tty:
+                print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
             print(f"T={n_tokens:<5d} threads={th}  cpu {r['cpu_ms']:9.2f} ms "
                   f"({r['gbps']:6.2f} GB/s, {r['gflops']:7.1f} GFLOP/s)  torch backend "
                   f"{r['torch_ms']:9.2f} ms  | read floor {r['read_floor_ms']:8.2f} ms "
