@@ -151,6 +151,26 @@ def _cmd_quantize(args):
     return 0
 
 
+def _cmd_roofline(args):
+    """The roofs of this machine, measured now."""
+    from mxfp4x import _roofline
+
+    roofs = _roofline.measure(args.threads, quick=args.quick)
+    if args.json:
+        print(json.dumps(roofs))
+        return 0
+    cpu = roofs["cpu"]
+    print(f"{cpu['model']} ({cpu['machine']}, {cpu['cores']} cores; flags: "
+          f"{' '.join(cpu['flags']) or '-'}); mxfp4x ISAs here: {roofs['isas']}")
+    for th in roofs["threads"]:
+        fma = ", ".join(f"{isa} {v:.0f}" for isa, v in roofs["fma_gflops"][th].items())
+        mm = roofs["matmul_gflops"][th]
+        print(f"threads={th}: memory read {roofs['read_gbps'][th]:.1f} GB/s; FMA peak "
+              f"(GFLOP/s, float32) {fma}; torch.matmul 2048^2 float32 {mm['float32']:.0f}, "
+              f"bfloat16 {mm['bfloat16']:.0f} GFLOP/s")
+    return 0
+
+
 def _cmd_verify(args):
     """sha256 of every expert tensor: the file's bytes vs the bytes the loader hands to the
     kernels (and vs a manifest)."""
@@ -518,6 +538,11 @@ def main(argv=None):
     pl.add_argument("--repeats", type=int, default=3)
     pl.add_argument("--dir", default=None, help="where to write the layer (default: TMPDIR)")
     pl.add_argument("--keep", action="store_true", help="keep the written checkpoint")
+    pr = sub.add_parser("roofline", help="the roofs of this machine: memory read bandwidth, "
+                                         "FMA peak per ISA, torch.matmul")
+    pr.add_argument("--threads", type=int, nargs="+", default=None)
+    pr.add_argument("--json", action="store_true")
+    pr.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     pe = sub.add_parser("ep-bench", help="Kimi K3 experts split across processes: run under "
                                          "torchrun --nproc-per-node N")
     pe.add_argument("--experts", type=int, default=None, help="fewer than 896 experts (top-16 "
@@ -531,7 +556,7 @@ def main(argv=None):
     pe.add_argument("--json", metavar="PATH")
     commands = {"info": _cmd_info, "bench": _cmd_bench, "check": _cmd_check,
                 "quantize": _cmd_quantize, "verify": _cmd_verify, "layer": _cmd_layer,
-                "ep-bench": _cmd_ep_bench}
+                "ep-bench": _cmd_ep_bench, "roofline": _cmd_roofline}
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in (*commands, "-h", "--help"):
         argv = ["bench"] + argv  # bench is the default subcommand

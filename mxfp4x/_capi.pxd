@@ -35,6 +35,8 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
                                              const int64_t *x_rows, int64_t n_tok, float *out,
                                              int64_t out_stride, float *scratch) noexcept nogil
     ctypedef int64_t (*mxfp4x_scratch_fn)(int64_t n_rows) noexcept nogil
+    ctypedef float (*mxfp4x_fma_loop_fn)(int64_t iters, float seed,
+                                         int64_t *flops) noexcept nogil
     ctypedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows,
                                              int64_t width, const float *coef,
                                              float *dst) noexcept nogil
@@ -50,6 +52,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         mxfp4x_panel_dot_f32_fn panel_dot_f32
         mxfp4x_scratch_fn panel_scratch_floats
         mxfp4x_axpy_rows_f32_fn axpy_rows_f32
+        mxfp4x_fma_loop_fn fma_loop
 
     int64_t mxfp4x_layout_pos(int64_t i, int half)
 

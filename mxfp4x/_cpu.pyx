@@ -650,6 +650,33 @@ cdef _drive(real dummy, const c.mxfp4x_call *call):
         free(layout_buf)
 
 
+# ---- roofline ---------------------------------------------------------------------------
+
+def fma_peak(isa=None, int n_threads=1, double seconds=0.2):
+    """The ISA's float32 multiply-add peak in FLOP/s with ``n_threads`` threads, from a
+    register-resident loop compiled for that ISA (the roofline's compute floor)."""
+    cdef const c.mxfp4x_kernels *k = _kernels(isa)
+    cdef int64_t iters = 1 << 16, flops = 0
+    cdef int tid, nt = max(1, n_threads)
+    cdef int64_t *done = <int64_t *>_xmalloc(nt * 8, True)
+    import time
+    try:
+        # calibrate one thread's rounds to about `seconds`
+        t0 = time.perf_counter()
+        with nogil:
+            k.fma_loop(iters, 1.0, &flops)
+        dt = max(time.perf_counter() - t0, 1e-6)
+        iters = max(1 << 16, <int64_t>(iters * seconds / dt))
+        t0 = time.perf_counter()
+        with nogil, parallel(num_threads=nt):
+            tid = threadid()
+            k.fma_loop(iters, 1.0 + tid, &done[tid])
+        dt = time.perf_counter() - t0
+        return sum(done[i] for i in range(nt)) / dt
+    finally:
+        free(done)
+
+
 # ---- testing hook -----------------------------------------------------------------------
 
 def decode_rows(packed, scales, *, isa=None, str compute="float32"):

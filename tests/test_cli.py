@@ -50,3 +50,14 @@ def test_quantize_file(tmp_path):
     assert torch.equal(q.get("experts.w_blocks"), packed)
     assert torch.equal(q.get("experts.w_scales"), scales)
     assert torch.equal(q.get("experts.bias"), bias)
+
+
+def test_roofline_json():
+    out = _run("roofline", "--json", "--quick", "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    roofs = json.loads(out.stdout)
+    assert roofs["isas"] == mxfp4x.backend_info()["isas"]
+    assert roofs["read_gbps"]["1"] > 0
+    peaks = roofs["fma_gflops"]["1"]
+    assert set(peaks) == set(roofs["isas"]) and all(v > 0 for v in peaks.values())
+    assert roofs["matmul_gflops"]["1"]["float32"] > 0 and roofs["cpu"]["model"]

@@ -269,5 +269,21 @@ MXFP4X_AVX512_FN void mxfp4x_axpy_rows_f32_avx512(const float *panel, int64_t n_
     }
 }
 
+/* Roofline: 12 independent zmm FMA chains. */
+MXFP4X_AVX512_FN float mxfp4x_fma_loop_avx512(int64_t iters, float seed, int64_t *flops) {
+    __m512 a[12];
+    const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+    int64_t i;
+    int j;
+    float out[16];
+    for (j = 0; j < 12; j++) a[j] = _mm512_set1_ps(seed + (float)j);
+    for (i = 0; i < iters; i++)
+        for (j = 0; j < 12; j++) a[j] = _mm512_fmadd_ps(a[j], m, c);
+    for (j = 1; j < 12; j++) a[0] = _mm512_add_ps(a[0], a[j]);
+    _mm512_storeu_ps(out, a[0]);
+    *flops = iters * 12 * 16 * 2;
+    return out[0];
+}
+
 #endif /* MXFP4X_HAVE_X86_SIMD */
 #endif /* MXFP4X_AVX512_H */

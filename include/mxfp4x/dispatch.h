@@ -15,14 +15,14 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
     {MXFP4X_ISA_AVX512, "avx512", MXFP4X_LAYOUT_16, MXFP4X_AVX512_MR,
      MXFP4X_AVX512_GEMV_MAX_TOKENS, mxfp4x_gemv_f32_avx512, mxfp4x_decode_f32_avx512,
      mxfp4x_panel_dot_f32_avx512, mxfp4x_panel_scratch_f32_avx512,
-     mxfp4x_axpy_rows_f32_avx512},
+     mxfp4x_axpy_rows_f32_avx512, mxfp4x_fma_loop_avx512},
     {MXFP4X_ISA_AVX2, "avx2", MXFP4X_LAYOUT_4, MXFP4X_AVX2_MR, MXFP4X_AVX2_GEMV_MAX_TOKENS,
      mxfp4x_gemv_f32_avx2, mxfp4x_decode_f32_avx2, mxfp4x_panel_dot_f32_avx2,
-     mxfp4x_panel_scratch_f32_avx2, mxfp4x_axpy_rows_f32_avx2},
+     mxfp4x_panel_scratch_f32_avx2, mxfp4x_axpy_rows_f32_avx2, mxfp4x_fma_loop_avx2},
 #endif
     {MXFP4X_ISA_SCALAR, "scalar", MXFP4X_LAYOUT_16, 1, 8, mxfp4x_gemv_f32_scalar,
      mxfp4x_decode_f32_scalar, mxfp4x_panel_dot_f32_scalar, mxfp4x_panel_scratch_f32_scalar,
-     mxfp4x_axpy_rows_f32_scalar},
+     mxfp4x_axpy_rows_f32_scalar, mxfp4x_fma_loop_scalar},
 };
 
 #define MXFP4X_N_KERNELS ((int)(sizeof(mxfp4x_kernel_table) / sizeof(mxfp4x_kernel_table[0])))

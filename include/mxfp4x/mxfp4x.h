@@ -127,6 +127,11 @@ typedef void (*mxfp4x_panel_dot_f32_fn)(const float *panel, int64_t n_rows, int6
                                         float *scratch);
 typedef int64_t (*mxfp4x_scratch_fn)(int64_t n_rows);
 
+/* The ISA's float32 multiply-add peak, for the roofline: `iters` rounds of independent
+ * register-resident multiply-adds; returns their result (so nothing is optimised away)
+ * and sets *flops to the floating-point operations done. */
+typedef float (*mxfp4x_fma_loop_fn)(int64_t iters, float seed, int64_t *flops);
+
 /* Transposed product (gradient of the latents): dst[j] += sum_r coef[r] * panel[r][j],
  * r ascending for every j (one multiply-add per term, as the ISA does them). */
 typedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows, int64_t width,
@@ -147,6 +152,7 @@ typedef struct {
     mxfp4x_panel_dot_f32_fn panel_dot_f32;
     mxfp4x_scratch_fn panel_scratch_floats; /* floats of panel_dot scratch for n_rows */
     mxfp4x_axpy_rows_f32_fn axpy_rows_f32;
+    mxfp4x_fma_loop_fn fma_loop;          /* roofline only */
 } mxfp4x_kernels;
 
 /* Where natural element i of a row sits in a kernel layout of half-size `half`

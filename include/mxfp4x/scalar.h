@@ -117,6 +117,20 @@ static void mxfp4x_axpy_rows_f32_scalar(const float *panel, int64_t n_rows, int6
         for (j = 0; j < width; j++) dst[j] = dst[j] + coef[r] * panel[r * width + j];
 }
 
+/* Roofline: 8 independent multiply-add chains (a mul and an add each: the build does not
+ * contract them), about the best portable C reaches. */
+static float mxfp4x_fma_loop_scalar(int64_t iters, float seed, int64_t *flops) {
+    float a[8];
+    const float m = 0.999999f, c = 1e-7f;
+    int64_t i;
+    int j;
+    for (j = 0; j < 8; j++) a[j] = seed + (float)j;
+    for (i = 0; i < iters; i++)
+        for (j = 0; j < 8; j++) a[j] = a[j] * m + c;
+    *flops = iters * 8 * 2;
+    return a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
+}
+
 /* ---- float64 path (float64 latents): decode exactly, accumulate in binary64 ---- */
 
 static void mxfp4x_decode_f64(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,

@@ -1,0 +1,86 @@
+"""The roofs of the machine this runs on, measured in-process (``python -m mxfp4x
+roofline``): memory read bandwidth over more than 1 GiB, the float32 multiply-add peak of
+every ISA the build can run here (a register-resident loop compiled for that ISA), and
+``torch.matmul`` in float32 and bfloat16 at a large square size; with the CPU model and
+the flags that matter."""
+import os
+import platform
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from . import _cpu
+
+FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile",
+         "asimd", "asimddp", "bf16", "i8mm", "sve")
+
+
+def cpu_model() -> Dict[str, object]:
+    """The CPU model and the flags that matter (Linux /proc/cpuinfo; platform elsewhere)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model name") and model in ("", platform.machine(),
+                                                                       platform.processor()):
+                    model = value.strip()
+                elif key in ("flags", "Features"):
+                    flags |= set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "machine": platform.machine(), "cores": os.cpu_count(),
+            "flags": [f for f in FLAGS if f in flags]}
+
+
+def _best(fn, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def read_bandwidth(threads: int, n_bytes: int = 5 << 28, repeats: int = 3) -> float:
+    """Bytes per second reading a buffer of ``n_bytes`` (> 1 GiB: DRAM, not cache) once."""
+    buf = torch.ones(n_bytes // 4, dtype=torch.float32)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf.sum()
+        return n_bytes / _best(buf.sum, repeats)
+    finally:
+        torch.set_num_threads(old)
+
+
+def matmul_rate(threads: int, dtype, n: int = 2048, repeats: int = 3) -> float:
+    """FLOP/s of torch.matmul of two n x n matrices of ``dtype``."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a @ b
+        return 2.0 * n ** 3 / _best(lambda: a @ b, repeats)
+    finally:
+        torch.set_num_threads(old)
+
+
+def measure(threads: Optional[List[int]] = None, quick: bool = False) -> Dict[str, object]:
+    """Every roof, for each thread count (default 1 .. torch.get_num_threads())."""
+    threads = threads or list(range(1, max(1, torch.get_num_threads()) + 1))
+    n_bytes = (1 << 24) if quick else (5 << 28)
+    out: Dict[str, object] = {"cpu": cpu_model(), "threads": threads,
+                              "isas": _cpu.runnable_isas(), "read_gbps": {},
+                              "fma_gflops": {}, "matmul_gflops": {}}
+    for th in threads:
+        out["read_gbps"][th] = read_bandwidth(th, n_bytes) / 1e9  # type: ignore[index]
+        out["fma_gflops"][th] = {  # type: ignore[index]
+            isa: _cpu.fma_peak(isa, th, 0.02 if quick else 0.2) / 1e9
+            for isa in _cpu.runnable_isas()}
+        out["matmul_gflops"][th] = {  # type: ignore[index]
+            "float32": matmul_rate(th, torch.float32, 256 if quick else 2048) / 1e9,
+            "bfloat16": matmul_rate(th, torch.bfloat16, 256 if quick else 2048) / 1e9}
+    return out
