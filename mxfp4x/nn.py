@@ -2,11 +2,11 @@
 experts block and the Kimi K3 MoE layer (KimiK3MoE, KimiK3Router, KimiK3Experts), with
 checkpoint loading that maps, not copies, the packed bytes."""
 import functools
-import sys
 from typing import List, Optional, Sequence
 
 import torch
 
+from ._checkpoints import Progress
 from ._dispatch import mxfp4_experts, mxfp4_experts_slots
 from ._format import GROUP, GROUP_BYTES
 from ._kimi_k3 import KimiK3Experts, KimiK3MoE, KimiK3Router  # noqa: F401
@@ -223,20 +223,16 @@ class GptOssExperts(torch.nn.Module):
 def load_gpt_oss_experts(path: str, layers: Optional[Sequence[int]] = None,
                          progress: bool = True, **kwargs) -> List[GptOssExperts]:
     """Every (or the given) layer's experts of a gpt-oss checkpoint, memory-mapped, with a
-    progress bar on stderr."""
+    progress bar on stderr (plain lines when it is not a terminal)."""
     ckpt = SafeTensorsCheckpoint(path)
     if layers is None:
         layers = []
         while f"model.layers.{len(layers)}.mlp.experts.down_proj_blocks" in ckpt:
             layers.append(len(layers))
     out = []
+    bar = Progress(len(layers), "loading experts") if progress else None
     for i, layer in enumerate(layers):
         out.append(GptOssExperts.from_checkpoint(ckpt, layer, **kwargs))
-        if progress:
-            done = (i + 1) * 30 // len(layers)
-            sys.stderr.write(f"\rloading experts [{'#' * done}{'.' * (30 - done)}] "
-                             f"{i + 1}/{len(layers)}")
-            sys.stderr.flush()
-    if progress and layers:
-        sys.stderr.write("\n")
+        if bar is not None:
+            bar.update(i + 1)
     return out
