@@ -22,3 +22,44 @@ def threads(request):
     torch.set_num_threads(n)
     yield n
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def roofs():
+    """The machine's roofs, measured once per session (``python -m mxfp4x roofline``):
+    every case takes its floors from them."""
+    from mxfp4x import _roofline
+    small = os.environ.get("MXFP4X_BENCH_SMALL") == "1"
+    threads = sorted({1, min(2, os.cpu_count() or 1)})
+    return _roofline.measure(threads=threads, quick=small)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The target table of bench_experts.py's cases, and the cross-case targets."""
+    import sys
+    rows = next((m.benchmark_rows for name, m in list(sys.modules.items())
+                 if name.rpartition(".")[2] == "bench_experts"
+                 and hasattr(m, "benchmark_rows")), [])
+    if not rows:
+        return
+    from mxfp4x import _bench
+    w = terminalreporter.write_line
+    w("")
+    w(f"mxfp4x targets (issue 12), isa {rows[0]['isa']}: time / floor from this run's roofs")
+    w(f"{'shape':22s} {'T':>4s} {'dtype':8s} {'thr':>3s} {'ms':>9s} {'GFLOP/s':>8s} "
+      f"{'xread':>6s} {'xfloor':>6s} {'xmatmul':>7s} {'FMA%':>5s}  target")
+    for r in rows:
+        w(f"{r['shape']:22s} {r['tokens']:4d} {r['dtype']:8s} {r['threads']:3d} "
+          f"{r['time_s'] * 1e3:9.2f} {r['gflops']:8.1f} {r['vs_read_floor']:6.2f} "
+          f"{r['vs_floor']:6.2f} {r['vs_matmul']:7.2f} {100 * r['fma_share']:5.1f}  "
+          f"{'met ' if r['met'] else 'MISS'} {r['target']}")
+    key = {(r["shape"], r["tokens"], r["dtype"], r["threads"]): r["time_s"] for r in rows}
+    for (shape, t, dtype, th), s in sorted(key.items()):
+        if dtype == "bfloat16" and (shape, t, "float32", th) in key:
+            ratio = s / key[(shape, t, "float32", th)]
+            w(f"{shape:22s} {t:4d} bfloat16 / float32 at {th} threads: {ratio:5.2f} "
+              f"{'met ' if ratio <= 1.0 else 'MISS'} (never slower)")
+        if dtype == "float32" and th == 1 and t >= _bench.BIG_T and (shape, t, dtype, 2) in key:
+            speedup = s / key[(shape, t, dtype, 2)]
+            w(f"{shape:22s} {t:4d} float32 2 threads vs 1: {speedup:5.2f}x "
+              f"{'met ' if speedup >= 1.8 else 'MISS'} (>= 1.8x)")

@@ -4,8 +4,9 @@ tools.
 ``bench`` (the default) runs one gpt-oss-20b-like layer (gate/up: E=32, K=4,
 O=5760, I=2880; random MXFP4 weights made in-process), checks a slice of the
 result against the float64 reference, and prints time, GB/s of weights streamed
-and GFLOP/s for the CPU kernels and the torch backend, beside the memory-read
-floor and a torch matmul roof measured in the same run.
+and GFLOP/s for the CPU kernels and the torch backend, beside the floors of each case
+(bytes / read bandwidth and flops / FMA peak, from the roofs of ``roofline`` measured in
+the same run), a torch matmul roof, and issue 12's target for the case.
 """
 import argparse
 import json
@@ -36,6 +37,12 @@ def _cmd_bench(args):
     dtype = getattr(torch, args.dtype)
     threads = args.threads or [max(1, torch.get_num_threads())]
     tty = sys.stderr.isatty()
+    from mxfp4x import _roofline
+    isa = mxfp4x.backend_info()["isa"]
+    roofs = _roofline.measure(threads=sorted(set(threads)))
+    print("roofs: read " + ", ".join(f"{roofs['read_gbps'][th]:.1f}" for th in threads) +
+          " GB/s; FMA " + ", ".join(f"{roofs['fma_gflops'][th][isa]:.0f}" for th in threads) +
+          f" GFLOP/s ({isa}; threads {', '.join(map(str, threads))})")
     t0 = time.perf_counter()
     packed, scales = _bench.make_experts(n_experts, d_out, d_in)
     print(f"mxfp4x {mxfp4x.__version__}: {args.shape} E={n_experts} K={top_k} O={d_out} "
@@ -75,21 +82,25 @@ def _cmd_bench(args):
                            if not args.no_torch else float("nan"))
             finally:
                 torch.set_num_threads(old)
-            t_read = _bench.read_floor(n_bytes, th)
+            fl = _bench.floors(n_bytes, n_flops, roofs, th, isa)
             t_mm = _bench.matmul_roof(n_tokens, top_k, d_out, d_in, th, repeats=2)
+            target, met = _bench.verdict(n_tokens, args.dtype, t_cpu, fl, t_mm, isa)
             rows.append(dict(tokens=n_tokens, threads=th, cpu_ms=t_cpu * 1e3,
                              torch_ms=t_torch * 1e3, gbps=n_bytes / t_cpu / 1e9,
-                             gflops=n_flops / t_cpu / 1e9, read_floor_ms=t_read * 1e3,
-                             matmul_ms=t_mm * 1e3, vs_read=t_cpu / t_read,
-                             vs_matmul=t_cpu / t_mm))
+                             gflops=n_flops / t_cpu / 1e9,
+                             read_floor_ms=fl["read_floor_s"] * 1e3,
+                             floor_ms=fl["floor_s"] * 1e3, matmul_ms=t_mm * 1e3,
+                             vs_read=t_cpu / fl["read_floor_s"], vs_floor=t_cpu / fl["floor_s"],
+                             vs_matmul=t_cpu / t_mm, target=target, met=met))
             r = rows[-1]
             if tty:
                 print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
             print(f"T={n_tokens:<5d} threads={th}  cpu {r['cpu_ms']:9.2f} ms "
                   f"({r['gbps']:6.2f} GB/s, {r['gflops']:7.1f} GFLOP/s)  torch backend "
-                  f"{r['torch_ms']:9.2f} ms  | read floor {r['read_floor_ms']:8.2f} ms "
-                  f"(x{r['vs_read']:.2f})  decoded-matmul {r['matmul_ms']:8.2f} ms "
-                  f"(x{r['vs_matmul']:.2f})", flush=True)
+                  f"{r['torch_ms']:9.2f} ms  | floor {r['floor_ms']:8.2f} ms "
+                  f"(x{r['vs_floor']:.2f}; read floor x{r['vs_read']:.2f})  decoded-matmul "
+                  f"{r['matmul_ms']:8.2f} ms (x{r['vs_matmul']:.2f})  "
+                  f"[{'met' if met else 'missed'}: {target}]", flush=True)
     print("check: a slice of every T matches the float64 reference within the float32 bound")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,5 +1,6 @@
-"""Shared by ``python -m mxfp4x bench`` and ``benchmarks/``: model-like layers,
-the memory-read floor and a torch matmul roof measured in the same process."""
+"""Shared by ``python -m mxfp4x bench`` and ``benchmarks/``: model-like layers, the
+floors of a case from the machine's roofs (``python -m mxfp4x roofline``, measured in
+the same process), a torch matmul roof, and the performance targets of issue 12."""
 import time
 
 import numpy as np
@@ -11,6 +12,9 @@ SHAPES = {  # name: (n_experts, top_k, d_out, d_in)
     "gpt-oss-20b-gate-up": (32, 4, 5760, 2880),
     "gpt-oss-20b-down": (32, 4, 2880, 2880),
     "kimi-like": (384, 8, 4096, 7168),
+    # Kimi K3 routed experts (K3_SIZES in _kimi_k3.py): w1 and w3 (3072 x 3584), w2
+    "kimi-k3-w1": (896, 16, 3072, 3584),
+    "kimi-k3-w2": (896, 16, 3584, 3072),
 }
 
 
@@ -97,3 +101,35 @@ def matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=torch.float32, repe
         return best_time(run, repeats=repeats)
     finally:
         torch.set_num_threads(old)
+
+
+def floors(n_bytes, n_flops, roofs, threads, isa):
+    """The two floors of a case from ``_roofline.measure`` figures: B / read bandwidth
+    and F / the ISA's FMA peak, both with ``threads`` threads; ``floor_s`` is the larger."""
+    read_s = n_bytes / (roofs["read_gbps"][threads] * 1e9)
+    fma_s = n_flops / (roofs["fma_gflops"][threads][isa] * 1e9)
+    return {"read_floor_s": read_s, "fma_floor_s": fma_s, "floor_s": max(read_s, fma_s)}
+
+
+# Issue 12's targets, by the host's best ISA: T = 1 against the read floor, T = 2..256
+# against floor(T), T >= 512 in float32 against decoded torch.matmul and the FMA peak.
+TARGETS = {"avx512": {"t1_vs_read": 1.3, "mid_vs_floor": 1.5},
+           "other": {"t1_vs_read": 2.0, "mid_vs_floor": 2.0}}
+BIG_T = 512
+
+
+def verdict(tokens, dtype, time_s, fl, matmul_s, isa):
+    """(target text, met) of one case (bfloat16 vs float32 and 2 vs 1 threads are
+    judged across cases, by the callers)."""
+    tg = TARGETS["avx512" if isa == "avx512" else "other"]
+    if tokens == 1:
+        return f"<= {tg['t1_vs_read']} x read floor", time_s <= tg["t1_vs_read"] * fl[
+            "read_floor_s"]
+    if tokens < BIG_T:
+        return f"<= {tg['mid_vs_floor']} x floor(T)", time_s <= tg["mid_vs_floor"] * fl[
+            "floor_s"]
+    if dtype != "float32":
+        return "(vs float32)", True
+    fma_share = fl["fma_floor_s"] / time_s
+    return ("<= 1.0 x matmul, >= 70 % FMA peak",
+            time_s <= matmul_s and fma_share >= 0.70)

@@ -118,6 +118,23 @@ def _operand_rows(t, per_slot):
     return t.reshape(-1, t.shape[-1]) if per_slot else t
 
 
+# Long prefills run in chunks of whole tokens, so the working memory of a call (the
+# latents in the kernel layout, the float32 rows of a 16-bit result, routing arrays)
+# stays flat whatever T is.  A token's result does not depend on the other tokens of its
+# call (batch invariance), so chunking never changes a bit; the weights are read once
+# per chunk.  _CHUNK_BYTES bounds one chunk's layout copy of the latents plus its
+# compute-dtype result rows when the result has another dtype; a chunk holds at least
+# _MIN_CHUNK_TOKENS tokens.  Kimi K3 w1 (I = 3584, O = 3072), bfloat16: 945 tokens
+# (17 per expert on average), 13 MiB + 11 MiB.
+_CHUNK_BYTES = 24 << 20
+_MIN_CHUNK_TOKENS = 256
+
+
+def _chunks(n_tokens, bytes_per_token):
+    step = max(_MIN_CHUNK_TOKENS, _CHUNK_BYTES // max(1, bytes_per_token))
+    return [(t0, min(n_tokens, t0 + step)) for t0 in range(0, n_tokens, step)] or [(0, 0)]
+
+
 def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_outputs=False,
             isa=None):
     """The forward product on CPU tensors.  x: (T, I), or (T, K, I) with one latent
@@ -127,25 +144,34 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
     n_tokens, top_k = sel.shape
     slot_latents = x.dim() == 3
     ex = experts_of(packed, scales)
-    if per_slot_outputs:
-        out = torch.empty((n_tokens * top_k, ex.d_out), dtype=compute)
-        mix_arr = None
-    else:
-        if tuple(shared.shape) != (n_tokens, ex.d_out):
-            raise ValueError(f"shared_output: expected ({n_tokens}, {ex.d_out}), got "
-                             f"{tuple(shared.shape)}")
-        out = shared.detach().to(compute, copy=True).contiguous()
-        mix_arr = _array(mix.to(compute).contiguous())
+    k_out = top_k if per_slot_outputs else 1
+    if not per_slot_outputs and tuple(shared.shape) != (n_tokens, ex.d_out):
+        raise ValueError(f"shared_output: expected ({n_tokens}, {ex.d_out}), got "
+                         f"{tuple(shared.shape)}")
+    # the result in x's dtype; the driver writes the compute dtype (the result itself,
+    # or one chunk's float32 rows that are then rounded into it)
+    result = torch.empty((n_tokens * k_out, ex.d_out), dtype=x.dtype)
     x2 = _operand_rows(x, slot_latents)
-    _cpu.Call(ex, product="forward", compute=_DTYPE_NAMES[compute],
-              selected=_array(sel.to(torch.int64).contiguous()), mix=mix_arr,
-              src=_array(x2), src_dtype=_DTYPE_NAMES[x.dtype],
-              src_rows="slot" if slot_latents else "token", dst=_array(out),
-              dst_rows="slot" if per_slot_outputs else "token", isa=isa,
-              n_threads=_threads(num_threads)).run()
-    if per_slot_outputs:
-        out = out.view(n_tokens, top_k, ex.d_out)
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    sel64 = _array(sel.to(torch.int64).contiguous())
+    mix_arr = None if per_slot_outputs else _array(mix.to(compute).contiguous())
+    k_in = top_k if slot_latents else 1
+    item = 8 if compute == torch.float64 else 4
+    per_token = item * (k_in * ex.n_groups * 32 + (k_out * ex.d_out if compute != x.dtype
+                                                   else 0))
+    for t0, t1 in _chunks(n_tokens, per_token):
+        part = result[t0 * k_out:t1 * k_out]
+        out = part if compute == x.dtype else torch.empty(part.shape, dtype=compute)
+        if not per_slot_outputs:
+            out.copy_(shared[t0:t1].detach())
+        _cpu.Call(ex, product="forward", compute=_DTYPE_NAMES[compute],
+                  selected=sel64[t0:t1], mix=None if mix_arr is None else mix_arr[t0:t1],
+                  src=_array(x2[t0 * k_in:t1 * k_in]), src_dtype=_DTYPE_NAMES[x.dtype],
+                  src_rows="slot" if slot_latents else "token", dst=_array(out),
+                  dst_rows="slot" if per_slot_outputs else "token", isa=isa,
+                  n_threads=_threads(num_threads)).run()
+        if out is not part:
+            part.copy_(out)
+    return result.view(n_tokens, top_k, ex.d_out) if per_slot_outputs else result
 
 
 def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
@@ -155,13 +181,27 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
     compute = compute_dtype(x.dtype)
     slot_latents, slot_grad = x.dim() == 3, grad.dim() == 3
     ex = experts_of(packed, scales)
-    n_rows = x.shape[0] * (x.shape[1] if slot_latents else 1)
-    dx = torch.empty((n_rows, x.shape[-1]), dtype=compute)
-    _cpu.Call(ex, product="transposed", compute=_DTYPE_NAMES[compute],
-              selected=_array(sel.to(torch.int64).contiguous()),
-              mix=None if slot_grad else _array(mix.to(compute).contiguous()),
-              src=_array(_operand_rows(grad.to(compute), slot_grad)),
-              src_dtype=_DTYPE_NAMES[compute], src_rows="slot" if slot_grad else "token",
-              dst=_array(dx), dst_rows="slot" if slot_latents else "token", isa=isa,
-              n_threads=_threads(num_threads)).run()
-    return dx.view(x.shape).to(x.dtype)
+    n_tokens, top_k = sel.shape
+    k_in = top_k if slot_latents else 1
+    k_out = top_k if slot_grad else 1
+    result = torch.empty((n_tokens * k_in, x.shape[-1]), dtype=x.dtype)
+    g2 = _operand_rows(grad, slot_grad)
+    sel64 = _array(sel.to(torch.int64).contiguous())
+    mix_arr = None if slot_grad else _array(mix.to(compute).contiguous())
+    item = 8 if compute == torch.float64 else 4
+    # the layout copy is dx itself here (plus, for 16-bit latents, the compute-dtype rows
+    # and the converted gradient)
+    per_token = item * k_in * ex.n_groups * 32 * (1 if compute == x.dtype else 2) + \
+        item * k_out * ex.d_out * (0 if compute == grad.dtype else 1)
+    for t0, t1 in _chunks(n_tokens, per_token):
+        part = result[t0 * k_in:t1 * k_in]
+        dx = part if compute == x.dtype else torch.empty(part.shape, dtype=compute)
+        _cpu.Call(ex, product="transposed", compute=_DTYPE_NAMES[compute],
+                  selected=sel64[t0:t1], mix=None if mix_arr is None else mix_arr[t0:t1],
+                  src=_array(g2[t0 * k_out:t1 * k_out].to(compute).contiguous()),
+                  src_dtype=_DTYPE_NAMES[compute], src_rows="slot" if slot_grad else "token",
+                  dst=_array(dx), dst_rows="slot" if slot_latents else "token", isa=isa,
+                  n_threads=_threads(num_threads)).run()
+        if dx is not part:
+            part.copy_(dx)
+    return result.view(x.shape)

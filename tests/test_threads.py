@@ -27,3 +27,32 @@ def test_batch_invariance(isa, rng):
     seven = mxfp4x.mxfp4_experts(**{k: v[10:17] if k not in ("packed_weights", "scale_bytes")
                                     else v for k, v in layer.items()}, isa=isa)
     assert torch.equal(seven, full[10:17])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_long_batches_run_in_token_chunks_with_the_same_bits(isa, rng, monkeypatch, dtype):
+    # a long prefill runs in chunks of tokens (flat memory): forced down to chunks of 3
+    # tokens here, every product (per token, per slot, per-slot latents, the transposed
+    # one) must keep its bits, and a chunk boundary must not drop or repeat a token
+    from mxfp4x import _cpu_impl
+    layer = random_layer(rng, 11, 3, 5, 70, 5, dtype=dtype, repeat_expert=True)
+    w = (layer["packed_weights"], layer["scale_bytes"])
+    x, sel, mix = layer["latent_tokens"], layer["selected_experts"], layer["mixture_weights"]
+    slot_x = torch.from_numpy(rng.standard_normal((11, 3, x.shape[1]))).to(dtype)
+    grad = torch.from_numpy(rng.standard_normal((11, 70))).to(dtype)
+    calls = {
+        "tokens": lambda: mxfp4x.mxfp4_experts(**layer, isa=isa),
+        "slots": lambda: mxfp4x.mxfp4_experts_slots(x, *w, sel, isa=isa),
+        "slot_latents": lambda: mxfp4x.mxfp4_experts(slot_x, *w, sel, mix,
+                                                     layer["shared_output"], isa=isa),
+        "grad": lambda: torch.ops.mxfp4x.mxfp4_experts_grad_latents(grad, *w, sel, mix, x,
+                                                                    isa=isa),
+    }
+    whole = {name: call() for name, call in calls.items()}
+    monkeypatch.setattr(_cpu_impl, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(_cpu_impl, "_MIN_CHUNK_TOKENS", 3)
+    assert len(_cpu_impl._chunks(11, 4)) == 4
+    for name, call in calls.items():
+        chunked = call()
+        assert chunked.shape == whole[name].shape and chunked.dtype == whole[name].dtype
+        assert torch.equal(chunked.view(torch.uint8), whole[name].view(torch.uint8)), name
