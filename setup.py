@@ -49,24 +49,61 @@ def _try_compile(compiler, cflags, lflags):
     return True
 
 
-def _openmp_wanted():
-    """OpenMP only where the extension can share torch's runtime.
+def _threads():
+    """How the driver's tasks run in parallel (include/mxfp4x/threads.h): "openmp" where
+    the extension can share torch's OpenMP runtime, "pthreads" on macOS, "serial" on
+    Windows.  MXFP4X_THREADS=openmp|pthreads|serial overrides (CI builds the pthreads
+    path on Linux to test it); MXFP4X_DISABLE_OPENMP=1 means serial.
 
     Linux: gcc's libgomp, which torch's wheels load first (same soname: one runtime).
     macOS and Windows: torch ships its own runtime (libomp / Intel's libiomp5md); a
     clang libomp or MSVC's vcomp beside it would be a second OpenMP runtime in the
-    process, a known source of crashes and oversubscription.  Those builds are serial
-    (the README's platform table); MXFP4X_DISABLE_OPENMP=1 makes any build serial.
+    process, a known source of crashes and oversubscription.  macOS runs the driver's
+    tasks on POSIX threads of its own instead; Windows builds are serial.
     """
     if os.environ.get("MXFP4X_DISABLE_OPENMP", "") == "1":
-        return False
-    return not (sys.platform == "darwin" or sys.platform.startswith("win"))
+        return "serial"
+    choice = os.environ.get("MXFP4X_THREADS", "")
+    if choice:
+        if choice not in ("openmp", "pthreads", "serial"):
+            raise SystemExit(f"mxfp4x: MXFP4X_THREADS={choice!r}: expected openmp, "
+                             "pthreads or serial")
+        return choice
+    if sys.platform == "darwin":
+        return "pthreads"
+    return "serial" if sys.platform.startswith("win") else "openmp"
 
 
 def _flags_string(args):
     """The compile flags, as one C string literal (recorded in backend_info())."""
     text = " ".join(a for a in args if not a.startswith("-D") and not a.startswith("-I"))
     return '"' + "".join(ch for ch in text if ch not in '"\\') + '"'
+
+
+def _emulate_avx512():
+    """MXFP4X_EMULATE_AVX512=1: a test build whose AVX-512 kernels are compiled through
+    SIMDe for the x86-64 baseline (include/mxfp4x/emulate_avx512.h), so that their
+    source runs, and is tested, on any x86-64.  Never a build to ship or benchmark."""
+    return os.environ.get("MXFP4X_EMULATE_AVX512", "") == "1"
+
+
+def _simde_include():
+    """The folder holding simde/x86/avx512.h: MXFP4X_SIMDE_INCLUDE, the simde-py
+    package, or the system's (Debian/Ubuntu libsimde-dev).  None for a folder the
+    compiler searches anyway; a build error saying how to get SIMDe if none has it."""
+    candidates = [os.environ.get("MXFP4X_SIMDE_INCLUDE", "")]
+    try:
+        import simde_py
+        candidates.append(simde_py.get_include())
+    except ImportError:
+        pass
+    system = ["/usr/include", "/usr/local/include"]
+    for folder in candidates + system:
+        if folder and os.path.isfile(os.path.join(folder, "simde", "x86", "avx512.h")):
+            return None if folder in system else folder
+    raise SystemExit("mxfp4x: MXFP4X_EMULATE_AVX512=1 needs the SIMDe headers: "
+                     "apt-get install libsimde-dev, or pip install simde-py, or set "
+                     "MXFP4X_SIMDE_INCLUDE to the folder that holds simde/x86/avx512.h")
 
 
 class BuildExt(build_ext):
@@ -78,14 +115,36 @@ class BuildExt(build_ext):
             base = ["-O3", "-ffp-contract=off", "-fno-strict-aliasing",
                     "-Wno-unused-function"]
         omp_c, omp_l = _openmp_flags(kind)
-        use_omp = _openmp_wanted() and _try_compile(self.compiler, omp_c, omp_l)
-        if not use_omp:
+        threads = _threads()
+        if threads == "openmp" and not _try_compile(self.compiler, omp_c, omp_l):
+            threads = "serial"
+        if threads != "openmp":
             omp_c, omp_l = [], []
-            print("mxfp4x: building the serial CPU kernels (no OpenMP runtime shared with "
-                  "torch on this platform, or MXFP4X_DISABLE_OPENMP=1)", file=sys.stderr)
+            print(f"mxfp4x: the CPU driver's threads: {threads} (no OpenMP runtime shared "
+                  "with torch on this platform, or MXFP4X_THREADS / MXFP4X_DISABLE_OPENMP "
+                  "says so)", file=sys.stderr)
+        if threads == "pthreads":
+            if kind == "msvc":
+                raise SystemExit("mxfp4x: MXFP4X_THREADS=pthreads needs gcc or clang")
+            omp_c, omp_l = ["-pthread"], ["-pthread"]
+            for ext in self.extensions:
+                ext.define_macros = list(ext.define_macros or []) + [("MXFP4X_PTHREADS", "1")]
         # what the compiler will really see: its own command (with CFLAGS from the
         # environment and Python's build flags) plus ours
         driver = list(getattr(self.compiler, "compiler_so", None) or [])[1:]
+        if _emulate_avx512():
+            if kind == "msvc":
+                raise SystemExit("mxfp4x: MXFP4X_EMULATE_AVX512=1 needs gcc or clang")
+            simde = _simde_include()
+            print("mxfp4x: building the SIMDe-emulated AVX-512 kernels (a test build, "
+                  f"SIMDe from {simde or 'the system include path'})", file=sys.stderr)
+            for ext in self.extensions:
+                ext.define_macros = list(ext.define_macros or []) + [
+                    ("MXFP4X_EMULATE_AVX512", "1")]
+                ext.include_dirs = list(ext.include_dirs or []) + ([simde] if simde else [])
+                # SIMDe passes 64-byte vectors by value without AVX-512: GCC's ABI note
+                ext.extra_compile_args = list(ext.extra_compile_args or []) + ["-Wno-psabi"]
+                ext.libraries = list(ext.libraries or []) + ["m"]  # fmaf
         for ext in self.extensions:
             ext.extra_compile_args = base + omp_c + list(ext.extra_compile_args or [])
             ext.extra_link_args = omp_l + list(ext.extra_link_args or [])
@@ -105,7 +164,7 @@ def _extensions():
         include_dirs=[os.path.join(here, "include")],
         depends=[os.path.join("include", "mxfp4x", n) for n in
                  ("mxfp4x.h", "config.h", "cpu.h", "scalar.h", "avx2.h", "avx512.h",
-                  "dispatch.h")],
+                  "emulate_avx512.h", "neon.h", "dispatch.h")],
     )
     return cythonize([ext], compiler_directives={"language_level": "3"},
                      include_path=[here])

@@ -11,6 +11,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int MXFP4X_ISA_SCALAR
     int MXFP4X_ISA_AVX2
     int MXFP4X_ISA_AVX512
+    int MXFP4X_ISA_NEON
     int MXFP4X_LAYOUT_16
     int MXFP4X_DTYPE_F32
     int MXFP4X_DTYPE_F64
@@ -47,6 +48,8 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         int layout_half
         int panel_row_block
         int gemv_max_tokens
+        int tile_rows
+        int64_t panel_bytes
         mxfp4x_gemv_f32_fn gemv_f32
         mxfp4x_decode_f32_fn decode_f32
         mxfp4x_panel_dot_f32_fn panel_dot_f32
@@ -90,6 +93,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     void mxfp4x_fpenv_exit(mxfp4x_fpenv saved)
     int MXFP4X_BUILT_FAST_MATH
     int MXFP4X_BUILT_GLOBAL_ISA
+    int MXFP4X_EMULATED_AVX512
     const char *MXFP4X_BUILD_CFLAGS
 
     # ---- cpu.h
@@ -103,12 +107,24 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         int darwin_avx512
     int mxfp4x_isa_decision(const mxfp4x_cpu_facts *f)
     int mxfp4x_cpu_isas()
+    int MXFP4X_N_FEATURES
+    int mxfp4x_cpu_features()
+    const char *mxfp4x_feature_name(int i)
 
     # ---- dispatch.h
     int mxfp4x_n_kernels()
     const mxfp4x_kernels *mxfp4x_kernel_at(int i)
     int mxfp4x_kernel_runnable(int i)
     int mxfp4x_have_openmp()
+    int MXFP4X_SCALAR_TILE_ROWS
+    int64_t MXFP4X_SCALAR_PANEL_BYTES
+    int MXFP4X_OPENMP
+
+    # ---- threads.h
+    ctypedef void (*mxfp4x_task_fn)(void *ctx, int64_t task, int tid) noexcept nogil
+    int mxfp4x_run_tasks(int n_threads, int64_t n_tasks, mxfp4x_task_fn fn, void *ctx)
+    const char *mxfp4x_threads_name()
+    uint64_t mxfp4x_thread_token()
 
     # ---- scalar.h: the float64 path and the layout permutations
     void mxfp4x_decode_f64(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from cython.parallel cimport parallel, prange, threadid
-from libc.stdint cimport int64_t, uint8_t, uintptr_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset
 
@@ -35,11 +35,10 @@ ctypedef fused real:
 GROUP = c.MXFP4X_GROUP
 GROUP_BYTES = c.MXFP4X_GROUP_BYTES
 
-# Rows of W per forward task, the bytes of decoded rows held at once in a thread's
-# panel (it stays L2-resident); groups (of input columns) per transposed task and
-# rows per transposed panel.
-cdef int64_t TILE_ROWS = 48
-cdef int64_t PANEL_BYTES = 384 * 1024
+# Rows of W per forward task and the bytes of decoded rows a thread holds at once come
+# from the ISA's kernel table (tile_rows, panel_bytes: each ISA's header says why); the
+# float64 path uses the scalar entry's.  Groups (of input columns) per transposed task
+# and rows per transposed panel:
 cdef enum:
     T_TILE_GROUPS = 8
     T_PANEL_ROWS = 32
@@ -68,6 +67,49 @@ def runnable_isas():
 
 def have_openmp():
     return bool(c.mxfp4x_have_openmp())
+
+
+def threads_backend():
+    """How the driver's tasks run in parallel: "openmp" (prange; Linux), "pthreads"
+    (threads started per call; macOS, where torch brings its own OpenMP runtime), or
+    "serial" (Windows; MXFP4X_THREADS=serial builds).  See include/mxfp4x/threads.h."""
+    return c.mxfp4x_threads_name().decode()
+
+
+cdef void _probe_task(void *ctx, int64_t task, int tid) noexcept nogil:
+    cdef uint64_t *seen = <uint64_t *>ctx
+    cdef uint64_t spin = 0
+    cdef int64_t _i
+    seen[task] = c.mxfp4x_thread_token()
+    for _i in range(200000):  # about 0.1 ms: long enough for every thread to take some
+        spin = spin * 1103515245 + 12345
+    if spin == 0:
+        seen[task] = 0
+
+
+def _threads_used(int n_threads, int64_t n_tasks=1024):
+    """How many OS threads ran ``n_tasks`` small tasks given ``n_threads``, through the
+    driver's own mechanism (prange, or the pthreads pool): a test of the threading."""
+    cdef uint64_t *seen = <uint64_t *>_xmalloc(n_tasks * 8, True)
+    cdef int64_t t
+    try:
+        with nogil:
+            if c.MXFP4X_OPENMP:
+                for t in prange(n_tasks, num_threads=max(1, n_threads), schedule='dynamic'):
+                    _probe_task(seen, t, 0)
+            else:
+                c.mxfp4x_run_tasks(max(1, n_threads), n_tasks, _probe_task, seen)
+        return len({seen[t] for t in range(n_tasks)})
+    finally:
+        free(seen)
+
+
+def cpu_features():
+    """Optional CPU features no kernel uses yet, for future variants (cpu.h): on
+    AArch64 "asimddp", "bf16", "i8mm", "sve" as the OS reports them; [] elsewhere."""
+    mask = c.mxfp4x_cpu_features()
+    return [c.mxfp4x_feature_name(i).decode() for i in range(c.MXFP4X_N_FEATURES)
+            if (mask >> i) & 1]
 
 
 cdef int _find(str name) except -2:
@@ -125,10 +167,13 @@ def _isa_decision(*, bint osxsave, bint avx, bint fma, bint avx2, bint avx512f,
 
 def build_info():
     """How this extension was compiled: the flags and what the compiler's own
-    predefined macros say about fast-math and global ISA flags."""
+    predefined macros say about fast-math and global ISA flags.  ``emulated`` names the
+    ISA whose kernels run through SIMDe (MXFP4X_EMULATE_AVX512=1, a test build: exact,
+    slow, never to be benchmarked), else None."""
     return {"cflags": (<bytes>c.MXFP4X_BUILD_CFLAGS).decode(),
             "fast_math": bool(c.MXFP4X_BUILT_FAST_MATH),
-            "global_isa_flags": bool(c.MXFP4X_BUILT_GLOBAL_ISA)}
+            "global_isa_flags": bool(c.MXFP4X_BUILT_GLOBAL_ISA),
+            "emulated": "avx512" if c.MXFP4X_EMULATED_AVX512 else None}
 
 
 # ---- the call description -------------------------------------------------------------
@@ -352,21 +397,24 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
     """Task split and per-thread scratch of the call's product."""
     cdef const c.mxfp4x_call *call = w.call
     cdef int64_t d_in = call.experts.n_groups * c.MXFP4X_GROUP, block, n_chunks, rows
+    cdef int64_t tile, panel_bytes
     cdef const c.mxfp4x_kernels *k = call.kernels
     w.lanes_len = 0
     w.dots_len = 0
     if call.product == c.MXFP4X_FORWARD:
-        w.task_size = TILE_ROWS
-        w.n_tasks = (call.experts.d_out + TILE_ROWS - 1) // TILE_ROWS
-        # a tile's rows in equal panels of at most PANEL_BYTES, whole register blocks
+        tile = c.MXFP4X_SCALAR_TILE_ROWS if real is double else k.tile_rows
+        panel_bytes = c.MXFP4X_SCALAR_PANEL_BYTES if real is double else k.panel_bytes
+        w.task_size = tile
+        w.n_tasks = (call.experts.d_out + tile - 1) // tile
+        # a tile's rows in equal panels of at most panel_bytes, whole register blocks
         block = 1 if real is double else k.panel_row_block
-        rows = max(1, (PANEL_BYTES // <int64_t>sizeof(real)) // max(d_in, 1))
-        n_chunks = (TILE_ROWS + rows - 1) // rows
-        rows = (TILE_ROWS + n_chunks - 1) // n_chunks
-        w.panel_rows = min(TILE_ROWS, (rows + block - 1) // block * block)
+        rows = max(1, (panel_bytes // <int64_t>sizeof(real)) // max(d_in, 1))
+        n_chunks = (tile + rows - 1) // rows
+        rows = (tile + n_chunks - 1) // n_chunks
+        w.panel_rows = min(tile, (rows + block - 1) // block * block)
         w.panel_len = w.panel_rows * d_in
         # the dot products of one expert's pairs: against a panel, or (gemv) a whole tile
-        w.dots_len = w.r.max_count * max(w.panel_rows, TILE_ROWS)
+        w.dots_len = w.r.max_count * max(w.panel_rows, tile)
         if real is float:
             w.lanes_len = k.panel_scratch_floats(w.panel_rows)
     else:
@@ -542,6 +590,24 @@ cdef void _transposed_task(real dummy, const Work *w, int64_t task,
             o0 = o1
 
 
+cdef inline void _run_task(real dummy, const Work *w, int64_t task, int tid) noexcept nogil:
+    if w.call.product == c.MXFP4X_FORWARD:
+        _forward_task(dummy, w, task, w.scratch + tid * w.per_thread)
+    else:
+        _transposed_task(dummy, w, task, w.scratch + tid * w.per_thread)
+
+
+cdef void _task_f32(void *ctx, int64_t task, int tid) noexcept nogil:
+    """One task of a float32 call, for threads.h's pool (builds without OpenMP)."""
+    cdef float f0 = 0
+    _run_task(f0, <const Work *>ctx, task, tid)
+
+
+cdef void _task_f64(void *ctx, int64_t task, int tid) noexcept nogil:
+    cdef double d0 = 0
+    _run_task(d0, <const Work *>ctx, task, tid)
+
+
 cdef void _prepare(real dummy, const c.mxfp4x_call *call, real *dst, int half,
                    int n_threads) noexcept nogil:
     """Forward latents: each row converted to the compute dtype, in the kernel layout."""
@@ -627,16 +693,21 @@ cdef _drive(real dummy, const c.mxfp4x_call *call):
         with nogil:
             if forward:
                 _prepare(dummy, call, <real *>layout_buf, half, n_threads)
-            with parallel(num_threads=n_threads):
-                tid = threadid()
-                mine = w.scratch + tid * w.per_thread
-                fpenv = c.mxfp4x_fpenv_enter()
-                for task in prange(w.n_tasks, schedule='dynamic'):
-                    if forward:
-                        _forward_task(dummy, &w, task, mine)
-                    else:
-                        _transposed_task(dummy, &w, task, mine)
-                c.mxfp4x_fpenv_exit(fpenv)
+            if c.MXFP4X_OPENMP:
+                with parallel(num_threads=n_threads):
+                    tid = threadid()
+                    mine = w.scratch + tid * w.per_thread
+                    fpenv = c.mxfp4x_fpenv_enter()
+                    for task in prange(w.n_tasks, schedule='dynamic'):
+                        if forward:
+                            _forward_task(dummy, &w, task, mine)
+                        else:
+                            _transposed_task(dummy, &w, task, mine)
+                    c.mxfp4x_fpenv_exit(fpenv)
+            elif real is float:  # threads.h: a pool of POSIX threads, or serial
+                c.mxfp4x_run_tasks(n_threads, w.n_tasks, _task_f32, &w)
+            else:
+                c.mxfp4x_run_tasks(n_threads, w.n_tasks, _task_f64, &w)
             if not forward:
                 _finish(dummy, call, <const real *>layout_buf, half, n_threads)
     finally:

@@ -29,6 +29,14 @@ def test_build_flags_are_shippable():
     assert contract and contract[-1] == "-ffp-contract=off", flags  # the last one wins
 
 
+def test_build_is_not_emulated_unless_asked():
+    """MXFP4X_EMULATE_AVX512=1 builds the AVX-512 kernels through SIMDe (a test build:
+    exact but slow, tests/test_emulation.py); a build without it never is one."""
+    emulated = mxfp4x.backend_info()["build"]["emulated"]
+    asked = os.environ.get("MXFP4X_EMULATE_AVX512") == "1"
+    assert emulated == ("avx512" if asked else None), (emulated, asked)
+
+
 def test_version_is_known():
     assert mxfp4x.__version__ != "0+unknown" or not os.environ.get("CI"), \
         "CI runs an installed (or editable-installed) mxfp4x, which has metadata"

@@ -149,6 +149,23 @@ def test_openmp_as_expected():
     assert mxfp4x.backend_info()["openmp"] == (want == "1"), "OpenMP is not as the build says"
 
 
+def test_threads_backend_as_expected():
+    """MXFP4X_REQUIRE_THREADS=openmp|pthreads|serial: the build's driver threads (Linux
+    wheels: openmp; macOS: pthreads; Windows: serial; CI also builds pthreads on Linux),
+    and where a build has threads, a call given 2 really runs on 2 OS threads."""
+    want = os.environ.get("MXFP4X_REQUIRE_THREADS")
+    info = mxfp4x.backend_info()
+    assert info["threads"] in ("openmp", "pthreads", "serial")
+    assert (info["threads"] == "openmp") == info["openmp"]
+    if want is not None:
+        assert info["threads"] == want, f"the build's threads are {info['threads']}"
+    used = _cpu._threads_used(2)
+    if info["threads"] == "serial":
+        assert used == 1
+    elif (os.cpu_count() or 1) >= 2:
+        assert used == 2, f"asked for 2 threads, {used} ran"
+
+
 def test_single_openmp_runtime():
     """The extension shares torch's libgomp instead of loading a second one."""
     if not sys.platform.startswith("linux"):

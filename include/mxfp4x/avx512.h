@@ -98,6 +98,15 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
  * 16-64 tokens per expert (gpt-oss-20b gate/up, 2 threads, Xeon with AVX-512), where
  * decode + panel_dot ran at 100-130: it takes every expert up to 64 tokens. */
 #define MXFP4X_AVX512_GEMV_MAX_TOKENS 64
+/* Re-measured after the 4x6 panel_dot (below): a crossover at 16 tokens instead of 64 was
+ * indistinguishable (gpt-oss-20b gate/up, T = 64..512, alternating runs within +-10 %). */
+/* Output rows per forward task: 48 = 12 gemv row blocks, 12 panel_dot row blocks; every
+ * model shape still has >= 60 tasks for 2..N threads to balance (d_out >= 2880). */
+#define MXFP4X_AVX512_TILE_ROWS 48
+/* panel_dot ran at 139, 139, 134, 136 GFLOP/s for panels of 12, 24, 36, 48 rows (I = 2880,
+ * 64 tokens, 1 thread): the panel size does not matter within L2; 384 KiB keeps it in
+ * any L2 of 1 MiB or more. */
+#define MXFP4X_AVX512_PANEL_BYTES (384 * 1024)
 #define MXFP4X_AVX512_INLINE_ALWAYS static inline MXFP4X_TARGET_AVX512 MXFP4X_ALWAYS_INLINE
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_tokens_avx512(const mxfp4x_rows *w,
                                                            int64_t row_start, int64_t row_end,

@@ -32,6 +32,16 @@
 #  define MXFP4X_HAVE_X86_SIMD 0
 #endif
 
+/* AArch64 Advanced SIMD (neon.h): part of the base architecture, so no target region
+ * and no run-time check.  Little-endian only (the decode reinterprets byte lanes as
+ * float lanes), GCC or clang (Apple clang included). */
+#if (defined(__aarch64__) || defined(__arm64__)) && !defined(__AARCH64EB__) && MXFP4X_GNUC && \
+    !defined(MXFP4X_NO_SIMD)
+#  define MXFP4X_HAVE_NEON 1
+#else
+#  define MXFP4X_HAVE_NEON 0
+#endif
+
 #if MXFP4X_GNUC
 #  define MXFP4X_ALWAYS_INLINE __attribute__((always_inline))
 #  define MXFP4X_TARGET(spec) __attribute__((target(spec)))
@@ -47,7 +57,15 @@
 #endif
 
 #define MXFP4X_TARGET_AVX2 MXFP4X_TARGET("avx2,fma")
-#define MXFP4X_TARGET_AVX512 MXFP4X_TARGET("avx512f,avx2,fma")
+/* MXFP4X_EMULATE_AVX512 (a test build, setup.py): the AVX-512 kernels compiled
+ * through SIMDe for the x86-64 baseline (emulate_avx512.h), so no target region. */
+#ifdef MXFP4X_EMULATE_AVX512
+#  define MXFP4X_TARGET_AVX512
+#  define MXFP4X_EMULATED_AVX512 1
+#else
+#  define MXFP4X_TARGET_AVX512 MXFP4X_TARGET("avx512f,avx2,fma")
+#  define MXFP4X_EMULATED_AVX512 0
+#endif
 
 #if defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
 #  define MXFP4X_STATIC_ASSERT(cond, msg) _Static_assert(cond, msg)
@@ -78,11 +96,13 @@
  * have turned it on, e.g. torch.set_flush_denormal(True); it would flush the 2^-127
  * scale and subnormal latents), restored on exit.
  *   x86-64:  MXCSR.FTZ (bit 15) and MXCSR.DAZ (bit 6);
- *   AArch64: FPCR.FZ (bit 24; Arm ARM, FPCR) -- FZ16 (bit 19) only affects
- *            half-precision arithmetic, which the kernels never do. */
+ *   AArch64: FPCR.FZ (bit 24; Arm ARM, FPCR) and FPCR.FIZ (bit 0, FEAT_AFP: flushes
+ *            inputs even with FZ = 0; RES0 where FEAT_AFP is absent, so clearing it is
+ *            always allowed) -- FZ16 (bit 19) only affects half-precision arithmetic,
+ *            which the kernels never do. */
 #define MXFP4X_MXCSR_FTZ 0x8000u
 #define MXFP4X_MXCSR_DAZ 0x0040u
-#define MXFP4X_FPCR_FZ (1ull << 24)
+#define MXFP4X_FPCR_FZ ((1ull << 24) | 1ull)
 #if MXFP4X_ARCH_X86_64
 typedef unsigned int mxfp4x_fpenv;
 static mxfp4x_fpenv mxfp4x_fpenv_enter(void) {

@@ -84,9 +84,73 @@ static int mxfp4x_detect_isas(void) {
     }
     return mxfp4x_isa_decision(&f);
 }
+#elif MXFP4X_HAVE_NEON
+/* AArch64: Advanced SIMD is in the base architecture (and its registers are always
+ * saved by the OS), so every aarch64 CPU runs the NEON kernels. */
+static int mxfp4x_detect_isas(void) { return (1 << MXFP4X_ISA_SCALAR) | (1 << MXFP4X_ISA_NEON); }
 #else
 static int mxfp4x_detect_isas(void) { return 1 << MXFP4X_ISA_SCALAR; }
 #endif
+
+/* Optional CPU features no kernel uses yet (reported by backend_info()["cpu_features"]
+ * for future variants): bit i of mxfp4x_cpu_features() is mxfp4x_feature_names[i].
+ * AArch64 only: Linux asks the kernel's HWCAP words (getauxval; bit values from the
+ * uapi header arch/arm64/include/uapi/asm/hwcap.h), macOS its sysctl
+ * hw.optional.arm.FEAT_* (no SVE on Apple cores).  Elsewhere: none. */
+#define MXFP4X_N_FEATURES 4
+static const char *const mxfp4x_feature_names[MXFP4X_N_FEATURES] = {"asimddp", "bf16", "i8mm",
+                                                                    "sve"};
+#if MXFP4X_HAVE_NEON && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef AT_HWCAP2
+#define AT_HWCAP2 26
+#endif
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1UL << 20)
+#endif
+#ifndef HWCAP_SVE
+#define HWCAP_SVE (1UL << 22)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1UL << 13)
+#endif
+#ifndef HWCAP2_BF16
+#define HWCAP2_BF16 (1UL << 14)
+#endif
+static int mxfp4x_detect_features(void) {
+    const unsigned long h1 = getauxval(AT_HWCAP), h2 = getauxval(AT_HWCAP2);
+    return ((h1 & HWCAP_ASIMDDP) ? 1 : 0) | ((h2 & HWCAP2_BF16) ? 2 : 0) |
+           ((h2 & HWCAP2_I8MM) ? 4 : 0) | ((h1 & HWCAP_SVE) ? 8 : 0);
+}
+#elif MXFP4X_HAVE_NEON && defined(__APPLE__)
+#include <sys/sysctl.h>
+static int mxfp4x_sysctl_flag(const char *name) {
+    int v = 0;
+    size_t n = sizeof v;
+    return sysctlbyname(name, &v, &n, NULL, 0) == 0 && v ? 1 : 0;
+}
+static int mxfp4x_detect_features(void) {
+    return mxfp4x_sysctl_flag("hw.optional.arm.FEAT_DotProd") |
+           (mxfp4x_sysctl_flag("hw.optional.arm.FEAT_BF16") << 1) |
+           (mxfp4x_sysctl_flag("hw.optional.arm.FEAT_I8MM") << 2);
+}
+#else
+static int mxfp4x_detect_features(void) { return 0; }
+#endif
+
+static int mxfp4x_cpu_features(void) {
+    static volatile int cached = -1;
+    int v = cached;
+    if (v < 0) {
+        v = mxfp4x_detect_features();
+        cached = v;
+    }
+    return v;
+}
+
+static const char *mxfp4x_feature_name(int i) {
+    return (i >= 0 && i < MXFP4X_N_FEATURES) ? mxfp4x_feature_names[i] : NULL;
+}
 
 /* Cached; the race on first use is benign (every thread computes the same value). */
 static int mxfp4x_cpu_isas(void) {
@@ -94,6 +158,9 @@ static int mxfp4x_cpu_isas(void) {
     int v = cached;
     if (v < 0) {
         v = mxfp4x_detect_isas();
+#if MXFP4X_HAVE_X86_SIMD && MXFP4X_EMULATED_AVX512
+        v |= 1 << MXFP4X_ISA_AVX512; /* SIMDe-emulated: x86-64 baseline code, runs anywhere */
+#endif
         cached = v;
     }
     return v;

@@ -9,18 +9,26 @@
 #include "scalar.h"
 #include "avx2.h"
 #include "avx512.h"
+#include "neon.h"
 
 static const mxfp4x_kernels mxfp4x_kernel_table[] = {
 #if MXFP4X_HAVE_X86_SIMD
     {MXFP4X_ISA_AVX512, "avx512", MXFP4X_LAYOUT_16, MXFP4X_AVX512_MR,
-     MXFP4X_AVX512_GEMV_MAX_TOKENS, mxfp4x_gemv_f32_avx512, mxfp4x_decode_f32_avx512,
+     MXFP4X_AVX512_GEMV_MAX_TOKENS, MXFP4X_AVX512_TILE_ROWS, MXFP4X_AVX512_PANEL_BYTES,
+     mxfp4x_gemv_f32_avx512, mxfp4x_decode_f32_avx512,
      mxfp4x_panel_dot_f32_avx512, mxfp4x_panel_scratch_f32_avx512,
      mxfp4x_axpy_rows_f32_avx512, mxfp4x_fma_loop_avx512},
     {MXFP4X_ISA_AVX2, "avx2", MXFP4X_LAYOUT_4, MXFP4X_AVX2_MR, MXFP4X_AVX2_GEMV_MAX_TOKENS,
-     mxfp4x_gemv_f32_avx2, mxfp4x_decode_f32_avx2, mxfp4x_panel_dot_f32_avx2,
+     MXFP4X_AVX2_TILE_ROWS, MXFP4X_AVX2_PANEL_BYTES, mxfp4x_gemv_f32_avx2, mxfp4x_decode_f32_avx2, mxfp4x_panel_dot_f32_avx2,
      mxfp4x_panel_scratch_f32_avx2, mxfp4x_axpy_rows_f32_avx2, mxfp4x_fma_loop_avx2},
 #endif
-    {MXFP4X_ISA_SCALAR, "scalar", MXFP4X_LAYOUT_16, 1, 8, mxfp4x_gemv_f32_scalar,
+#if MXFP4X_HAVE_NEON
+    {MXFP4X_ISA_NEON, "neon", MXFP4X_LAYOUT_16, MXFP4X_NEON_MR, MXFP4X_NEON_GEMV_MAX_TOKENS,
+     MXFP4X_NEON_TILE_ROWS, MXFP4X_NEON_PANEL_BYTES, mxfp4x_gemv_f32_neon, mxfp4x_decode_f32_neon, mxfp4x_panel_dot_f32_neon,
+     mxfp4x_panel_scratch_f32_neon, mxfp4x_axpy_rows_f32_neon, mxfp4x_fma_loop_neon},
+#endif
+    {MXFP4X_ISA_SCALAR, "scalar", MXFP4X_LAYOUT_16, 1, 8, MXFP4X_SCALAR_TILE_ROWS,
+     MXFP4X_SCALAR_PANEL_BYTES, mxfp4x_gemv_f32_scalar,
      mxfp4x_decode_f32_scalar, mxfp4x_panel_dot_f32_scalar, mxfp4x_panel_scratch_f32_scalar,
      mxfp4x_axpy_rows_f32_scalar, mxfp4x_fma_loop_scalar},
 };
@@ -45,6 +53,7 @@ static int mxfp4x_kernel_runnable(int i) {
 #else
 #define MXFP4X_OPENMP 0
 #endif
+#include "threads.h" /* the worker threads of builds without OpenMP */
 
 static int mxfp4x_have_openmp(void) { return MXFP4X_OPENMP; }
 

@@ -14,7 +14,7 @@
  * Kernels work in a "deinterleaved" element order (a layout) chosen per ISA:
  * blocks of 2*half elements, each holding its `half` even elements (low
  * nibbles) then its `half` odd ones (high nibbles).  half = 16 (scalar,
- * AVX-512, the float64 path): a group's 16 low nibbles, then its 16 high ones;
+ * AVX-512, NEON, the float64 path): a group's 16 low nibbles, then its 16 high ones;
  * half = 4 (AVX2): per 8 elements, 4 even then 4 odd.  Latent rows are
  * permuted once per call into the layout (mxfp4x_prepare_x_*, through
  * mxfp4x_layout_pos), so a kernel never has to interleave nibbles again.
@@ -39,7 +39,8 @@ enum {
     MXFP4X_ISA_SCALAR = 0,
     MXFP4X_ISA_AVX2 = 1,
     MXFP4X_ISA_AVX512 = 2,
-    MXFP4X_ISA_COUNT = 3
+    MXFP4X_ISA_NEON = 3, /* AArch64 Advanced SIMD */
+    MXFP4X_ISA_COUNT = 4
 };
 
 /* Layouts (see the top of this file): the `half` of each kernel's layout. */
@@ -147,6 +148,8 @@ typedef struct {
     int layout_half;     /* element order inside a group, see mxfp4x_layout_pos */
     int panel_row_block; /* panel_dot's rows per register block: panels hold a multiple */
     int gemv_max_tokens; /* gemv up to this many tokens per expert, panels above */
+    int tile_rows;       /* output rows of W per forward task (a multiple of the blocks) */
+    int64_t panel_bytes; /* decoded rows a thread holds at once (float32 panel) */
     mxfp4x_gemv_f32_fn gemv_f32;
     mxfp4x_decode_f32_fn decode_f32;
     mxfp4x_panel_dot_f32_fn panel_dot_f32;

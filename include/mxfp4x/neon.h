@@ -1,0 +1,385 @@
+/* mxfp4x/neon.h -- AArch64 Advanced SIMD (NEON) variant.
+ *
+ * Advanced SIMD is part of the AArch64 base architecture, so nothing here needs a
+ * target region or a run-time check beyond "this is aarch64" (cpu.h).  Compiled
+ * only where MXFP4X_HAVE_NEON (config.h): little-endian AArch64 with GCC or clang.
+ *
+ * Element order: layout 16 (as scalar and AVX-512): per group, the 16 even
+ * elements (low nibbles) then the 16 odd ones (high nibbles).
+ *
+ * Decode of one group (16 bytes + scale byte s -> 32 floats in 8 q registers):
+ *   codes:  lo = bytes & 0x0F, hi = bytes >> 4                      and, ushr
+ *   bytes:  every E2M1 value is a bfloat16 (its float32 bits have zero low 16
+ *           bits), so two 16-entry byte tables give bits 31..24 and 23..16 of
+ *           the float32 of each code: tbl x 2 per 16 codes            tbl x 4
+ *   halves: zip1/zip2 of (bits 23..16, bits 31..24) -> 8 bf16 per q   zip x 4
+ *   floats: shll/shll2 #16 -> 4 float32 per q (the code order kept)   shll x 8
+ *   scale:  one fmul each by 2^(s-127) (a power of two: exact, also for
+ *           s = 0, whose products 2^-128..1.5*2^-125 are float32 subnormals
+ *           or normals with at most 2 significant bits; s = 255 is NaN)  fmul x 8
+ *   => per 32 weights: 1 ldr q + 1 ld1r (scale) loads and 26 vector ops, then
+ *      8 fmla per token (4 floats each).
+ * (An alternative with 2-register tbl placing the two bytes directly into float
+ * lanes needs 22 vector ops; not taken: its cost per uop differs across cores.)
+ *
+ * Order of operations (it defines the bits, see mxfp4x.h): per (row, token) four
+ * 4-lane accumulators a0..a3 (16 lanes, lane 4j+l of a_j) start at +0; for each
+ * group, in layout position order p = 32g + 16h + 4j + l (h = 0: low nibbles, then
+ * h = 1), a_j = fma(w_p, x_p, a_j); lanes reduced by the tree (a0 + a2) + (a1 + a3),
+ * then (l, l+2), then (0, 1).  gemv (1 token, several tokens) and decode +
+ * panel_dot do exactly this, so they agree bit for bit (batch invariance; threads
+ * own whole rows, so thread-count invariance too).
+ *
+ * Expected rates (ESTIMATES: no ARM hardware was available; counted from the code,
+ * assuming 4 fully pipelined 128-bit SIMD pipes that all take fmla, tbl, zip, shll
+ * and fmul, as on Apple M-class P-cores and, per Arm's guide, Neoverse V2):
+ *   1 token (gemv1, 2 rows interleaved): 26 + 8 = 34 vector ops per 32 weights
+ *     -> ~8.5 cycles, ~3.8 weights/cycle: ~12 G weights/s = ~24 GFLOP/s, ~6.4 GB/s of packed
+ *     weights per core at 3.2 GHz (M-class P-core) and ~6-6.6 GB/s at 3.1-3.4 GHz
+ *     (Neoverse V2); about one core's share of the memory bandwidth on both.
+ *   4 tokens (gemv, one decode per group for all 4): 26 + 32 = 58 ops per
+ *     4 x 32 weight-token products -> ~17.7 FLOP/cycle, ~55 % of the 32 FLOP/cycle
+ *     fp32 FMA peak (102 GFLOP/s at 3.2 GHz).
+ *   panel_dot (many tokens): 16 fmla per 8 q loads in the 4 x 4 register block,
+ *     FMA-bound: ~80-90 % of peak if the 3 load ports keep up, the same on both.
+ */
+#ifndef MXFP4X_NEON_H
+#define MXFP4X_NEON_H
+
+#include "mxfp4x.h"
+
+#if MXFP4X_HAVE_NEON
+#include <arm_neon.h>
+
+#define MXFP4X_NEON_FN static
+#define MXFP4X_NEON_INLINE static inline MXFP4X_ALWAYS_INLINE
+
+/* Bits 31..24 and 23..16 of the float32 of E2M1 code c (bits 15..0 are zero);
+ * OCP MX v1.0 5.3.3.  Code 8 is -0.0 exactly. */
+static const uint8_t mxfp4x_neon_e2m1_b3[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                                0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
+static const uint8_t mxfp4x_neon_e2m1_b2[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
+                                                0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
+
+typedef struct {
+    uint8x16_t b3, b2, low_nibble;
+} mxfp4x_neon_tables;
+
+MXFP4X_NEON_INLINE mxfp4x_neon_tables mxfp4x_neon_load_tables(void) {
+    mxfp4x_neon_tables t;
+    t.b3 = vld1q_u8(mxfp4x_neon_e2m1_b3);
+    t.b2 = vld1q_u8(mxfp4x_neon_e2m1_b2);
+    t.low_nibble = vdupq_n_u8(0x0F);
+    return t;
+}
+
+/* 16 codes -> 16 float32 in code order, times the scale vs. */
+MXFP4X_NEON_INLINE void mxfp4x_neon_codes_f32(uint8x16_t codes, const mxfp4x_neon_tables *t,
+                                              float32x4_t vs, float32x4_t *w) {
+    const uint8x16_t b3 = vqtbl1q_u8(t->b3, codes), b2 = vqtbl1q_u8(t->b2, codes);
+    const uint16x8_t h0 = vreinterpretq_u16_u8(vzip1q_u8(b2, b3)); /* codes 0..7 */
+    const uint16x8_t h1 = vreinterpretq_u16_u8(vzip2q_u8(b2, b3)); /* codes 8..15 */
+    w[0] = vmulq_f32(vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h0), 16)), vs);
+    w[1] = vmulq_f32(vreinterpretq_f32_u32(vshll_high_n_u16(h0, 16)), vs);
+    w[2] = vmulq_f32(vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h1), 16)), vs);
+    w[3] = vmulq_f32(vreinterpretq_f32_u32(vshll_high_n_u16(h1, 16)), vs);
+}
+
+/* One group (16 bytes at b, scale byte s) -> w[0..7], layout-16 positions 4k..4k+3. */
+MXFP4X_NEON_INLINE void mxfp4x_decode_group_neon(const uint8_t *b, uint8_t s,
+                                                 const mxfp4x_neon_tables *t, float32x4_t *w) {
+    const uint8x16_t raw = vld1q_u8(b);
+    const float32x4_t vs = vld1q_dup_f32(&mxfp4x_e8m0_table.f[s]);
+    mxfp4x_neon_codes_f32(vandq_u8(raw, t->low_nibble), t, vs, w);
+    mxfp4x_neon_codes_f32(vshrq_n_u8(raw, 4), t, vs, w + 4);
+}
+
+/* a_j = fma(w_j, x_j, a_j) for the low half, then for the high half. */
+MXFP4X_NEON_INLINE void mxfp4x_neon_fma_group(const float32x4_t *w, const float *xg,
+                                              float32x4_t *a) {
+    int j;
+    for (j = 0; j < 4; j++) a[j] = vfmaq_f32(a[j], w[j], vld1q_f32(xg + 4 * j));
+    for (j = 0; j < 4; j++) a[j] = vfmaq_f32(a[j], w[4 + j], vld1q_f32(xg + 16 + 4 * j));
+}
+
+/* The fixed tree: (a0 + a2) + (a1 + a3), then lanes (l, l+2), then (0, 1). */
+MXFP4X_NEON_INLINE float mxfp4x_neon_hsum(const float32x4_t *a) {
+    const float32x4_t c = vaddq_f32(vaddq_f32(a[0], a[2]), vaddq_f32(a[1], a[3]));
+    const float32x2_t d = vadd_f32(vget_low_f32(c), vget_high_f32(c));
+    return vget_lane_f32(d, 0) + vget_lane_f32(d, 1);
+}
+
+MXFP4X_NEON_INLINE void mxfp4x_neon_zero4(float32x4_t *a) {
+    a[0] = a[1] = a[2] = a[3] = vdupq_n_f32(0.0f);
+}
+
+/* Fused decode + dot for one token: two rows at a time (8 independent FMA chains,
+ * 2 fmla each per group, hide the 4-cycle FMA latency behind the two decodes; 8
+ * accumulators + 8 latents + 8 weights + 3 tables fit the 32 q registers, where
+ * four rows spilled), each row with the single-row sequence. */
+MXFP4X_NEON_FN void mxfp4x_gemv1_f32_neon(const mxfp4x_rows *w, int64_t row_start,
+                                          int64_t row_end, const float *x, float *out) {
+    const mxfp4x_neon_tables t = mxfp4x_neon_load_tables();
+    const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    int64_t r = row_start, g;
+    int i;
+    float32x4_t wv[8];
+    for (; r + 2 <= row_end; r += 2) {
+        const uint8_t *b0 = w->blocks + r * sb;
+        const uint8_t *s0 = w->scales + r * ss;
+        float32x4_t a[2][4];
+        for (i = 0; i < 2; i++) mxfp4x_neon_zero4(a[i]);
+        for (g = 0; g < G; g++) {
+            const float *xg = x + g * MXFP4X_GROUP;
+            const int64_t ob = g * MXFP4X_GROUP_BYTES;
+            for (i = 0; i < 2; i++) {
+                mxfp4x_decode_group_neon(b0 + i * sb + ob, s0[i * ss + g], &t, wv);
+                mxfp4x_neon_fma_group(wv, xg, a[i]);
+            }
+        }
+        for (i = 0; i < 2; i++) out[r + i - row_start] = mxfp4x_neon_hsum(a[i]);
+    }
+    for (; r < row_end; r++) {
+        const uint8_t *b = w->blocks + r * sb;
+        const uint8_t *s = w->scales + r * ss;
+        float32x4_t a[4];
+        mxfp4x_neon_zero4(a);
+        for (g = 0; g < G; g++) {
+            mxfp4x_decode_group_neon(b + g * MXFP4X_GROUP_BYTES, s[g], &t, wv);
+            mxfp4x_neon_fma_group(wv, x + g * MXFP4X_GROUP, a);
+        }
+        out[r - row_start] = mxfp4x_neon_hsum(a);
+    }
+}
+
+/* 2..4 tokens: one row at a time, each group decoded once into registers and
+ * applied to every token (4 x NT accumulators, 8 weights, 3 tables: GCC 12 keeps
+ * all but ~5 q registers of a 4-token group in registers, the rest spill to L1). */
+#define MXFP4X_NEON_NT 4
+MXFP4X_NEON_INLINE void mxfp4x_gemv_tokens_neon(const mxfp4x_rows *w, int64_t row_start,
+                                                int64_t row_end, const float *const *xs,
+                                                int nt, float *out, int64_t out_stride) {
+    const mxfp4x_neon_tables t = mxfp4x_neon_load_tables();
+    const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    int64_t r, g;
+    int c;
+    float32x4_t wv[8];
+    for (r = row_start; r < row_end; r++) {
+        const uint8_t *b = w->blocks + r * sb;
+        const uint8_t *s = w->scales + r * ss;
+        float32x4_t a[MXFP4X_NEON_NT][4];
+        for (c = 0; c < MXFP4X_NEON_NT; c++) mxfp4x_neon_zero4(a[c]);
+        for (g = 0; g < G; g++) {
+            mxfp4x_decode_group_neon(b + g * MXFP4X_GROUP_BYTES, s[g], &t, wv);
+            for (c = 0; c < nt; c++) mxfp4x_neon_fma_group(wv, xs[c] + g * MXFP4X_GROUP, a[c]);
+        }
+        for (c = 0; c < nt; c++) out[c * out_stride + r - row_start] = mxfp4x_neon_hsum(a[c]);
+    }
+}
+
+/* The gemv/panel crossover: NOT MEASURED (no ARM hardware); the AVX2 value.  The NEON
+ * decode (26 ops per group) costs ~3 token-FMAs' worth, so panels should pay off early. */
+#define MXFP4X_NEON_GEMV_MAX_TOKENS 8
+/* Unmeasured (no ARM hardware): AVX2's task and panel sizes; Apple M and Neoverse V2 L2s
+ * (>= 1 MiB per core) hold a 384 KiB panel. */
+#define MXFP4X_NEON_TILE_ROWS 48
+#define MXFP4X_NEON_PANEL_BYTES (384 * 1024)
+
+MXFP4X_NEON_FN void mxfp4x_gemv_f32_neon(const mxfp4x_rows *w, int64_t row_start,
+                                         int64_t row_end, const float *x, int64_t x_stride,
+                                         const int64_t *x_rows, int64_t n_tok, float *out,
+                                         int64_t out_stride) {
+    int64_t t;
+    int c;
+    for (t = 0; t < n_tok; t += MXFP4X_NEON_NT) {
+        const int nt = n_tok - t < MXFP4X_NEON_NT ? (int)(n_tok - t) : MXFP4X_NEON_NT;
+        const float *xs[MXFP4X_NEON_NT];
+        float *o = out + t * out_stride;
+        for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
+        switch (nt) { /* constant token counts: accumulators stay in registers */
+        case 4: mxfp4x_gemv_tokens_neon(w, row_start, row_end, xs, 4, o, out_stride); break;
+        case 3: mxfp4x_gemv_tokens_neon(w, row_start, row_end, xs, 3, o, out_stride); break;
+        case 2: mxfp4x_gemv_tokens_neon(w, row_start, row_end, xs, 2, o, out_stride); break;
+        default: mxfp4x_gemv1_f32_neon(w, row_start, row_end, xs[0], o); break;
+        }
+    }
+}
+
+MXFP4X_NEON_FN void mxfp4x_decode_f32_neon(const mxfp4x_rows *w, int64_t row_start,
+                                           int64_t row_end, float *panel) {
+    const mxfp4x_neon_tables t = mxfp4x_neon_load_tables();
+    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
+    int64_t r, g;
+    int k;
+    float32x4_t wv[8];
+    for (r = row_start; r < row_end; r++) {
+        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
+        const uint8_t *s = w->scales + r * w->row_stride_scales;
+        float *p = panel + (r - row_start) * d_in;
+        for (g = 0; g < w->n_groups; g++) {
+            mxfp4x_decode_group_neon(b + g * MXFP4X_GROUP_BYTES, s[g], &t, wv);
+            for (k = 0; k < 8; k++) vst1q_f32(p + g * MXFP4X_GROUP + 4 * k, wv[k]);
+        }
+    }
+}
+
+/* ---- panel x tokens: register-blocked micro-kernel over k-chunks ----
+ *
+ * The four accumulators a_j of a (row, token) are independent chains (a_j sees
+ * positions p with p mod 16 in [4j, 4j+4)), so the block runs one j at a time:
+ * MR = 4 rows x NT = 4 tokens = 16 accumulators, 4 row and 4 token vectors per
+ * step (8 loads per 16 fmla), within the 32 q registers.  k runs in chunks of
+ * MXFP4X_NEON_KC floats so the 4 rows' chunk stays in L1 while the tokens stream
+ * past; between chunks (and j passes) the accumulators are parked unreduced in
+ * `scratch`, so every lane's sequence is exactly the unchunked one. */
+#define MXFP4X_NEON_KC 512
+#define MXFP4X_NEON_MR 4       /* panel rows per register block */
+#define MXFP4X_NEON_PT 4       /* tokens per register block */
+#define MXFP4X_NEON_TOKENS 32  /* tokens per super-block (bounds the scratch) */
+/* floats parked per block: 4 accumulators of 4 lanes per (row, token) */
+#define MXFP4X_NEON_BLOCK_FLOATS (MXFP4X_NEON_MR * MXFP4X_NEON_PT * 16)
+MXFP4X_STATIC_ASSERT(MXFP4X_NEON_TOKENS % MXFP4X_NEON_PT == 0, "whole token blocks");
+MXFP4X_STATIC_ASSERT(MXFP4X_NEON_KC % MXFP4X_GROUP == 0, "chunks of whole groups");
+
+static int64_t mxfp4x_panel_scratch_f32_neon(int64_t n_rows) {
+    return ((n_rows + MXFP4X_NEON_MR - 1) / MXFP4X_NEON_MR) *
+           (MXFP4X_NEON_TOKENS / MXFP4X_NEON_PT) * MXFP4X_NEON_BLOCK_FLOATS;
+}
+
+/* lanes[(r * PT + c) * 16 + 4 j + l]: lane l of a_j of (row r, token c). */
+MXFP4X_NEON_INLINE void mxfp4x_block_neon(const float *const *ps, int mr,
+                                          const float *const *xs, int nt, int64_t k0,
+                                          int64_t k1, float *lanes) {
+    float32x4_t a[MXFP4X_NEON_MR][MXFP4X_NEON_PT];
+    int r, c, j;
+    int64_t i;
+    for (j = 0; j < 4; j++) {
+        for (r = 0; r < MXFP4X_NEON_MR; r++)
+            for (c = 0; c < MXFP4X_NEON_PT; c++)
+                a[r][c] = (r < mr && c < nt)
+                              ? vld1q_f32(lanes + (r * MXFP4X_NEON_PT + c) * 16 + 4 * j)
+                              : vdupq_n_f32(0.0f);
+        for (i = k0 + 4 * j; i < k1; i += 16) {
+            float32x4_t wv[MXFP4X_NEON_MR], xv[MXFP4X_NEON_PT];
+            for (r = 0; r < mr; r++) wv[r] = vld1q_f32(ps[r] + i);
+            for (c = 0; c < nt; c++) xv[c] = vld1q_f32(xs[c] + i);
+            for (r = 0; r < mr; r++)
+                for (c = 0; c < nt; c++) a[r][c] = vfmaq_f32(a[r][c], wv[r], xv[c]);
+        }
+        for (r = 0; r < mr; r++)
+            for (c = 0; c < nt; c++)
+                vst1q_f32(lanes + (r * MXFP4X_NEON_PT + c) * 16 + 4 * j, a[r][c]);
+    }
+}
+
+/* Specialised by (mr, nt) at compile time through the constant arguments. */
+MXFP4X_NEON_FN void mxfp4x_block_dispatch_neon(const float *const *ps, int mr,
+                                               const float *const *xs, int nt, int64_t k0,
+                                               int64_t k1, float *lanes) {
+#define MXFP4X_NEON_CASE(M, N)                                                             \
+    case (M) * 8 + (N): mxfp4x_block_neon(ps, M, xs, N, k0, k1, lanes); break;
+    switch (mr * 8 + nt) {
+        MXFP4X_NEON_CASE(4, 4) MXFP4X_NEON_CASE(4, 3) MXFP4X_NEON_CASE(4, 2)
+        MXFP4X_NEON_CASE(4, 1) MXFP4X_NEON_CASE(3, 4) MXFP4X_NEON_CASE(3, 3)
+        MXFP4X_NEON_CASE(3, 2) MXFP4X_NEON_CASE(3, 1) MXFP4X_NEON_CASE(2, 4)
+        MXFP4X_NEON_CASE(2, 3) MXFP4X_NEON_CASE(2, 2) MXFP4X_NEON_CASE(2, 1)
+        MXFP4X_NEON_CASE(1, 4) MXFP4X_NEON_CASE(1, 3) MXFP4X_NEON_CASE(1, 2)
+        MXFP4X_NEON_CASE(1, 1)
+        default: break;
+    }
+#undef MXFP4X_NEON_CASE
+}
+
+MXFP4X_NEON_FN void mxfp4x_panel_dot_f32_neon(const float *panel, int64_t n_rows,
+                                              int64_t n_groups, const float *x, int64_t x_stride,
+                                              const int64_t *x_rows, int64_t n_tok, float *out,
+                                              int64_t out_stride, float *scratch) {
+    const int64_t d_in = n_groups * MXFP4X_GROUP;
+    int64_t t0, k0, r, t;
+    int c, rr;
+    if (d_in == 0) { /* empty dot products: the k loop below would write nothing */
+        for (t = 0; t < n_tok; t++)
+            for (r = 0; r < n_rows; r++) out[t * out_stride + r] = 0.0f;
+        return;
+    }
+    for (t0 = 0; t0 < n_tok; t0 += MXFP4X_NEON_TOKENS) {
+        const int64_t t1 = t0 + MXFP4X_NEON_TOKENS < n_tok ? t0 + MXFP4X_NEON_TOKENS : n_tok;
+        for (k0 = 0; k0 < d_in; k0 += MXFP4X_NEON_KC) {
+            const int64_t k1 = k0 + MXFP4X_NEON_KC < d_in ? k0 + MXFP4X_NEON_KC : d_in;
+            for (r = 0; r < n_rows; r += MXFP4X_NEON_MR) {
+                const int mr = n_rows - r < MXFP4X_NEON_MR ? (int)(n_rows - r) : MXFP4X_NEON_MR;
+                const float *ps[MXFP4X_NEON_MR];
+                for (rr = 0; rr < MXFP4X_NEON_MR; rr++)
+                    ps[rr] = panel + (r + (rr < mr ? rr : 0)) * d_in;
+                for (t = t0; t < t1; t += MXFP4X_NEON_PT) {
+                    const int nt = t1 - t < MXFP4X_NEON_PT ? (int)(t1 - t) : MXFP4X_NEON_PT;
+                    const float *xs[MXFP4X_NEON_PT];
+                    float *lb = scratch + ((r / MXFP4X_NEON_MR) *
+                                               (MXFP4X_NEON_TOKENS / MXFP4X_NEON_PT) +
+                                           (t - t0) / MXFP4X_NEON_PT) *
+                                              MXFP4X_NEON_BLOCK_FLOATS;
+                    for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
+                    if (k0 == 0) memset(lb, 0, MXFP4X_NEON_BLOCK_FLOATS * sizeof(float));
+                    mxfp4x_block_dispatch_neon(ps, mr, xs, nt, k0, k1, lb);
+                    if (k1 == d_in)
+                        for (rr = 0; rr < mr; rr++)
+                            for (c = 0; c < nt; c++) {
+                                const float *l = lb + (rr * MXFP4X_NEON_PT + c) * 16;
+                                float32x4_t a[4];
+                                int j;
+                                for (j = 0; j < 4; j++) a[j] = vld1q_f32(l + 4 * j);
+                                out[(t + c) * out_stride + r + rr] = mxfp4x_neon_hsum(a);
+                            }
+                }
+            }
+        }
+    }
+}
+
+/* dst[j] += sum_r coef[r] * panel[r][j], r ascending, one fmla per term: 64 columns in
+ * 16 accumulators while the rows stream past; tails of 4 columns, then of 1 (the
+ * same fused multiply-add in lane 0). */
+MXFP4X_NEON_FN void mxfp4x_axpy_rows_f32_neon(const float *panel, int64_t n_rows,
+                                              int64_t width, const float *coef, float *dst) {
+    int64_t j = 0, r;
+    int c;
+    for (; j + 64 <= width; j += 64) {
+        float32x4_t a[16];
+        for (c = 0; c < 16; c++) a[c] = vld1q_f32(dst + j + 4 * c);
+        for (r = 0; r < n_rows; r++) {
+            const float32x4_t cf = vdupq_n_f32(coef[r]);
+            const float *p = panel + r * width + j;
+            for (c = 0; c < 16; c++) a[c] = vfmaq_f32(a[c], cf, vld1q_f32(p + 4 * c));
+        }
+        for (c = 0; c < 16; c++) vst1q_f32(dst + j + 4 * c, a[c]);
+    }
+    for (; j + 4 <= width; j += 4) {
+        float32x4_t a = vld1q_f32(dst + j);
+        for (r = 0; r < n_rows; r++)
+            a = vfmaq_f32(a, vdupq_n_f32(coef[r]), vld1q_f32(panel + r * width + j));
+        vst1q_f32(dst + j, a);
+    }
+    for (; j < width; j++) {
+        float32x4_t a = vdupq_n_f32(dst[j]);
+        for (r = 0; r < n_rows; r++)
+            a = vfmaq_f32(a, vdupq_n_f32(coef[r]), vdupq_n_f32(panel[r * width + j]));
+        dst[j] = vgetq_lane_f32(a, 0);
+    }
+}
+
+/* Roofline: 16 independent fmla chains (4 pipes x 4-cycle latency). */
+MXFP4X_NEON_FN float mxfp4x_fma_loop_neon(int64_t iters, float seed, int64_t *flops) {
+    float32x4_t a[16];
+    const float32x4_t m = vdupq_n_f32(0.999999f), c = vdupq_n_f32(1e-7f);
+    int64_t i;
+    int j;
+    for (j = 0; j < 16; j++) a[j] = vdupq_n_f32(seed + (float)j);
+    for (i = 0; i < iters; i++)
+        for (j = 0; j < 16; j++) a[j] = vfmaq_f32(c, a[j], m);
+    for (j = 1; j < 16; j++) a[0] = vaddq_f32(a[0], a[j]);
+    *flops = iters * 16 * 4 * 2;
+    return vgetq_lane_f32(a[0], 0);
+}
+
+#endif /* MXFP4X_HAVE_NEON */
+#endif /* MXFP4X_NEON_H */

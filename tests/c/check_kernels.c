@@ -1,0 +1,612 @@
+/* tests/c/check_kernels.c -- the kernel table of this build, checked at the C level.
+ *
+ * Generic over include/mxfp4x/dispatch.h: whatever entries the build compiled
+ * (scalar, avx2, avx512 on x86-64; neon, scalar on aarch64; ...) are checked, so the
+ * same file runs natively, cross-compiled for aarch64 under qemu-aarch64
+ * (tests/test_c_kernels.py) and in any other configuration of the headers.
+ *
+ * Per ISA (every runnable entry, or those named on the command line):
+ *   decode          all 256 bytes x 256 scale bytes, bit for bit against the definition
+ *                   (E2M1 x 2^(s-127), NaN for s = 255), through the entry's layout
+ *   gemv            against a float64 reference, within the documented bound
+ *                   (mxfp4x/_reference.py error_bound, float32 accumulation)
+ *   panel_dot       decode + panel_dot, the same
+ *   batch           bit-identity of every (row, token): one-token gemv calls, one
+ *                   several-token call, two calls on split row ranges (thread split),
+ *                   decode + panel_dot
+ *   axpy_rows       against float64, within the bound; a column sub-range has the
+ *                   same bits (vector body and tails agree)
+ *   fz              flush-to-zero set by the caller (MXCSR FTZ|DAZ on x86-64, FPCR.FZ
+ *                   on AArch64): under mxfp4x_fpenv_enter the scale byte 0 (2^-127)
+ *                   still decodes and multiplies exactly; _exit restores the caller's
+ *                   register bit for bit
+ *   fma_loop        runs, counts its flops, returns a finite value
+ * Cases: odd sizes (0..90 groups, chunk-crossing widths, row counts off every block
+ * size, row_start > 0), 1..70 tokens through permuted rows, padded row / latent /
+ * output strides; fixed seeds.
+ *
+ * Output: one line per (isa, check): "<isa> <check> <digest> ok|FAIL [detail]", the
+ * digest a 64-bit FNV-1a of the output bits of the check's fixed-seed cases (NaN
+ * hashed as one canonical NaN), so two builds of one ISA compare bit for bit; decode
+ * digests are in natural element order and so equal across ISAs.  Lines starting
+ * with '#' are information.  Exit status 1 on any failure, 2 on a usage error.
+ *
+ * Usage:  check_kernels [--list] [ISA...]
+ *   --list   print "<name> runnable|not-runnable" per compiled entry, nothing else
+ * Build:  cc -O2 -std=c11 -ffp-contract=off -Iinclude tests/c/check_kernels.c -lm
+ *         (no -march, no fast-math: the SIMD code sits behind target attributes)
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mxfp4x/dispatch.h"
+
+static int failures = 0;
+
+/* ---- deterministic inputs: splitmix64 ------------------------------------------- */
+
+static uint64_t rng_state;
+
+static void seed(uint64_t s) { rng_state = s * 0x9E3779B97F4A7C15ull + 1; }
+
+static uint64_t next_u64(void) {
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* A float in (-2, 2) with a full 24-bit significand (exact integer arithmetic, so
+ * every platform draws the same bits). */
+static float next_float(void) {
+    const int32_t m = (int32_t)(next_u64() >> 40) - (1 << 23);
+    return (float)m / (float)(1 << 22);
+}
+
+/* ---- digest ------------------------------------------------------------------------ */
+
+typedef struct {
+    uint64_t h;
+} digest;
+
+static void digest_init(digest *d) { d->h = 0xCBF29CE484222325ull; }
+
+static void digest_u32(digest *d, uint32_t v) {
+    int i;
+    for (i = 0; i < 4; i++) {
+        d->h ^= (v >> (8 * i)) & 0xFFu;
+        d->h *= 0x100000001B3ull;
+    }
+}
+
+static uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static void digest_f32(digest *d, float f) {
+    digest_u32(d, f != f ? 0x7FC00000u : f32_bits(f));
+}
+
+static void report(const char *isa, const char *check, const digest *d, int ok,
+                   const char *detail) {
+    printf("%-7s %-10s %016llx %s%s%s\n", isa, check, (unsigned long long)d->h,
+           ok ? "ok" : "FAIL", detail && *detail ? " " : "", detail ? detail : "");
+    if (!ok) failures++;
+}
+
+static void *xcalloc(size_t n, size_t size) {
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    return p;
+}
+
+/* ---- the definition ---------------------------------------------------------------- */
+
+/* Element i (natural order) of a row of `n_groups` groups, as the spec defines it. */
+static double weight_ref(const uint8_t *blocks, const uint8_t *scales, int64_t i) {
+    const int64_t g = i / MXFP4X_GROUP, j = i % MXFP4X_GROUP;
+    const uint8_t b = blocks[g * MXFP4X_GROUP_BYTES + j / 2];
+    const int code = (j & 1) ? b >> 4 : b & 0xF;
+    const uint8_t s = scales[g];
+    if (s == MXFP4X_E8M0_NAN) return NAN;
+    return ldexp((double)mxfp4x_e2m1_f32[code], (int)s - MXFP4X_E8M0_BIAS);
+}
+
+/* mxfp4x/_reference.py error_bound(magnitude, n_terms, "float32"). */
+static double error_bound(double magnitude, int64_t n_terms) {
+    const double u = ldexp(1.0, -24), n = (double)n_terms;
+    return n * u / (1 - n * u) * magnitude + n * ldexp(1.0, -150);
+}
+
+/* ---- decode: every byte x every scale byte, bit for bit ------------------------- */
+
+static void check_decode(const mxfp4x_kernels *k) {
+    /* row s: 16 groups holding the bytes 0..255 in order, all with scale byte s */
+    const int64_t G = 16, d_in = G * MXFP4X_GROUP;
+    uint8_t *blocks = xcalloc(256 * 256, 1), *scales = xcalloc(256 * G, 1);
+    float *panel = xcalloc(256 * d_in, sizeof(float));
+    mxfp4x_rows rows;
+    digest d;
+    int64_t s, i, bad = 0;
+    char detail[160] = "";
+    for (s = 0; s < 256; s++) {
+        for (i = 0; i < 256; i++) blocks[s * 256 + i] = (uint8_t)i;
+        for (i = 0; i < G; i++) scales[s * G + i] = (uint8_t)s;
+    }
+    rows.blocks = blocks;
+    rows.scales = scales;
+    rows.row_stride_blocks = 256;
+    rows.row_stride_scales = G;
+    rows.n_groups = G;
+    k->decode_f32(&rows, 0, 256, panel);
+    digest_init(&d);
+    for (s = 0; s < 256; s++)
+        for (i = 0; i < d_in; i++) {
+            const float got = panel[s * d_in + mxfp4x_layout_pos(i, k->layout_half)];
+            const double want = weight_ref(blocks + s * 256, scales + s * G, i);
+            const int ok = want != want ? got != got : f32_bits(got) == f32_bits((float)want);
+            digest_f32(&d, got);
+            if (!ok && bad++ == 0)
+                snprintf(detail, sizeof detail, "first mismatch: scale %d byte %d %s: got %a, "
+                         "want %a", (int)s, (int)((i / 32) * 16 + (i % 32) / 2),
+                         (i & 1) ? "hi" : "lo", (double)got, want);
+    }
+    if (bad) snprintf(detail + strlen(detail), sizeof detail - strlen(detail), " (%lld bad)",
+                      (long long)bad);
+    report(k->name, "decode", &d, bad == 0, detail);
+    free(blocks);
+    free(scales);
+    free(panel);
+}
+
+/* ---- gemv / panel_dot / batch invariance --------------------------------------------- */
+
+typedef struct {
+    int64_t n_rows, row_start, n_groups, n_tok;
+} mv_case;
+
+static const mv_case mv_cases[] = {
+    {1, 0, 1, 1},   {5, 1, 3, 2},   {13, 2, 17, 3},  {50, 3, 5, 70}, {9, 0, 40, 9},
+    {37, 5, 2, 33}, {6, 0, 16, 4},  {64, 0, 3, 5},   {4, 0, 0, 5},   {48, 0, 90, 12},
+    {11, 4, 7, 1},  {23, 0, 1, 64}, {3, 0, 33, 7},
+};
+#define N_MV_CASES ((int)(sizeof mv_cases / sizeof mv_cases[0]))
+
+typedef struct {
+    digest gemv, panel, batch;
+    int gemv_ok, panel_ok, batch_ok;
+    double gemv_worst, panel_worst;
+    char gemv_why[200], panel_why[200], batch_why[200];
+} mv_result;
+
+static void compare_bound(const float *got, const double *ref, const double *mag,
+                          int64_t n_terms, int64_t n_tok, int64_t n_out, int64_t out_stride,
+                          digest *d, int *ok, double *worst, char *why, const char *what,
+                          int case_no) {
+    int64_t t, r;
+    for (t = 0; t < n_tok; t++)
+        for (r = 0; r < n_out; r++) {
+            const float g = got[t * out_stride + r];
+            const double want = ref[t * n_out + r];
+            const double bound = error_bound(mag[t * n_out + r], n_terms);
+            const double err = fabs((double)g - want);
+            digest_f32(d, g);
+            if (bound > 0 && err / bound > *worst) *worst = err / bound;
+            if (!(err <= bound) && *ok) {
+                *ok = 0;
+                snprintf(why, 200, "case %d %s row %lld token %lld: got %.9g want %.17g "
+                         "bound %.3g", case_no, what, (long long)r, (long long)t, (double)g,
+                         want, bound);
+            }
+        }
+}
+
+static void compare_bits(const float *a, const float *b, int64_t n_tok, int64_t n_out,
+                         int64_t out_stride, digest *d, int *ok, char *why, const char *what,
+                         int case_no) {
+    int64_t t, r;
+    for (t = 0; t < n_tok; t++)
+        for (r = 0; r < n_out; r++) {
+            const uint32_t x = f32_bits(a[t * out_stride + r]);
+            const uint32_t y = f32_bits(b[t * out_stride + r]);
+            digest_u32(d, y);
+            if (x != y && *ok) {
+                *ok = 0;
+                snprintf(why, 200, "case %d %s row %lld token %lld: %08x vs gemv %08x",
+                         case_no, what, (long long)r, (long long)t, (unsigned)y, (unsigned)x);
+            }
+        }
+}
+
+static void run_mv_case(const mxfp4x_kernels *k, int case_no, mv_result *res) {
+    const mv_case *c = &mv_cases[case_no];
+    const int64_t G = c->n_groups, d_in = G * MXFP4X_GROUP;
+    const int64_t n_rows = c->n_rows, row_start = c->row_start, row_end = c->n_rows;
+    const int64_t n_out = row_end - row_start, n_tok = c->n_tok;
+    const int64_t sb = G * MXFP4X_GROUP_BYTES + 16 * 3 + 5, ss = G + 7;
+    const int64_t n_x = n_tok + 5, x_stride = d_in + 12, out_stride = n_out + 3;
+    uint8_t *blocks = xcalloc(n_rows * sb, 1), *scales = xcalloc(n_rows * ss, 1);
+    float *x_nat = xcalloc(n_x * d_in, sizeof(float));
+    float *x = xcalloc(n_x * x_stride, sizeof(float));
+    int64_t *x_rows = xcalloc(n_tok, sizeof(int64_t));
+    double *ref = xcalloc(n_tok * n_out, sizeof(double));
+    double *mag = xcalloc(n_tok * n_out, sizeof(double));
+    double *w_nat = xcalloc(n_out * d_in, sizeof(double));
+    float *out_multi = xcalloc(n_tok * out_stride, sizeof(float));
+    float *out_one = xcalloc(n_tok * out_stride, sizeof(float));
+    float *out_split = xcalloc(n_tok * out_stride, sizeof(float));
+    float *out_panel = xcalloc(n_tok * out_stride, sizeof(float));
+    float *panel = xcalloc(n_out * d_in, sizeof(float));
+    float *scratch = xcalloc((size_t)k->panel_scratch_floats(n_out) + 1, sizeof(float));
+    mxfp4x_rows rows;
+    int64_t r, t, i;
+    const int64_t mid = row_start + n_out / 2 + (n_out > 2 ? 1 : 0);
+
+    seed(1000 + (uint64_t)case_no);
+    for (i = 0; i < n_rows * sb; i++) blocks[i] = (uint8_t)next_u64();
+    for (i = 0; i < n_rows * ss; i++) {
+        const uint64_t u = next_u64();
+        /* mostly moderate scales; now and then 0 (2^-127, subnormal weights) */
+        scales[i] = (u & 63) == 0 ? 0 : (uint8_t)(118 + (u >> 8) % 17);
+    }
+    for (i = 0; i < n_x * d_in; i++) x_nat[i] = next_float();
+    for (t = 0; t < n_x; t++)
+        for (i = 0; i < d_in; i++)
+            x[t * x_stride + mxfp4x_layout_pos(i, k->layout_half)] = x_nat[t * d_in + i];
+    for (t = 0; t < n_tok; t++) x_rows[t] = (t * 7 + 3) % n_x;
+    for (i = 0; i < n_tok * out_stride; i++)
+        out_multi[i] = out_one[i] = out_split[i] = out_panel[i] = -1.0f;
+
+    /* the float64 reference and the magnitude sum |W||x| */
+    for (r = row_start; r < row_end; r++)
+        for (i = 0; i < d_in; i++)
+            w_nat[(r - row_start) * d_in + i] = weight_ref(blocks + r * sb, scales + r * ss, i);
+    for (t = 0; t < n_tok; t++)
+        for (r = 0; r < n_out; r++) {
+            const float *xt = x_nat + x_rows[t] * d_in;
+            double s = 0, m = 0;
+            for (i = 0; i < d_in; i++) {
+                s += w_nat[r * d_in + i] * xt[i];
+                m += fabs(w_nat[r * d_in + i] * xt[i]);
+            }
+            ref[t * n_out + r] = s;
+            mag[t * n_out + r] = m;
+        }
+
+    rows.blocks = blocks;
+    rows.scales = scales;
+    rows.row_stride_blocks = sb;
+    rows.row_stride_scales = ss;
+    rows.n_groups = G;
+    /* several tokens in one call; one call per token; two row ranges (a thread split) */
+    k->gemv_f32(&rows, row_start, row_end, x, x_stride, x_rows, n_tok, out_multi, out_stride);
+    for (t = 0; t < n_tok; t++)
+        k->gemv_f32(&rows, row_start, row_end, x, x_stride, x_rows + t, 1,
+                    out_one + t * out_stride, out_stride);
+    k->gemv_f32(&rows, row_start, mid, x, x_stride, x_rows, n_tok, out_split, out_stride);
+    k->gemv_f32(&rows, mid, row_end, x, x_stride, x_rows, n_tok, out_split + (mid - row_start),
+                out_stride);
+    /* decode + panel_dot */
+    k->decode_f32(&rows, row_start, row_end, panel);
+    k->panel_dot_f32(panel, n_out, G, x, x_stride, x_rows, n_tok, out_panel, out_stride,
+                     scratch);
+
+    compare_bound(out_multi, ref, mag, d_in, n_tok, n_out, out_stride, &res->gemv,
+                  &res->gemv_ok, &res->gemv_worst, res->gemv_why, "gemv", case_no);
+    compare_bound(out_panel, ref, mag, d_in, n_tok, n_out, out_stride, &res->panel,
+                  &res->panel_ok, &res->panel_worst, res->panel_why, "panel_dot", case_no);
+    compare_bits(out_multi, out_one, n_tok, n_out, out_stride, &res->batch, &res->batch_ok,
+                 res->batch_why, "one-token gemv", case_no);
+    compare_bits(out_multi, out_split, n_tok, n_out, out_stride, &res->batch, &res->batch_ok,
+                 res->batch_why, "split-rows gemv", case_no);
+    compare_bits(out_multi, out_panel, n_tok, n_out, out_stride, &res->batch, &res->batch_ok,
+                 res->batch_why, "panel_dot", case_no);
+
+    free(blocks); free(scales); free(x_nat); free(x); free(x_rows); free(ref); free(mag);
+    free(w_nat); free(out_multi); free(out_one); free(out_split); free(out_panel);
+    free(panel); free(scratch);
+}
+
+static void check_mv(const mxfp4x_kernels *k) {
+    mv_result res;
+    int i;
+    char detail[260];
+    memset(&res, 0, sizeof res);
+    digest_init(&res.gemv);
+    digest_init(&res.panel);
+    digest_init(&res.batch);
+    res.gemv_ok = res.panel_ok = res.batch_ok = 1;
+    for (i = 0; i < N_MV_CASES; i++) run_mv_case(k, i, &res);
+    snprintf(detail, sizeof detail, "worst err/bound %.3g%s%s", res.gemv_worst,
+             *res.gemv_why ? " " : "", res.gemv_why);
+    report(k->name, "gemv", &res.gemv, res.gemv_ok, detail);
+    snprintf(detail, sizeof detail, "worst err/bound %.3g%s%s", res.panel_worst,
+             *res.panel_why ? " " : "", res.panel_why);
+    report(k->name, "panel_dot", &res.panel, res.panel_ok, detail);
+    report(k->name, "batch", &res.batch, res.batch_ok, res.batch_why);
+}
+
+/* ---- axpy_rows ---------------------------------------------------------------------- */
+
+static void check_axpy(const mxfp4x_kernels *k) {
+    static const int64_t cases[][2] = {{1, 1},  {3, 5},   {32, 256}, {7, 87},
+                                       {17, 133}, {0, 10}, {9, 151},  {2, 64}};
+    const int n_cases = (int)(sizeof cases / sizeof cases[0]);
+    digest d;
+    int ok = 1, ci;
+    double worst = 0;
+    char why[200] = "", detail[260];
+    digest_init(&d);
+    for (ci = 0; ci < n_cases; ci++) {
+        const int64_t n_rows = cases[ci][0], width = cases[ci][1], off = 1;
+        const int64_t sub = width - off;
+        float *panel = xcalloc(n_rows * width, sizeof(float));
+        float *sub_panel = xcalloc(n_rows * sub, sizeof(float));
+        float *coef = xcalloc(n_rows, sizeof(float));
+        float *dst = xcalloc(width, sizeof(float)), *dst0 = xcalloc(width, sizeof(float));
+        float *dst_sub = xcalloc(sub, sizeof(float));
+        int64_t r, j;
+        seed(5000 + (uint64_t)ci);
+        for (j = 0; j < n_rows * width; j++) panel[j] = next_float();
+        for (r = 0; r < n_rows; r++) coef[r] = next_float();
+        for (j = 0; j < width; j++) dst[j] = dst0[j] = next_float();
+        for (r = 0; r < n_rows; r++)
+            for (j = 0; j < sub; j++) sub_panel[r * sub + j] = panel[r * width + off + j];
+        for (j = 0; j < sub; j++) dst_sub[j] = dst0[off + j];
+        k->axpy_rows_f32(panel, n_rows, width, coef, dst);
+        k->axpy_rows_f32(sub_panel, n_rows, sub, coef, dst_sub);
+        for (j = 0; j < width; j++) {
+            double s = dst0[j], m = fabs((double)dst0[j]), err, bound;
+            for (r = 0; r < n_rows; r++) {
+                s += (double)coef[r] * panel[r * width + j];
+                m += fabs((double)coef[r] * panel[r * width + j]);
+            }
+            err = fabs((double)dst[j] - s);
+            bound = error_bound(m, n_rows + 1);
+            digest_f32(&d, dst[j]);
+            if (bound > 0 && err / bound > worst) worst = err / bound;
+            if (!(err <= bound) && ok) {
+                ok = 0;
+                snprintf(why, sizeof why, "case %d column %lld: got %.9g want %.17g", ci,
+                         (long long)j, (double)dst[j], s);
+            }
+            if (j >= off && f32_bits(dst_sub[j - off]) != f32_bits(dst[j]) && ok) {
+                ok = 0;
+                snprintf(why, sizeof why, "case %d column %lld: %08x at offset %lld, %08x in "
+                         "the full call", ci, (long long)j, (unsigned)f32_bits(dst_sub[j - off]),
+                         (long long)off, (unsigned)f32_bits(dst[j]));
+            }
+        }
+        free(panel); free(sub_panel); free(coef); free(dst); free(dst0); free(dst_sub);
+    }
+    snprintf(detail, sizeof detail, "worst err/bound %.3g%s%s", worst, *why ? " " : "", why);
+    report(k->name, "axpy_rows", &d, ok, detail);
+}
+
+/* ---- flush-to-zero -------------------------------------------------------------------- */
+
+#if MXFP4X_ARCH_X86_64
+#define FZ_NAME "MXCSR"
+#define FZ_BITS (MXFP4X_MXCSR_FTZ | MXFP4X_MXCSR_DAZ)
+#define FZ_MUST FZ_BITS
+static unsigned long long fz_read(void) { return _mm_getcsr(); }
+static void fz_write(unsigned long long v) { _mm_setcsr((unsigned int)v); }
+#define HAVE_FZ 1
+#elif (defined(__aarch64__) || defined(__arm64__)) && MXFP4X_GNUC
+#define FZ_NAME "FPCR"
+#define FZ_BITS MXFP4X_FPCR_FZ
+#define FZ_MUST (1ull << 24) /* FZ; FIZ (bit 0) reads back 0 without FEAT_AFP (QEMU 7.2) */
+static unsigned long long fz_read(void) {
+    unsigned long long v;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(v) : : "memory");
+    return v;
+}
+static void fz_write(unsigned long long v) {
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(v) : "memory");
+}
+#define HAVE_FZ 1
+#else
+#define HAVE_FZ 0
+#endif
+
+#if HAVE_FZ
+/* Every kernel on a row of scale byte 0 (2^-127: decoded weights 2^-128 .. 1.5*2^-125,
+ * float32 subnormals or tiny normals): all products and sums are exact, so the
+ * results must equal the float64 values in any order of operations. */
+#define FZ_G 2
+#define FZ_D (FZ_G * MXFP4X_GROUP)
+typedef struct {
+    float panel[FZ_D], gemv1, gemv2[2], dot[2], axpy[FZ_D];
+} fz_out;
+
+static void fz_run(const mxfp4x_kernels *k, const mxfp4x_rows *rows, const float *x,
+                   const int64_t *x_rows, const float *coef, fz_out *o) {
+    float *scratch = xcalloc((size_t)k->panel_scratch_floats(1) + 1, sizeof(float));
+    int j;
+    k->decode_f32(rows, 0, 1, o->panel);
+    k->gemv_f32(rows, 0, 1, x, FZ_D, x_rows, 1, &o->gemv1, 1);
+    k->gemv_f32(rows, 0, 1, x, FZ_D, x_rows, 2, o->gemv2, 1);
+    k->panel_dot_f32(o->panel, 1, FZ_G, x, FZ_D, x_rows, 2, o->dot, 1, scratch);
+    for (j = 0; j < FZ_D; j++) o->axpy[j] = 0.0f;
+    k->axpy_rows_f32(o->panel, 1, FZ_D, coef, o->axpy);
+    free(scratch);
+}
+
+static void check_fz(const mxfp4x_kernels *k) {
+    uint8_t blocks[FZ_G * MXFP4X_GROUP_BYTES], scales[FZ_G] = {0, 0};
+    float x[2 * FZ_D], coef[1] = {0.75f};
+    int64_t x_rows[2] = {0, 1};
+    double want_w[FZ_D], want_dot[2] = {0, 0};
+    mxfp4x_rows rows;
+    fz_out guarded, bare;
+    unsigned long long before, caller, inside = 0, after;
+    mxfp4x_fpenv env;
+    int i, ok = 1, flushed_bare = 0;
+    digest d;
+    char why[240] = "";
+    for (i = 0; i < FZ_G * MXFP4X_GROUP_BYTES; i++) blocks[i] = (uint8_t)(i * 37 + 11);
+    for (i = 0; i < FZ_D; i++) {
+        x[i] = 1.0f;
+        x[FZ_D + i] = (i & 1) ? 0.75f : -1.25f;
+    }
+    rows.blocks = blocks;
+    rows.scales = scales;
+    rows.row_stride_blocks = sizeof blocks;
+    rows.row_stride_scales = FZ_G;
+    rows.n_groups = FZ_G;
+    for (i = 0; i < FZ_D; i++) want_w[i] = weight_ref(blocks, scales, i);
+    for (i = 0; i < FZ_D; i++) {
+        const int p = (int)mxfp4x_layout_pos(i, k->layout_half);
+        want_dot[0] += want_w[i] * x[p];
+        want_dot[1] += want_w[i] * x[FZ_D + p];
+    }
+
+    before = fz_read();
+    fz_write(before | FZ_BITS); /* the caller turned flush-to-zero on */
+    caller = fz_read();
+    fz_run(k, &rows, x, x_rows, coef, &bare); /* control: no guard */
+    env = mxfp4x_fpenv_enter();
+    inside = fz_read();
+    fz_run(k, &rows, x, x_rows, coef, &guarded);
+    mxfp4x_fpenv_exit(env);
+    after = fz_read();
+    fz_write(before);
+
+    digest_init(&d);
+    for (i = 0; i < FZ_D; i++) {
+        const int p = (int)mxfp4x_layout_pos(i, k->layout_half);
+        digest_f32(&d, guarded.panel[p]);
+        if (f32_bits(guarded.panel[p]) != f32_bits((float)want_w[i]) && ok) {
+            ok = 0;
+            snprintf(why, sizeof why, "decode element %d: %a, want %a", i,
+                     (double)guarded.panel[p], want_w[i]);
+        }
+        if (guarded.axpy[p] != (float)(0.75 * want_w[i]) && ok) {
+            ok = 0;
+            snprintf(why, sizeof why, "axpy_rows column %d: %a, want %a", i,
+                     (double)guarded.axpy[p], 0.75 * want_w[i]);
+        }
+        if (want_w[i] != 0 && bare.panel[p] == 0) flushed_bare = 1;
+    }
+    digest_f32(&d, guarded.gemv1);
+    digest_f32(&d, guarded.gemv2[0]);
+    digest_f32(&d, guarded.gemv2[1]);
+    digest_f32(&d, guarded.dot[0]);
+    digest_f32(&d, guarded.dot[1]);
+    if (ok && (guarded.gemv1 != (float)want_dot[0] || guarded.gemv2[0] != (float)want_dot[0] ||
+               guarded.gemv2[1] != (float)want_dot[1] || guarded.dot[0] != (float)want_dot[0] ||
+               guarded.dot[1] != (float)want_dot[1])) {
+        ok = 0;
+        snprintf(why, sizeof why, "dots %a %a %a %a %a, want %a %a", (double)guarded.gemv1,
+                 (double)guarded.gemv2[0], (double)guarded.gemv2[1], (double)guarded.dot[0],
+                 (double)guarded.dot[1], want_dot[0], want_dot[1]);
+    }
+    if (want_dot[0] == 0 || fabs(want_dot[0]) >= ldexp(1.0, -120)) {
+        ok = 0; /* the case itself must be tiny and nonzero */
+        snprintf(why, sizeof why, "bad case: want %a", want_dot[0]);
+    }
+    if ((caller & FZ_MUST) != FZ_MUST || (inside & FZ_BITS) != 0 || after != caller) {
+        ok = 0;
+        snprintf(why, sizeof why, FZ_NAME " caller %#llx inside %#llx after %#llx", caller,
+                 inside, after);
+    }
+    {
+        char detail[320];
+        snprintf(detail, sizeof detail, "(%s %#llx -> %#llx in the guard -> %#llx; unguarded "
+                 "control %s)%s%s", FZ_NAME, caller, inside, after,
+                 flushed_bare ? "flushed" : "NOT flushed", *why ? " " : "", why);
+        report(k->name, "fz", &d, ok, detail);
+    }
+}
+#else
+static void check_fz(const mxfp4x_kernels *k) {
+    digest d;
+    digest_init(&d);
+    report(k->name, "fz", &d, 1, "(skipped: no flush-to-zero control known on this "
+           "architecture)");
+}
+#endif
+
+static void check_fma_loop(const mxfp4x_kernels *k) {
+    int64_t flops = 0;
+    const float v = k->fma_loop(1000, 1.0f, &flops);
+    digest d;
+    char detail[80];
+    digest_init(&d);
+    digest_f32(&d, v);
+    snprintf(detail, sizeof detail, "flops=%lld", (long long)flops);
+    report(k->name, "fma_loop", &d, flops > 0 && v == v && fabsf(v) < 1e30f, detail);
+}
+
+/* ---- main ---------------------------------------------------------------------------- */
+
+static const char *arch_name(void) {
+#if MXFP4X_ARCH_X86_64
+    return "x86_64";
+#elif defined(__aarch64__) || defined(__arm64__)
+    return "aarch64";
+#else
+    return "other";
+#endif
+}
+
+int main(int argc, char **argv) {
+    int i, a, n_named = 0, feats = mxfp4x_cpu_features();
+    if (argc > 1 && strcmp(argv[1], "--list") == 0) {
+        for (i = 0; i < mxfp4x_n_kernels(); i++)
+            printf("%s %s\n", mxfp4x_kernel_at(i)->name,
+                   mxfp4x_kernel_runnable(i) ? "runnable" : "not-runnable");
+        return 0;
+    }
+    printf("# arch=%s kernels=", arch_name());
+    for (i = 0; i < mxfp4x_n_kernels(); i++)
+        printf("%s%s%s", i ? "," : "", mxfp4x_kernel_at(i)->name,
+               mxfp4x_kernel_runnable(i) ? "" : "(not runnable)");
+    printf(" cpu_features=");
+    for (i = 0, a = 0; i < MXFP4X_N_FEATURES; i++)
+        if ((feats >> i) & 1) printf("%s%s", a++ ? "," : "", mxfp4x_feature_name(i));
+    printf("\n");
+    for (a = 1; a < argc; a++) {
+        int found = -1;
+        for (i = 0; i < mxfp4x_n_kernels(); i++)
+            if (strcmp(mxfp4x_kernel_at(i)->name, argv[a]) == 0) found = i;
+        if (found < 0) {
+            fprintf(stderr, "unknown ISA %s (compiled:", argv[a]);
+            for (i = 0; i < mxfp4x_n_kernels(); i++)
+                fprintf(stderr, " %s", mxfp4x_kernel_at(i)->name);
+            fprintf(stderr, ")\n");
+            return 2;
+        }
+        if (!mxfp4x_kernel_runnable(found)) {
+            printf("%-7s %-10s %016llx FAIL this CPU cannot run it\n", argv[a], "runnable",
+                   0ull);
+            failures++;
+        }
+        n_named++;
+    }
+    for (i = 0; i < mxfp4x_n_kernels(); i++) {
+        const mxfp4x_kernels *k = mxfp4x_kernel_at(i);
+        int wanted = n_named == 0;
+        for (a = 1; a < argc; a++)
+            if (strcmp(k->name, argv[a]) == 0) wanted = 1;
+        if (!wanted) continue;
+        if (!mxfp4x_kernel_runnable(i)) {
+            printf("# %s: not runnable on this CPU, skipped\n", k->name);
+            continue;
+        }
+        check_decode(k);
+        check_mv(k);
+        check_axpy(k);
+        check_fz(k);
+        check_fma_loop(k);
+    }
+    printf("# %s\n", failures ? "FAILED" : "all ok");
+    return failures ? 1 : 0;
+}

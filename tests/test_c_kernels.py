@@ -1,0 +1,175 @@
+"""The kernel table at the C level: tests/c/check_kernels.c, built natively and for aarch64.
+
+The checker includes include/mxfp4x/dispatch.h and checks every table entry its CPU can
+run: all 256 bytes x 256 scale bytes decoded bit for bit, gemv / panel_dot / axpy_rows
+against float64 within the documented bound, bit-identity between the one-token, several-
+token, split-rows and panel paths, and the flush-to-zero guard (see the file's header).
+
+* natively, with the host's C compiler (x86-64 here: scalar, avx2, avx512 as runnable);
+* cross-compiled with aarch64-linux-gnu-gcc (-static) and run under qemu-aarch64: the NEON
+  kernels, proven without ARM hardware.  Skipped when a tool is missing, unless
+  MXFP4X_REQUIRE_QEMU=1 (set in CI), which makes a missing tool a failure.
+Needs the checkout (include/ and tests/c/); skipped for a test run without them.
+"""
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKER = ROOT / "tests" / "c" / "check_kernels.c"
+HEADERS = ROOT / "include"
+FLAGS = ["-O2", "-std=c11", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
+X86_ISAS = {"avx2", "avx512"}
+ARM_ISAS = {"neon"}
+CHECKS = ("decode", "gemv", "panel_dot", "batch", "axpy_rows", "fz", "fma_loop")
+REQUIRE_QEMU = os.environ.get("MXFP4X_REQUIRE_QEMU") == "1"
+IS_AARCH64 = platform.machine().lower() in ("aarch64", "arm64")
+
+pytestmark = pytest.mark.skipif(not (CHECKER.is_file() and (HEADERS / "mxfp4x").is_dir()),
+                                reason="needs the checkout's include/ and tests/c/")
+
+
+def _host_cc():
+    for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cross_tools():
+    cc = shutil.which("aarch64-linux-gnu-gcc")
+    qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+    return cc, qemu
+
+
+def _build(cc, out, extra=()):
+    cmd = [cc, *FLAGS, *extra, f"-I{HEADERS}", str(CHECKER), "-o", str(out), "-lm"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-4000:]}"
+    return out
+
+
+def _run(cmd, *args):
+    res = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+    return res
+
+
+def _parse(stdout):
+    """{(isa, check): (digest, ok)} from the checker's result lines."""
+    out = {}
+    for line in stdout.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        isa, check, digest, status = line.split()[:4]
+        out[(isa, check)] = (digest, status == "ok")
+    return out
+
+
+def _listed(cmd):
+    res = _run(cmd, "--list")
+    assert res.returncode == 0, res.stderr
+    return dict(line.split() for line in res.stdout.splitlines())
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    cc = _host_cc()
+    if cc is None:
+        pytest.skip("no C compiler (cc, gcc, clang) on PATH")
+    return [str(_build(cc, tmp_path_factory.mktemp("native") / "check_kernels"))]
+
+
+@pytest.fixture(scope="module")
+def emulated_aarch64(tmp_path_factory):
+    """The checker cross-built for aarch64, as a command prefix for qemu-aarch64."""
+    if IS_AARCH64:
+        pytest.skip("an aarch64 host: the native checker runs the NEON kernels itself")
+    cc, qemu = _cross_tools()
+    if cc is None or qemu is None:
+        missing = [n for n, p in (("aarch64-linux-gnu-gcc", cc), ("qemu-aarch64", qemu))
+                   if p is None]
+        msg = (f"{', '.join(missing)} not installed (Debian: gcc-aarch64-linux-gnu, "
+               f"qemu-user)")
+        if REQUIRE_QEMU:
+            pytest.fail(f"MXFP4X_REQUIRE_QEMU=1 but {msg}")
+        pytest.skip(msg)
+    exe = _build(cc, tmp_path_factory.mktemp("aarch64") / "check_kernels", ["-static"])
+    return [qemu, str(exe)]
+
+
+def _check_all_ok(cmd, expect_isas):
+    res = _run(cmd)
+    assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout}\n{res.stderr[-3000:]}"
+    got = _parse(res.stdout)
+    listed = _listed(cmd)
+    runnable = {name for name, state in listed.items() if state == "runnable"}
+    assert expect_isas <= runnable, (listed, res.stdout)
+    for isa in runnable:
+        for check in CHECKS:
+            assert (isa, check) in got, f"{isa} {check} missing:\n{res.stdout}"
+            assert got[(isa, check)][1], f"{isa} {check} failed:\n{res.stdout}"
+    return got, res.stdout
+
+
+def test_native_kernels(native):
+    """Every ISA this CPU runs, at the C level (x86-64: scalar, avx2, avx512)."""
+    expect = {"scalar"} | (ARM_ISAS if IS_AARCH64 else set())
+    got, stdout = _check_all_ok(native, expect)
+    print(stdout)
+
+
+def test_neon_kernels_under_qemu(emulated_aarch64):
+    """The NEON kernels (and scalar) of an aarch64 build, run under qemu-aarch64."""
+    got, stdout = _check_all_ok(emulated_aarch64, {"neon", "scalar"})
+    print(stdout)
+    assert "arch=aarch64" in stdout
+
+
+def test_named_isa_runs_only_that_one(native):
+    res = _run(native, "scalar")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert {isa for isa, _ in _parse(res.stdout)} == {"scalar"}
+    bad = _run(native, "sse9")
+    assert bad.returncode == 2 and "unknown ISA sse9" in bad.stderr
+
+
+def test_kernel_tables_stay_on_their_architecture(native):
+    """An x86-64 build never lists neon, an aarch64 build never lists an x86 ISA; the
+    extension itself agrees with the checker's build of the same headers."""
+    from mxfp4x import _cpu
+
+    names = set(_listed(native))
+    compiled = set(_cpu.compiled_isas())
+    assert "scalar" in names and "scalar" in compiled
+    if IS_AARCH64:
+        assert not names & X86_ISAS and not compiled & X86_ISAS, (names, compiled)
+        assert "neon" in names and "neon" in _cpu.runnable_isas()
+    else:
+        assert not names & ARM_ISAS and not compiled & ARM_ISAS, (names, compiled)
+
+
+def test_aarch64_table_lists_no_x86_isa(emulated_aarch64):
+    listed = _listed(emulated_aarch64)
+    assert not set(listed) & X86_ISAS, listed
+    assert listed.get("neon") == "runnable" and listed.get("scalar") == "runnable", listed
+    assert list(listed)[-1] == "scalar", "scalar is the last entry (the fallback)"
+
+
+def test_bits_agree_across_builds(native, emulated_aarch64):
+    """Decode is exact, so its digest is one value for every ISA of both builds; the
+    scalar kernels (IEEE mul and add, never contracted) give the same bits on x86-64 and
+    aarch64.  (Today NEON also matches AVX-512 bit for bit: the same 16-lane fused
+    order; printed, not required.)"""
+    a = _parse(_run(native).stdout)
+    b = _parse(_run(emulated_aarch64).stdout)
+    decode = {d for (isa, check), (d, _) in {**a, **b}.items() if check == "decode"}
+    assert len(decode) == 1, decode
+    for check in CHECKS:
+        assert a[("scalar", check)] == b[("scalar", check)], check
+    if ("avx512", "gemv") in a:
+        same = [c for c in CHECKS if a[("avx512", c)][0] == b[("neon", c)][0]]
+        print(f"neon digests equal to avx512's for: {same}")
