@@ -25,6 +25,14 @@
 
 #define MXFP4X_AVX512_FN static MXFP4X_TARGET_AVX512
 #define MXFP4X_AVX512_INLINE static inline MXFP4X_TARGET_AVX512
+#define MXFP4X_AVX512_INLINE_ALWAYS static inline MXFP4X_TARGET_AVX512 MXFP4X_ALWAYS_INLINE
+/* Hot blocks compiled on their own: inlined into a switch over edge cases, GCC spilled
+ * their registers (see the full blocks of gemv and panel_dot). */
+#if MXFP4X_GNUC
+#define MXFP4X_AVX512_NOINLINE static MXFP4X_TARGET_AVX512 __attribute__((noinline))
+#else
+#define MXFP4X_AVX512_NOINLINE MXFP4X_AVX512_FN
+#endif
 
 MXFP4X_AVX512_INLINE float mxfp4x_hsum16_avx512(__m512 v) {
     const __m256 lo = _mm512_castps512_ps256(v);
@@ -107,52 +115,69 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
  * 64 tokens, 1 thread): the panel size does not matter within L2; 384 KiB keeps it in
  * any L2 of 1 MiB or more. */
 #define MXFP4X_AVX512_PANEL_BYTES (384 * 1024)
-#define MXFP4X_AVX512_INLINE_ALWAYS static inline MXFP4X_TARGET_AVX512 MXFP4X_ALWAYS_INLINE
-MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_tokens_avx512(const mxfp4x_rows *w,
-                                                           int64_t row_start, int64_t row_end,
-                                                           const float *const *xs, int nt,
-                                                           float *out, int64_t out_stride) {
+/* One block of mr <= 4 rows (from row r) x nt <= 4 tokens over every group; `next`: the
+ * next block's first row, prefetched one line per row every 4 groups (NULL: none). */
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, int64_t r,
+                                                          const float *const *xs, int mr,
+                                                          int nt, float *out,
+                                                          int64_t out_stride,
+                                                          const uint8_t *next) {
     const __m512 table = _mm512_loadu_ps(mxfp4x_e2m1_f32);
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
-    int64_t r, g;
+    const uint8_t *b[4], *sc[4];
+    __m512 a[4][MXFP4X_AVX512_NT], lo, hi;
+    int64_t g;
     int i, c;
-    __m512 lo, hi;
-    for (r = row_start; r < row_end; r += 4) {
-        const int mr = row_end - r < 4 ? (int)(row_end - r) : 4;
-        const uint8_t *b0 = w->blocks + r * sb;
-        const uint8_t *s0 = w->scales + r * ss;
-        const int prefetch = r + 4 + mr <= row_end;
-        __m512 a[4][MXFP4X_AVX512_NT];
-        for (i = 0; i < 4; i++)
-            for (c = 0; c < MXFP4X_AVX512_NT; c++) a[i][c] = _mm512_setzero_ps();
-        if (prefetch) MXFP4X_PREFETCH_ROWS(s0 + 4 * ss, ss);
-        for (g = 0; g < G; g++) {
-            const int64_t ob = g * MXFP4X_GROUP_BYTES;
-            __m512 xe[MXFP4X_AVX512_NT], xo[MXFP4X_AVX512_NT];
-            if ((g & 3) == 0 && prefetch) MXFP4X_PREFETCH_ROWS(b0 + 4 * sb + ob, sb);
-            for (c = 0; c < nt; c++) {
-                xe[c] = _mm512_loadu_ps(xs[c] + g * MXFP4X_GROUP);
-                xo[c] = _mm512_loadu_ps(xs[c] + g * MXFP4X_GROUP + 16);
-            }
-            for (i = 0; i < mr; i++) {
-                mxfp4x_decode_group_avx512(b0 + i * sb + ob, s0[i * ss + g], table, &lo, &hi);
-                for (c = 0; c < nt; c++)
-                    a[i][c] = _mm512_fmadd_ps(hi, xo[c], _mm512_fmadd_ps(lo, xe[c], a[i][c]));
-            }
-        }
-        for (i = 0; i < mr; i++)
-            for (c = 0; c < nt; c++)
-                out[c * out_stride + r + i - row_start] = mxfp4x_hsum16_avx512(a[i][c]);
+    for (i = 0; i < mr; i++) {
+        b[i] = w->blocks + (r + i) * sb;
+        sc[i] = w->scales + (r + i) * ss;
+        for (c = 0; c < nt; c++) a[i][c] = _mm512_setzero_ps();
     }
+    if (next) MXFP4X_PREFETCH_ROWS(sc[0] + 4 * ss, ss);
+    for (g = 0; g < G; g++) {
+        const int64_t ob = g * MXFP4X_GROUP_BYTES;
+        __m512 xe[MXFP4X_AVX512_NT], xo[MXFP4X_AVX512_NT];
+        if ((g & 3) == 0 && next) MXFP4X_PREFETCH_ROWS(next + ob, sb);
+        for (c = 0; c < nt; c++) {
+            xe[c] = _mm512_loadu_ps(xs[c] + g * MXFP4X_GROUP);
+            xo[c] = _mm512_loadu_ps(xs[c] + g * MXFP4X_GROUP + 16);
+        }
+        for (i = 0; i < mr; i++) {
+            mxfp4x_decode_group_avx512(b[i] + ob, sc[i][g], table, &lo, &hi);
+            for (c = 0; c < nt; c++)
+                a[i][c] = _mm512_fmadd_ps(hi, xo[c], _mm512_fmadd_ps(lo, xe[c], a[i][c]));
+        }
+    }
+    for (i = 0; i < mr; i++)
+        for (c = 0; c < nt; c++) out[c * out_stride + i] = mxfp4x_hsum16_avx512(a[i][c]);
 }
 
+/* Full blocks (4 rows) on their own, one per token count: the row count a constant, the
+ * loop is 84 instructions per group for 4 tokens (32 FMAs, 20 decode µops on the FMA
+ * ports) where the inlined form with a variable row count took 135 and ran 10-12 %
+ * slower (benchmarks/kernel_bench.c, Xeon). */
+#define MXFP4X_AVX512_GEMV_FULL(N)                                                         \
+    MXFP4X_AVX512_NOINLINE void mxfp4x_gemv_full##N##_avx512(                             \
+        const mxfp4x_rows *w, int64_t r, const float *const *xs, float *out,              \
+        int64_t out_stride, const uint8_t *next) {                                        \
+        mxfp4x_gemv_block_avx512(w, r, xs, 4, N, out, out_stride, next);                  \
+    }
+MXFP4X_AVX512_GEMV_FULL(2)
+MXFP4X_AVX512_GEMV_FULL(3)
+MXFP4X_AVX512_GEMV_FULL(4)
+
+#define MXFP4X_AVX512_GEMV_EDGE(M, N)                                                      \
+    case (M) * 8 + (N):                                                                    \
+        mxfp4x_gemv_block_avx512(w, r, xs, M, N, o, out_stride, NULL);                     \
+        break;
+
 /* One token: gemv1 (4 rows interleaved, the next rows prefetched); more: blocks of up to
- * 4 tokens through mxfp4x_gemv_tokens_avx512 with a constant token count. */
+ * 4 tokens, each over the rows in blocks of 4 (full blocks compiled apart, see above). */
 MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
                                              int64_t row_end, const float *x, int64_t x_stride,
                                              const int64_t *x_rows, int64_t n_tok, float *out,
                                              int64_t out_stride) {
-    int64_t t;
+    int64_t t, r;
     int c;
     if (n_tok == 1) {
         mxfp4x_gemv1_f32_avx512(w, row_start, row_end, x + x_rows[0] * x_stride, out);
@@ -161,15 +186,30 @@ MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_s
     for (t = 0; t < n_tok; t += MXFP4X_AVX512_NT) {
         const int nt = n_tok - t < MXFP4X_AVX512_NT ? (int)(n_tok - t) : MXFP4X_AVX512_NT;
         const float *xs[MXFP4X_AVX512_NT];
-        float *o = out + t * out_stride;
         for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
-        switch (nt) { /* constant token counts: accumulators stay in registers */
-        case 4: mxfp4x_gemv_tokens_avx512(w, row_start, row_end, xs, 4, o, out_stride); break;
-        case 3: mxfp4x_gemv_tokens_avx512(w, row_start, row_end, xs, 3, o, out_stride); break;
-        case 2: mxfp4x_gemv_tokens_avx512(w, row_start, row_end, xs, 2, o, out_stride); break;
-        default:
-            mxfp4x_gemv1_f32_avx512(w, row_start, row_end, xs[0], o);
-            break;
+        if (nt == 1) {
+            mxfp4x_gemv1_f32_avx512(w, row_start, row_end, xs[0], out + t * out_stride);
+            continue;
+        }
+        for (r = row_start; r < row_end; r += 4) {
+            float *o = out + t * out_stride + (r - row_start);
+            const int mr = row_end - r < 4 ? (int)(row_end - r) : 4;
+            const uint8_t *next =
+                r + 8 <= row_end ? w->blocks + (r + 4) * w->row_stride_blocks : NULL;
+            if (mr == 4) {
+                if (nt == 4) mxfp4x_gemv_full4_avx512(w, r, xs, o, out_stride, next);
+                else if (nt == 3) mxfp4x_gemv_full3_avx512(w, r, xs, o, out_stride, next);
+                else mxfp4x_gemv_full2_avx512(w, r, xs, o, out_stride, next);
+                continue;
+            }
+            switch (mr * 8 + nt) { /* the last rows of the range */
+                MXFP4X_AVX512_GEMV_EDGE(3, 2) MXFP4X_AVX512_GEMV_EDGE(3, 3)
+                MXFP4X_AVX512_GEMV_EDGE(3, 4) MXFP4X_AVX512_GEMV_EDGE(2, 2)
+                MXFP4X_AVX512_GEMV_EDGE(2, 3) MXFP4X_AVX512_GEMV_EDGE(2, 4)
+                MXFP4X_AVX512_GEMV_EDGE(1, 2) MXFP4X_AVX512_GEMV_EDGE(1, 3)
+                MXFP4X_AVX512_GEMV_EDGE(1, 4)
+            default: break;
+            }
         }
     }
 }
@@ -232,11 +272,6 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_panel_block_avx512(const float *p0, int6
 
 /* The full block on its own (not inlined into the edges' switch: there GCC spilled the
  * row vectors to the stack and the block ran at 83 GFLOP/s instead of 139). */
-#if MXFP4X_GNUC
-#define MXFP4X_AVX512_NOINLINE static MXFP4X_TARGET_AVX512 __attribute__((noinline))
-#else
-#define MXFP4X_AVX512_NOINLINE MXFP4X_AVX512_FN
-#endif
 MXFP4X_AVX512_NOINLINE void mxfp4x_panel_full_avx512(const float *p0, int64_t d_in,
                                                      const float *const *xs, float *out,
                                                      int64_t out_stride) {

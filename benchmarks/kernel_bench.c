@@ -1,0 +1,110 @@
+/* benchmarks/kernel_bench.c -- one kernel of one ISA timed alone, one thread: the
+ * measurements behind the per-ISA tuning constants and the README's "what limits it".
+ *
+ *   gcc -O3 -std=c11 -ffp-contract=off -Iinclude benchmarks/kernel_bench.c -o kernel_bench
+ *   ./kernel_bench panel ISA ROWS TOKENS GROUPS      decoded panel x tokens (panel_dot)
+ *   ./kernel_bench gemv  ISA ROWS TOKENS GROUPS [E]  fused decode + dot over E experts'
+ *                                                    rows, in 48-row tiles expert after
+ *                                                    expert as the driver walks them
+ *                                                    (E > 1: weights stream from DRAM)
+ *
+ * Prints the best of several runs: time, GFLOP/s and, for gemv, ns and GB/s per
+ * row-group (16 packed bytes + 1 scale byte). */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "mxfp4x/dispatch.h"
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    return p;
+}
+
+int main(int argc, char **argv) {
+    const mxfp4x_kernels *k = NULL;
+    int64_t rows, tokens, groups, experts, d_in, i, t, e, r0;
+    float *x, *out;
+    int64_t *x_rows;
+    double best = 1e30;
+    int rep, reps, ki;
+    if (argc < 6 || (strcmp(argv[1], "panel") && strcmp(argv[1], "gemv"))) {
+        fprintf(stderr, "usage: %s panel|gemv ISA ROWS TOKENS GROUPS [EXPERTS]\n", argv[0]);
+        return 2;
+    }
+    for (ki = 0; ki < mxfp4x_n_kernels(); ki++)
+        if (!strcmp(mxfp4x_kernel_at(ki)->name, argv[2]) && mxfp4x_kernel_runnable(ki))
+            k = mxfp4x_kernel_at(ki);
+    if (!k) {
+        fprintf(stderr, "ISA %s is not compiled in or not runnable here\n", argv[2]);
+        return 2;
+    }
+    rows = atoll(argv[3]);
+    tokens = atoll(argv[4]);
+    groups = atoll(argv[5]);
+    experts = argc > 6 ? atoll(argv[6]) : 1;
+    d_in = groups * MXFP4X_GROUP;
+    x = (float *)xmalloc((size_t)(tokens * d_in) * sizeof(float));
+    out = (float *)xmalloc((size_t)(tokens * rows) * sizeof(float));
+    x_rows = (int64_t *)xmalloc((size_t)tokens * sizeof(int64_t));
+    for (i = 0; i < tokens * d_in; i++) x[i] = (float)((i * 104729) % 997) / 997.0f - 0.5f;
+    for (t = 0; t < tokens; t++) x_rows[t] = (t * 37) % tokens; /* scattered, as routed */
+    if (!strcmp(argv[1], "panel")) {
+        float *panel = (float *)xmalloc((size_t)(rows * d_in) * sizeof(float));
+        float *scratch =
+            (float *)xmalloc((size_t)(k->panel_scratch_floats(rows) + 16) * sizeof(float));
+        for (i = 0; i < rows * d_in; i++) panel[i] = (float)((i * 7919) % 1000) / 1000.0f - 0.5f;
+        for (rep = 0; rep < 30; rep++) {
+            const double t0 = now();
+            k->panel_dot_f32(panel, rows, groups, x, d_in, x_rows, tokens, out, rows, scratch);
+            if (now() - t0 < best) best = now() - t0;
+        }
+        printf("%s panel_dot rows=%lld tokens=%lld I=%lld: %.1f us, %.1f GFLOP/s\n", k->name,
+               (long long)rows, (long long)tokens, (long long)d_in, best * 1e6,
+               2.0 * (double)(rows * tokens * d_in) / best / 1e9);
+    } else {
+        const int64_t row_bytes = groups * MXFP4X_GROUP_BYTES;
+        uint8_t *blocks = (uint8_t *)xmalloc((size_t)(experts * rows * row_bytes));
+        uint8_t *scales = (uint8_t *)xmalloc((size_t)(experts * rows * groups));
+        for (i = 0; i < experts * rows * row_bytes; i++) blocks[i] = (uint8_t)(i * 37 + 11);
+        for (i = 0; i < experts * rows * groups; i++) scales[i] = (uint8_t)(120 + i % 5);
+        reps = experts > 1 ? 3 : 20;
+        for (rep = 0; rep < reps; rep++) {
+            const double t0 = now();
+            for (r0 = 0; r0 < rows; r0 += 48)
+                for (e = 0; e < experts; e++) {
+                    mxfp4x_rows w;
+                    w.blocks = blocks + e * rows * row_bytes;
+                    w.scales = scales + e * rows * groups;
+                    w.row_stride_blocks = row_bytes;
+                    w.row_stride_scales = groups;
+                    w.n_groups = groups;
+                    k->gemv_f32(&w, r0, r0 + 48 < rows ? r0 + 48 : rows, x, d_in, x_rows, tokens,
+                                out, 48);
+                }
+            if (now() - t0 < best) best = now() - t0;
+        }
+        {
+            const double row_groups = (double)(experts * rows * groups);
+            printf("%s gemv rows=%lld tokens=%lld I=%lld experts=%lld: %.2f ns per row-group, "
+                   "%.1f GFLOP/s, %.2f GB/s\n",
+                   k->name, (long long)rows, (long long)tokens, (long long)d_in,
+                   (long long)experts, best / row_groups * 1e9,
+                   2.0 * row_groups * MXFP4X_GROUP * (double)tokens / best / 1e9,
+                   row_groups * (MXFP4X_GROUP_BYTES + 1) / best / 1e9);
+        }
+    }
+    return 0;
+}
