@@ -26,13 +26,20 @@ ROOT="${MXFP4X_ARM64_ROOT:-/var/tmp/mxfp4x-arm64}"
 SUITE="${SUITE:-bookworm}"
 MIRROR="${MIRROR:-http://deb.debian.org/debian}"
 TORCH_VERSION="${TORCH_VERSION:-2.9.1}"
+# PyPI's aarch64 torch wheels are CPU builds; TORCH_INDEX may name another index
+TORCH_INDEX="${TORCH_INDEX:-}"
 PYTEST_ARGS="${PYTEST_ARGS:-}"
 
 [ "$(id -u)" = 0 ] || { echo "arm64_python_check: needs root (debootstrap, chroot)" >&2; exit 2; }
 need() { command -v "$1" >/dev/null 2>&1 || apt-get install -y -q "$2"; }
 need debootstrap debootstrap
 need qemu-aarch64-static qemu-user-static
-[ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || need update-binfmts binfmt-support
+# the kernel must hand aarch64 executables to QEMU, inside the chroot too (flag F)
+if [ ! -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]; then
+    need update-binfmts binfmt-support
+    mountpoint -q /proc/sys/fs/binfmt_misc || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+    update-binfmts --enable qemu-aarch64
+fi
 
 SECONDS=0
 if [ ! -x "$ROOT/usr/bin/python3" ]; then
@@ -52,6 +59,8 @@ for m in proc sys dev; do
     mountpoint -q "$ROOT/$m" || { mount --rbind "/$m" "$ROOT/$m"; mounted+=("$ROOT/$m"); }
 done
 cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
+# the host's CA bundle (a network that re-signs TLS needs its CA inside the root too)
+cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/host-ca-certificates.crt"
 
 # the working tree (tracked and untracked, not ignored), without build outputs
 rm -rf "$ROOT/src" && mkdir -p "$ROOT/src"
@@ -59,13 +68,16 @@ git -C "$CHECKOUT" ls-files -z --cached --others --exclude-standard \
     | (cd "$CHECKOUT" && tar --null -T - -cf -) | tar -xf - -C "$ROOT/src"
 
 chroot "$ROOT" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin \
-    TORCH_VERSION="$TORCH_VERSION" PYTEST_ARGS="$PYTEST_ARGS" /bin/bash -euo pipefail -c '
+    PIP_CERT=/etc/ssl/certs/host-ca-certificates.crt \
+    SSL_CERT_FILE=/etc/ssl/certs/host-ca-certificates.crt PIP_DEFAULT_TIMEOUT=180 \
+    TORCH_VERSION="$TORCH_VERSION" TORCH_INDEX="$TORCH_INDEX" PYTEST_ARGS="$PYTEST_ARGS" \
+    /bin/bash -euo pipefail -c '
 cd /src
 [ -x /venv/bin/python ] || python3 -m venv /venv
 . /venv/bin/activate
 SECONDS=0
 pip install -q --upgrade pip
-pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+pip install -q "torch==$TORCH_VERSION" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 pip install -q numpy cython setuptools pytest hypothesis
 echo "== python deps after ${SECONDS}s"
 pip install -q --no-build-isolation -e .
