@@ -127,6 +127,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     uint64_t mxfp4x_thread_token()
 
     # ---- scalar.h: the float64 path and the layout permutations
+    uint64_t mxfp4x_read_words(const uint64_t *p, int64_t n_words)
     void mxfp4x_decode_f64(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
                            double *panel)
     void mxfp4x_panel_dot_f64(const double *panel, int64_t n_rows, int64_t n_groups,

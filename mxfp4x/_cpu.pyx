@@ -748,6 +748,47 @@ def fma_peak(isa=None, int n_threads=1, double seconds=0.2):
         free(done)
 
 
+cdef struct ReadJob:
+    const uint64_t *p
+    int64_t n_words, share
+    uint64_t *sums
+
+
+cdef void _read_task(void *ctx, int64_t t, int tid) noexcept nogil:
+    cdef ReadJob *j = <ReadJob *>ctx
+    j.sums[t] = c.mxfp4x_read_words(j.p + t * j.share,
+                                    max(0, min(j.share, j.n_words - t * j.share)))
+
+
+def read_peak(buf, int n_threads=1, int repeats=3):
+    """Bytes per second reading ``buf`` (a C-contiguous numpy array, larger than the
+    last-level cache) once with ``n_threads`` threads of the driver's kind (OpenMP or the
+    pool), each summing its share as 64-bit words: the roofline's memory read bandwidth
+    (the best of ``repeats``)."""
+    import time
+    cdef ReadJob job
+    cdef int64_t t
+    cdef int nt = max(1, n_threads)
+    job.p = <const uint64_t *><uintptr_t>buf.ctypes.data
+    job.n_words = buf.nbytes // 8
+    job.share = (job.n_words + nt - 1) // nt
+    job.sums = <uint64_t *>_xmalloc(nt * 8, True)
+    best = float("inf")
+    try:
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            with nogil:
+                if c.MXFP4X_OPENMP:
+                    for t in prange(nt, num_threads=nt, schedule='static'):
+                        _read_task(&job, t, 0)
+                else:
+                    c.mxfp4x_run_tasks(nt, nt, _read_task, &job)
+            best = min(best, time.perf_counter() - t0)
+        return job.n_words * 8 / best
+    finally:
+        free(job.sums)
+
+
 # ---- testing hook -----------------------------------------------------------------------
 
 def decode_rows(packed, scales, *, isa=None, str compute="float32"):

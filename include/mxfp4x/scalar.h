@@ -136,6 +136,18 @@ static float mxfp4x_fma_loop_scalar(int64_t iters, float seed, int64_t *flops) {
     return a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
 }
 
+/* Roofline: read n_words 64-bit words once (8 independent sums: the loads, not the adds,
+ * are the limit), for the memory read bandwidth. */
+static uint64_t mxfp4x_read_words(const uint64_t *p, int64_t n_words) {
+    uint64_t a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    int j;
+    for (; i + 8 <= n_words; i += 8)
+        for (j = 0; j < 8; j++) a[j] += p[i + j];
+    for (; i < n_words; i++) a[0] += p[i];
+    return a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
+}
+
 /* ---- float64 path (float64 latents): decode exactly, accumulate in binary64 ---- */
 
 static void mxfp4x_decode_f64(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
