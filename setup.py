@@ -8,6 +8,7 @@ flush the 2^-127 scale), and -ffp-contract=off so the compiler never fuses a mul
 and an add that the kernels keep separate: the order of operations defines the bits.
 """
 import os
+import platform
 import sys
 import tempfile
 
@@ -55,7 +56,8 @@ def _threads():
     Windows.  MXFP4X_THREADS=openmp|pthreads|serial overrides (CI builds the pthreads
     path on Linux to test it); MXFP4X_DISABLE_OPENMP=1 means serial.
 
-    Linux: gcc's libgomp, which torch's wheels load first (same soname: one runtime).
+    Linux x86-64: gcc's libgomp, which torch's wheels load first (same soname: one
+    runtime).  Linux aarch64: pthreads, see below.
     macOS and Windows: torch ships its own runtime (libomp / Intel's libiomp5md); a
     clang libomp or MSVC's vcomp beside it would be a second OpenMP runtime in the
     process, a known source of crashes and oversubscription.  macOS runs the driver's
@@ -70,6 +72,11 @@ def _threads():
                              "pthreads or serial")
         return choice
     if sys.platform == "darwin":
+        return "pthreads"
+    if sys.platform.startswith("linux") and platform.machine().lower() in ("aarch64", "arm64"):
+        # torch's aarch64 wheels vendor libgomp under a hashed soname (torch 2.9.1:
+        # torch.libs/libgomp-a49a47f9.so.1.0.0): the system libgomp would be a second
+        # runtime in the process (scripts/arm64_python_check.sh found it)
         return "pthreads"
     return "serial" if sys.platform.startswith("win") else "openmp"
 
@@ -164,7 +171,7 @@ def _extensions():
         include_dirs=[os.path.join(here, "include")],
         depends=[os.path.join("include", "mxfp4x", n) for n in
                  ("mxfp4x.h", "config.h", "cpu.h", "scalar.h", "avx2.h", "avx512.h",
-                  "emulate_avx512.h", "neon.h", "dispatch.h")],
+                  "emulate_avx512.h", "neon.h", "threads.h", "dispatch.h")],
     )
     return cythonize([ext], compiler_directives={"language_level": "3"},
                      include_path=[here])

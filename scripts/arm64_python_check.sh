@@ -10,7 +10,8 @@
 #   2. python3 -m venv, pip install torch==$TORCH_VERSION (CPU index), numpy, cython,
 #      pytest, hypothesis; pip install -e . of a copy of the working tree;
 #   3. pytest tests/test_decode.py tests/test_moe.py tests/test_dispatch.py
-#      tests/test_threads.py, with backend_info() printed first (isa must be "neon").
+#      tests/test_threads.py, with backend_info() printed first (isa must be "neon",
+#      threads "pthreads": torch's aarch64 wheels vendor their own libgomp).
 #
 # Usage (root; a Debian/Ubuntu host with network access):
 #   sudo scripts/arm64_python_check.sh            # root in /var/tmp/mxfp4x-arm64, reused
@@ -78,13 +79,13 @@ cd /src
 SECONDS=0
 pip install -q --upgrade pip
 pip install -q "torch==$TORCH_VERSION" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
-pip install -q numpy cython setuptools pytest hypothesis
+pip install -q numpy "cython>=3.0" "setuptools>=77" pytest hypothesis
 echo "== python deps after ${SECONDS}s"
 pip install -q --no-build-isolation -e .
 echo "== mxfp4x built after ${SECONDS}s"
 python -c "import json, mxfp4x; i = mxfp4x.backend_info(); print(json.dumps(i)); \
 assert i[\"isa\"] == \"neon\", i"
-MXFP4X_REQUIRE_OPENMP=1 pytest -q -p no:cacheprovider $PYTEST_ARGS tests/test_decode.py \
+MXFP4X_REQUIRE_OPENMP=0 MXFP4X_REQUIRE_THREADS=pthreads pytest -q -p no:cacheprovider $PYTEST_ARGS tests/test_decode.py \
     tests/test_moe.py tests/test_dispatch.py tests/test_threads.py
 echo "== tests done after ${SECONDS}s"
 '
