@@ -52,7 +52,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         w(f"{r['shape']:22s} {r['tokens']:4d} {r['dtype']:8s} {r['threads']:3d} "
           f"{r['time_s'] * 1e3:9.2f} {r['gflops']:8.1f} {r['vs_read_floor']:6.2f} "
           f"{r['vs_floor']:6.2f} {r['vs_matmul']:7.2f} {100 * r['fma_share']:5.1f}  "
-          f"{'met ' if r['met'] else 'MISS'} {r['target']}")
+          f"{'    ' if r['met'] is None else 'met ' if r['met'] else 'MISS'} {r['target']}")
     key = {(r["shape"], r["tokens"], r["dtype"], r["threads"]): r["time_s"] for r in rows}
     for (shape, t, dtype, th), s in sorted(key.items()):
         if dtype == "bfloat16" and (shape, t, "float32", th) in key:

@@ -100,7 +100,8 @@ def _cmd_bench(args):
                   f"{r['torch_ms']:9.2f} ms  | floor {r['floor_ms']:8.2f} ms "
                   f"(x{r['vs_floor']:.2f}; read floor x{r['vs_read']:.2f})  decoded-matmul "
                   f"{r['matmul_ms']:8.2f} ms (x{r['vs_matmul']:.2f})  "
-                  f"[{'met' if met else 'missed'}: {target}]", flush=True)
+                  f"[{'-' if met is None else 'met' if met else 'missed'}: {target}]",
+                  flush=True)
     print("check: a slice of every T matches the float64 reference within the float32 bound")
     if args.json:
         with open(args.json, "w") as f:

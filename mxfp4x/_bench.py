@@ -119,8 +119,8 @@ BIG_T = 512
 
 
 def verdict(tokens, dtype, time_s, fl, matmul_s, isa):
-    """(target text, met) of one case (bfloat16 vs float32 and 2 vs 1 threads are
-    judged across cases, by the callers)."""
+    """(target text, met) of one case; met is None where the case is judged across cases
+    by the callers (bfloat16 against float32, 2 threads against 1)."""
     tg = TARGETS["avx512" if isa == "avx512" else "other"]
     if tokens == 1:
         return f"<= {tg['t1_vs_read']} x read floor", time_s <= tg["t1_vs_read"] * fl[
@@ -129,7 +129,7 @@ def verdict(tokens, dtype, time_s, fl, matmul_s, isa):
         return f"<= {tg['mid_vs_floor']} x floor(T)", time_s <= tg["mid_vs_floor"] * fl[
             "floor_s"]
     if dtype != "float32":
-        return "(vs float32)", True
+        return "(judged against float32 at the same T)", None
     fma_share = fl["fma_floor_s"] / time_s
     return ("<= 1.0 x matmul, >= 70 % FMA peak",
             time_s <= matmul_s and fma_share >= 0.70)
