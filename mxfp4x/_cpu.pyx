@@ -76,6 +76,25 @@ def threads_backend():
     return c.mxfp4x_threads_name().decode()
 
 
+cdef void _parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
+                          void *ctx) noexcept nogil:
+    """fn(ctx, task, tid) once for every task in [0, n_tasks), handed out one at a time to
+    up to n_threads threads of the build's kind: OpenMP's prange, or threads.h's pool
+    (builds without OpenMP); each thread with flush-to-zero off (config.h)."""
+    cdef int64_t task
+    cdef int tid
+    cdef c.mxfp4x_fpenv fpenv
+    if c.MXFP4X_OPENMP:
+        with parallel(num_threads=n_threads):
+            tid = threadid()
+            fpenv = c.mxfp4x_fpenv_enter()
+            for task in prange(n_tasks, schedule='dynamic'):
+                fn(ctx, task, tid)
+            c.mxfp4x_fpenv_exit(fpenv)
+    else:
+        c.mxfp4x_run_tasks(n_threads, n_tasks, fn, ctx)
+
+
 cdef void _probe_task(void *ctx, int64_t task, int tid) noexcept nogil:
     cdef uint64_t *seen = <uint64_t *>ctx
     cdef uint64_t spin = 0
@@ -94,11 +113,7 @@ def _threads_used(int n_threads, int64_t n_tasks=1024):
     cdef int64_t t
     try:
         with nogil:
-            if c.MXFP4X_OPENMP:
-                for t in prange(n_tasks, num_threads=max(1, n_threads), schedule='dynamic'):
-                    _probe_task(seen, t, 0)
-            else:
-                c.mxfp4x_run_tasks(max(1, n_threads), n_tasks, _probe_task, seen)
+            _parallel_tasks(max(1, n_threads), n_tasks, _probe_task, seen)
         return len({seen[t] for t in range(n_tasks)})
     finally:
         free(seen)
@@ -598,7 +613,7 @@ cdef inline void _run_task(real dummy, const Work *w, int64_t task, int tid) noe
 
 
 cdef void _task_f32(void *ctx, int64_t task, int tid) noexcept nogil:
-    """One task of a float32 call, for threads.h's pool (builds without OpenMP)."""
+    """One task of a float32 call (_parallel_tasks hands tasks out through it)."""
     cdef float f0 = 0
     _run_task(f0, <const Work *>ctx, task, tid)
 
@@ -647,15 +662,13 @@ cdef _drive(real dummy, const c.mxfp4x_call *call):
     cdef Work w
     cdef int64_t n_groups = call.experts.n_groups
     cdef int64_t d_in = n_groups * c.MXFP4X_GROUP
-    cdef int64_t n_pairs = call.n_tokens * call.top_k, bad = -1, task
+    cdef int64_t n_pairs = call.n_tokens * call.top_k, bad = -1
     cdef int64_t n_x_rows
     cdef int64_t *fill = NULL
     cdef void *layout_buf = NULL
     cdef bint forward = call.product == c.MXFP4X_FORWARD
     cdef int half = c.MXFP4X_LAYOUT_16 if real is double else call.kernels.layout_half
-    cdef int n_threads, tid
-    cdef c.mxfp4x_fpenv fpenv
-    cdef char *mine
+    cdef int n_threads
     w.call = call
     w.r.offsets = w.r.active = w.r.pair_src = w.r.pair_dst = NULL
     w.r.pair_w = NULL
@@ -693,21 +706,8 @@ cdef _drive(real dummy, const c.mxfp4x_call *call):
         with nogil:
             if forward:
                 _prepare(dummy, call, <real *>layout_buf, half, n_threads)
-            if c.MXFP4X_OPENMP:
-                with parallel(num_threads=n_threads):
-                    tid = threadid()
-                    mine = w.scratch + tid * w.per_thread
-                    fpenv = c.mxfp4x_fpenv_enter()
-                    for task in prange(w.n_tasks, schedule='dynamic'):
-                        if forward:
-                            _forward_task(dummy, &w, task, mine)
-                        else:
-                            _transposed_task(dummy, &w, task, mine)
-                    c.mxfp4x_fpenv_exit(fpenv)
-            elif real is float:  # threads.h: a pool of POSIX threads, or serial
-                c.mxfp4x_run_tasks(n_threads, w.n_tasks, _task_f32, &w)
-            else:
-                c.mxfp4x_run_tasks(n_threads, w.n_tasks, _task_f64, &w)
+            _parallel_tasks(n_threads, w.n_tasks, _task_f32 if real is float else _task_f64,
+                            &w)
             if not forward:
                 _finish(dummy, call, <const real *>layout_buf, half, n_threads)
     finally:
@@ -762,27 +762,23 @@ cdef void _read_task(void *ctx, int64_t t, int tid) noexcept nogil:
 
 def read_peak(buf, int n_threads=1, int repeats=3):
     """Bytes per second reading ``buf`` (a C-contiguous numpy array, larger than the
-    last-level cache) once with ``n_threads`` threads of the driver's kind (OpenMP or the
-    pool), each summing its share as 64-bit words: the roofline's memory read bandwidth
-    (the best of ``repeats``)."""
+    last-level cache) once with ``n_threads`` threads of the driver's kind, in 64 chunks
+    per thread summed as 64-bit words: the roofline's memory read bandwidth (the best
+    of ``repeats``)."""
     import time
     cdef ReadJob job
-    cdef int64_t t
     cdef int nt = max(1, n_threads)
+    cdef int64_t n_chunks = 64 * nt
     job.p = <const uint64_t *><uintptr_t>buf.ctypes.data
     job.n_words = buf.nbytes // 8
-    job.share = (job.n_words + nt - 1) // nt
-    job.sums = <uint64_t *>_xmalloc(nt * 8, True)
+    job.share = (job.n_words + n_chunks - 1) // n_chunks
+    job.sums = <uint64_t *>_xmalloc(n_chunks * 8, True)
     best = float("inf")
     try:
         for _ in range(max(1, repeats)):
             t0 = time.perf_counter()
             with nogil:
-                if c.MXFP4X_OPENMP:
-                    for t in prange(nt, num_threads=nt, schedule='static'):
-                        _read_task(&job, t, 0)
-                else:
-                    c.mxfp4x_run_tasks(nt, nt, _read_task, &job)
+                _parallel_tasks(nt, n_chunks, _read_task, &job)
             best = min(best, time.perf_counter() - t0)
         return job.n_words * 8 / best
     finally:

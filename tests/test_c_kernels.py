@@ -15,14 +15,10 @@ import os
 import platform
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from kernel_checker import CHECKER, HEADERS, build, host_cc, parse
 
-ROOT = Path(__file__).resolve().parents[1]
-CHECKER = ROOT / "tests" / "c" / "check_kernels.c"
-HEADERS = ROOT / "include"
-FLAGS = ["-O2", "-std=c11", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
 X86_ISAS = {"avx2", "avx512"}
 ARM_ISAS = {"neon"}
 CHECKS = ("decode", "gemv", "panel_dot", "batch", "axpy_rows", "fz", "fma_loop")
@@ -33,40 +29,15 @@ pytestmark = pytest.mark.skipif(not (CHECKER.is_file() and (HEADERS / "mxfp4x").
                                 reason="needs the checkout's include/ and tests/c/")
 
 
-def _host_cc():
-    for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
 def _cross_tools():
     cc = shutil.which("aarch64-linux-gnu-gcc")
     qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
     return cc, qemu
 
 
-def _build(cc, out, extra=()):
-    cmd = [cc, *FLAGS, *extra, f"-I{HEADERS}", str(CHECKER), "-o", str(out), "-lm"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-4000:]}"
-    return out
-
-
 def _run(cmd, *args):
     res = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
     return res
-
-
-def _parse(stdout):
-    """{(isa, check): (digest, ok)} from the checker's result lines."""
-    out = {}
-    for line in stdout.splitlines():
-        if not line.strip() or line.startswith("#"):
-            continue
-        isa, check, digest, status = line.split()[:4]
-        out[(isa, check)] = (digest, status == "ok")
-    return out
 
 
 def _listed(cmd):
@@ -77,10 +48,10 @@ def _listed(cmd):
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory):
-    cc = _host_cc()
+    cc = host_cc()
     if cc is None:
         pytest.skip("no C compiler (cc, gcc, clang) on PATH")
-    return [str(_build(cc, tmp_path_factory.mktemp("native") / "check_kernels"))]
+    return [str(build(cc, tmp_path_factory.mktemp("native") / "check_kernels"))]
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +68,14 @@ def emulated_aarch64(tmp_path_factory):
         if REQUIRE_QEMU:
             pytest.fail(f"MXFP4X_REQUIRE_QEMU=1 but {msg}")
         pytest.skip(msg)
-    exe = _build(cc, tmp_path_factory.mktemp("aarch64") / "check_kernels", ["-static"])
+    exe = build(cc, tmp_path_factory.mktemp("aarch64") / "check_kernels", ["-static"])
     return [qemu, str(exe)]
 
 
 def _check_all_ok(cmd, expect_isas):
     res = _run(cmd)
     assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout}\n{res.stderr[-3000:]}"
-    got = _parse(res.stdout)
+    got = parse(res.stdout)
     listed = _listed(cmd)
     runnable = {name for name, state in listed.items() if state == "runnable"}
     assert expect_isas <= runnable, (listed, res.stdout)
@@ -132,7 +103,7 @@ def test_neon_kernels_under_qemu(emulated_aarch64):
 def test_named_isa_runs_only_that_one(native):
     res = _run(native, "scalar")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert {isa for isa, _ in _parse(res.stdout)} == {"scalar"}
+    assert {isa for isa, _ in parse(res.stdout)} == {"scalar"}
     bad = _run(native, "sse9")
     assert bad.returncode == 2 and "unknown ISA sse9" in bad.stderr
 
@@ -164,8 +135,8 @@ def test_bits_agree_across_builds(native, emulated_aarch64):
     scalar kernels (IEEE mul and add, never contracted) give the same bits on x86-64 and
     aarch64.  (Today NEON also matches AVX-512 bit for bit: the same 16-lane fused
     order; printed, not required.)"""
-    a = _parse(_run(native).stdout)
-    b = _parse(_run(emulated_aarch64).stdout)
+    a = parse(_run(native).stdout)
+    b = parse(_run(emulated_aarch64).stdout)
     decode = {d for (isa, check), (d, _) in {**a, **b}.items() if check == "decode"}
     assert len(decode) == 1, decode
     for check in CHECKS:

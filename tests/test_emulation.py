@@ -27,14 +27,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from kernel_checker import CHECKER, HEADERS, build, host_cc, parse
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADERS = ROOT / "include"
 AVX512_H = HEADERS / "mxfp4x" / "avx512.h"
 EMULATE_H = HEADERS / "mxfp4x" / "emulate_avx512.h"
-CHECKER = ROOT / "tests" / "c" / "check_kernels.c"
-# as the extension's build (setup.py): no -m<isa>, no fast-math, nothing contracted
-FLAGS = ["-O2", "-std=c11", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
 EMULATED = ["-DMXFP4X_EMULATE_AVX512", "-Wno-psabi"]
 QEMU = shutil.which("qemu-x86_64")
 REQUIRE_QEMU = os.environ.get("MXFP4X_REQUIRE_QEMU") == "1"
@@ -82,13 +79,6 @@ def test_every_intrinsic_of_avx512_h_is_checked():
 
 # ---- the C-level checker, native and emulated ---------------------------------------
 
-def _host_cc():
-    for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
 def _simde_flags():
     """-I for SIMDe where setup.py would find it ([] for the system's include path)."""
     candidates = [os.environ.get("MXFP4X_SIMDE_INCLUDE", "")]
@@ -109,23 +99,14 @@ def _simde_flags():
     pytest.skip(msg)
 
 
-def _build(cc, out, extra):
-    cmd = [cc, *FLAGS, *extra, f"-I{HEADERS}", str(CHECKER), "-o", str(out), "-lm"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr[-4000:]}"
-    return str(out)
-
-
 def _results(cmd):
     """{(isa, check): digest} of a checker run that passed every check."""
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, f"{cmd}: rc={res.returncode}\n{res.stdout}\n{res.stderr[-3000:]}"
     got = {}
-    for line in res.stdout.splitlines():
-        if line.strip() and not line.startswith("#"):
-            isa, check, digest, status = line.split()[:4]
-            assert status == "ok", f"{cmd}: {line}\n{res.stdout}"
-            got[(isa, check)] = digest
+    for (isa, check), (digest, ok) in parse(res.stdout).items():
+        assert ok, f"{cmd}: {isa} {check}\n{res.stdout}"
+        got[(isa, check)] = digest
     return got, res.stdout
 
 
@@ -134,13 +115,13 @@ def checkers(tmp_path_factory):
     """The checker built natively and with the emulated AVX-512 kernels."""
     if not CHECKER.is_file():
         pytest.skip("tests/c/check_kernels.c is missing")
-    cc = _host_cc()
+    cc = host_cc()
     if cc is None:
         pytest.skip("no C compiler (cc, gcc, clang) on PATH")
     simde = _simde_flags()
     tmp = tmp_path_factory.mktemp("emulation")
-    return {"native": _build(cc, tmp / "check_native", []),
-            "emulated": _build(cc, tmp / "check_emulated", EMULATED + simde)}
+    return {"native": str(build(cc, tmp / "check_native", [], timeout=600)),
+            "emulated": str(build(cc, tmp / "check_emulated", EMULATED + simde, timeout=600))}
 
 
 @pytest.fixture(scope="module")
