@@ -121,6 +121,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int MXFP4X_OPENMP
 
     # ---- threads.h
+    int MXFP4X_MAX_THREADS
     ctypedef void (*mxfp4x_task_fn)(void *ctx, int64_t task, int tid) noexcept nogil
     int mxfp4x_run_tasks(int n_threads, int64_t n_tasks, mxfp4x_task_fn fn, void *ctx)
     const char *mxfp4x_threads_name()

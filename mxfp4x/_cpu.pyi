@@ -6,6 +6,7 @@ import numpy as np
 GROUP: int
 GROUP_BYTES: int
 DTYPES: tuple[str, ...]
+MAX_THREADS: int
 
 def compiled_isas() -> list[str]: ...
 def runnable_isas() -> list[str]: ...

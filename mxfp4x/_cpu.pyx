@@ -42,6 +42,17 @@ GROUP_BYTES = c.MXFP4X_GROUP_BYTES
 cdef enum:
     T_TILE_GROUPS = 8
     T_PANEL_ROWS = 32
+# A forward task takes an expert's pairs in blocks of at most PAIR_BLOCK, so a thread's
+# dot-product scratch is bounded (PAIR_BLOCK x its tile rows) however many pairs one expert
+# gets: 100000 tokens all routed to one expert need the same scratch as 512.  A token's
+# dots do not depend on the pairs beside it (the gemv and panel paths give the same bits),
+# and the blocks are combined in the pair order, so the bits do not change.
+cdef enum:
+    PAIR_BLOCK = 512
+
+# The most threads one call uses (threads.h's pool size; OpenMP keeps a team this large
+# alive after a call, so more would only leave idle OS threads behind)
+MAX_THREADS = c.MXFP4X_MAX_THREADS
 
 # names <-> C enums: the modes of a call are named, never inferred
 _DTYPES = {"float32": c.MXFP4X_DTYPE_F32, "float64": c.MXFP4X_DTYPE_F64,
@@ -219,7 +230,7 @@ cdef class Experts:
 
     def __cinit__(self, const int64_t[:, ::1] table, *, int64_t d_out, int64_t n_groups,
                   owner):
-        cdef int64_t e, row_bytes = n_groups * c.MXFP4X_GROUP_BYTES
+        cdef int64_t e
         if table.shape[1] != 4 or d_out < 0 or n_groups < 0:
             raise ValueError(f"Experts: expected an (n_experts, 4) table and d_out, n_groups "
                              f">= 0, got {(table.shape[0], table.shape[1])}, {d_out}, "
@@ -230,10 +241,11 @@ cdef class Experts:
         if self.rows == NULL:
             raise MemoryError("mxfp4x: cannot allocate the expert table")
         for e in range(self.n_experts):
-            if d_out > 1 and (table[e, 2] < row_bytes or table[e, 3] < n_groups):
-                raise ValueError(f"Experts: expert {e}: row strides {table[e, 2]}, "
-                                 f"{table[e, 3]} overlap rows of {row_bytes} / {n_groups} "
-                                 f"bytes")
+            # rows may overlap or repeat (a stride-0 view of one row is a legal tensor): the
+            # kernels only read them
+            if table[e, 2] < 0 or table[e, 3] < 0:
+                raise ValueError(f"Experts: expert {e}: negative row strides {table[e, 2]}, "
+                                 f"{table[e, 3]}")
             if d_out and n_groups and (table[e, 0] == 0 or table[e, 1] == 0):
                 raise ValueError(f"Experts: expert {e}: null address")
             self.rows[e].blocks = <const uint8_t *><uintptr_t>table[e, 0]
@@ -273,7 +285,7 @@ cdef class Call:
         self.desc.experts.d_out = experts.d_out
         self.desc.experts.n_groups = experts.n_groups
         self.desc.experts.rows = experts.rows
-        self.desc.n_threads = max(1, n_threads)
+        self.desc.n_threads = max(1, min(n_threads, c.MXFP4X_MAX_THREADS))
         self.desc.product = _named(_PRODUCTS, product, "product")
         self.desc.compute = _named(_DTYPES, compute, "compute")
         self.desc.src_dtype = _named(_DTYPES, src_dtype, "src_dtype")
@@ -428,8 +440,9 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
         rows = (tile + n_chunks - 1) // n_chunks
         w.panel_rows = min(tile, (rows + block - 1) // block * block)
         w.panel_len = w.panel_rows * d_in
-        # the dot products of one expert's pairs: against a panel, or (gemv) a whole tile
-        w.dots_len = w.r.max_count * max(w.panel_rows, tile)
+        # the dot products of one block of an expert's pairs: against a panel, or (gemv)
+        # a whole tile
+        w.dots_len = min(w.r.max_count, <int64_t>PAIR_BLOCK) * max(w.panel_rows, tile)
         if real is float:
             w.lanes_len = k.panel_scratch_floats(w.panel_rows)
     else:
@@ -502,13 +515,14 @@ def combine(out, dots, selected, mix, *, int n_threads=1):
     cdef uintptr_t r = _address(order, "order", (n_tokens, top_k), 8, "int64")
     if not out.flags.writeable or out.dtype != dots.dtype or out.dtype != mix.dtype:
         raise ValueError("out, dots, mix: expected one float dtype and a writable out")
+    cdef int nt = max(1, min(n_threads, c.MXFP4X_MAX_THREADS))
     with nogil:
         if itemsize == 8:
             _combine_tokens(d0, <double *>o, <const double *>d, <const double *>m,
-                            <const int64_t *>r, n_tokens, top_k, d_out, max(1, n_threads))
+                            <const int64_t *>r, n_tokens, top_k, d_out, nt)
         else:
             _combine_tokens(f0, <float *>o, <const float *>d, <const float *>m,
-                            <const int64_t *>r, n_tokens, top_k, d_out, max(1, n_threads))
+                            <const int64_t *>r, n_tokens, top_k, d_out, nt)
 
 
 cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noexcept nogil:
@@ -529,35 +543,39 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
     cdef real *dots = panel + w.panel_len
     cdef float *lanes = <float *>(dots + w.dots_len)
     cdef const real *ws
+    cdef int64_t b_end
     for a in range(w.r.n_active):
         e = w.r.active[a]
-        s = w.r.offsets[e]
-        n = w.r.offsets[e + 1] - s
-        srcs = w.r.pair_src + s
-        dsts = w.r.pair_dst + s
-        ws = (<const real *>w.r.pair_w) + s
         rows = call.experts.rows[e]
-        if real is float:
-            if n <= k.gemv_max_tokens:
-                # one or a few tokens: fused decode + dot in registers, no panel
-                k.gemv_f32(&rows, row_start, row_end, <const float *>w.x, d_in, srcs, n, dots,
-                           row_end - row_start)
-                _combine(<real *>w.out, d_out, row_start, dsts, ws, n, dots,
-                         row_end - row_start, assign)
-                continue
-        c0 = row_start
-        while c0 < row_end:
-            c1 = min(row_end, c0 + w.panel_rows)
+        b_end = w.r.offsets[e + 1]
+        s = w.r.offsets[e]
+        while s < b_end:  # the expert's pairs in blocks, in order
+            n = min(<int64_t>PAIR_BLOCK, b_end - s)
+            srcs = w.r.pair_src + s
+            dsts = w.r.pair_dst + s
+            ws = (<const real *>w.r.pair_w) + s
+            s += n
             if real is float:
-                k.decode_f32(&rows, c0, c1, panel)
-                k.panel_dot_f32(panel, c1 - c0, n_groups, <const float *>w.x, d_in, srcs, n,
-                                dots, c1 - c0, lanes)
-            else:
-                c.mxfp4x_decode_f64(&rows, c0, c1, panel)
-                c.mxfp4x_panel_dot_f64(panel, c1 - c0, n_groups, <const double *>w.x, d_in,
-                                       srcs, n, dots, c1 - c0)
-            _combine(<real *>w.out, d_out, c0, dsts, ws, n, dots, c1 - c0, assign)
-            c0 = c1
+                if n <= k.gemv_max_tokens:
+                    # one or a few tokens: fused decode + dot in registers, no panel
+                    k.gemv_f32(&rows, row_start, row_end, <const float *>w.x, d_in, srcs, n,
+                               dots, row_end - row_start)
+                    _combine(<real *>w.out, d_out, row_start, dsts, ws, n, dots,
+                             row_end - row_start, assign)
+                    continue
+            c0 = row_start
+            while c0 < row_end:
+                c1 = min(row_end, c0 + w.panel_rows)
+                if real is float:
+                    k.decode_f32(&rows, c0, c1, panel)
+                    k.panel_dot_f32(panel, c1 - c0, n_groups, <const float *>w.x, d_in, srcs,
+                                    n, dots, c1 - c0, lanes)
+                else:
+                    c.mxfp4x_decode_f64(&rows, c0, c1, panel)
+                    c.mxfp4x_panel_dot_f64(panel, c1 - c0, n_groups, <const double *>w.x,
+                                           d_in, srcs, n, dots, c1 - c0)
+                _combine(<real *>w.out, d_out, c0, dsts, ws, n, dots, c1 - c0, assign)
+                c0 = c1
 
 
 cdef void _transposed_task(real dummy, const Work *w, int64_t task,

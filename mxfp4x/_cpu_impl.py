@@ -48,7 +48,8 @@ def _expert_bytes(name, t, n_groups):
         raise TypeError(f"{name}: expected uint8 bytes, got {t.dtype}")
     if t.dim() == 3 and t.shape[2] == GROUP_BYTES and (n_groups is None or
                                                         t.shape[1] == n_groups):
-        return _rows_contiguous(t, 2).flatten(1) if t.shape[0] else t.reshape(0, -1)
+        return _rows_contiguous(t, 2).flatten(1) if t.shape[0] else \
+            t.reshape(0, t.shape[1] * GROUP_BYTES)  # (reshape(0, -1) is ambiguous)
     if t.dim() == 2 and (n_groups is None or t.shape[1] == n_groups * GROUP_BYTES):
         return _rows_contiguous(t, 1)
     raise ValueError(f"{name}: expected (d_out, n_groups, 16) or (d_out, n_groups * 16) "
@@ -104,8 +105,10 @@ def experts_of(packed: Bytes, scales: Bytes) -> _cpu.Experts:
             keep.append((p, s))
         rows.append((p.data_ptr(), s.data_ptr(), p.stride(0), s.stride(0)))
     per_expert = np.array(rows, dtype=np.int64).reshape(len(rows), 4)
+    # the table owns the tensors themselves, never the caller's list: a list entry
+    # replaced later must not free memory the table still points into
     return _cpu.Experts(per_expert, d_out=d_out, n_groups=n_groups,
-                        owner=(packed, scales, keep))
+                        owner=(tuple(packed), tuple(scales), keep))
 
 
 def _threads(num_threads):
@@ -115,19 +118,34 @@ def _threads(num_threads):
 def _operand_rows(t, per_slot):
     """A (T, W) or per-slot (T, K, W) tensor as contiguous 2-D rows."""
     t = t.contiguous()
-    return t.reshape(-1, t.shape[-1]) if per_slot else t
+    # explicit sizes: reshape(-1, 0) of an empty tensor is ambiguous
+    return t.reshape(t.shape[0] * t.shape[1], t.shape[-1]) if per_slot else t
 
 
 # Long prefills run in chunks of whole tokens, so the working memory of a call (the
-# latents in the kernel layout, the float32 rows of a 16-bit result, routing arrays)
+# latents in the kernel layout, the float32 rows of a 16-bit result, the routing arrays
+# and ids and weights of its pairs; the driver's per-thread scratch is bounded on its own)
 # stays flat whatever T is.  A token's result does not depend on the other tokens of its
 # call (batch invariance), so chunking never changes a bit; the weights are read once
 # per chunk.  _CHUNK_BYTES bounds one chunk's layout copy of the latents plus its
-# compute-dtype result rows when the result has another dtype; a chunk holds at least
-# _MIN_CHUNK_TOKENS tokens.  Kimi K3 w1 (I = 3584, O = 3072), bfloat16: 945 tokens
-# (17 per expert on average), 13 MiB + 11 MiB.
+# compute-dtype result rows when the result has another dtype, plus its pairs' working
+# bytes; a chunk holds at least _MIN_CHUNK_TOKENS tokens.  Kimi K3 w1 (I = 3584,
+# O = 3072, K = 16), bfloat16: 923 tokens (16 per expert on average), 13 + 11 + 0.6 MiB.
 _CHUNK_BYTES = 24 << 20
 _MIN_CHUNK_TOKENS = 256
+
+
+def _pair_bytes(item):
+    """Working bytes per token-expert pair: the driver's routing (source row, destination
+    row, weight) and this chunk's int64 ids and compute-dtype weights."""
+    return 8 + 8 + item + 8 + item
+
+
+def _pairs(sel, mix, compute, t0, t1):
+    """Tokens [t0, t1) of the expert ids (int64) and weights (compute dtype, or None),
+    converted per chunk so that a converted copy never exceeds one chunk."""
+    sel64 = _array(sel[t0:t1].to(torch.int64).contiguous())
+    return sel64, None if mix is None else _array(mix[t0:t1].to(compute).contiguous())
 
 
 def _chunks(n_tokens, bytes_per_token):
@@ -152,19 +170,18 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
     # or one chunk's float32 rows that are then rounded into it)
     result = torch.empty((n_tokens * k_out, ex.d_out), dtype=x.dtype)
     x2 = _operand_rows(x, slot_latents)
-    sel64 = _array(sel.to(torch.int64).contiguous())
-    mix_arr = None if per_slot_outputs else _array(mix.to(compute).contiguous())
     k_in = top_k if slot_latents else 1
     item = 8 if compute == torch.float64 else 4
     per_token = item * (k_in * ex.n_groups * 32 + (k_out * ex.d_out if compute != x.dtype
-                                                   else 0))
+                                                   else 0)) + top_k * _pair_bytes(item)
     for t0, t1 in _chunks(n_tokens, per_token):
         part = result[t0 * k_out:t1 * k_out]
         out = part if compute == x.dtype else torch.empty(part.shape, dtype=compute)
         if not per_slot_outputs:
             out.copy_(shared[t0:t1].detach())
+        sel64, mix_arr = _pairs(sel, None if per_slot_outputs else mix, compute, t0, t1)
         _cpu.Call(ex, product="forward", compute=_DTYPE_NAMES[compute],
-                  selected=sel64[t0:t1], mix=None if mix_arr is None else mix_arr[t0:t1],
+                  selected=sel64, mix=mix_arr,
                   src=_array(x2[t0 * k_in:t1 * k_in]), src_dtype=_DTYPE_NAMES[x.dtype],
                   src_rows="slot" if slot_latents else "token", dst=_array(out),
                   dst_rows="slot" if per_slot_outputs else "token", isa=isa,
@@ -186,18 +203,18 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
     k_out = top_k if slot_grad else 1
     result = torch.empty((n_tokens * k_in, x.shape[-1]), dtype=x.dtype)
     g2 = _operand_rows(grad, slot_grad)
-    sel64 = _array(sel.to(torch.int64).contiguous())
-    mix_arr = None if slot_grad else _array(mix.to(compute).contiguous())
     item = 8 if compute == torch.float64 else 4
     # the layout copy is dx itself here (plus, for 16-bit latents, the compute-dtype rows
     # and the converted gradient)
     per_token = item * k_in * ex.n_groups * 32 * (1 if compute == x.dtype else 2) + \
-        item * k_out * ex.d_out * (0 if compute == grad.dtype else 1)
+        item * k_out * ex.d_out * (0 if compute == grad.dtype else 1) + \
+        top_k * _pair_bytes(item)
     for t0, t1 in _chunks(n_tokens, per_token):
         part = result[t0 * k_in:t1 * k_in]
         dx = part if compute == x.dtype else torch.empty(part.shape, dtype=compute)
+        sel64, mix_arr = _pairs(sel, None if slot_grad else mix, compute, t0, t1)
         _cpu.Call(ex, product="transposed", compute=_DTYPE_NAMES[compute],
-                  selected=sel64[t0:t1], mix=None if mix_arr is None else mix_arr[t0:t1],
+                  selected=sel64, mix=mix_arr,
                   src=_array(g2[t0 * k_out:t1 * k_out].to(compute).contiguous()),
                   src_dtype=_DTYPE_NAMES[compute], src_rows="slot" if slot_grad else "token",
                   dst=_array(dx), dst_rows="slot" if slot_latents else "token", isa=isa,

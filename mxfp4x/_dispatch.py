@@ -7,7 +7,7 @@ import torch
 from . import _cpu
 from ._ops import experts_op, slots_op
 from ._torch_impl import mxfp4_experts_torch, slots_torch
-from ._validation import check_inputs, check_num_threads
+from ._validation import check_inputs, check_isa, check_num_threads
 from ._version import __version__
 
 BACKENDS = ("auto", "cpu", "torch")
@@ -18,8 +18,7 @@ ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[Any]]
 def _check_backend(backend, isa):
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if isa is not None:
-        _cpu._resolve(isa, "isa")  # ValueError naming the runnable ISAs
+    check_isa(isa)  # plain Python: torch.compile traces it
 
 
 def _check_device(backend, x):

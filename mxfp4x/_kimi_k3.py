@@ -12,6 +12,7 @@ The block (Moonshot's ``KimiSparseMoeBlock`` in ``modeling_kimi_linear.py``):
 with situ(g) = beta tanh(g / beta) sigmoid(g), clip(u) = beta_lin tanh(u / beta_lin)
 (config ``activation_situ_beta`` 4.0, ``activation_situ_linear_beta`` 25.0).
 """
+import threading
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -20,6 +21,14 @@ import torch.nn.functional as F
 
 from . import _checkpoints as ck
 from ._dispatch import mxfp4_experts, mxfp4_experts_slots
+from ._format import GROUP, GROUP_BYTES
+from ._validation import (
+    as_tensor,
+    check_isa,
+    check_num_threads,
+    float_tensor,
+    index_tensor,
+)
 
 
 def situ(g, beta):
@@ -34,13 +43,125 @@ def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _split(weights):
+def _split(name, weights):
     """(packed, scales) of one projection: a pair of lists, or stacked tensors (E, O,
-    G, 16) / (E, O, G) seen as lists of per-expert views (nothing copied)."""
-    packed, scales = weights
+    G, 16) / (E, O, G) seen as lists of per-expert views (nothing copied); bytes typed
+    int8 or float8_e8m0fnu are viewed as uint8."""
+    try:
+        packed, scales = weights
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a (packed, scales) pair, got "
+                        f"{type(weights).__name__}") from None
     if isinstance(packed, torch.Tensor):
         packed, scales = list(packed.unbind(0)), list(scales.unbind(0))
-    return list(packed), list(scales)
+    packed, scales = list(packed), list(scales)
+    if len(packed) != len(scales):
+        raise ValueError(f"{name}: {len(packed)} packed tensors but {len(scales)} scale "
+                         f"tensors")
+    for e, (p, sc) in enumerate(zip(packed, scales, strict=True)):
+        if not isinstance(p, torch.Tensor) or not isinstance(sc, torch.Tensor):
+            raise TypeError(f"{name}[{e}]: expected torch tensors, got "
+                            f"{type(p).__name__} and {type(sc).__name__}")
+        packed[e] = ck.as_bytes(f"{name}[{e}] packed", p)
+        scales[e] = ck.as_bytes(f"{name}[{e}] scales", sc)
+    return packed, scales
+
+
+class _Stamp:
+    """A counter shared by a module and its expert matrices: bumped whenever a weight
+    tensor is replaced or moved, so cached kernel tables are rebuilt."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = 0
+
+
+class ExpertMatrix(torch.nn.Module):
+    """One MXFP4 matrix of one expert: buffers ``weight_packed`` (O, in/2) or (O, in/32,
+    16) and ``weight_scale`` (O, in/32), uint8, named as Kimi K3's checkpoint names them.
+    Replacing either (assignment, ``load_state_dict(assign=True)``, ``.to()``) is seen by
+    the module that holds it; an in-place change of the bytes is seen as well (the kernels
+    read the tensors' memory)."""
+
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self._stamp: Optional[_Stamp] = None
+        self.register_buffer("weight_packed", packed)
+        self.register_buffer("weight_scale", scale)
+
+    def _changed(self):
+        stamp = self.__dict__.get("_stamp")
+        if stamp is not None:
+            stamp.value += 1
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in ("weight_packed", "weight_scale"):
+            self._changed()
+
+    def register_buffer(self, name, tensor, persistent=True):
+        super().register_buffer(name, tensor, persistent)
+        self._changed()
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._changed()
+        return out
+
+
+class _ExpertWeights(torch.nn.Module):
+    """Gate (``w1``), up (``w3``) and down (``w2``) of one expert."""
+
+    def __init__(self, w1: ExpertMatrix, w3: ExpertMatrix, w2: ExpertMatrix):
+        super().__init__()
+        self.w1, self.w3, self.w2 = w1, w3, w2
+
+
+class _Weights:
+    """What one state of the module's weights hands to the kernels: the tensors as
+    tuples (gate then up, for the one per-slot call of both) and, built on first use, the
+    CPU driver's tables (which own the tensors they point into)."""
+
+    def __init__(self, stamp: int, experts: Sequence[_ExpertWeights]):
+        self.stamp = stamp
+        g = [(m.w1.weight_packed, m.w1.weight_scale) for m in experts]
+        u = [(m.w3.weight_packed, m.w3.weight_scale) for m in experts]
+        d = [(m.w2.weight_packed, m.w2.weight_scale) for m in experts]
+        self.gate_up_packed = tuple(p for p, _ in g + u)
+        self.gate_up_scales = tuple(sc for _, sc in g + u)
+        self.down_packed = tuple(p for p, _ in d)
+        self.down_scales = tuple(sc for _, sc in d)
+        self.tables = None
+        self.lock = threading.Lock()
+
+    def cpu_tables(self):
+        if self.tables is None:
+            with self.lock:
+                if self.tables is None:
+                    from . import _cpu_impl
+                    self.tables = (
+                        _cpu_impl.experts_of(self.gate_up_packed, self.gate_up_scales),
+                        _cpu_impl.experts_of(self.down_packed, self.down_scales))
+        return self.tables
+
+
+def _matrix_shape(name, packed, scales):
+    """(d_out, d_in) of one expert's bytes, (O, in/2) or (O, in/32, 16), scales (O, in/32)."""
+    if packed.dim() == 3 and packed.shape[2] == GROUP_BYTES:
+        n_groups = packed.shape[1]
+    elif packed.dim() == 2 and packed.shape[1] % GROUP_BYTES == 0:
+        n_groups = packed.shape[1] // GROUP_BYTES
+    else:
+        raise ValueError(f"{name}: expected packed bytes (d_out, d_in/2) or (d_out, d_in/32, "
+                         f"16), got shape {tuple(packed.shape)}")
+    if tuple(scales.shape) != (packed.shape[0], n_groups):
+        raise ValueError(f"{name}: expected scales ({packed.shape[0]}, {n_groups}) for packed "
+                         f"{tuple(packed.shape)}, got {tuple(scales.shape)}")
+    return packed.shape[0], n_groups * GROUP
 
 
 class KimiK3Experts(torch.nn.Module):
@@ -50,9 +171,13 @@ class KimiK3Experts(torch.nn.Module):
 
     ``w1``, ``w3``, ``w2`` are (packed, scales) of gate, up and down: lists of per-expert
     tensors ((O, in/2) or (O, in/32, 16) bytes, (O, in/32) scales), as the checkpoint
-    holds them, or stacked tensors; never copied.  The gate and up products run as one
-    call of the per-slot op over the 2E matrices (each decoded once); SiTU and the clip in
-    float32 (float64 for float64); the down product with the weighted combine.
+    holds them, or stacked tensors; never copied.  They become module state: expert ``e``
+    is the child module ``str(e)`` with ``w1``, ``w3``, ``w2`` each holding buffers
+    ``weight_packed`` and ``weight_scale`` (the checkpoint's own names, so ``state_dict()``
+    keys read ``{e}.w1.weight_packed``), and ``.to()``, ``state_dict()`` and
+    ``load_state_dict()`` work on them.  The gate and up products run as one call of the
+    per-slot op over the 2E matrices (each decoded once); SiTU and the clip in float32
+    (float64 for float64); the down product with the weighted combine.
 
     ``expert_ids``: the global ids of the experts held (default all, 0..E-1).  A module
     holding a subset (a process serving some of the experts) refuses tokens routed
@@ -60,7 +185,8 @@ class KimiK3Experts(torch.nn.Module):
     ``torch.distributed.group.WORLD``) is given: then the held ids must be one range, the
     ranks' ranges cover all experts, and every token's pairs go to the ranks owning their
     experts, which run the whole expert MLP and send back one row per pair (one round
-    trip, inference).  ``isa``: the CPU instruction set of its calls (None: the default).
+    trip, inference).  ``isa``: the CPU instruction set of its calls (None: the default),
+    checked here.
     """
 
     def __init__(self, w1, w3, w2, beta: float = 4.0, linear_beta: Optional[float] = 25.0,
@@ -68,107 +194,219 @@ class KimiK3Experts(torch.nn.Module):
                  num_threads: Optional[int] = None, isa: Optional[str] = None,
                  group=None):
         super().__init__()
-        self.isa, self.group = isa, group
+        self.isa, self.group = check_isa(isa), group
+        self.num_threads = num_threads
+        check_num_threads(num_threads)
+        self.beta, self.linear_beta = _positive("beta", beta), None if linear_beta is None \
+            else _positive("linear_beta", linear_beta)
         self.last_routing = None
-        g_packed, g_scales = _split(w1)
-        u_packed, u_scales = _split(w3)
-        self.down_packed, self.down_scales = _split(w2)
-        if not (len(g_packed) == len(u_packed) == len(self.down_packed) > 0):
+        g_packed, g_scales = _split("w1", w1)
+        u_packed, u_scales = _split("w3", w3)
+        d_packed, d_scales = _split("w2", w2)
+        if not (len(g_packed) == len(u_packed) == len(d_packed) > 0):
             raise ValueError(f"w1, w3, w2: expected the same number of experts, got "
-                             f"{len(g_packed)}, {len(u_packed)}, {len(self.down_packed)}")
+                             f"{len(g_packed)}, {len(u_packed)}, {len(d_packed)}")
         self.n_local = len(g_packed)
-        self.gate_up_packed = g_packed + u_packed
-        self.gate_up_scales = g_scales + u_scales
-        self.beta, self.linear_beta, self.num_threads = float(beta), linear_beta, num_threads
+        d_ff, d_latent = _matrix_shape("w1[0]", g_packed[0], g_scales[0])
+        shapes = {"w1": (d_ff, d_latent), "w3": (d_ff, d_latent), "w2": (d_latent, d_ff)}
+        for name, (packed, scales) in (("w1", (g_packed, g_scales)), ("w3", (u_packed, u_scales)),
+                                       ("w2", (d_packed, d_scales))):
+            for e, (p, sc) in enumerate(zip(packed, scales, strict=True)):
+                got = _matrix_shape(f"{name}[{e}]", p, sc)
+                if got != shapes[name]:
+                    raise ValueError(f"{name}[{e}]: expected a {shapes[name][0]} x "
+                                     f"{shapes[name][1]} matrix (as w1[0] says), got "
+                                     f"{got[0]} x {got[1]}")
+        self.d_latent, self.d_ff = d_latent, d_ff
         ids = list(range(self.n_local)) if expert_ids is None else [int(e) for e in expert_ids]
-        if len(ids) != self.n_local:
-            raise ValueError(f"expert_ids: expected {self.n_local} ids, got {len(ids)}")
+        if len(ids) != self.n_local or len(set(ids)) != len(ids) or min(ids) < 0:
+            raise ValueError(f"expert_ids: expected {self.n_local} distinct ids >= 0, got "
+                             f"{ids[:8]}{'...' if len(ids) > 8 else ''}")
         self.expert_ids = ids
         if group is not None and ids != list(range(ids[0], ids[0] + len(ids))):
             raise ValueError("expert_ids: an expert-parallel module holds one range of ids")
-        self._local = None
-        if ids != list(range(self.n_local)):
-            lookup = torch.full((max(ids) + 1,), -1, dtype=torch.int64)
-            lookup[torch.tensor(ids)] = torch.arange(self.n_local)
-            self._local = lookup
+        self._stamp = _Stamp()
+        for i, e in enumerate(ids):
+            self.add_module(str(e), _ExpertWeights(
+                ExpertMatrix(g_packed[i], g_scales[i]), ExpertMatrix(u_packed[i], u_scales[i]),
+                ExpertMatrix(d_packed[i], d_scales[i])))
+        lookup = torch.full((max(ids) + 1,), -1, dtype=torch.int64)
+        lookup[torch.tensor(ids)] = torch.arange(self.n_local)
+        self._local = lookup
+        self._weights: Optional[_Weights] = None
+
+    # ---- the weights: module state, and what the kernels get ------------------------------
+
+    def _experts(self) -> List[_ExpertWeights]:
+        return [self._modules[str(e)] for e in self.expert_ids]  # type: ignore[misc]
+
+    def _link(self):
+        """Every expert matrix bumps this module's stamp when it changes (also ones put in
+        after construction)."""
+        for m in self._experts():
+            for mat in (m.w1, m.w3, m.w2):
+                mat.__dict__["_stamp"] = self._stamp
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if "_stamp" in self.__dict__ and isinstance(value, torch.nn.Module):
+            self._stamp.value += 1
+
+    def add_module(self, name, module):
+        super().add_module(name, module)
+        if "_stamp" in self.__dict__:
+            self._stamp.value += 1
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._stamp.value += 1
+        return out
+
+    def weights(self) -> _Weights:
+        """The tensors the kernels read now (rebuilt after any change of the weights)."""
+        w = self._weights
+        if w is None or w.stamp != self._stamp.value:
+            self._link()
+            w = self._weights = _Weights(self._stamp.value, self._experts())
+        return w
+
+    @property
+    def gate_up_packed(self):
+        return self.weights().gate_up_packed
+
+    @property
+    def gate_up_scales(self):
+        return self.weights().gate_up_scales
+
+    @property
+    def down_packed(self):
+        return self.weights().down_packed
+
+    @property
+    def down_scales(self):
+        return self.weights().down_scales
+
+    # ---- checks ---------------------------------------------------------------------------
 
     def local_ids(self, selected_experts: torch.Tensor) -> torch.Tensor:
+        """Local indices (0..n_local-1) of global expert ids; IndexError for an id this
+        module does not hold."""
         sel = selected_experts.to(torch.int64)
-        if self._local is None:
-            return sel
-        inside = (sel >= 0) & (sel < len(self._local))
-        local = torch.where(inside, self._local[sel.clamp(0, len(self._local) - 1)], -1)
+        lookup = self._local if self._local.device == sel.device else self._local.to(sel.device)
+        inside = (sel >= 0) & (sel < len(lookup))
+        local = torch.where(inside, lookup[sel.clamp(0, len(lookup) - 1)], -1)
         if bool((local < 0).any()):
-            bad = int(sel[local < 0][0])
+            bad = int(selected_experts[local < 0][0])
+            if self.expert_ids == list(range(self.n_local)):
+                raise IndexError(f"selected_experts: expert id {bad} is outside [0, "
+                                 f"{self.n_local}) (this module holds {self.n_local} experts)")
             raise IndexError(f"selected_experts: expert {bad} is not held by this module "
                              f"(it holds {self.n_local} experts, ids {self.expert_ids[0]}..."
                              f"{self.expert_ids[-1]})")
         return local
+
+    def _check(self, h, selected_experts, routing_weights):
+        """The op's checks, in the module's own terms: (h float, ids int64 local, weights)."""
+        h = float_tensor("h", as_tensor("h", h))
+        if h.dim() != 2 or h.shape[1] != self.d_latent:
+            raise ValueError(f"h: expected (n_tokens, {self.d_latent}) latents, got shape "
+                             f"{tuple(h.shape)}")
+        sel = index_tensor("selected_experts", as_tensor("selected_experts", selected_experts))
+        if sel.dim() != 2 or sel.shape[0] != h.shape[0]:
+            raise ValueError(f"selected_experts: expected (n_tokens, top_k) = "
+                             f"({h.shape[0]}, top_k) as h, got shape {tuple(sel.shape)}")
+        mix = float_tensor("routing_weights", as_tensor("routing_weights", routing_weights))
+        if tuple(mix.shape) != tuple(sel.shape):
+            raise ValueError(f"routing_weights: expected shape {tuple(sel.shape)} as "
+                             f"selected_experts, got {tuple(mix.shape)}")
+        for name, t in (("selected_experts", sel), ("routing_weights", mix)):
+            if t.device != h.device:
+                raise ValueError(f"{name}: on device {t.device}, but h is on {h.device}")
+        return h, self.local_ids(sel), mix
+
+    # ---- compute --------------------------------------------------------------------------
 
     def _direct(self, x: torch.Tensor) -> bool:
         """CPU inference: call the driver with the tables built once (a K3 layer passes
         2688 expert tensors; re-reading them on every call would cost milliseconds)."""
         return x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
 
-    def _tables(self):
-        if getattr(self, "_table_cache", None) is None:
-            from . import _cpu_impl
-            self._table_cache = (
-                _cpu_impl.experts_of(self.gate_up_packed, self.gate_up_scales),
-                _cpu_impl.experts_of(self.down_packed, self.down_scales))
-        return self._table_cache
-
-    def _slots(self, x, table_index, packed, scales, sel):
+    def _slots(self, x, table_index, packed, scales, sel, w: _Weights):
         if self._direct(x):
             from . import _cpu_impl
-            return _cpu_impl.experts(x, self._tables()[table_index], None, sel.to(torch.int64),
+            return _cpu_impl.experts(x, w.cpu_tables()[table_index], None, sel.to(torch.int64),
                                      None, None, self.num_threads or 0, per_slot_outputs=True,
                                      isa=self.isa)
-        return mxfp4_experts_slots(x, packed, scales, sel, num_threads=self.num_threads,
-                                   isa=self.isa)
+        return mxfp4_experts_slots(x, list(packed), list(scales), sel,
+                                   num_threads=self.num_threads, isa=self.isa)
 
     def mlp(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """w2_e (situ(w1_e x) * clip(w3_e x)) per row (P, L), for local expert ids (P,):
         the per-pair work of an expert-parallel owner, in the compute dtype."""
         acc = _acc(rows.dtype)
+        w = self.weights()
         ids = local_ids.view(-1, 1).to(torch.int64)
-        gu = self._slots(rows, 0, self.gate_up_packed, self.gate_up_scales,
-                         torch.cat((ids, ids + self.n_local), dim=1)).to(acc)
+        gu = self._slots(rows, 0, w.gate_up_packed, w.gate_up_scales,
+                         torch.cat((ids, ids + self.n_local), dim=1), w).to(acc)
         act = situ(gu[:, 0], self.beta) * clip(gu[:, 1], self.linear_beta)
-        return self._slots(act, 1, self.down_packed, self.down_scales, ids)[:, 0]
+        return self._slots(act, 1, w.down_packed, w.down_scales, ids, w)[:, 0]
 
     def forward(self, h: torch.Tensor, selected_experts: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
+            # checked inside the ranks' agreement: an error on one rank reaches every rank
             from .distributed import expert_parallel
             out, self.last_routing = expert_parallel(
                 self.mlp, h, selected_experts, routing_weights,
                 expert_range=(self.expert_ids[0], self.expert_ids[-1] + 1),
-                d_out=self.down_packed[0].shape[0], group=self.group,
-                num_threads=self.num_threads)
+                d_out=self.d_latent, group=self.group, num_threads=self.num_threads,
+                isa=self.isa)
             return out
+        h, sel, mix = self._check(h, selected_experts, routing_weights)
         acc = _acc(h.dtype)
-        sel = self.local_ids(selected_experts)
+        w = self.weights()
         top_k = sel.shape[1]
         both = torch.cat((sel, sel + self.n_local), dim=1)  # gate slots, then up slots
-        gu = self._slots(h, 0, self.gate_up_packed, self.gate_up_scales, both).to(acc)
+        gu = self._slots(h, 0, w.gate_up_packed, w.gate_up_scales, both, w).to(acc)
         act = situ(gu[:, :top_k], self.beta) * clip(gu[:, top_k:], self.linear_beta)
-        zeros = torch.zeros((h.shape[0], self.down_packed[0].shape[0]), dtype=acc,
-                            device=h.device)
+        zeros = torch.zeros((h.shape[0], self.d_latent), dtype=acc, device=h.device)
         if self._direct(act) and self._direct(h):
             from . import _cpu_impl
-            out = _cpu_impl.experts(act, self._tables()[1], None, sel, routing_weights.to(acc),
-                                    zeros, self.num_threads or 0, isa=self.isa)
+            out = _cpu_impl.experts(act, w.cpu_tables()[1], None, sel, mix.to(acc), zeros,
+                                    self.num_threads or 0, isa=self.isa)
         else:
-            out = mxfp4_experts(act, self.down_packed, self.down_scales, sel,
-                                routing_weights.to(acc), zeros, num_threads=self.num_threads,
-                                isa=self.isa)
+            out = mxfp4_experts(act, list(w.down_packed), list(w.down_scales), sel,
+                                mix.to(acc), zeros, num_threads=self.num_threads, isa=self.isa)
         return out.to(h.dtype)
 
     def extra_repr(self) -> str:
-        return (f"n_experts={self.n_local}, d_latent={self.down_packed[0].shape[0]}, "
-                f"d_ff={self.gate_up_packed[0].shape[0]}, beta={self.beta}, "
-                f"linear_beta={self.linear_beta}")
+        return (f"n_experts={self.n_local}, d_latent={self.d_latent}, d_ff={self.d_ff}, "
+                f"beta={self.beta}, linear_beta={self.linear_beta}")
+
+
+def situ_betas(config: dict):
+    """(beta, linear_beta) of SiTU from a K3 text config.  The released config states
+    both (4.0 and 25.0); the public ports disagree on what a missing key means (1.0 in
+    some readers, 4.0 in others), so a config without them is refused rather than
+    guessed.  ``activation_situ_linear_beta`` may be null (no clip on the up branch)."""
+    for key in ("activation_situ_beta", "activation_situ_linear_beta"):
+        if key not in config:
+            raise ValueError(f"config.json: {key!r} is missing; Kimi K3's config states it "
+                             f"(4.0 and 25.0 as released)")
+    beta = _positive("config.json: activation_situ_beta", config["activation_situ_beta"])
+    linear = config["activation_situ_linear_beta"]
+    return beta, None if linear is None else _positive(
+        "config.json: activation_situ_linear_beta", linear)
+
+
+def _positive(name, value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a positive number, got {value!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+    return v
 
 
 class KimiK3Router(torch.nn.Module):
@@ -276,10 +514,10 @@ class KimiK3MoE(torch.nn.Module):
         ids = ck.expert_list(experts, int(config["num_experts"]))
         bar = ck.Progress(len(ids), f"layer {layer} experts") if progress else None
         proj = ck.load_experts(ckpt, layout, layer, ids, prefix, bar)
-        routed = KimiK3Experts(proj["gate"], proj["up"], proj["down"],
-                               beta=config.get("activation_situ_beta") or 1.0,
-                               linear_beta=config.get("activation_situ_linear_beta"),
-                               expert_ids=ids, num_threads=num_threads, group=group)
+        beta, linear_beta = situ_betas(config)
+        routed = KimiK3Experts(proj["gate"], proj["up"], proj["down"], beta=beta,
+                               linear_beta=linear_beta, expert_ids=ids,
+                               num_threads=num_threads, group=group)
         names = ["gate.weight", "gate.e_score_correction_bias",
                  "routed_expert_down_proj.weight", "routed_expert_up_proj.weight",
                  "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",

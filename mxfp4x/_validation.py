@@ -3,9 +3,16 @@ what was expected, and is raised before any kernel runs."""
 import numpy as np
 import torch
 
+from . import _cpu
 from ._format import GROUP, GROUP_BYTES
 
-MAX_THREADS = 4096
+# The most threads a call uses: the driver's own cap (its pthreads pool size; an OpenMP
+# runtime keeps a team of the largest size used alive, so a larger request would only leave
+# idle OS threads behind).  A larger num_threads is accepted and capped.
+MAX_THREADS = _cpu.MAX_THREADS
+# ISA names, fixed at import: checked in plain Python, so torch.compile traces the check
+_COMPILED_ISAS = tuple(_cpu.compiled_isas())
+_RUNNABLE_ISAS = tuple(_cpu.runnable_isas())
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = tuple(d for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -17,15 +24,27 @@ def _dtype_name(dtype):
     return str(dtype).replace("torch.", "")
 
 
+_UINT64 = getattr(torch, "uint64", None)
 _WIDE_UNSIGNED = tuple(d for d in (getattr(torch, "uint16", None), getattr(torch, "uint32", None),
                                     getattr(torch, "uint64", None)) if d is not None)
 
 
 def _min_max(t):
     """(min, max) as Python ints; torch has no min/max for uint16/32/64."""
-    if t.dtype in _WIDE_UNSIGNED:
-        t = t.to(torch.int64)  # uint64 >= 2^63 wraps negative: still out of range
-    return int(t.min()), int(t.max())
+    if t.dtype not in _WIDE_UNSIGNED:
+        return int(t.min()), int(t.max())
+    if t.element_size() < 8:
+        t = t.to(torch.int64)  # exact: uint16/uint32 fit
+        return int(t.min()), int(t.max())
+    # uint64: its bit pattern as int64 puts values >= 2^63 below zero; report them as the
+    # unsigned values they are
+    v = t.view(torch.int64) if t.is_contiguous() or t.dim() == 0 else \
+        t.contiguous().view(torch.int64)
+    high = v < 0
+    low_vals, high_vals = v[~high], v[high]
+    lo = int(low_vals.min()) if low_vals.numel() else int(high_vals.min()) + 2 ** 64
+    hi = int(high_vals.max()) + 2 ** 64 if high_vals.numel() else int(low_vals.max())
+    return lo, hi
 
 
 class _WritableView:
@@ -257,7 +276,11 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
                                "(n_tokens, d_out of packed_weights)")
 
     # expert ids are checked once, by the implementation that runs (the CPU driver while it
-    # routes the pairs, the PyTorch path before it indexes): see check_expert_ids
+    # routes the pairs, the PyTorch path before it indexes): see check_expert_ids.  uint64
+    # ids are checked here: the implementations see them as int64, where ids >= 2^63 would
+    # be reported as negative numbers the caller never passed
+    if sel.dtype == _UINT64:
+        check_expert_ids(sel, n_experts)
     return x, packed, scales, sel, mix, shared
 
 
@@ -304,6 +327,19 @@ def check_expert_ids(sel, n_experts):
         lo, hi = _min_max(sel)
         if lo < 0 or hi >= n_experts:
             raise expert_id_error(lo if lo < 0 else hi, n_experts)
+
+
+def check_isa(isa, name="isa"):
+    """None (the default ISA) or the name of an ISA this CPU runs; ValueError otherwise."""
+    if isa is None:
+        return None
+    if not isinstance(isa, str) or isa not in _COMPILED_ISAS:
+        raise ValueError(f"{name}={isa!r} is not an ISA of mxfp4x; choose one of "
+                         f"{list(_RUNNABLE_ISAS)} (compiled: {list(_COMPILED_ISAS)})")
+    if isa not in _RUNNABLE_ISAS:
+        raise ValueError(f"{name}={isa!r}: this CPU (or OS) cannot run {isa}; choose one of "
+                         f"{list(_RUNNABLE_ISAS)}")
+    return isa
 
 
 def check_num_threads(num_threads):

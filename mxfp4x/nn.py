@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ._checkpoints import Progress
+from ._checkpoints import Progress, as_bytes
 from ._dispatch import mxfp4_experts, mxfp4_experts_slots
 from ._format import GROUP, GROUP_BYTES
 from ._kimi_k3 import KimiK3Experts, KimiK3MoE, KimiK3Router  # noqa: F401
@@ -100,11 +100,12 @@ class MXFP4Experts(torch.nn.Module):
         ``expert_range`` only those experts' bytes are mapped."""
         ckpt = SafeTensorsCheckpoint(path)
         if expert_range is None:
-            return cls.from_packed(ckpt.get(blocks_key), ckpt.get(scales_key), num_threads)
+            return cls.from_packed(as_bytes(blocks_key, ckpt.get(blocks_key)),
+                                   as_bytes(scales_key, ckpt.get(scales_key)), num_threads)
         e0, e1 = expert_range
-        return cls.from_packed(ckpt.get_rows(blocks_key, e0, e1),
-                               ckpt.get_rows(scales_key, e0, e1), num_threads,
-                               expert_range=expert_range, group=group)
+        return cls.from_packed(as_bytes(blocks_key, ckpt.get_rows(blocks_key, e0, e1)),
+                               as_bytes(scales_key, ckpt.get_rows(scales_key, e0, e1)),
+                               num_threads, expert_range=expert_range, group=group)
 
     def forward(self, latent_tokens: torch.Tensor, selected_experts: torch.Tensor,
                 mixture_weights: torch.Tensor,
@@ -189,8 +190,9 @@ class GptOssExperts(torch.nn.Module):
         p = prefix.format(layer)
         rng = kwargs.get("expert_range")
 
-        def experts(name):
-            return ckpt.get(p + name) if rng is None else ckpt.get_rows(p + name, *rng)
+        def experts(name):  # bytes typed U8, I8 or F8_E8M0, read by view
+            t = ckpt.get(p + name) if rng is None else ckpt.get_rows(p + name, *rng)
+            return as_bytes(p + name, t)
 
         return cls(experts("gate_up_proj_blocks"), experts("gate_up_proj_scales"),
                    ckpt.get(p + "gate_up_proj_bias"), experts("down_proj_blocks"),

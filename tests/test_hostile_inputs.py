@@ -1,0 +1,334 @@
+"""What a hostile caller found around the core op: weights replaced under a module's cached
+tables, working memory that grew with the pairs of one expert, torch.compile with ``isa=``,
+zero sizes, stride-0 views, uint64 ids, thread requests, typed checkpoint bytes.
+
+Anything that could crash the interpreter (a use-after-free) or exhaust the machine runs in
+a subprocess with a timeout, so a regression fails its test instead of the suite.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x._testing import random_layer
+
+
+def _run(code, timeout=240):
+    """Run ``code`` in a fresh interpreter; its stdout, or a failure with its output."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+# ---- KimiK3Experts: the weights are module state ------------------------------------------
+
+def _k3_weights(rng, n_experts, d_latent, d_ff):
+    def mats(rows, cols):
+        return ([torch.from_numpy(rng.integers(0, 256, (rows, cols // 2), np.uint8))
+                 for _ in range(n_experts)],
+                [torch.from_numpy(rng.integers(118, 134, (rows, cols // 32), np.uint8))
+                 for _ in range(n_experts)])
+    return mats(d_ff, d_latent), mats(d_ff, d_latent), mats(d_latent, d_ff)
+
+
+def _k3_inputs(rng, n_tokens, top_k, n_experts, d_latent):
+    h = torch.from_numpy(rng.standard_normal((n_tokens, d_latent))).float()
+    sel = torch.from_numpy(rng.integers(0, n_experts, (n_tokens, top_k)))
+    w = torch.from_numpy(rng.random((n_tokens, top_k))).float()
+    return h, sel, w
+
+
+def test_replaced_expert_weights_are_seen_and_never_freed_under_the_kernels():
+    # the first CPU call builds the driver's tables; a weight replaced afterwards (and the old
+    # tensor collected) must be what the next call reads: no stale bytes, no freed memory,
+    # the same bytes as the autograd path and as a module built with the new weights
+    out = _run("""
+        import gc, numpy as np, torch
+        from mxfp4x.nn import KimiK3Experts
+        rng = np.random.default_rng(7)
+        E, L, F = 4, 4096, 512
+        def mats(rows, cols):
+            return ([torch.from_numpy(rng.integers(0, 256, (rows, cols // 2), np.uint8))
+                     for _ in range(E)],
+                    [torch.from_numpy(rng.integers(118, 134, (rows, cols // 32), np.uint8))
+                     for _ in range(E)])
+        w1, w3, w2 = mats(F, L), mats(F, L), mats(L, F)
+        ex = KimiK3Experts(w1, w3, (list(w2[0]), list(w2[1])))
+        h = torch.from_numpy(rng.standard_normal((3, L))).float()
+        sel = torch.tensor([[0, 1], [2, 0], [0, 0]])
+        w = torch.rand(3, 2)
+        with torch.no_grad():
+            before = ex(h, sel, w)
+        new = torch.from_numpy(rng.integers(0, 256, (L, F // 2), np.uint8))
+        ex.get_submodule("0.w2").weight_packed = new.clone()
+        del w2[0][0]
+        gc.collect()
+        for _ in range(3):  # freed pages get reused: allocate over them
+            junk = [torch.full((L, F // 2), 0xFF, dtype=torch.uint8) for _ in range(8)]
+        with torch.no_grad():
+            after = ex(h, sel, w)
+        fresh = KimiK3Experts(w1, w3, ([new] + w2[0], w2[1]))
+        with torch.no_grad():
+            expected = fresh(h, sel, w)
+        grad_path = ex(h.clone().requires_grad_(), sel, w).detach()
+        assert not torch.equal(before, after)
+        assert torch.equal(after, expected) and torch.equal(grad_path, expected)
+        try:
+            ex.down_packed[0] = new  # the tuple the kernels get cannot be edited behind them
+        except TypeError:
+            print("OK")
+    """)
+    assert out.strip() == "OK"
+
+
+def test_k3_experts_state_dict_load_and_to(rng):
+    E, L, F = 3, 64, 96
+    a = mxfp4x.nn.KimiK3Experts(*_k3_weights(rng, E, L, F))
+    b = mxfp4x.nn.KimiK3Experts(*_k3_weights(rng, E, L, F))
+    h, sel, w = _k3_inputs(rng, 5, 2, E, L)
+    with torch.no_grad():
+        ya, yb = a(h, sel, w), b(h, sel, w)  # both have built their tables
+    assert not torch.equal(ya, yb)
+    state = a.state_dict()
+    assert sorted(state) == sorted(f"{e}.{p}.weight_{k}" for e in range(E)
+                                   for p in ("w1", "w3", "w2") for k in ("packed", "scale"))
+    b.load_state_dict(state)  # in place: same memory, new bytes
+    with torch.no_grad():
+        assert torch.equal(b(h, sel, w), ya)
+    c = mxfp4x.nn.KimiK3Experts(*_k3_weights(rng, E, L, F))
+    with torch.no_grad():
+        c(h, sel, w)
+    c.load_state_dict(state, assign=True)  # new tensors: the tables are rebuilt
+    with torch.no_grad():
+        assert torch.equal(c(h, sel, w), ya)
+        assert torch.equal(c.to(torch.float64)(h, sel, w), ya)  # byte buffers stay uint8
+
+
+def test_k3_experts_checks_its_inputs_as_the_op_does(rng):
+    E, L, F = 4, 64, 96
+    ex = mxfp4x.nn.KimiK3Experts(*_k3_weights(rng, E, L, F))
+    h, sel, w = _k3_inputs(rng, 3, 2, E, L)
+    with torch.no_grad():
+        ref = ex(h, sel, w)
+        # integer and numpy latents are accepted as the op accepts them
+        assert torch.equal(ex(h.numpy(), sel, w), ref)
+        assert ex(h.round().int(), sel, w).dtype == torch.get_default_dtype()
+    bad = [
+        ((h, sel.float(), w), TypeError, "selected_experts"),
+        ((h, torch.tensor([[0, 4], [0, 0], [1, 1]]), w), IndexError,
+         r"expert id 4 is outside \[0, 4\)"),
+        ((h[:2], sel, w), ValueError, "selected_experts"),
+        ((h, sel, w[:2]), ValueError, "routing_weights"),
+        ((h[:, :32], sel, w), ValueError, r"h: expected \(n_tokens, 64\)"),
+        (("text", sel, w), TypeError, "h"),
+    ]
+    for args, kind, match in bad:
+        with pytest.raises(kind, match=match):
+            ex(*args)
+    held = mxfp4x.nn.KimiK3Experts(*_k3_weights(rng, E, L, F), expert_ids=range(8, 12))
+    with pytest.raises(IndexError, match="not held by this module"):
+        held(h, sel, w)
+    with pytest.raises(ValueError, match="isa='bogus'"):
+        mxfp4x.nn.KimiK3Experts(*_k3_weights(rng, E, L, F), isa="bogus")
+    with pytest.raises(ValueError, match="beta"):
+        mxfp4x.nn.KimiK3Experts(*_k3_weights(rng, E, L, F), beta=0)
+    w1, w3, w2 = _k3_weights(rng, E, L, F)
+    with pytest.raises(ValueError, match=r"w2\[1\]"):
+        mxfp4x.nn.KimiK3Experts(w1, w3, (w2[0][:1] + [w2[0][1][:, :16]] + w2[0][2:],
+                                         w2[1][:1] + [w2[1][1][:, :1]] + w2[1][2:]))
+
+
+def test_situ_betas_come_from_the_config_and_are_never_guessed():
+    from mxfp4x._kimi_k3 import k3_config, situ_betas
+    text = k3_config()["text_config"]
+    assert situ_betas(text) == (4.0, 25.0)
+    assert situ_betas(dict(text, activation_situ_linear_beta=None)) == (4.0, None)
+    for broken in ({k: v for k, v in text.items() if k != "activation_situ_beta"},
+                   dict(text, activation_situ_beta=0), dict(text, activation_situ_beta=-1.0)):
+        with pytest.raises(ValueError, match="activation_situ_beta"):
+            situ_betas(broken)
+
+
+# ---- the driver's working memory ----------------------------------------------------------
+
+def test_working_memory_is_bounded_when_every_pair_goes_to_one_expert():
+    # 100000 tokens x 16 slots, all routed to expert 0: the per-thread dot buffer and the
+    # routing arrays used to grow with the pairs of the busiest expert (739 MiB here)
+    out = _run("""
+        import resource, torch, mxfp4x
+        T, K, O = 100000, 16, 96
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(T, 32, generator=g)
+        packed = torch.randint(0, 256, (2, O, 1, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(120, 130, (2, O, 1), dtype=torch.uint8, generator=g)
+        sel = torch.zeros(T, K, dtype=torch.int64)
+        mix = torch.rand(T, K, generator=g)
+        shared = torch.randn(T, O, generator=g)
+        mxfp4x.mxfp4_experts(x[:300], packed, scales, sel[:300], mix[:300], shared[:300],
+                             num_threads=2)  # the runtime's own one-time allocations
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        y = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared, num_threads=2)
+        grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        print(grew, y.numel() * y.element_size())
+    """)
+    grew, output = (int(v) for v in out.split())
+    assert grew <= output + (48 << 20), f"grew {grew >> 20} MiB for a {output >> 20} MiB output"
+
+
+def test_num_threads_beyond_the_cap_leaves_no_crowd_of_threads():
+    out = _run("""
+        import torch, mxfp4x
+        from mxfp4x._validation import MAX_THREADS
+        g = torch.Generator().manual_seed(0)
+        packed = torch.randint(0, 256, (2, 6000, 1, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(120, 130, (2, 6000, 1), dtype=torch.uint8, generator=g)
+        x = torch.randn(3, 32, generator=g)
+        y = mxfp4x.mxfp4_experts(x, packed, scales, torch.zeros(3, 1, dtype=torch.int64),
+                                 torch.ones(3, 1), torch.zeros(3, 6000), num_threads=10000)
+        assert torch.equal(y, mxfp4x.mxfp4_experts(x, packed, scales,
+                                                   torch.zeros(3, 1, dtype=torch.int64),
+                                                   torch.ones(3, 1), torch.zeros(3, 6000),
+                                                   num_threads=1))
+        threads = int(next(line.split()[1] for line in open("/proc/self/status")
+                           if line.startswith("Threads:")))
+        print(threads, MAX_THREADS)
+    """) if sys.platform.startswith("linux") else pytest.skip("reads /proc/self/status")
+    threads, cap = (int(v) for v in out.split())
+    assert cap <= 256 and threads <= cap + 16, (threads, cap)
+
+
+# ---- torch.compile, zero sizes, strides, ids ----------------------------------------------
+
+def test_compile_fullgraph_with_isa(rng):
+    layer = random_layer(rng, 5, 2, 3, 64, 4)
+    isa = mxfp4x.backend_info()["isas"][-1]
+    compiled = torch.compile(lambda **kw: mxfp4x.mxfp4_experts(**kw, isa=isa), fullgraph=True)
+    assert torch.equal(compiled(**layer), mxfp4x.mxfp4_experts(**layer, isa=isa))
+    slots = torch.compile(lambda x, p, s, sel: mxfp4x.mxfp4_experts_slots(x, p, s, sel,
+                                                                           isa=isa),
+                          fullgraph=True)
+    args = (layer["latent_tokens"], layer["packed_weights"], layer["scale_bytes"],
+            layer["selected_experts"])
+    assert torch.equal(slots(*args), mxfp4x.mxfp4_experts_slots(*args, isa=isa))
+
+
+def _zero_cases(rng):
+    x = torch.from_numpy(rng.standard_normal((3, 64))).float()
+    sel = torch.tensor([[0, 1], [1, 1], [0, 0]])
+    mix = torch.from_numpy(rng.random((3, 2))).float()
+    listed0 = ([torch.zeros(0, 2, 16, dtype=torch.uint8)] * 2,
+               [torch.zeros(0, 2, dtype=torch.uint8)] * 2)
+    empty_in = (torch.zeros(2, 5, 0, 16, dtype=torch.uint8),
+                torch.zeros(2, 5, 0, dtype=torch.uint8))
+    return {
+        "list d_out=0": lambda be, x=x: mxfp4x.mxfp4_experts(
+            x, *listed0, sel, mix, torch.zeros(3, 0), backend=be),
+        "list d_out=0 slots": lambda be, x=x: mxfp4x.mxfp4_experts_slots(
+            x, *listed0, sel, backend=be),
+        "per-slot latents (T, K, 0)": lambda be: mxfp4x.mxfp4_experts(
+            torch.zeros(3, 2, 0), *empty_in, sel, mix, torch.ones(3, 5), backend=be),
+        "per-slot latents (T, K, 0) slots": lambda be: mxfp4x.mxfp4_experts_slots(
+            torch.zeros(3, 2, 0), *empty_in, sel, backend=be),
+    }
+
+
+@pytest.mark.parametrize("case", list(_zero_cases(np.random.default_rng(0))))
+def test_zero_sizes_run_on_the_cpu_path_as_on_torch(rng, case):
+    call = _zero_cases(rng)[case]
+    got, expected = call("cpu"), call("torch")
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert torch.equal(got, expected)
+
+
+def test_zero_size_gradients_on_the_cpu_path(rng):
+    x = torch.from_numpy(rng.standard_normal((3, 64))).float().requires_grad_()
+    sel = torch.tensor([[0, 1], [1, 1], [0, 0]])
+    packed, scales = torch.zeros(2, 0, 2, 16, dtype=torch.uint8), torch.zeros(2, 0, 2,
+                                                                            dtype=torch.uint8)
+    mxfp4x.mxfp4_experts_slots(x, packed, scales, sel, backend="cpu").sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    x.grad = None
+    mxfp4x.mxfp4_experts(x, list(packed.unbind(0)), list(scales.unbind(0)), sel,
+                         torch.ones(3, 2), torch.zeros(3, 0), backend="cpu").sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    xs = torch.zeros(3, 2, 0, requires_grad=True)
+    empty = (torch.zeros(2, 5, 0, 16, dtype=torch.uint8), torch.zeros(2, 5, 0, dtype=torch.uint8))
+    mxfp4x.mxfp4_experts(xs, *empty, sel, torch.ones(3, 2), torch.zeros(3, 5),
+                         backend="cpu").sum().backward()
+    assert xs.grad.shape == (3, 2, 0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("view", ["row-stride-0", "expert-stride-0", "overlapping-rows"])
+def test_stride_0_and_overlapping_byte_views_are_computed(rng, isa, backend, view):
+    E, D, G = 3, 7, 2  # experts, d_out, groups
+    base = torch.from_numpy(rng.integers(0, 256, E * D * G * 16 + 64, np.uint8))
+    sb = torch.from_numpy(rng.integers(118, 135, E * D * G + 8, np.uint8))
+    packed, scales = {
+        "row-stride-0": (base[:E * G * 16].view(E, 1, G, 16).expand(E, D, G, 16),
+                         sb[:E * G].view(E, 1, G).expand(E, D, G)),
+        "expert-stride-0": (base[:D * G * 16].view(1, D, G, 16).expand(E, D, G, 16),
+                            sb[:D * G].view(1, D, G).expand(E, D, G)),
+        "overlapping-rows": (base.as_strided((E, D, G, 16), (D * 16, 16, 16, 1)),
+                             sb.as_strided((E, D, G), (D, 1, 1))),
+    }[view]
+    x = torch.from_numpy(rng.standard_normal((5, G * 32))).float()
+    sel = torch.from_numpy(rng.integers(0, E, (5, 2)))
+    mix = torch.from_numpy(rng.random((5, 2))).float()
+    shared = torch.from_numpy(rng.standard_normal((5, D))).float()
+    kw = dict(backend=backend, isa=isa if backend == "cpu" else None)
+    expected = mxfp4x.mxfp4_experts(x, packed.contiguous(), scales.contiguous(), sel, mix,
+                                    shared, **kw)
+    assert torch.equal(mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared, **kw),
+                       expected)
+    assert torch.equal(mxfp4x.mxfp4_experts(x, list(packed.unbind(0)), list(scales.unbind(0)),
+                                            sel, mix, shared, **kw), expected)
+
+
+@pytest.mark.skipif(not hasattr(torch, "uint64"), reason="torch without uint64")
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_uint64_ids_at_or_above_2_63_are_reported_as_passed(backend):
+    x, packed = torch.ones(1, 32), torch.zeros(2, 3, 1, 16, dtype=torch.uint8)
+    scales = torch.zeros(2, 3, 1, dtype=torch.uint8)
+    sel = torch.tensor([[2 ** 63 + 1]], dtype=torch.uint64)
+    with pytest.raises(IndexError, match=f"expert id {2 ** 63 + 1} is outside"):
+        mxfp4x.mxfp4_experts(x, packed, scales, sel, torch.ones(1, 1), torch.zeros(1, 3),
+                             backend=backend)
+    ok = torch.tensor([[1]], dtype=torch.uint64)
+    assert mxfp4x.mxfp4_experts(x, packed, scales, ok, torch.ones(1, 1), torch.zeros(1, 3),
+                                backend=backend).shape == (1, 3)
+
+
+# ---- checkpoint loaders read typed bytes by view ------------------------------------------
+
+def test_loaders_read_int8_typed_blocks_by_view(tmp_path, rng):
+    from mxfp4x._safetensors import save_file
+    E, F, H = 2, 64, 64
+    gu = torch.from_numpy(rng.integers(0, 256, (E, 2 * F, H // 32, 16), np.uint8))
+    gu_s = torch.from_numpy(rng.integers(118, 134, (E, 2 * F, H // 32), np.uint8))
+    dn = torch.from_numpy(rng.integers(0, 256, (E, H, F // 32, 16), np.uint8))
+    dn_s = torch.from_numpy(rng.integers(118, 134, (E, H, F // 32), np.uint8))
+    bias = {"model.layers.0.mlp.experts.gate_up_proj_bias": torch.zeros(E, 2 * F),
+            "model.layers.0.mlp.experts.down_proj_bias": torch.zeros(E, H)}
+    p = "model.layers.0.mlp.experts."
+    as_u8 = {p + "gate_up_proj_blocks": gu, p + "gate_up_proj_scales": gu_s,
+             p + "down_proj_blocks": dn, p + "down_proj_scales": dn_s, **bias}
+    as_i8 = {k: v.view(torch.int8) if v.dtype == torch.uint8 else v for k, v in as_u8.items()}
+    save_file(as_u8, str(tmp_path / "u8.safetensors"))
+    save_file(as_i8, str(tmp_path / "i8.safetensors"))
+    h = torch.from_numpy(rng.standard_normal((3, H))).float()
+    idx = torch.from_numpy(rng.integers(0, E, (3, 2)))
+    w = torch.from_numpy(rng.random((3, 2))).float()
+    ys = [mxfp4x.nn.GptOssExperts.from_checkpoint(str(tmp_path / f), 0)(h, idx, w)
+          for f in ("u8.safetensors", "i8.safetensors")]
+    assert torch.equal(ys[0], ys[1])
+    banks = [mxfp4x.nn.MXFP4Experts.from_safetensors(str(tmp_path / f), p + "down_proj_blocks",
+                                                     p + "down_proj_scales")
+             for f in ("u8.safetensors", "i8.safetensors")]
+    assert torch.equal(banks[0].packed_weights, banks[1].packed_weights)
