@@ -26,6 +26,7 @@ import torch
 
 import mxfp4x
 from mxfp4x import _bench
+from mxfp4x._io import atomic_write
 
 BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gate_baseline.json")
 SHAPE = "gpt-oss-20b-down"
@@ -86,7 +87,7 @@ def main(argv=None):
         ratios = {c: sorted(measure(c, packed, scales, threads) for _ in range(5))[2]
                   for c in ("t1", "t128")}
         baselines[key] = ratios
-        with open(BASELINE, "w") as f:
+        with atomic_write(BASELINE, "w") as f:
             json.dump(baselines, f, indent=1, sort_keys=True)
         print(f"baseline {key} recorded: {ratios}" + ("" if args.update else
               " (this host's kind had none; nothing compared: baselines are per ISA)"))

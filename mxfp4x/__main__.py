@@ -1,12 +1,26 @@
-"""python -m mxfp4x [bench | info | check | quantize | verify | layer]: the main job and
-tools.
+"""python -m mxfp4x [bench | info | check | quantize | roofline | verify | layer | ep-bench]
 
-``bench`` (the default) runs one gpt-oss-20b-like layer (gate/up: E=32, K=4,
-O=5760, I=2880; random MXFP4 weights made in-process), checks a slice of the
-result against the float64 reference, and prints time, GB/s of weights streamed
-and GFLOP/s for the CPU kernels and the torch backend, beside the floors of each case
-(bytes / read bandwidth and flops / FMA peak, from the roofs of ``roofline`` measured in
-the same run), a torch matmul roof, and issue 12's target for the case.
+The main job and the tools (``python -m mxfp4x <command> --help`` for each):
+
+* ``bench`` (the default) runs one gpt-oss-20b-like layer (gate/up: E=32, K=4, O=5760,
+  I=2880; random MXFP4 weights made in-process), checks a slice of the result against the
+  float64 reference, and prints time, GB/s of weights streamed and GFLOP/s for the CPU
+  kernels and the torch backend, beside the floors of each case (bytes / read bandwidth
+  and flops / FMA peak, from the roofs of ``roofline`` measured in the same run), a torch
+  matmul roof, and issue 12's target for the case.
+* ``info``: version, ISA in use, ISAs, OpenMP, threads.
+* ``check``: the self-test after install, every ISA, dtype and backend against the
+  float64 reference.
+* ``quantize``: the float tensors of a .safetensors file to MXFP4.
+* ``roofline``: this machine's roofs (memory read, FMA peak per ISA, torch.matmul).
+* ``verify``: sha256 of every expert tensor of a checkpoint, the file's bytes against the
+  bytes the loader hands to the kernels and against a manifest.
+* ``layer``: a whole MoE layer in a real checkpoint layout, written, mapped, run, checked.
+* ``ep-bench``: Kimi K3's experts split across the processes of torchrun.
+
+Every argument is checked before any work starts (a bad one exits with status 2 and a
+one-line message, as argparse does), and every file a command writes is replaced whole
+(:func:`mxfp4x._io.atomic_write`): an error never leaves a user's file half-written.
 """
 import argparse
 import json
@@ -18,8 +32,10 @@ import torch
 
 import mxfp4x
 from mxfp4x import _bench
-from mxfp4x._format import GROUP
+from mxfp4x._format import GROUP, GROUP_BYTES
+from mxfp4x._io import atomic_write, check_writable
 from mxfp4x._testing import assert_matches_reference
+from mxfp4x._validation import MAX_THREADS
 
 
 def _cmd_info(args):
@@ -104,7 +120,7 @@ def _cmd_bench(args):
                   flush=True)
     print("check: a slice of every T matches the float64 reference within the float32 bound")
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.plot:
         _plot(rows, args.plot)
@@ -143,22 +159,21 @@ def _cmd_check(args):
 
 def _cmd_quantize(args):
     """Float tensors of a safetensors file -> MXFP4 (name_blocks, name_scales)."""
-    from mxfp4x._safetensors import SafeTensorsFile, save_file
+    from mxfp4x._safetensors import save_file
 
-    src = SafeTensorsFile(args.input)
+    src = args.source  # opened, and its tensors chosen, by _check_quantize
     out = {}
-    n_q = 0
     for name in src.keys():
         t = src.get(name)
-        wanted = any(s in name for s in args.only) if args.only else \
-            not name.endswith("bias")  # biases stay as they are unless asked for
-        if wanted and t.is_floating_point() and t.dim() >= 2 and t.shape[-1] % GROUP == 0:
+        if name in args.chosen:
             packed, scales = mxfp4x.quantize(t, args.scale_rule)
             out[name + "_blocks"], out[name + "_scales"] = packed, scales
-            n_q += 1
         else:
             out[name] = t
+    # the kept tensors are views of the input's mapping: save_file replaces the output
+    # whole, so writing over the input itself (output == input) is safe
     save_file(out, args.output, {"mxfp4x": mxfp4x.__version__, "scale_rule": args.scale_rule})
+    n_q = len(args.chosen)
     print(f"quantized {n_q} tensors, kept {len(out) - 2 * n_q} as they were -> {args.output}")
     return 0
 
@@ -188,23 +203,25 @@ def _cmd_verify(args):
     kernels (and vs a manifest)."""
     from mxfp4x._checkpoints import verify_experts
 
-    manifest = None
-    if args.manifest:
-        with open(args.manifest) as f:
-            manifest = json.load(f)
     t0 = time.perf_counter()
-    report = verify_experts(args.checkpoint, layers=args.layers, manifest=manifest)
+    try:
+        report = verify_experts(args.opened, layers=args.layers, manifest=args.hashes)
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        print(f"verify FAILED: {_message(exc)}", file=sys.stderr)
+        return 1
     for name, what in report["mismatches"][:20]:
         print(f"MISMATCH {name}: {what}")
     if args.write_manifest:
-        with open(args.write_manifest, "w") as f:
+        with atomic_write(args.write_manifest, "w") as f:
             json.dump(report["hashes"], f, indent=0, sort_keys=True)
-    print(f"{report['checked']} expert tensors of layers {report['layers']}, "
-          f"{report['bytes'] / 1e9:.2f} GB, read in {time.perf_counter() - t0:.1f} s: "
+    other = report["manifest_other"]
+    print(f"{report['checked']} expert tensors of layers {report['layers']}"
+          + (f" and {other} other tensors of the manifest" if other else "")
+          + f", {report['bytes'] / 1e9:.2f} GB, read in {time.perf_counter() - t0:.1f} s: "
           + ("the bytes handed to the kernels are the file's bytes"
-             + (" and match the manifest" if manifest is not None else "")
+             + (" and match the manifest" if args.hashes is not None else "")
              if not report["mismatches"] else f"{len(report['mismatches'])} MISMATCHES"))
-    return 1 if report["mismatches"] else 0
+    return 1 if report["mismatches"] or not report["checked"] else 0
 
 
 def _rss_mapped():
@@ -254,7 +271,7 @@ def _cmd_layer(args):
     sizes = dict(_kimi_k3.K3_SIZES)
     per_expert = 3 * sizes["moe_intermediate_size"] * sizes["routed_expert_hidden_size"] \
         * 17 // 32  # bytes + scale bytes of w1, w3, w2
-    n_experts = args.experts or sizes["num_experts"]
+    n_experts = args.experts if args.experts is not None else sizes["num_experts"]
     root = args.dir or tempfile.gettempdir()
     free = shutil.disk_usage(root).free
     fits = max(sizes["num_experts_per_token"], int((free - (2 << 30)) * 0.8 // per_expert))
@@ -346,8 +363,8 @@ def _cmd_ep_bench(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     threads = args.threads or max(1, torch.get_num_threads())
     torch.set_num_threads(threads)
-    sizes = dict(_kimi_k3.K3_SIZES)
-    n_exp = args.experts or sizes["num_experts"]
+    sizes = args.sizes  # the checkpoint's (--checkpoint) or the model's
+    n_exp = args.n_experts  # --experts, else the checkpoint's or the model's count
     lat, ff, top_k = (sizes["routed_expert_hidden_size"], sizes["moe_intermediate_size"],
                       sizes["num_experts_per_token"])
     per_expert = 3 * ff * lat * 17 // 32
@@ -412,7 +429,7 @@ def _cmd_ep_bench(args):
               f"(resident grew by {(rss0 and (_rss_mapped()[0] - rss0)) / 2**20:.0f} MiB on "
               f"rank 0 in all)")
         if args.json:
-            with open(args.json, "w") as f:
+            with atomic_write(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
@@ -434,7 +451,7 @@ def _layer_gpt_oss(args):
     try:
         t0 = time.perf_counter()
         cfg = _gpt_oss.write_gpt_oss_layer(folder, **({"num_local_experts": args.experts}
-                                                      if args.experts else {}))
+                                                      if args.experts is not None else {}))
         size = os.path.getsize(os.path.join(folder, "model.safetensors"))
         print(f"gpt-oss-20b layer 0: {cfg['num_local_experts']} experts (top-"
               f"{cfg['experts_per_token']}, hidden {cfg['hidden_size']}), {size / 1e9:.2f} GB "
@@ -487,14 +504,12 @@ def _layer_gpt_oss(args):
 
 
 def _plot(rows, path):
-    try:
-        import matplotlib
+    """GFLOP/s against T; ``path`` and its format were checked by ``_check_plot``."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for th in sorted({r["threads"] for r in rows}):
         rs = [r for r in rows if r["threads"] == th]
@@ -507,32 +522,290 @@ def _plot(rows, path):
     ax.set_ylabel("GFLOP/s")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # a file object has no name to infer the format from: pass it
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format=os.path.splitext(path)[1][1:].lower(), dpi=110)
+    plt.close(fig)
     print(f"plot written to {path}")
 
 
-def main(argv=None):
+# ---- arguments: every one is checked here, before any command starts its work ----------
+
+def _int_type(lo, hi=None, what="an integer"):
+    """An argparse ``type=``: an int in [lo, hi]; argparse reports a refusal as
+    ``argument X: expected ..., got ...`` with exit status 2."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+positive_int = _int_type(1, what="a positive integer")
+nonnegative_int = _int_type(0, what="an integer >= 0")
+# torch accepts any count and then starts that many threads; the kernels use at most this
+thread_count = _int_type(1, MAX_THREADS, what=f"a thread count in [1, {MAX_THREADS}]")
+
+
+def _message(exc):
+    # str(KeyError) is the repr of its argument: quotes around the whole message
+    return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+
+
+def _existing_file(path, what, error):
+    if not os.path.exists(path):
+        error(f"{what}: {path!r} does not exist")
+    if os.path.isdir(path):
+        error(f"{what}: {path!r} is a folder, expected a file")
+    if not os.access(path, os.R_OK):
+        error(f"{what}: {path!r} is not readable")
+
+
+def _writable_folder(path, what, error):
+    if not os.path.isdir(path):
+        error(f"{what}: {path!r} is not an existing folder")
+    if not os.access(path, os.W_OK | os.X_OK):
+        error(f"{what}: cannot write in {path!r}")
+
+
+def _writable(path, what, error):
+    try:
+        check_writable(path, what)
+    except ValueError as exc:
+        error(str(exc))
+
+
+def _same_file(a, b):
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _physical_memory():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows): not checked
+        return None
+
+
+def _check_memory(n_bytes, what, error):
+    """Refuse a size that cannot fit (``n_bytes``: a lower bound of what the command
+    holds at once) before the work, rather than fail in an allocation minutes later."""
+    total = _physical_memory()
+    if total and n_bytes > total:
+        error(f"{what}: needs at least {n_bytes / 1e9:.1f} GB of memory, this machine has "
+              f"{total / 1e9:.1f} GB")
+
+
+def _check_plot(path, error):
+    """The plot's path as matplotlib would write it (a name without an extension gets
+    ".png"), its format known to matplotlib, its folder writable."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        error("argument --plot: needs matplotlib (pip install matplotlib)")
+    if not os.path.splitext(path)[1]:
+        path += ".png"
+    fmt = os.path.splitext(path)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in formats:
+        error(f"argument --plot: matplotlib cannot write {fmt!r} images (it writes "
+              f"{', '.join(sorted(formats))})")
+    _writable(path, "argument --plot", error)
+    return path
+
+
+def _check_bench(args, error):
+    n_experts, _, d_out, d_in = _bench.SHAPES[args.shape]
+    experts = n_experts * d_out * (d_in // GROUP) * (GROUP_BYTES + 1)
+    _check_memory(experts, "argument --shape", error)
+    tokens = args.repeats * max(args.tokens) * (d_in + d_out) * getattr(torch, args.dtype).itemsize
+    _check_memory(experts + tokens, "argument --tokens", error)
+    if args.json:
+        _writable(args.json, "argument --json", error)
+    if args.plot:
+        args.plot = _check_plot(args.plot, error)
+        if args.json and _same_file(args.json, args.plot):
+            error("argument --plot: the same file as --json")
+
+
+def _quantizable(t):
+    """What ``quantize`` turns into MXFP4: float weights (not E8M0 scales, which are bytes)
+    of rank >= 2 whose rows are whole groups of 32."""
+    return (t.is_floating_point() and t.element_size() >= 2 and t.dim() >= 2
+            and t.shape[-1] % GROUP == 0)
+
+
+def _check_quantize(args, error):
+    from mxfp4x._safetensors import SafeTensorsFile
+
+    _existing_file(args.input, "argument input", error)
+    _writable(args.output, "argument output", error)
+    try:
+        args.source = SafeTensorsFile(args.input)
+        # views of the mapping: no bytes are read, but every entry's dtype is checked
+        tensors = {name: args.source.get(name) for name in args.source.keys()}
+    except (OSError, TypeError, ValueError) as exc:
+        error(f"argument input: {_message(exc)}")
+    for part in args.only or ():
+        if not any(part in name for name in tensors):
+            error(f"argument --only: no tensor name of {args.input} contains {part!r}")
+    args.chosen = {name for name, t in tensors.items() if _quantizable(t) and (
+        any(s in name for s in args.only) if args.only
+        else not name.endswith("bias"))}  # biases stay as they are unless asked for
+    if not args.chosen:
+        error(f"argument input: no tensor of {args.input} to quantize (float, rank >= 2, a "
+              f"last dimension divisible by {GROUP}"
+              + (", a name containing one of --only)" if args.only else ", not *bias)"))
+    made = set(tensors) - args.chosen
+    for name in sorted(args.chosen):
+        for new in (name + "_blocks", name + "_scales"):
+            if new in made:
+                error(f"argument input: quantizing {name!r} would overwrite the tensor "
+                      f"{new!r} the file also holds")
+            made.add(new)
+
+
+def _check_verify(args, error):
+    from mxfp4x import _checkpoints as ck
+
+    if not os.path.exists(args.checkpoint):
+        error(f"argument checkpoint: {args.checkpoint!r} does not exist")
+    try:
+        config = ck.read_config(args.checkpoint)
+        layout = ck.family_of(config)
+        ck.num_experts(config)
+        args.opened = ck.open_checkpoint(args.checkpoint)  # headers only
+        available = ck.moe_layers(args.opened, layout)
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        error(f"argument checkpoint: {_message(exc)}")
+    if not available:
+        error(f"argument checkpoint: {args.checkpoint} holds no {layout.name} expert tensors: "
+              f"nothing to verify")
+    for i, layer in enumerate(args.layers or ()):
+        if layer in args.layers[:i]:
+            error(f"argument --layers: layer {layer} given twice")
+        if layer not in available:
+            error(f"argument --layers: layer {layer} has no expert tensors in "
+                  f"{args.checkpoint} (its expert layers: {available})")
+    args.hashes = None
+    if args.manifest:
+        _existing_file(args.manifest, "argument --manifest", error)
+        try:
+            with open(args.manifest, "rb") as f:
+                doc = json.loads(f.read())
+        except OSError as exc:
+            error(f"argument --manifest: {exc}")
+        except ValueError as exc:
+            error(f"argument --manifest: {args.manifest} is not valid JSON ({exc})")
+        try:
+            args.hashes = ck.check_manifest(doc, "argument --manifest")
+        except ValueError as exc:
+            error(str(exc))
+    if args.write_manifest:
+        _writable(args.write_manifest, "argument --write-manifest", error)
+        for path in ck.checkpoint_files(args.opened):
+            if _same_file(args.write_manifest, path):
+                error(f"argument --write-manifest: {args.write_manifest!r} is a file of the "
+                      f"checkpoint")
+
+
+def _check_layer(args, error):
+    if args.model == "gpt-oss-20b":
+        from mxfp4x._gpt_oss import GPT_OSS_20B as sizes
+        top_k, n_model = sizes["experts_per_token"], sizes["num_local_experts"]
+    else:
+        from mxfp4x._kimi_k3 import K3_SIZES as sizes
+        top_k, n_model = sizes["num_experts_per_token"], sizes["num_experts"]
+    if args.experts is not None and not top_k <= args.experts <= n_model:
+        error(f"argument --experts: expected {top_k} to {n_model} experts ({args.model} routes "
+              f"each token to {top_k} of its {n_model}), got {args.experts}")
+    if args.dir is not None:
+        _writable_folder(args.dir, "argument --dir", error)
+    n_experts = args.experts or n_model
+    # the float64 draw of the tokens and one router score per expert
+    _check_memory(max(args.tokens) * (8 * sizes["hidden_size"] + 4 * n_experts),
+                  "argument --tokens", error)
+
+
+def _check_ep_bench(args, error):
+    from mxfp4x import _checkpoints as ck
+    from mxfp4x._kimi_k3 import K3_SIZES
+
+    args.sizes = dict(K3_SIZES)
+    if args.checkpoint is not None:
+        if not os.path.exists(args.checkpoint):
+            error(f"argument --checkpoint: {args.checkpoint!r} does not exist")
+        try:
+            config = ck.read_config(args.checkpoint)
+            if ck.family_of(config) is not ck.KIMI_K3:
+                raise ValueError(f"{args.checkpoint}: not a Kimi K3 checkpoint")
+            ck.num_experts(config)
+            # the tokens are made in the checkpoint's shapes, not the released model's
+            for key in ("num_experts", "num_experts_per_token", "routed_expert_hidden_size",
+                        "moe_intermediate_size", "hidden_size"):
+                value = config.get(key)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"config.json: {key} is {value!r}, expected a positive "
+                                     f"int")
+                args.sizes[key] = value
+            ckpt = ck.open_checkpoint(args.checkpoint)
+            prefix = ck.find_prefix(ckpt, ck.KIMI_K3, 1)
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            error(f"argument --checkpoint: {_message(exc)}")
+    top_k, n_model = args.sizes["num_experts_per_token"], args.sizes["num_experts"]
+    if args.experts is not None and not top_k <= args.experts <= n_model:
+        error(f"argument --experts: expected {top_k} to {n_model} experts (each token goes "
+              f"to {top_k} of them), got {args.experts}")
+    args.n_experts = args.experts or n_model
+    if args.checkpoint is not None:
+        for name in ck.iter_expert_tensors(ckpt, ck.KIMI_K3, [1], args.n_experts, prefix):
+            if name not in ckpt:
+                error(f"argument --checkpoint: {args.checkpoint} lacks {name}")
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world = 1  # torch.distributed reports a malformed WORLD_SIZE itself
+    if args.n_experts < world:
+        error(f"argument --experts: {args.n_experts} experts cannot be split over {world} "
+              f"processes")
+    if args.dir is not None:
+        _writable_folder(args.dir, "argument --dir", error)
+    # only rank 0 writes the figures (on its own machine: not checked on the others)
+    if args.json and os.environ.get("RANK", "0") == "0":
+        _writable(args.json, "argument --json", error)
+    _check_memory(max(args.tokens) * 4 * (args.n_experts + 2 * args.sizes["hidden_size"]),
+                  "argument --tokens", error)
+
+
+def _check_nothing(args, error):
+    pass  # argparse's types and choices checked every argument of the command
+
+
+def _parser():
     p = argparse.ArgumentParser(prog="python -m mxfp4x", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd")
     pi = sub.add_parser("info", help="version, ISA in use, ISAs, OpenMP, threads")
     pi.add_argument("--json", action="store_true")
     pb = sub.add_parser("bench", help="run a model-sized layer and time it (the default)")
     pb.add_argument("--shape", choices=sorted(_bench.SHAPES), default="gpt-oss-20b-gate-up")
-    pb.add_argument("--tokens", type=int, nargs="+", default=[1, 128])
-    pb.add_argument("--threads", type=int, nargs="+", default=None)
+    pb.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 128])
+    pb.add_argument("--threads", type=thread_count, nargs="+", default=None)
     pb.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
                     default="float32")
-    pb.add_argument("--repeats", type=int, default=5)
+    pb.add_argument("--repeats", type=positive_int, default=5)
     pb.add_argument("--no-torch", action="store_true", help="skip the torch backend timing")
     pb.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     pb.add_argument("--plot", metavar="PNG", help="also plot GFLOP/s against T (matplotlib)")
     pc = sub.add_parser("check", help="self-test: every ISA, dtype and backend vs the "
                                       "float64 reference")
-    pc.add_argument("--seed", type=int, default=0)
+    pc.add_argument("--seed", type=nonnegative_int, default=0)
     pq = sub.add_parser("quantize", help="float tensors of a .safetensors file -> MXFP4 "
                                          "(<name>_blocks, <name>_scales)")
     pq.add_argument("input")
-    pq.add_argument("output")
+    pq.add_argument("output", help="may be the input itself: it is replaced when done")
     pq.add_argument("--scale-rule", choices=["floor", "ceil", "even"], default="floor")
     pq.add_argument("--only", nargs="+", metavar="SUBSTRING",
                     help="quantize only tensors whose names contain one of these (default: "
@@ -542,44 +815,62 @@ def main(argv=None):
                                        "file's bytes vs the bytes the loader hands to the "
                                        "kernels")
     pv.add_argument("checkpoint")
-    pv.add_argument("--layers", type=int, nargs="+", default=None)
+    pv.add_argument("--layers", type=nonnegative_int, nargs="+", default=None,
+                    help="default: every layer whose expert tensors the checkpoint holds")
     pv.add_argument("--manifest", metavar="JSON", help="also compare with these hashes")
     pv.add_argument("--write-manifest", metavar="JSON", help="write the hashes")
     pl = sub.add_parser("layer", help="a whole MoE layer in the real checkpoint layout: "
                                       "write, map, run, check")
     pl.add_argument("--model", choices=["kimi-k3", "gpt-oss-20b"], default="kimi-k3")
-    pl.add_argument("--experts", type=int, default=None,
+    pl.add_argument("--experts", type=positive_int, default=None,
                     help="fewer experts than the model's (to fit a small disk); top-k and "
                          "the matrix shapes stay")
-    pl.add_argument("--tokens", type=int, nargs="+", default=[1, 512])
-    pl.add_argument("--threads", type=int, nargs="+", default=None)
-    pl.add_argument("--repeats", type=int, default=3)
+    pl.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 512])
+    pl.add_argument("--threads", type=thread_count, nargs="+", default=None)
+    pl.add_argument("--repeats", type=positive_int, default=3)
     pl.add_argument("--dir", default=None, help="where to write the layer (default: TMPDIR)")
     pl.add_argument("--keep", action="store_true", help="keep the written checkpoint")
     pr = sub.add_parser("roofline", help="the roofs of this machine: memory read bandwidth, "
                                          "FMA peak per ISA, torch.matmul")
-    pr.add_argument("--threads", type=int, nargs="+", default=None)
+    pr.add_argument("--threads", type=thread_count, nargs="+", default=None)
     pr.add_argument("--json", action="store_true")
     pr.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     pe = sub.add_parser("ep-bench", help="Kimi K3 experts split across processes: run under "
                                          "torchrun --nproc-per-node N")
-    pe.add_argument("--experts", type=int, default=None, help="fewer than 896 experts (top-16 "
-                                                              "and the shapes stay)")
-    pe.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512])
-    pe.add_argument("--threads", type=int, default=None, help="threads per process")
-    pe.add_argument("--repeats", type=int, default=3)
+    pe.add_argument("--experts", type=positive_int, default=None,
+                    help="fewer than 896 experts (top-16 and the shapes stay)")
+    pe.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 32, 512])
+    pe.add_argument("--threads", type=thread_count, default=None, help="threads per process")
+    pe.add_argument("--repeats", type=positive_int, default=3)
     pe.add_argument("--checkpoint", default=None, help="an existing K3 checkpoint folder")
     pe.add_argument("--dir", default=None, help="where to write the layer (default: TMPDIR)")
     pe.add_argument("--keep", action="store_true")
     pe.add_argument("--json", metavar="PATH")
-    commands = {"info": _cmd_info, "bench": _cmd_bench, "check": _cmd_check,
-                "quantize": _cmd_quantize, "verify": _cmd_verify, "layer": _cmd_layer,
-                "ep-bench": _cmd_ep_bench, "roofline": _cmd_roofline}
+    return p, sub.choices
+
+
+# name -> (the checks of its arguments, the command)
+COMMANDS = {"bench": (_check_bench, _cmd_bench), "info": (_check_nothing, _cmd_info),
+            "check": (_check_nothing, _cmd_check), "quantize": (_check_quantize, _cmd_quantize),
+            "roofline": (_check_nothing, _cmd_roofline), "verify": (_check_verify, _cmd_verify),
+            "layer": (_check_layer, _cmd_layer), "ep-bench": (_check_ep_bench, _cmd_ep_bench)}
+
+
+def main(argv=None):
+    p, parsers = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in (*commands, "-h", "--help"):
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
+        if argv and not argv[0].startswith("-"):
+            p.error(f"unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})")
         argv = ["bench"] + argv  # bench is the default subcommand
     args = p.parse_args(argv)
-    return commands[args.cmd](args)
+    check, command = COMMANDS[args.cmd]
+    check(args, parsers[args.cmd].error)
+    try:
+        return command(args)
+    except OSError as exc:  # a full disk, a file gone: what it is, not a traceback
+        print(f"{parsers[args.cmd].prog}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ llama.cpp ``conversion/kimi_k3.py``, vLLM, SGLang, MaxText, and Moonshot's
 """
 import json
 import os
+import re
+import string
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -64,16 +66,48 @@ FAMILIES = {KIMI_K3.name: KIMI_K3}
 
 
 def read_config(path: str) -> dict:
-    """The text model's config from ``config.json`` in a checkpoint folder (the
-    ``text_config`` of a multimodal config, as Kimi K3's)."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    return config.get("text_config", config)
+    """The text model's config from ``config.json`` in a checkpoint folder, or beside a
+    checkpoint file (the ``text_config`` of a multimodal config, as Kimi K3's)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    # abspath: the folder of a bare file name is the current one, not ""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{path}: no config.json in {folder} (a checkpoint is a "
+                                f"folder of config.json and .safetensors files)")
+    with open(config_path, "rb") as f:
+        try:
+            config = json.loads(f.read())
+        except ValueError as exc:
+            raise ValueError(f"{config_path}: not valid JSON ({exc})") from None
+    text = config.get("text_config", config) if isinstance(config, dict) else None
+    if not isinstance(text, dict):
+        raise ValueError(f"{config_path}: expected a JSON object (with an object "
+                         f"text_config if any)")
+    return text
+
+
+def num_experts(config: dict) -> int:
+    """``num_experts`` of a (text) config, checked: a positive int."""
+    n = config.get("num_experts")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"config.json: num_experts is {n!r}, expected a positive int")
+    return n
 
 
 def open_checkpoint(path) -> SafeTensorsCheckpoint:
     return path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
+
+
+def checkpoint_files(ckpt: SafeTensorsCheckpoint) -> List[str]:
+    """Every file a checkpoint is read from: config.json, the index, the shards."""
+    root = ckpt.root
+    folder = root if os.path.isdir(root) else os.path.dirname(os.path.abspath(root))
+    files = {os.path.join(folder, "config.json"), *ckpt._where.values()}
+    if os.path.isdir(root):
+        files.add(os.path.join(root, "model.safetensors.index.json"))
+    return sorted(files)
 
 
 def find_prefix(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout, layer: int) -> str:
@@ -180,14 +214,55 @@ def family_of(config: dict) -> ExpertLayout:
                      f"knows {sorted(FAMILIES)}")
 
 
-def moe_layers(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout, config: dict) -> List[int]:
-    """The layers whose experts this checkpoint holds."""
-    found = []
-    for layer in range(int(config.get("num_hidden_layers", 0))):
-        if any(layout.tensor(p, layer, 0, "down", layout.packed) in ckpt
-               for p in layout.prefixes):
-            found.append(layer)
+def _name_pattern(layout: ExpertLayout) -> "re.Pattern[str]":
+    """A regular expression matching exactly the names ``layout.tensor`` makes (numbers
+    without leading zeros, as ``str.format`` writes them)."""
+    number = "0|[1-9][0-9]*"
+    fields = {"layer": f"(?P<layer>{number})", "expert": f"(?P<expert>{number})",
+              "proj": "(?P<proj>" + "|".join(map(re.escape, sorted(layout.roles.values())))
+                      + ")",
+              "kind": f"(?P<kind>{re.escape(layout.packed)}|{re.escape(layout.scale)})"}
+    body = "".join(re.escape(text) + (fields[name] if name else "")
+                   for text, name, _, _ in string.Formatter().parse(layout.expert))
+    prefixes = "|".join(map(re.escape, sorted(layout.prefixes, key=len, reverse=True)))
+    return re.compile(f"(?P<prefix>{prefixes}){body}")
+
+
+def expert_names(ckpt: SafeTensorsCheckpoint,
+                 layout: ExpertLayout) -> Dict[Tuple[str, int], List[str]]:
+    """(prefix, layer) -> the names of every expert tensor the checkpoint holds, found by
+    name: config.json's ``num_hidden_layers`` does not bound what a file holds, and a
+    loader reads any layer it is asked for."""
+    pattern = _name_pattern(layout)
+    found: Dict[Tuple[str, int], List[str]] = {}
+    # the checkpoint has no public list of names yet: its name -> file map is that list
+    for name in ckpt._where:
+        m = pattern.fullmatch(name)
+        if m is not None:
+            found.setdefault((m["prefix"], int(m["layer"])), []).append(name)
     return found
+
+
+def moe_layers(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout) -> List[int]:
+    """The layers whose expert tensors this checkpoint holds."""
+    return sorted({layer for _, layer in expert_names(ckpt, layout)})
+
+
+_HEX = re.compile("[0-9a-fA-F]{64}")
+
+
+def check_manifest(manifest: object, what: str = "manifest") -> Dict[str, str]:
+    """A manifest, checked: a JSON object of tensor name -> sha256 (64 hex digits).
+    Returns it with the digests in lowercase, as ``hashlib`` writes them."""
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{what}: expected a JSON object of tensor name -> sha256, got a "
+                         f"{type(manifest).__name__}")
+    for name, digest in manifest.items():
+        if not isinstance(digest, str) or not _HEX.fullmatch(digest):
+            shown = repr(digest) if len(repr(digest)) <= 80 else repr(digest)[:77] + "..."
+            raise ValueError(f"{what}: the entry {name!r} is {shown}, expected a sha256 "
+                             f"(64 hex digits)")
+    return {name: digest.lower() for name, digest in manifest.items()}
 
 
 def _file_sha256(path: str, begin: int, end: int) -> str:
@@ -206,41 +281,89 @@ def _file_sha256(path: str, begin: int, end: int) -> str:
     return h.hexdigest()
 
 
+def _locate(ckpt: SafeTensorsCheckpoint, name: str) -> Union[Tuple[str, int, int], str]:
+    """(file, begin, end) of a tensor, or why it cannot be read (a mismatch to report,
+    not an exception that would end the verification)."""
+    if name not in ckpt:
+        return "missing from the checkpoint"
+    try:
+        return ckpt.byte_range(name)
+    except (KeyError, OSError, ValueError) as exc:  # listed in the index, absent from its file
+        return f"unreadable: {exc}"
+
+
 def _tensor_sha256(t: torch.Tensor) -> str:
     import hashlib
 
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
 
 
-def verify_experts(path: str, layers: Optional[Sequence[int]] = None,
+def verify_experts(path: Union[str, SafeTensorsCheckpoint],
+                   layers: Optional[Sequence[int]] = None,
                    manifest: Optional[Dict[str, str]] = None,
                    handed: Optional[Dict[str, torch.Tensor]] = None) -> dict:
     """sha256 of every expert tensor's byte range read straight from its file, against the
     bytes the loader hands to the kernels (``handed``: name -> tensor, default: what
     :func:`load_experts` maps), and against ``manifest`` (name -> sha256) if given.
 
-    Returns ``{"checked", "bytes", "hashes", "mismatches"}``; a mismatch is
-    ``(name, what)``."""
-    config = read_config(path)
+    ``layers``: default every layer whose expert tensors the checkpoint holds; a layer
+    given that holds none is a ``ValueError``, and so is a checkpoint without experts:
+    a verification that checked nothing must not pass.  A layer's tensors are those of
+    the config's ``num_experts`` experts (one absent is a mismatch) and every other
+    expert tensor it holds.  Every manifest entry is checked: one outside these layers
+    against its file's bytes, one the checkpoint lacks is a mismatch.
+
+    Returns ``{"checked", "bytes", "hashes", "mismatches", "layers", "manifest_other"}``
+    (``checked``: expert tensors hashed; ``manifest_other``: other manifest entries
+    checked); a mismatch is ``(name, what)``."""
     ckpt = open_checkpoint(path)
+    config = read_config(ckpt.root)
     layout = family_of(config)
-    n_experts = int(config["num_experts"])
-    layers = moe_layers(ckpt, layout, config) if layers is None else list(layers)
+    n_experts = num_experts(config)
+    if manifest is not None:
+        manifest = check_manifest(manifest)
+    held = expert_names(ckpt, layout)
+    available = sorted({layer for _, layer in held})
+    if layers is None:
+        layers = available
+    else:
+        layers = [int(layer) for layer in layers]
+        absent = [layer for layer in layers if layer not in available]
+        if absent:
+            raise ValueError(f"layers: {ckpt.root} holds no {layout.name} expert tensors for "
+                             f"layer(s) {absent} (its expert layers: {available})")
+    if not layers:
+        example = layout.tensor(layout.prefixes[0], 1, 0, "down", layout.packed)
+        raise ValueError(f"{ckpt.root}: no {layout.name} expert tensors (names like "
+                         f"{example!r}): nothing to verify")
     hashes: Dict[str, str] = {}
-    mismatches = []
+    mismatches: List[Tuple[str, str]] = []
+    seen = set()
     n_bytes = 0
-    for layer in layers:
-        prefix = find_prefix(ckpt, layout, layer)
+    wanted = set(layers)
+    for prefix, layer in sorted((k for k in held if k[1] in wanted), key=lambda k: k[::-1]):
+        expected = list(iter_expert_tensors(ckpt, layout, [layer], n_experts, prefix))
+        names = expected + sorted(set(held[prefix, layer]) - set(expected))
+        where = {name: _locate(ckpt, name) for name in names}
         loaded = handed
         if loaded is None:
-            proj = load_experts(ckpt, layout, layer, range(n_experts), prefix)
+            # the loader refuses an expert with a tensor missing: load the complete ones
+            complete = [e for e in range(n_experts) if all(
+                isinstance(where[layout.tensor(prefix, layer, e, role, kind)], tuple)
+                for role in layout.roles for kind in (layout.packed, layout.scale))]
+            proj = load_experts(ckpt, layout, layer, complete, prefix)
             loaded = {}
             for role, (packed, scales) in proj.items():
-                for e, (p, s) in enumerate(zip(packed, scales, strict=True)):
+                for e, p, s in zip(complete, packed, scales, strict=True):
                     loaded[layout.tensor(prefix, layer, e, role, layout.packed)] = p
                     loaded[layout.tensor(prefix, layer, e, role, layout.scale)] = s
-        for name in iter_expert_tensors(ckpt, layout, [layer], n_experts, prefix):
-            file_path, begin, end = ckpt.byte_range(name)
+        for name in names:
+            seen.add(name)
+            found = where[name]
+            if not isinstance(found, tuple):
+                mismatches.append((name, found))
+                continue
+            file_path, begin, end = found
             hashes[name] = digest = _file_sha256(file_path, begin, end)
             n_bytes += end - begin
             if name not in loaded:
@@ -251,5 +374,21 @@ def verify_experts(path: str, layers: Optional[Sequence[int]] = None,
             if manifest is not None and manifest.get(name) != digest:
                 mismatches.append((name, "the file's bytes differ from the manifest"
                                    if name in manifest else "missing from the manifest"))
+    other = 0
+    for name, digest in sorted((manifest or {}).items()):
+        if name in seen:
+            continue
+        found = _locate(ckpt, name)
+        if not isinstance(found, tuple):
+            mismatches.append((name, "in the manifest but " + found))
+            continue
+        file_path, begin, end = found
+        other += 1
+        n_bytes += end - begin
+        if _file_sha256(file_path, begin, end) != digest:
+            mismatches.append((name, "the file's bytes differ from the manifest"))
+    if not hashes and not other:
+        raise ValueError(f"{ckpt.root}: no expert tensor of layers {layers} could be read: "
+                         f"nothing verified")
     return {"checked": len(hashes), "bytes": n_bytes, "hashes": hashes,
-            "mismatches": mismatches, "layers": layers}
+            "mismatches": mismatches, "layers": layers, "manifest_other": other}

@@ -16,13 +16,14 @@ GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=3
 def write_gpt_oss_layer(folder: str, layer: int = 0, seed: int = 0, **sizes) -> dict:
     """One random gpt-oss MoE layer (gpt-oss-20b sizes unless ``sizes`` say otherwise) and
     its ``config.json``; written one tensor at a time."""
+    from ._io import atomic_write
     from ._safetensors import write_file
 
     cfg = dict(GPT_OSS_20B, model_type="gpt_oss", **sizes)
     e, h, f = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
     rng = np.random.default_rng(seed)
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as fh:
+    with atomic_write(os.path.join(folder, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=1)
     p = f"model.layers.{layer}.mlp."
 

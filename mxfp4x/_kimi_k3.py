@@ -646,6 +646,7 @@ def write_k3_checkpoint(folder: str, config: dict, layers: Sequence[int], seed: 
     import json
     import os
 
+    from ._io import atomic_write
     from ._safetensors import write_file
 
     text = config.get("text_config", config)
@@ -654,7 +655,7 @@ def write_k3_checkpoint(folder: str, config: dict, layers: Sequence[int], seed: 
     shared = inter * text["num_shared_experts"]
     rng = np.random.default_rng(seed)
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
+    with atomic_write(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
 
     def dense(shape, fan_in, scale=1.0):
@@ -705,7 +706,7 @@ def write_k3_checkpoint(folder: str, config: dict, layers: Sequence[int], seed: 
             print(f"writing {fname} ({len(entries)} tensors)", flush=True)
         write_file(os.path.join(folder, fname), entries)
         names.update({name: fname for name in entries})
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+    with atomic_write(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": names}, f)
 
 
