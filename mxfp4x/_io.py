@@ -12,7 +12,26 @@ unmapped.
 import contextlib
 import os
 import tempfile
+import threading
 from typing import IO, Iterator
+
+_UMASK_LOCK = threading.Lock()
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where the OS says it (Linux); else
+    set and restored under a lock (the umask is process-wide state)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
 
 
 def check_writable(path: str, what: str = "output") -> str:
@@ -48,10 +67,8 @@ def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
             os.fsync(f.fileno())
         if os.path.exists(full):  # keep the target's permission bits
             os.chmod(tmp, os.stat(full).st_mode & 0o7777)
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
+        else:  # mkstemp made it 0600: give it what open() would have
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, full)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -4,14 +4,28 @@ The format: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
 then the tensors' bytes (offsets relative to the end of the header).  Reading maps the
 file copy-on-write: a tensor is a view of the file's pages until someone writes to it.
+
+Files are untrusted input.  Every number of a header is checked with exact Python ints
+(numpy products wrap around), entries may not share bytes, and every read is bounded by
+its own entry's ``data_offsets``: a malformed file is a ``ValueError`` naming the file
+and the entry, never another tensor's bytes.  Reading never mutates shared state, so one
+open file serves many threads.
 """
 import json
+import math
+import operator
 import os
+import reprlib
 import struct
-from typing import Callable, Dict, Iterable, Optional, Tuple
+import threading
+import weakref
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
+
+from ._io import atomic_write
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
        "F8_E8M0": np.uint8,
@@ -25,124 +39,258 @@ _TORCH_NAME = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
                **({_E8M0: "F8_E8M0"} if _E8M0 is not None else {})}
 
+# the reference implementation's limit: a longer "header" is not a safetensors file, and
+# reading it whole would let a hostile length exhaust memory
+MAX_HEADER_BYTES = 100_000_000
+# numpy 1.x arrays have at most 32 dimensions (numpy 2: 64)
+MAX_DIMS = 32
+# torch and numpy index with signed 64-bit strides: every stride in bytes must fit
+_MAX_INDEX = 2 ** 63
 
-def _check_entry(path, name, info, data_size):
-    """Offsets inside the data section, a known dtype, and a shape that fits the bytes."""
+_short = reprlib.Repr()
+_short.maxstring = 120
+_short.maxother = 120
+_short.maxlevel = 3  # hostile values may nest deeply: never recurse into them
+
+
+class UnsupportedDtypeError(ValueError, TypeError):
+    """A well-formed entry whose dtype this reader cannot view (the other tensors of the
+    file stay readable).  A ``TypeError`` too, as it was before files were validated."""
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    # json keeps the last of repeated keys: two meanings for one name, so refuse it
+    out: Dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"duplicate key {_short.repr(key)}")
+        out[key] = value
+    return out
+
+
+def _parse_json(path: str, raw: bytes, what: str) -> Any:
+    """``raw`` as strict UTF-8 JSON without repeated keys, any failure a ValueError
+    naming ``path``."""
     try:
-        dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        ok = (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_size
-              and all(isinstance(d, int) and d >= 0 for d in shape))
-    except (KeyError, TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{path}: malformed entry for tensor {name!r}: {info!r}")
-    if dtype not in _NP:
-        return  # reported by get(), so that other tensors stay readable
-    if int(np.prod(shape, dtype=np.int64)) * np.dtype(_NP[dtype]).itemsize != end - begin:
-        raise ValueError(f"{path}: tensor {name!r}: shape {shape} of {dtype} does not fill "
-                         f"bytes [{begin}, {end})")
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise ValueError(f"{path}: {what} is not valid JSON ({reason})") from None
+
+
+class _Entry(NamedTuple):
+    """A validated header entry; ``begin``/``end`` are relative to the data section."""
+    dtype: str
+    shape: Tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a size
+
+
+def _check_entry(path: str, name: str, info: object, data_size: int) -> _Entry:
+    """Offsets inside the data section, a shape of at most MAX_DIMS non-negative ints
+    whose strides fit 64 bits, and, for a known dtype, a shape that fills the bytes."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{path}: tensor {_short.repr(name)}: {why}: {_short.repr(info)}")
+
+    if not isinstance(info, dict):
+        raise bad("expected an object with dtype, shape and data_offsets")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
+    if missing:
+        raise bad(f"missing {', '.join(missing)}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str):
+        raise bad("dtype is not a string")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad("shape is not a list of non-negative integers")
+    if len(shape) > MAX_DIMS:
+        raise bad(f"more than {MAX_DIMS} dimensions")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))):
+        raise bad("data_offsets is not a list of two integers")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size:
+        raise bad(f"data_offsets leave the data section [0, {data_size})")
+    itemsize = np.dtype(_NP[dtype]).itemsize if dtype in _NP else 1
+    # a zero-size tensor still has strides: its other dimensions must be indexable
+    if math.prod(max(d, 1) for d in shape) * itemsize >= _MAX_INDEX:
+        raise bad("dimensions too large to index")
+    if dtype in _NP and math.prod(shape) * itemsize != end - begin:
+        raise bad(f"shape {shape} of {dtype} does not fill bytes [{begin}, {end})")
+    # an unknown dtype is reported by get(), so that the other tensors stay readable
+    return _Entry(dtype, tuple(shape), begin, end)
+
+
+def _check_disjoint(path: str, entries: Mapping[str, _Entry]) -> None:
+    """No byte belongs to two tensors (empty tensors hold no byte)."""
+    spans = sorted((e.begin, e.end, name) for name, e in entries.items() if e.end > e.begin)
+    for (_, end0, name0), (begin1, _, name1) in zip(spans, spans[1:], strict=False):
+        if begin1 < end0:
+            raise ValueError(f"{path}: tensors {_short.repr(name0)} and {_short.repr(name1)} "
+                             f"share bytes (data_offsets overlap at {begin1})")
 
 
 class SafeTensorsFile:
-    """Read access to one .safetensors file; ``get`` returns zero-copy tensors."""
+    """Read access to one .safetensors file; ``get`` returns zero-copy tensors.
+
+    The file stays open: every mapping is of the file whose header was checked, even if
+    the path is replaced meanwhile."""
 
     def __init__(self, path: str):
         self.path = path
-        with open(path, "rb") as f:
-            head = f.read(8)
+        fh = open(path, "rb")
+        try:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(8)
             if len(head) != 8:
-                raise ValueError(f"{path}: not a safetensors file (too short)")
+                raise ValueError(f"{path}: not a safetensors file ({size} bytes, shorter "
+                                 f"than the 8-byte header length)")
             (n,) = struct.unpack("<Q", head)
-            size = os.path.getsize(path)
-            if n > size - 8:
-                raise ValueError(f"{path}: not a safetensors file (header length {n})")
-            try:
-                header = json.loads(f.read(n))
-            except ValueError as exc:
-                raise ValueError(f"{path}: not a safetensors file ({exc})") from None
-        if not isinstance(header, dict):
-            raise ValueError(f"{path}: not a safetensors file (header is not a JSON object)")
-        self.metadata = header.pop("__metadata__", {})
-        data_size = size - 8 - n
-        for name, info in header.items():
-            _check_entry(path, name, info, data_size)
-        self.header = header
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                raise ValueError(f"{path}: not a safetensors file (header length {n}, file "
+                                 f"size {size})")
+            raw = fh.read(n)
+            if len(raw) != n:
+                raise ValueError(f"{path}: the file shrank while its header was read")
+            header = _parse_json(path, raw, "the header")
+            if not isinstance(header, dict):
+                raise ValueError(f"{path}: not a safetensors file (header is not a JSON "
+                                 f"object)")
+            metadata = header.pop("__metadata__", {})
+            if not (isinstance(metadata, dict)
+                    and all(isinstance(v, str) for v in metadata.values())):
+                raise ValueError(f"{path}: __metadata__ is not an object of strings: "
+                                 f"{_short.repr(metadata)}")
+            data_size = size - 8 - n
+            entries = {name: _check_entry(path, name, info, data_size)
+                       for name, info in header.items()}
+            _check_disjoint(path, entries)
+        except BaseException:
+            fh.close()
+            raise
+        self._fh = fh
+        self._closer = weakref.finalize(self, fh.close)
+        self.metadata: Dict[str, str] = metadata
+        # the parsed JSON, for inspection; reads use the validated entries only
+        self.header: Mapping[str, Any] = MappingProxyType(header)
+        self._entries: Dict[str, _Entry] = entries
         self._base = 8 + n
         self._size = size
+        self._lock = threading.Lock()
         self._whole: Optional[np.ndarray] = None  # the whole file, mapped on first get()
 
+    def close(self) -> None:
+        """Close the file; tensors already returned stay valid (their mappings hold it)."""
+        self._closer()
+
+    def __enter__(self) -> "SafeTensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def keys(self) -> Iterable[str]:
-        return self.header.keys()
+        return self._entries.keys()
 
     def __contains__(self, name: str) -> bool:
-        return name in self.header
+        return name in self._entries
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor, a view of a copy-on-write mapping of the whole file."""
-        self._info(name)
-        if self._whole is None and self._size:
-            self._whole = np.memmap(self.path, dtype=np.uint8, mode="c")
-        return self._view(self._whole, 0, name)
+        e = self._entry(name)
+        whole = self._whole
+        if whole is None and e.end > e.begin:
+            with self._lock:  # one mapping, published once, whoever asks first
+                if self._whole is None:
+                    self._whole = self._map(0, self._size)
+                whole = self._whole
+        return self._view(name, e, whole, 0, e.shape, e.begin, e.end)
 
     def get_many(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         """Several tensors as views of one mapping of just the span of the file that holds
         them: a process that serves some of the experts maps only (about) their bytes."""
-        names = list(names)
-        if not names:
-            return {}
-        spans = [self._info(n)["data_offsets"] for n in names]
-        begin = self._base + min(b for b, _ in spans)
-        end = self._base + max(e for _, e in spans)
-        window = np.memmap(self.path, dtype=np.uint8, mode="c", offset=begin,
-                           shape=(end - begin,)) if end > begin else None
-        return {n: self._view(window, begin, n) for n in names}
+        found = {n: self._entry(n) for n in names}
+        full = [e for e in found.values() if e.end > e.begin]
+        if not full:
+            return {n: self._view(n, e, None, 0, e.shape, e.begin, e.end)
+                    for n, e in found.items()}
+        begin = self._base + min(e.begin for e in full)
+        window = self._map(begin, self._base + max(e.end for e in full))
+        return {n: self._view(n, e, window, begin, e.shape, e.begin, e.end)
+                for n, e in found.items()}
 
     def get_rows(self, name: str, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of a tensor's first dimension (e.g. some experts of a stacked
         tensor), a view of a mapping of just their bytes."""
-        info = self._info(name)
-        shape = list(info["shape"])
-        if not shape or not 0 <= start <= end <= shape[0]:
-            raise ValueError(f"{self.path}: rows [{start}, {end}) of {name!r} {shape}")
-        row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(_NP[info["dtype"]]).itemsize
-        begin = info["data_offsets"][0]
-        sub = dict(info, shape=[end - start] + shape[1:],
-                   data_offsets=[begin + start * row, begin + end * row])
-        key = f"{name}[{start}:{end}]"
-        self.header[key] = sub  # a derived entry, viewed like any other
-        try:
-            return self.get_many([key])[key]
-        finally:
-            del self.header[key]
+        e = self._entry(name)
+        start, end = operator.index(start), operator.index(end)
+        if not e.shape or not 0 <= start <= end <= e.shape[0]:
+            raise ValueError(f"{self.path}: rows [{start}, {end}) of {name!r} "
+                             f"{list(e.shape)}")
+        row = math.prod(e.shape[1:]) * np.dtype(_NP[e.dtype]).itemsize
+        lo, hi = e.begin + start * row, e.begin + end * row
+        shape = (end - start,) + e.shape[1:]
+        window = self._map(self._base + lo, self._base + hi) if hi > lo else None
+        return self._view(name, e, window, self._base + lo, shape, lo, hi)
 
-    def _info(self, name: str) -> dict:
-        if name not in self.header:
+    def byte_range(self, name: str) -> Tuple[int, int]:
+        """[first byte, end byte) of a tensor's data in the file."""
+        if name not in self._entries:
             raise KeyError(f"{self.path}: no tensor named {name!r}")
-        info = self.header[name]
-        if info["dtype"] not in _NP:
-            raise TypeError(f"{self.path}: tensor {name!r} has unsupported dtype "
-                            f"{info['dtype']}")
-        return info
+        e = self._entries[name]
+        return self._base + e.begin, self._base + e.end
 
-    def _view(self, mapped: Optional[np.ndarray], mapped_at: int, name: str) -> torch.Tensor:
-        info = self.header[name]
-        dtype = info["dtype"]
-        begin, end = info["data_offsets"]
+    def _entry(self, name: str) -> _Entry:
+        if name not in self._entries:
+            raise KeyError(f"{self.path}: no tensor named {name!r}")
+        e = self._entries[name]
+        if e.dtype not in _NP:
+            raise UnsupportedDtypeError(f"{self.path}: tensor {name!r} has unsupported "
+                                        f"dtype {_short.repr(e.dtype)}")
+        return e
+
+    def _map(self, begin: int, end: int) -> np.ndarray:
+        """A copy-on-write mapping of file bytes [begin, end) (absolute)."""
+        try:
+            return np.memmap(self._fh, dtype=np.uint8, mode="c", offset=begin,
+                             shape=(end - begin,))
+        except ValueError as exc:  # e.g. the file was truncated under us
+            raise ValueError(f"{self.path}: cannot map bytes [{begin}, {end}): {exc}") from None
+
+    def _view(self, name: str, e: _Entry, mapped: Optional[np.ndarray], mapped_at: int,
+              shape: Tuple[int, ...], begin: int, end: int) -> torch.Tensor:
+        """Bytes [begin, end) of the data section, which must lie inside entry ``e``, as a
+        tensor of ``shape``; ``mapped`` holds absolute file bytes from ``mapped_at``."""
+        itemsize = np.dtype(_NP[e.dtype]).itemsize
+        lo, hi = self._base + begin - mapped_at, self._base + end - mapped_at
+        # checked here, where bytes are read, whatever the caller computed
+        if not (e.begin <= begin <= end <= e.end and math.prod(shape) * itemsize == end - begin
+                and (begin == end or (mapped is not None and 0 <= lo and hi <= len(mapped)))):
+            raise ValueError(f"{self.path}: tensor {name!r}: bytes [{begin}, {end}) as "
+                             f"{list(shape)} leave its data_offsets [{e.begin}, {e.end})")
         if mapped is None or begin == end:
-            return torch.empty(info["shape"], dtype=_VIEW_AS.get(dtype) or
-                               torch.from_numpy(np.empty(0, _NP[dtype])).dtype)
-        raw = mapped[self._base + begin - mapped_at:self._base + end - mapped_at]
-        aligned = raw.ctypes.data % np.dtype(_NP[dtype]).itemsize == 0
+            return torch.empty(shape, dtype=_VIEW_AS.get(e.dtype) or
+                               torch.from_numpy(np.empty(0, _NP[e.dtype])).dtype)
+        raw = mapped[lo:hi]
+        aligned = raw.ctypes.data % itemsize == 0
         # the copy-on-write map is writable, so torch.from_numpy needs no warnings filter;
         # an unaligned tensor is copied into a fresh (aligned, writable) array
-        arr: np.ndarray = (raw if aligned else raw.copy()).view(_NP[dtype])
-        t = torch.from_numpy(arr.reshape(info["shape"]))
-        return t.view(_VIEW_AS[dtype]) if dtype in _VIEW_AS else t
+        arr: np.ndarray = (raw if aligned else raw.copy()).view(_NP[e.dtype])
+        t = torch.from_numpy(arr.reshape(shape))
+        return t.view(_VIEW_AS[e.dtype]) if e.dtype in _VIEW_AS else t
 
 
 def save_file(tensors: Dict[str, torch.Tensor], path: str,
               metadata: Optional[Dict[str, str]] = None) -> None:
-    """Write ``tensors`` (CPU, any layout: made contiguous) as a .safetensors file."""
+    """Write ``tensors`` (CPU, any layout: made contiguous) as a .safetensors file.  The
+    tensors may be views of a mapping of ``path`` itself: the file is replaced, not
+    overwritten."""
     def maker(t: torch.Tensor) -> Callable[[], torch.Tensor]:
         return lambda: t
 
@@ -151,35 +299,44 @@ def save_file(tensors: Dict[str, torch.Tensor], path: str,
 
 
 def write_file(path: str, entries: Dict[str, Tuple[torch.dtype, Tuple[int, ...],
-                                                   Callable[[], torch.Tensor]]],
+                                                   Callable[[], Optional[torch.Tensor]]]],
                metadata: Optional[Dict[str, str]] = None) -> None:
     """Write a .safetensors file whose tensors are made one at a time while it is
     written (``name -> (dtype, shape, make)``): a file larger than memory can be written.
     A tensor ``make()`` returns None for is left unwritten (all zero bytes, sparse on
-    disk)."""
-    header: Dict[str, object] = {"__metadata__": dict(metadata or {})}
+    disk).  The bytes go to a temporary file renamed over ``path`` at the end: a failure
+    leaves ``path`` as it was, and mappings of the old file keep their bytes."""
+    meta = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise TypeError(f"{path}: metadata must map strings to strings, got "
+                        f"{_short.repr(meta)}")
+    if "__metadata__" in entries:
+        raise ValueError(f"{path}: '__metadata__' is reserved, not a tensor name")
+    header: Dict[str, Any] = {"__metadata__": meta}
     offset = 0
     # widest elements first: every tensor then starts aligned to its element size
     # (the format allows no padding between tensors)
     order = sorted(entries, key=lambda k: -torch.empty((), dtype=entries[k][0]).element_size())
     for name in order:
-        dtype, shape = entries[name][0], entries[name][1]
+        dtype, dims = entries[name][0], [int(d) for d in entries[name][1]]
         if dtype not in _TORCH_NAME:
             raise TypeError(f"{name}: cannot store dtype {dtype}")
-        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _TORCH_NAME[dtype], "shape": list(shape),
+        if any(d < 0 for d in dims):
+            raise ValueError(f"{name}: negative dimension in {dims}")
+        size = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _TORCH_NAME[dtype], "shape": dims,
                         "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
+    with atomic_write(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         base = f.tell()
         for name in order:
             dtype, shape, make = entries[name]
             t = make()
-            begin, end = header[name]["data_offsets"]  # type: ignore[index]
+            begin, end = header[name]["data_offsets"]
             if t is None:
                 continue
             t = t.detach().cpu().contiguous()
@@ -193,6 +350,21 @@ def write_file(path: str, entries: Dict[str, Tuple[torch.dtype, Tuple[int, ...],
         f.truncate(base + offset)  # the full length, also when the last tensors are sparse
 
 
+def _shard_name(index: str, key: str, name: object) -> str:
+    """A weight_map value as written: a relative name inside the checkpoint folder.  The
+    name is checked, not where it resolves: a Hugging Face cache snapshot's files are
+    symlinks into ``../../blobs/``, and following them is fine."""
+    if not isinstance(name, str):
+        raise ValueError(f"{index}: {_short.repr(key)} maps to {_short.repr(name)}, "
+                         f"expected a file name")
+    parts = name.replace(os.sep, "/").split("/")
+    if (not name or "\0" in name or os.path.isabs(name) or os.path.splitdrive(name)[0]
+            or any(p in ("", ".", "..") for p in parts)):
+        raise ValueError(f"{index}: {_short.repr(key)} points outside the checkpoint "
+                         f"folder: {_short.repr(name)} is not a plain relative file name")
+    return name
+
+
 class SafeTensorsCheckpoint:
     """A checkpoint: one .safetensors file, or a directory with
     ``model.safetensors.index.json`` (its weight_map) or a single .safetensors file."""
@@ -200,63 +372,81 @@ class SafeTensorsCheckpoint:
     def __init__(self, path: str):
         self.root = path
         self._files: Dict[str, SafeTensorsFile] = {}
+        self._lock = threading.Lock()
         self._where: Dict[str, str] = {}
         if os.path.isdir(path):
             index = os.path.join(path, "model.safetensors.index.json")
             if os.path.exists(index):
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-                root = os.path.realpath(path)
-                for k, v in weight_map.items():
-                    full = os.path.realpath(os.path.join(path, v))
-                    if os.path.dirname(full) != root:
-                        raise ValueError(f"{index}: {k!r} points outside the checkpoint "
-                                         f"folder: {v!r}")
-                    self._where[k] = full
+                for k, v in self._read_index(index).items():
+                    self._where[k] = os.path.join(path, _shard_name(index, k, v))
             else:
                 for fname in sorted(os.listdir(path)):
                     if fname.endswith(".safetensors"):
                         full = os.path.join(path, fname)
                         for k in self._file(full).keys():
+                            if k in self._where:  # which one would be read is a guess
+                                raise ValueError(
+                                    f"{path}: tensor {k!r} is in both "
+                                    f"{os.path.basename(self._where[k])!r} and {fname!r} "
+                                    f"(and there is no model.safetensors.index.json)")
                             self._where[k] = full
         else:
             for k in self._file(path).keys():
                 self._where[k] = path
 
+    @staticmethod
+    def _read_index(index: str) -> Dict[str, object]:
+        with open(index, "rb") as f:
+            raw = f.read(MAX_HEADER_BYTES + 1)
+        if len(raw) > MAX_HEADER_BYTES:
+            raise ValueError(f"{index}: larger than {MAX_HEADER_BYTES} bytes")
+        doc = _parse_json(index, raw, "the index")
+        if not isinstance(doc, dict):
+            raise ValueError(f"{index}: the index is not a JSON object")
+        weight_map = doc.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no weight_map object (got "
+                             f"{_short.repr(weight_map)})")
+        return weight_map
+
     def _file(self, path: str) -> SafeTensorsFile:
-        if path not in self._files:
-            self._files[path] = SafeTensorsFile(path)
-        return self._files[path]
+        with self._lock:  # one SafeTensorsFile per path, however many threads ask
+            f = self._files.get(path)
+            if f is None:
+                f = self._files[path] = SafeTensorsFile(path)
+            return f
+
+    def _locate(self, name: str) -> SafeTensorsFile:
+        """The open file that holds ``name``; an index that names the wrong file is a
+        malformed checkpoint, not a missing tensor."""
+        if name not in self._where:
+            raise KeyError(f"{self.root}: no tensor named {name!r}")
+        f = self._file(self._where[name])
+        if name not in f:
+            raise ValueError(f"{self.root}: the index puts {name!r} in {f.path}, which has "
+                             f"no such tensor")
+        return f
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise KeyError(f"{self.root}: no tensor named {name!r}")
-        return self._file(self._where[name]).get(name)
+        return self._locate(name).get(name)
 
     def get_many(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         """Tensors as views of one mapping per file of just the span that holds them."""
-        by_file: Dict[str, list] = {}
+        by_file: Dict[SafeTensorsFile, list] = {}
         for n in names:
-            if n not in self._where:
-                raise KeyError(f"{self.root}: no tensor named {n!r}")
-            by_file.setdefault(self._where[n], []).append(n)
+            by_file.setdefault(self._locate(n), []).append(n)
         out: Dict[str, torch.Tensor] = {}
-        for path, ns in by_file.items():
-            out.update(self._file(path).get_many(ns))
+        for f, ns in by_file.items():
+            out.update(f.get_many(ns))
         return out
 
     def get_rows(self, name: str, start: int, end: int) -> torch.Tensor:
-        if name not in self._where:
-            raise KeyError(f"{self.root}: no tensor named {name!r}")
-        return self._file(self._where[name]).get_rows(name, start, end)
+        return self._locate(name).get_rows(name, start, end)
 
-    def byte_range(self, name: str):
+    def byte_range(self, name: str) -> Tuple[str, int, int]:
         """(file path, first byte, end byte) of a tensor's data in its file."""
-        if name not in self._where:
-            raise KeyError(f"{self.root}: no tensor named {name!r}")
-        f = self._file(self._where[name])
-        begin, end = f.header[name]["data_offsets"]
-        return f.path, f._base + begin, f._base + end
+        f = self._locate(name)
+        return (f.path,) + f.byte_range(name)
