@@ -1,0 +1,108 @@
+"""Bit-identity over time: sha256 of the results of a fixed set of calls, per ISA, recorded
+once and checked on every run.  A refactor, a moved module or a new build must leave every
+bit of these results as it was; a kernel change that moves bits on purpose records new
+digests (``MXFP4X_RECORD_DIGESTS=1 pytest tests/test_digests.py -s`` prints them).
+
+The inputs are made here with numpy's PCG64 (fixed seeds), not by package helpers, so that
+moving or changing a helper cannot move the inputs.  The float64 path runs the same scalar
+kernels under every ISA, so its digests are one value for all ISAs.  ISAs without recorded
+digests (none recorded on hosts that cannot run them) are skipped with the reason.
+"""
+import hashlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import mxfp4x
+
+RECORD = os.environ.get("MXFP4X_RECORD_DIGESTS") == "1"
+
+
+def _layer(seed, n_tokens, top_k, n_experts, d_out, n_groups, dtype):
+    rng = np.random.default_rng(seed)
+    d_in = 32 * n_groups
+    x = torch.from_numpy(rng.standard_normal((n_tokens, d_in))).to(dtype)
+    packed = torch.from_numpy(rng.integers(0, 256, (n_experts, d_out, n_groups, 16), np.uint8))
+    scales = torch.from_numpy(rng.integers(119, 134, (n_experts, d_out, n_groups), np.uint8))
+    sel = torch.from_numpy(rng.integers(0, n_experts, (n_tokens, top_k)))
+    mix = torch.from_numpy(rng.random((n_tokens, top_k))).to(dtype)
+    shared = torch.from_numpy(rng.standard_normal((n_tokens, d_out))).to(dtype)
+    return x, packed, scales, sel, mix, shared
+
+
+def _cases():
+    cases = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        name = str(dtype).replace("torch.", "")
+        for n_tokens in (1, 5, 300):  # gemv, multi-token gemv, panels
+            cases[f"forward-{name}-T{n_tokens}"] = (
+                lambda isa, a=_layer(n_tokens, n_tokens, 4, 6, 100, 9, dtype):
+                mxfp4x.mxfp4_experts(*a, isa=isa))
+    a = _layer(11, 40, 3, 5, 70, 5, torch.float32)
+    cases["slots-float32"] = lambda isa: mxfp4x.mxfp4_experts_slots(*a[:4], isa=isa)
+    rng = np.random.default_rng(12)
+    per_slot = torch.from_numpy(rng.standard_normal((40, 3, 160))).float()
+    cases["per-slot-latents-float32"] = lambda isa: mxfp4x.mxfp4_experts(
+        per_slot, *a[1:], isa=isa)
+    grad = torch.from_numpy(rng.standard_normal((40, 70))).float()
+    cases["transposed-float32"] = lambda isa: torch.ops.mxfp4x.mxfp4_experts_grad_latents(
+        grad, a[1], a[2], a[3], a[4], a[0], isa=isa)
+    listed = (a[0], list(a[1].unbind(0)), list(a[2].unbind(0)), *a[3:])
+    cases["list-form-float32"] = lambda isa: mxfp4x.mxfp4_experts(*listed, isa=isa)
+    return cases
+
+
+CASES = _cases()
+
+# sha256 (first 16 hex digits) of the result's bytes, by ISA; "float64" rows hold for all
+EXPECTED = {
+    ('any', 'forward-float64-T1'): 'fe03a3a9c61c33fb',
+    ('any', 'forward-float64-T300'): '7f30772cc067c7df',
+    ('any', 'forward-float64-T5'): '4a8393326eb888b9',
+    ('avx2', 'forward-bfloat16-T1'): 'f7ec011c493021ce',
+    ('avx2', 'forward-bfloat16-T300'): '58b3d7c8842f8adf',
+    ('avx2', 'forward-bfloat16-T5'): '7b8a286b5c0dcc32',
+    ('avx2', 'forward-float32-T1'): 'ee93ab1448df7737',
+    ('avx2', 'forward-float32-T300'): 'e35ec64a98232a4f',
+    ('avx2', 'forward-float32-T5'): 'cea792d61ac29329',
+    ('avx2', 'list-form-float32'): '3ec22ef33e0cd29f',
+    ('avx2', 'per-slot-latents-float32'): '24f3bc457c9bc4f3',
+    ('avx2', 'slots-float32'): '4f39da95425f671e',
+    ('avx2', 'transposed-float32'): 'dcbd9be4e84b3941',
+    ('scalar', 'forward-bfloat16-T1'): 'f7ec011c493021ce',
+    ('scalar', 'forward-bfloat16-T300'): 'a99b4c89fac4a3c6',
+    ('scalar', 'forward-bfloat16-T5'): '7b8a286b5c0dcc32',
+    ('scalar', 'forward-float32-T1'): '4c131002dcce3e8c',
+    ('scalar', 'forward-float32-T300'): '49c7aef6893e0317',
+    ('scalar', 'forward-float32-T5'): '9fe5d22fe4d56230',
+    ('scalar', 'list-form-float32'): '8c2c018a265e752e',
+    ('scalar', 'per-slot-latents-float32'): 'be4e5da5152d4071',
+    ('scalar', 'slots-float32'): '550d72d955f08427',
+    ('scalar', 'transposed-float32'): 'fbdcffa295ae8548',
+}
+
+
+def _digest(t):
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_results_keep_their_bits(isa, case):
+    got = _digest(CASES[case](isa))
+    key = ("any" if "float64" in case else isa, case)
+    if RECORD:
+        print(f"    {key!r}: {got!r},")
+        return
+    if key not in EXPECTED:
+        pytest.skip(f"no digest recorded for {key}")
+    assert got == EXPECTED[key]
+
+
+def test_digests_cover_this_hosts_best_isa():
+    # a host whose best ISA has digests recorded must not skip them all
+    best = mxfp4x.backend_info()["isas"][0]
+    if best not in {isa for isa, _ in EXPECTED}:
+        pytest.skip(f"no digests recorded for {best}")
+    assert all((best, c) in EXPECTED or "float64" in c for c in CASES)
