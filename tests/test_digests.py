@@ -37,9 +37,9 @@ def _cases():
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         name = str(dtype).replace("torch.", "")
         for n_tokens in (1, 5, 300):  # gemv, multi-token gemv, panels
+            layer = _layer(n_tokens, n_tokens, 4, 6, 100, 9, dtype)
             cases[f"forward-{name}-T{n_tokens}"] = (
-                lambda isa, a=_layer(n_tokens, n_tokens, 4, 6, 100, 9, dtype):
-                mxfp4x.mxfp4_experts(*a, isa=isa))
+                lambda isa, a=layer: mxfp4x.mxfp4_experts(*a, isa=isa))
     a = _layer(11, 40, 3, 5, 70, 5, torch.float32)
     cases["slots-float32"] = lambda isa: mxfp4x.mxfp4_experts_slots(*a[:4], isa=isa)
     rng = np.random.default_rng(12)
