@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _bench
-from mxfp4x._testing import assert_matches_reference
+from mxfp4x.testing import bench as _bench
+from mxfp4x.testing.layers import assert_matches_reference
 
 # MXFP4X_BENCH_SMALL=1: tiny shapes, for a smoke run of these files in CI
 # (`pytest benchmarks --benchmark-disable`); the figures then mean nothing.

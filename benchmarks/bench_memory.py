@@ -16,7 +16,7 @@ SMALL = os.environ.get("MXFP4X_BENCH_SMALL") == "1"
 
 _PROBE = r"""
 import json, sys, torch, mxfp4x
-from mxfp4x import _bench
+from mxfp4x.testing import bench as _bench
 E, K, O, I = _bench.SHAPES[sys.argv[1]]
 T, dtype = int(sys.argv[2]), getattr(torch, sys.argv[3])
 if sys.argv[4] == "1":

@@ -28,7 +28,7 @@ def threads(request):
 def roofs():
     """The machine's roofs, measured once per session (``python -m mxfp4x roofline``):
     every case takes its floors from them."""
-    from mxfp4x import _roofline
+    from mxfp4x.testing import roofline as _roofline
     small = os.environ.get("MXFP4X_BENCH_SMALL") == "1"
     threads = sorted({1, min(2, os.cpu_count() or 1)})
     return _roofline.measure(threads=threads, quick=small)
@@ -42,7 +42,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                  and hasattr(m, "benchmark_rows")), [])
     if not rows:
         return
-    from mxfp4x import _bench
+    from mxfp4x.testing import bench as _bench
     w = terminalreporter.write_line
     w("")
     w(f"mxfp4x targets (issue 12), isa {rows[0]['isa']}: time / floor from this run's roofs")

@@ -25,8 +25,8 @@ import time
 import torch
 
 import mxfp4x
-from mxfp4x import _bench
 from mxfp4x._io import atomic_write
+from mxfp4x.testing import bench as _bench
 
 BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gate_baseline.json")
 SHAPE = "gpt-oss-20b-down"

@@ -19,7 +19,7 @@ except ImportError as _exc:  # a source checkout that was never built
         "checkout, build it in place with an editable install: `pip install -e .`"
     ) from _exc
 
-from ._dispatch import backend_info, mxfp4_experts, mxfp4_experts_slots  # noqa: E402
+from ._api import backend_info, mxfp4_experts, mxfp4_experts_slots  # noqa: E402
 from ._quantize import dequantize, quantize  # noqa: E402
 from ._reference import mxfp4_experts_reference as reference  # noqa: E402
 from ._version import __version__  # noqa: E402

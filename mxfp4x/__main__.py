@@ -31,11 +31,11 @@ import time
 import torch
 
 import mxfp4x
-from mxfp4x import _bench
 from mxfp4x._format import GROUP, GROUP_BYTES
 from mxfp4x._io import atomic_write, check_writable
-from mxfp4x._testing import assert_matches_reference
 from mxfp4x._validation import MAX_THREADS
+from mxfp4x.testing import bench as _bench
+from mxfp4x.testing.layers import assert_matches_reference
 
 
 def _cmd_info(args):
@@ -53,7 +53,7 @@ def _cmd_bench(args):
     dtype = getattr(torch, args.dtype)
     threads = args.threads or [max(1, torch.get_num_threads())]
     tty = sys.stderr.isatty()
-    from mxfp4x import _roofline
+    from mxfp4x.testing import roofline as _roofline
     isa = mxfp4x.backend_info()["isa"]
     roofs = _roofline.measure(threads=sorted(set(threads)))
     print("roofs: read " + ", ".join(f"{roofs['read_gbps'][th]:.1f}" for th in threads) +
@@ -132,7 +132,7 @@ def _cmd_check(args):
     import numpy as np
 
     from mxfp4x import _cpu
-    from mxfp4x._testing import random_layer
+    from mxfp4x.testing.layers import random_layer
 
     failures = 0
     rng = np.random.default_rng(args.seed)
@@ -159,7 +159,7 @@ def _cmd_check(args):
 
 def _cmd_quantize(args):
     """Float tensors of a safetensors file -> MXFP4 (name_blocks, name_scales)."""
-    from mxfp4x._safetensors import save_file
+    from mxfp4x.checkpoints.safetensors import save_file
 
     src = args.source  # opened, and its tensors chosen, by _check_quantize
     out = {}
@@ -180,7 +180,7 @@ def _cmd_quantize(args):
 
 def _cmd_roofline(args):
     """The roofs of this machine, measured now."""
-    from mxfp4x import _roofline
+    from mxfp4x.testing import roofline as _roofline
 
     roofs = _roofline.measure(args.threads, quick=args.quick)
     if args.json:
@@ -201,7 +201,7 @@ def _cmd_roofline(args):
 def _cmd_verify(args):
     """sha256 of every expert tensor: the file's bytes vs the bytes the loader hands to the
     kernels (and vs a manifest)."""
-    from mxfp4x._checkpoints import verify_experts
+    from mxfp4x.checkpoints.verify import verify_experts
 
     t0 = time.perf_counter()
     try:
@@ -264,7 +264,7 @@ def _cmd_layer(args):
 
     import numpy as np
 
-    from mxfp4x import _kimi_k3
+    from mxfp4x.testing import kimi_k3 as _kimi_k3
 
     if args.model == "gpt-oss-20b":
         return _layer_gpt_oss(args)
@@ -347,8 +347,8 @@ def _cmd_ep_bench(args):
     import numpy as np
     import torch.distributed as dist
 
-    from mxfp4x import _checkpoints as ck
-    from mxfp4x import _kimi_k3
+    from mxfp4x.checkpoints import families as ck
+    from mxfp4x.testing import kimi_k3 as _kimi_k3
 
     launched = "RANK" in os.environ
     if launched:
@@ -445,7 +445,7 @@ def _layer_gpt_oss(args):
 
     import numpy as np
 
-    from mxfp4x import _gpt_oss
+    from mxfp4x.testing import gpt_oss as _gpt_oss
 
     folder = tempfile.mkdtemp(prefix="mxfp4x-gpt-oss-", dir=args.dir)
     try:
@@ -457,7 +457,7 @@ def _layer_gpt_oss(args):
               f"{cfg['experts_per_token']}, hidden {cfg['hidden_size']}), {size / 1e9:.2f} GB "
               f"written in {time.perf_counter() - t0:.1f} s to {folder}")
         rss0, _ = _rss_mapped()
-        from mxfp4x._safetensors import SafeTensorsCheckpoint
+        from mxfp4x.checkpoints.safetensors import SafeTensorsCheckpoint
         ck = SafeTensorsCheckpoint(folder)
         block = mxfp4x.nn.GptOssExperts.from_checkpoint(ck, 0)
         rw = ck.get("model.layers.0.mlp.router.weight")
@@ -639,7 +639,7 @@ def _quantizable(t):
 
 
 def _check_quantize(args, error):
-    from mxfp4x._safetensors import SafeTensorsFile
+    from mxfp4x.checkpoints.safetensors import SafeTensorsFile
 
     _existing_file(args.input, "argument input", error)
     _writable(args.output, "argument output", error)
@@ -669,7 +669,7 @@ def _check_quantize(args, error):
 
 
 def _check_verify(args, error):
-    from mxfp4x import _checkpoints as ck
+    from mxfp4x.checkpoints import families as ck
 
     if not os.path.exists(args.checkpoint):
         error(f"argument checkpoint: {args.checkpoint!r} does not exist")
@@ -701,7 +701,8 @@ def _check_verify(args, error):
         except ValueError as exc:
             error(f"argument --manifest: {args.manifest} is not valid JSON ({exc})")
         try:
-            args.hashes = ck.check_manifest(doc, "argument --manifest")
+            from mxfp4x.checkpoints.verify import check_manifest
+            args.hashes = check_manifest(doc, "argument --manifest")
         except ValueError as exc:
             error(str(exc))
     if args.write_manifest:
@@ -714,10 +715,10 @@ def _check_verify(args, error):
 
 def _check_layer(args, error):
     if args.model == "gpt-oss-20b":
-        from mxfp4x._gpt_oss import GPT_OSS_20B as sizes
+        from mxfp4x.testing.gpt_oss import GPT_OSS_20B as sizes
         top_k, n_model = sizes["experts_per_token"], sizes["num_local_experts"]
     else:
-        from mxfp4x._kimi_k3 import K3_SIZES as sizes
+        from mxfp4x.models.kimi_k3 import K3_SIZES as sizes
         top_k, n_model = sizes["num_experts_per_token"], sizes["num_experts"]
     if args.experts is not None and not top_k <= args.experts <= n_model:
         error(f"argument --experts: expected {top_k} to {n_model} experts ({args.model} routes "
@@ -731,8 +732,8 @@ def _check_layer(args, error):
 
 
 def _check_ep_bench(args, error):
-    from mxfp4x import _checkpoints as ck
-    from mxfp4x._kimi_k3 import K3_SIZES
+    from mxfp4x.checkpoints import families as ck
+    from mxfp4x.models.kimi_k3 import K3_SIZES
 
     args.sizes = dict(K3_SIZES)
     if args.checkpoint is not None:

@@ -6,13 +6,14 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ._checkpoints import Progress, as_bytes
-from ._dispatch import mxfp4_experts, mxfp4_experts_slots
+from ._api import mxfp4_experts, mxfp4_experts_slots
 from ._format import GROUP, GROUP_BYTES
-from ._kimi_k3 import KimiK3Experts, KimiK3MoE, KimiK3Router  # noqa: F401
+from ._progress import Progress
 from ._quantize import quantize
-from ._safetensors import SafeTensorsCheckpoint
 from ._validation import as_tensor, byte_tensor
+from .checkpoints.families import as_bytes
+from .checkpoints.safetensors import SafeTensorsCheckpoint
+from .models.kimi_k3 import KimiK3Experts, KimiK3MoE, KimiK3Router  # noqa: F401
 
 
 def _bytes(name, t):

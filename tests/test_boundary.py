@@ -6,7 +6,7 @@ import torch
 
 import mxfp4x
 from mxfp4x import _cpu, _cpu_impl
-from mxfp4x._testing import random_layer
+from mxfp4x.testing.layers import random_layer
 
 
 def _call(layer, **change):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._safetensors import SafeTensorsFile, save_file
+from mxfp4x.checkpoints.safetensors import SafeTensorsFile, save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -13,9 +13,9 @@ import torch
 
 import mxfp4x
 from mxfp4x import __main__ as cli
-from mxfp4x._kimi_k3 import k3_config, write_k3_checkpoint
-from mxfp4x._safetensors import SafeTensorsCheckpoint, SafeTensorsFile, save_file
 from mxfp4x._validation import MAX_THREADS
+from mxfp4x.checkpoints.safetensors import SafeTensorsCheckpoint, SafeTensorsFile, save_file
+from mxfp4x.testing.kimi_k3 import k3_config, write_k3_checkpoint
 
 COMMANDS = ["bench", "info", "check", "quantize", "roofline", "verify", "layer", "ep-bench"]
 # config.json says 3 layers, the files hold layers 1 and 5: the loader reads both
@@ -196,7 +196,7 @@ def test_verify_reports_an_expert_tensor_missing_from_the_checkpoint(tmp_path, c
 
 def test_verify_with_nothing_to_check_fails(tmp_path, capsys):
     """A checkpoint without expert tensors: an error, not "0 expert tensors ... match"."""
-    from mxfp4x._checkpoints import verify_experts
+    from mxfp4x.checkpoints.verify import verify_experts
 
     with open(tmp_path / "config.json", "w") as f:
         json.dump(k3_config(**TINY), f)
@@ -209,7 +209,8 @@ def test_verify_with_nothing_to_check_fails(tmp_path, capsys):
 
 
 def test_verify_library_refuses_layers_without_experts(k3):
-    from mxfp4x._checkpoints import KIMI_K3, moe_layers, open_checkpoint, verify_experts
+    from mxfp4x.checkpoints.families import KIMI_K3, moe_layers, open_checkpoint
+    from mxfp4x.checkpoints.verify import verify_experts
 
     assert moe_layers(open_checkpoint(k3), KIMI_K3) == [1, 5]
     with pytest.raises(ValueError, match=r"no kimi-k3 expert tensors for layer\(s\) \[2\]"):
@@ -229,7 +230,13 @@ def no_work(monkeypatch, tmp_path):
     """Every command's first step of real work raises; temporary files go to tmp_path."""
     import torch.distributed
 
-    from mxfp4x import _bench, _checkpoints, _gpt_oss, _kimi_k3, _roofline, _safetensors, _testing
+    from mxfp4x.checkpoints import safetensors as _safetensors
+    from mxfp4x.checkpoints import verify as _checkpoints
+    from mxfp4x.testing import bench as _bench
+    from mxfp4x.testing import gpt_oss as _gpt_oss
+    from mxfp4x.testing import kimi_k3 as _kimi_k3
+    from mxfp4x.testing import layers as _testing
+    from mxfp4x.testing import roofline as _roofline
 
     def work(*args, **kwargs):
         raise _WorkStarted

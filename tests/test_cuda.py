@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._testing import assert_matches_reference, random_layer
+from mxfp4x.testing.layers import assert_matches_reference, random_layer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

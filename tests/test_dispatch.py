@@ -10,11 +10,11 @@ import torch
 
 import mxfp4x
 from mxfp4x import _cpu
-from mxfp4x._testing import random_layer, run_threads
+from mxfp4x.testing.layers import random_layer, run_threads
 
 _PROBE = r"""
 import json, numpy as np, torch, mxfp4x
-from mxfp4x._testing import random_layer, run_threads
+from mxfp4x.testing.layers import random_layer, run_threads
 layer = random_layer(np.random.default_rng(5), 3, 2, 4, 64, 40)
 y = mxfp4x.mxfp4_experts(**layer)
 print(json.dumps({"isa": mxfp4x.backend_info()["isa"], "bits": y.view(torch.int32).tolist()}))

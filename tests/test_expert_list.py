@@ -6,8 +6,8 @@ import torch
 
 import mxfp4x
 from mxfp4x import _ops
-from mxfp4x._safetensors import SafeTensorsFile, save_file
-from mxfp4x._testing import assert_matches_reference, random_layer
+from mxfp4x.checkpoints.safetensors import SafeTensorsFile, save_file
+from mxfp4x.testing.layers import assert_matches_reference, random_layer
 
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
 

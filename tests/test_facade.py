@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._testing import random_layer
+from mxfp4x.testing.layers import random_layer
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

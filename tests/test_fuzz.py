@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import mxfp4x
 from mxfp4x import _cpu
 from mxfp4x._reference import mxfp4_experts_reference
-from mxfp4x._testing import reference_and_bound
+from mxfp4x.testing.layers import reference_and_bound
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 _MAX = {torch.float32: float(np.finfo(np.float32).max),

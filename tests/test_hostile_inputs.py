@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._testing import random_layer
+from mxfp4x.testing.layers import random_layer
 
 
 def _run(code, timeout=240):
@@ -145,7 +145,8 @@ def test_k3_experts_checks_its_inputs_as_the_op_does(rng):
 
 
 def test_situ_betas_come_from_the_config_and_are_never_guessed():
-    from mxfp4x._kimi_k3 import k3_config, situ_betas
+    from mxfp4x.models.kimi_k3 import situ_betas
+    from mxfp4x.testing.kimi_k3 import k3_config
     text = k3_config()["text_config"]
     assert situ_betas(text) == (4.0, 25.0)
     assert situ_betas(dict(text, activation_situ_linear_beta=None)) == (4.0, None)
@@ -308,7 +309,7 @@ def test_uint64_ids_at_or_above_2_63_are_reported_as_passed(backend):
 # ---- checkpoint loaders read typed bytes by view ------------------------------------------
 
 def test_loaders_read_int8_typed_blocks_by_view(tmp_path, rng):
-    from mxfp4x._safetensors import save_file
+    from mxfp4x.checkpoints.safetensors import save_file
     E, F, H = 2, 64, 64
     gu = torch.from_numpy(rng.integers(0, 256, (E, 2 * F, H // 32, 16), np.uint8))
     gu_s = torch.from_numpy(rng.integers(118, 134, (E, 2 * F, H // 32), np.uint8))

@@ -12,7 +12,7 @@ import torch
 
 import mxfp4x
 from mxfp4x import nn
-from mxfp4x._kimi_k3 import k3_config, kimi_k3_reference, write_k3_checkpoint
+from mxfp4x.testing.kimi_k3 import k3_config, kimi_k3_reference, write_k3_checkpoint
 
 TINY = dict(hidden_size=256, routed_expert_hidden_size=128, num_experts=16,
             num_experts_per_token=4, moe_intermediate_size=64, num_shared_experts=2,
@@ -176,7 +176,7 @@ def test_verify_cli_and_a_corrupted_byte(tmp_path):
     out = _cli("verify", folder, "--write-manifest", manifest)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "192 expert tensors of layers [1, 2]" in out.stdout
-    from mxfp4x._safetensors import SafeTensorsCheckpoint
+    from mxfp4x.checkpoints.safetensors import SafeTensorsCheckpoint
     name = "language_model.model.layers.2.block_sparse_moe.experts.7.w3.weight_packed"
     path, begin, end = SafeTensorsCheckpoint(folder).byte_range(name)
     with open(path, "r+b") as f:
@@ -190,8 +190,8 @@ def test_verify_cli_and_a_corrupted_byte(tmp_path):
 
 
 def test_verify_catches_bytes_the_kernels_would_not_get(ckpt):
-    from mxfp4x._checkpoints import verify_experts
-    from mxfp4x._kimi_k3 import expert_tensors
+    from mxfp4x.checkpoints.verify import verify_experts
+    from mxfp4x.models.kimi_k3 import expert_tensors
     block = nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, progress=False)
     handed = expert_tensors(block.experts, "language_model.", 1)
     assert not verify_experts(ckpt, layers=[1], handed=handed)["mismatches"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._testing import assert_matches_reference, random_layer
+from mxfp4x.testing.layers import assert_matches_reference, random_layer
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SPEC_EXAMPLE = dict(latent_tokens=[[1] * 32], packed_weights=[[[[34] * 16]]],

@@ -10,8 +10,8 @@ import torch
 import mxfp4x
 from mxfp4x import nn
 from mxfp4x._reference import decode_expert
-from mxfp4x._safetensors import SafeTensorsCheckpoint, SafeTensorsFile, save_file
-from mxfp4x._testing import random_layer
+from mxfp4x.checkpoints.safetensors import SafeTensorsCheckpoint, SafeTensorsFile, save_file
+from mxfp4x.testing.layers import random_layer
 
 E, H, F, K, T = 4, 64, 96, 2, 7
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._testing import assert_matches_reference, random_layer, run_threads
+from mxfp4x.testing.layers import assert_matches_reference, random_layer, run_threads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -23,7 +23,12 @@ import torch
 from hypothesis import event, given, note
 from hypothesis import strategies as st
 
-from mxfp4x._safetensors import SafeTensorsCheckpoint, SafeTensorsFile, save_file, write_file
+from mxfp4x.checkpoints.safetensors import (
+    SafeTensorsCheckpoint,
+    SafeTensorsFile,
+    save_file,
+    write_file,
+)
 
 _NAMES = {torch.float32: "F32", torch.uint8: "U8", torch.bfloat16: "BF16", torch.int16: "I16",
           torch.int64: "I64", torch.bool: "BOOL", torch.float64: "F64"}
@@ -103,7 +108,7 @@ def test_hf_cache_snapshot_is_a_checkpoint(tmp_path):
 
 def test_hf_cache_snapshot_of_a_kimi_k3_checkpoint(tmp_path, rng):
     from mxfp4x import nn
-    from mxfp4x._kimi_k3 import k3_config, write_k3_checkpoint
+    from mxfp4x.testing.kimi_k3 import k3_config, write_k3_checkpoint
 
     plain = str(tmp_path / "plain")
     write_k3_checkpoint(plain, k3_config(
@@ -380,7 +385,7 @@ def test_concurrent_first_reads_share_one_file_and_one_mapping(tmp_path):
 
 _REWRITE = textwrap.dedent("""
     import sys, torch
-    from mxfp4x._safetensors import SafeTensorsFile, save_file
+    from mxfp4x.checkpoints.safetensors import SafeTensorsFile, save_file
     path = sys.argv[1]
     old = {"big": torch.arange(1 << 18, dtype=torch.float32), "small": torch.arange(7.0)}
     save_file(old, path)
@@ -742,7 +747,7 @@ def test_fuzz_index(shard_folder, changes):
 
 def test_a_folder_without_index_refuses_a_name_in_two_files(tmp_path):
     # which of the two tensors would be read was a guess (the later file, by name)
-    from mxfp4x._safetensors import SafeTensorsCheckpoint, save_file
+    from mxfp4x.checkpoints.safetensors import SafeTensorsCheckpoint, save_file
     save_file({"w": torch.zeros(2)}, str(tmp_path / "a.safetensors"))
     save_file({"w": torch.ones(2)}, str(tmp_path / "b.safetensors"))
     with pytest.raises(ValueError, match="'w' is in both 'a.safetensors' and 'b.safetensors'"):

@@ -6,7 +6,7 @@ import torch
 
 import mxfp4x
 from mxfp4x._reference import decode_expert, error_bound
-from mxfp4x._testing import acc_name, random_layer
+from mxfp4x.testing.layers import acc_name, random_layer
 
 
 def _ref_slots(x, packed, scales, sel):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._testing import random_layer
+from mxfp4x.testing.layers import random_layer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

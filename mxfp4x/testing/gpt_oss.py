@@ -16,8 +16,8 @@ GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=3
 def write_gpt_oss_layer(folder: str, layer: int = 0, seed: int = 0, **sizes) -> dict:
     """One random gpt-oss MoE layer (gpt-oss-20b sizes unless ``sizes`` say otherwise) and
     its ``config.json``; written one tensor at a time."""
-    from ._io import atomic_write
-    from ._safetensors import write_file
+    from .._io import atomic_write
+    from ..checkpoints.safetensors import write_file
 
     cfg = dict(GPT_OSS_20B, model_type="gpt_oss", **sizes)
     e, h, f = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
@@ -61,7 +61,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int)
 def gpt_oss_reference(block, h, idx, w, rows: Optional[slice] = None) -> np.ndarray:
     """The experts block (``mxfp4x.nn.GptOssExperts``) in float64, for the given routing;
     ``rows`` restricts the output columns."""
-    from ._reference import decode_expert
+    from .._reference import decode_expert
 
     h = h.double().numpy()
     rows = slice(None) if rows is None else rows

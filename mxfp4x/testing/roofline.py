@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import _cpu
+from .. import _cpu
 
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile",
          "asimd", "asimddp", "bf16", "i8mm", "sve")

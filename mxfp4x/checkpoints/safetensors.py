@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Opt
 import numpy as np
 import torch
 
-from ._io import atomic_write
+from .._io import atomic_write
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
        "F8_E8M0": np.uint8,

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import torch
 
-from ._format import GROUP, GROUP_BYTES
+from .._format import GROUP, GROUP_BYTES
 
 SHAPES = {  # name: (n_experts, top_k, d_out, d_in)
     "gpt-oss-20b-gate-up": (32, 4, 5760, 2880),

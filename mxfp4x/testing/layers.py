@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import torch
 
-from ._reference import error_bound, mxfp4_experts_reference
+from .._reference import error_bound, mxfp4_experts_reference
 
 
 def dtype_name(dtype):

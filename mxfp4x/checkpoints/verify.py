@@ -1,0 +1,162 @@
+"""Verify a checkpoint: the sha256 of every expert tensor's byte range, read straight from
+its file, against the bytes the loader hands to the kernels and against a manifest."""
+import re
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .families import (
+    expert_names,
+    family_of,
+    iter_expert_tensors,
+    load_experts,
+    num_experts,
+    open_checkpoint,
+    read_config,
+)
+from .safetensors import SafeTensorsCheckpoint
+
+_HEX = re.compile("[0-9a-fA-F]{64}")
+
+
+def check_manifest(manifest: object, what: str = "manifest") -> Dict[str, str]:
+    """A manifest, checked: a JSON object of tensor name -> sha256 (64 hex digits).
+    Returns it with the digests in lowercase, as ``hashlib`` writes them."""
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{what}: expected a JSON object of tensor name -> sha256, got a "
+                         f"{type(manifest).__name__}")
+    for name, digest in manifest.items():
+        if not isinstance(digest, str) or not _HEX.fullmatch(digest):
+            shown = repr(digest) if len(repr(digest)) <= 80 else repr(digest)[:77] + "..."
+            raise ValueError(f"{what}: the entry {name!r} is {shown}, expected a sha256 "
+                             f"(64 hex digits)")
+    return {name: digest.lower() for name, digest in manifest.items()}
+
+
+def _file_sha256(path: str, begin: int, end: int) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(begin)
+        left = end - begin
+        while left:
+            chunk = f.read(min(left, 1 << 24))
+            if not chunk:
+                raise ValueError(f"{path}: ends before byte {end}")
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def _locate(ckpt: SafeTensorsCheckpoint, name: str) -> Union[Tuple[str, int, int], str]:
+    """(file, begin, end) of a tensor, or why it cannot be read (a mismatch to report,
+    not an exception that would end the verification)."""
+    if name not in ckpt:
+        return "missing from the checkpoint"
+    try:
+        return ckpt.byte_range(name)
+    except (KeyError, OSError, ValueError) as exc:  # listed in the index, absent from its file
+        return f"unreadable: {exc}"
+
+
+def _tensor_sha256(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
+
+
+def verify_experts(path: Union[str, SafeTensorsCheckpoint],
+                   layers: Optional[Sequence[int]] = None,
+                   manifest: Optional[Dict[str, str]] = None,
+                   handed: Optional[Dict[str, torch.Tensor]] = None) -> dict:
+    """sha256 of every expert tensor's byte range read straight from its file, against the
+    bytes the loader hands to the kernels (``handed``: name -> tensor, default: what
+    :func:`load_experts` maps), and against ``manifest`` (name -> sha256) if given.
+
+    ``layers``: default every layer whose expert tensors the checkpoint holds; a layer
+    given that holds none is a ``ValueError``, and so is a checkpoint without experts:
+    a verification that checked nothing must not pass.  A layer's tensors are those of
+    the config's ``num_experts`` experts (one absent is a mismatch) and every other
+    expert tensor it holds.  Every manifest entry is checked: one outside these layers
+    against its file's bytes, one the checkpoint lacks is a mismatch.
+
+    Returns ``{"checked", "bytes", "hashes", "mismatches", "layers", "manifest_other"}``
+    (``checked``: expert tensors hashed; ``manifest_other``: other manifest entries
+    checked); a mismatch is ``(name, what)``."""
+    ckpt = open_checkpoint(path)
+    config = read_config(ckpt.root)
+    layout = family_of(config)
+    n_experts = num_experts(config)
+    if manifest is not None:
+        manifest = check_manifest(manifest)
+    held = expert_names(ckpt, layout)
+    available = sorted({layer for _, layer in held})
+    if layers is None:
+        layers = available
+    else:
+        layers = [int(layer) for layer in layers]
+        absent = [layer for layer in layers if layer not in available]
+        if absent:
+            raise ValueError(f"layers: {ckpt.root} holds no {layout.name} expert tensors for "
+                             f"layer(s) {absent} (its expert layers: {available})")
+    if not layers:
+        example = layout.tensor(layout.prefixes[0], 1, 0, "down", layout.packed)
+        raise ValueError(f"{ckpt.root}: no {layout.name} expert tensors (names like "
+                         f"{example!r}): nothing to verify")
+    hashes: Dict[str, str] = {}
+    mismatches: List[Tuple[str, str]] = []
+    seen = set()
+    n_bytes = 0
+    wanted = set(layers)
+    for prefix, layer in sorted((k for k in held if k[1] in wanted), key=lambda k: k[::-1]):
+        expected = list(iter_expert_tensors(ckpt, layout, [layer], n_experts, prefix))
+        names = expected + sorted(set(held[prefix, layer]) - set(expected))
+        where = {name: _locate(ckpt, name) for name in names}
+        loaded = handed
+        if loaded is None:
+            # the loader refuses an expert with a tensor missing: load the complete ones
+            complete = [e for e in range(n_experts) if all(
+                isinstance(where[layout.tensor(prefix, layer, e, role, kind)], tuple)
+                for role in layout.roles for kind in (layout.packed, layout.scale))]
+            proj = load_experts(ckpt, layout, layer, complete, prefix)
+            loaded = {}
+            for role, (packed, scales) in proj.items():
+                for e, p, s in zip(complete, packed, scales, strict=True):
+                    loaded[layout.tensor(prefix, layer, e, role, layout.packed)] = p
+                    loaded[layout.tensor(prefix, layer, e, role, layout.scale)] = s
+        for name in names:
+            seen.add(name)
+            found = where[name]
+            if not isinstance(found, tuple):
+                mismatches.append((name, found))
+                continue
+            file_path, begin, end = found
+            hashes[name] = digest = _file_sha256(file_path, begin, end)
+            n_bytes += end - begin
+            if name not in loaded:
+                mismatches.append((name, "not handed to the kernels"))
+            elif _tensor_sha256(loaded[name]) != digest:
+                mismatches.append((name, "the bytes handed to the kernels differ from the "
+                                         "file's"))
+            if manifest is not None and manifest.get(name) != digest:
+                mismatches.append((name, "the file's bytes differ from the manifest"
+                                   if name in manifest else "missing from the manifest"))
+    other = 0
+    for name, digest in sorted((manifest or {}).items()):
+        if name in seen:
+            continue
+        found = _locate(ckpt, name)
+        if not isinstance(found, tuple):
+            mismatches.append((name, "in the manifest but " + found))
+            continue
+        file_path, begin, end = found
+        other += 1
+        n_bytes += end - begin
+        if _file_sha256(file_path, begin, end) != digest:
+            mismatches.append((name, "the file's bytes differ from the manifest"))
+    if not hashes and not other:
+        raise ValueError(f"{ckpt.root}: no expert tensor of layers {layers} could be read: "
+                         f"nothing verified")
+    return {"checked": len(hashes), "bytes": n_bytes, "hashes": hashes,
+            "mismatches": mismatches, "layers": layers, "manifest_other": other}
