@@ -384,7 +384,7 @@ def _cmd_ep_bench(args):
     proj = ck.load_experts(ckpt, ck.KIMI_K3, 1, range(e0, e1),
                            ck.find_prefix(ckpt, ck.KIMI_K3, 1))
     experts = mxfp4x.nn.KimiK3Experts(proj["gate"], proj["up"], proj["down"],
-                                      expert_ids=range(e0, e1), num_threads=threads,
+                                      expert_range=(e0, e1), num_threads=threads,
                                       group=dist.group.WORLD if world > 1 else None)
     rows = []
     for n_tokens in args.tokens:
@@ -445,6 +445,7 @@ def _layer_gpt_oss(args):
 
     import numpy as np
 
+    from mxfp4x.models.gpt_oss import GptOssRouter
     from mxfp4x.testing import gpt_oss as _gpt_oss
 
     folder = tempfile.mkdtemp(prefix="mxfp4x-gpt-oss-", dir=args.dir)
@@ -470,7 +471,7 @@ def _layer_gpt_oss(args):
         rng = np.random.default_rng(0)
         for n_tokens in args.tokens:
             x = torch.from_numpy(rng.standard_normal((n_tokens, cfg["hidden_size"]))).float()
-            idx, w = _gpt_oss.route(x, rw, rb, cfg["experts_per_token"])
+            idx, w = GptOssRouter(rw, rb, cfg["experts_per_token"])(x)
             n_bytes = len(torch.unique(idx)) * per_expert
             for th in args.threads or [max(1, torch.get_num_threads())]:
                 old = torch.get_num_threads()
@@ -480,7 +481,7 @@ def _layer_gpt_oss(args):
                     times = []
                     for _ in range(args.repeats if n_tokens <= 64 else 1):
                         t1 = time.perf_counter()
-                        idx, w = _gpt_oss.route(x, rw, rb, cfg["experts_per_token"])
+                        idx, w = GptOssRouter(rw, rb, cfg["experts_per_token"])(x)
                         y = block(x, idx, w)
                         times.append(time.perf_counter() - t1)
                 finally:
@@ -715,7 +716,7 @@ def _check_verify(args, error):
 
 def _check_layer(args, error):
     if args.model == "gpt-oss-20b":
-        from mxfp4x.testing.gpt_oss import GPT_OSS_20B as sizes
+        from mxfp4x.models.gpt_oss import GPT_OSS_20B as sizes
         top_k, n_model = sizes["experts_per_token"], sizes["num_local_experts"]
     else:
         from mxfp4x.models.kimi_k3 import K3_SIZES as sizes

@@ -131,7 +131,7 @@ def test_k3_experts_checks_its_inputs_as_the_op_does(rng):
     for args, kind, match in bad:
         with pytest.raises(kind, match=match):
             ex(*args)
-    held = mxfp4x.nn.KimiK3Experts(*_k3_weights(rng, E, L, F), expert_ids=range(8, 12))
+    held = mxfp4x.nn.KimiK3Experts(*_k3_weights(rng, E, L, F), expert_range=(8, 12))
     with pytest.raises(IndexError, match="not held by this module"):
         held(h, sel, w)
     with pytest.raises(ValueError, match="isa='bogus'"):

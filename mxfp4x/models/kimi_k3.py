@@ -29,6 +29,7 @@ from .._validation import (
     index_tensor,
 )
 from ..checkpoints import families as ck
+from ._common import expert_range_of
 
 
 def situ(g, beta):
@@ -179,18 +180,18 @@ class KimiK3Experts(torch.nn.Module):
     per-slot op over the 2E matrices (each decoded once); SiTU and the clip in float32
     (float64 for float64); the down product with the weighted combine.
 
-    ``expert_ids``: the global ids of the experts held (default all, 0..E-1).  A module
-    holding a subset (a process serving some of the experts) refuses tokens routed
-    elsewhere, unless ``group`` (a torch.distributed process group, e.g.
-    ``torch.distributed.group.WORLD``) is given: then the held ids must be one range, the
-    ranks' ranges cover all experts, and every token's pairs go to the ranks owning their
-    experts, which run the whole expert MLP and send back one row per pair (one round
-    trip, inference).  ``isa``: the CPU instruction set of its calls (None: the default),
+    ``expert_range``: ``(e0, e1)`` (or ``range(e0, e1)``), the global ids of the experts
+    held (default all, 0..E-1).  A module holding some of the experts (a process serving
+    part of a layer) refuses tokens routed elsewhere, unless ``group`` (a
+    torch.distributed process group, e.g. ``torch.distributed.group.WORLD``) is given:
+    then the ranks' ranges cover all experts, and every token's pairs go to the ranks
+    owning their experts, which run the whole expert MLP and send back one row per pair
+    (one round trip, inference).  ``isa``: the CPU instruction set of its calls (None: the default),
     checked here.
     """
 
     def __init__(self, w1, w3, w2, beta: float = 4.0, linear_beta: Optional[float] = 25.0,
-                 expert_ids: Optional[Sequence[int]] = None,
+                 expert_range=None,
                  num_threads: Optional[int] = None, isa: Optional[str] = None,
                  group=None):
         super().__init__()
@@ -218,13 +219,9 @@ class KimiK3Experts(torch.nn.Module):
                                      f"{shapes[name][1]} matrix (as w1[0] says), got "
                                      f"{got[0]} x {got[1]}")
         self.d_latent, self.d_ff = d_latent, d_ff
-        ids = list(range(self.n_local)) if expert_ids is None else [int(e) for e in expert_ids]
-        if len(ids) != self.n_local or len(set(ids)) != len(ids) or min(ids) < 0:
-            raise ValueError(f"expert_ids: expected {self.n_local} distinct ids >= 0, got "
-                             f"{ids[:8]}{'...' if len(ids) > 8 else ''}")
-        self.expert_ids = ids
-        if group is not None and ids != list(range(ids[0], ids[0] + len(ids))):
-            raise ValueError("expert_ids: an expert-parallel module holds one range of ids")
+        self.expert_range = expert_range_of(expert_range, self.n_local, group,
+                                            subset_without_group=True)
+        ids = self.expert_ids = list(range(*self.expert_range))
         self._stamp = _Stamp()
         for i, e in enumerate(ids):
             self.add_module(str(e), _ExpertWeights(
@@ -358,7 +355,7 @@ class KimiK3Experts(torch.nn.Module):
             from .distributed import expert_parallel
             out, self.last_routing = expert_parallel(
                 self.mlp, h, selected_experts, routing_weights,
-                expert_range=(self.expert_ids[0], self.expert_ids[-1] + 1),
+                expert_range=self.expert_range,
                 d_out=self.d_latent, group=self.group, num_threads=self.num_threads,
                 isa=self.isa)
             return out
@@ -382,6 +379,14 @@ class KimiK3Experts(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_local}, d_latent={self.d_latent}, d_ff={self.d_ff}, "
                 f"beta={self.beta}, linear_beta={self.linear_beta}")
+
+
+def _pair(expert_range):
+    """(e0, e1) of a range or a pair, unchecked (expert_range_of checks)."""
+    if isinstance(expert_range, range):
+        return expert_range.start, expert_range.stop
+    e0, e1 = expert_range
+    return int(e0), int(e1)
 
 
 def situ_betas(config: dict):
@@ -499,24 +504,31 @@ class KimiK3MoE(torch.nn.Module):
         return _linear(y, self.up_proj) + self.shared(x)
 
     @classmethod
-    def from_checkpoint(cls, path, layer: int, experts=None, num_threads: Optional[int] = None,
-                        progress: bool = True, group=None) -> "KimiK3MoE":
+    def from_checkpoint(cls, path, layer: int, expert_range=None,
+                        num_threads: Optional[int] = None, progress: bool = True,
+                        group=None) -> "KimiK3MoE":
         """Layer ``layer`` of a Kimi K3 checkpoint folder (``config.json`` and one or
-        sharded ``.safetensors`` files).  ``experts`` (a range, a list or (start, end))
-        maps only those experts' bytes; the bytes stay views of the files' mappings.
-        ``group``: expert-parallel over this torch.distributed group (``experts`` then
-        this rank's range; see :class:`KimiK3Experts`)."""
+        sharded ``.safetensors`` files).  ``expert_range`` ((e0, e1) or a range) maps only
+        those experts' bytes; the bytes stay views of the files' mappings.  ``group``:
+        expert-parallel over this torch.distributed group (``expert_range`` then this
+        rank's range; see :class:`KimiK3Experts`)."""
         config = ck.read_config(path if isinstance(path, str) else path.root)
         ckpt = ck.open_checkpoint(path)
         layout = ck.KIMI_K3
         prefix = ck.find_prefix(ckpt, layout, layer)
         base = prefix + layout.block.format(layer=layer)
-        ids = ck.expert_list(experts, int(config["num_experts"]))
+        n_experts = int(config["num_experts"])
+        e0, e1 = (0, n_experts) if expert_range is None else expert_range_of(
+            expert_range, len(range(*_pair(expert_range))), group, subset_without_group=True)
+        if not 0 <= e0 < e1 <= n_experts:
+            raise ValueError(f"expert_range: expected 0 <= e0 < e1 <= {n_experts} (the "
+                             f"checkpoint's experts), got {(e0, e1)}")
+        ids = list(range(e0, e1))
         bar = Progress(len(ids), f"layer {layer} experts") if progress else None
         proj = ck.load_experts(ckpt, layout, layer, ids, prefix, bar)
         beta, linear_beta = situ_betas(config)
         routed = KimiK3Experts(proj["gate"], proj["up"], proj["down"], beta=beta,
-                               linear_beta=linear_beta, expert_ids=ids,
+                               linear_beta=linear_beta, expert_range=(e0, e1),
                                num_threads=num_threads, group=group)
         names = ["gate.weight", "gate.e_score_correction_bias",
                  "routed_expert_down_proj.weight", "routed_expert_up_proj.weight",

@@ -9,8 +9,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32,
-                   experts_per_token=4, num_hidden_layers=24, swiglu_limit=7.0)
+from ..models.gpt_oss import GPT_OSS_20B
 
 
 def write_gpt_oss_layer(folder: str, layer: int = 0, seed: int = 0, **sizes) -> dict:
@@ -49,13 +48,6 @@ def write_gpt_oss_layer(folder: str, layer: int = 0, seed: int = 0, **sizes) -> 
     }
     write_file(os.path.join(folder, "model.safetensors"), entries)
     return cfg
-
-
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int):
-    """gpt-oss's router: the top-k of x W^T + b, softmax over the chosen logits (float32)."""
-    logits = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
-    values, idx = torch.topk(logits, top_k, dim=-1)
-    return idx, torch.softmax(values, dim=-1)
 
 
 def gpt_oss_reference(block, h, idx, w, rows: Optional[slice] = None) -> np.ndarray:
