@@ -763,7 +763,7 @@ def _check_ep_bench(args, error):
               f"to {top_k} of them), got {args.experts}")
     args.n_experts = args.experts or n_model
     if args.checkpoint is not None:
-        for name in ck.iter_expert_tensors(ckpt, ck.KIMI_K3, [1], args.n_experts, prefix):
+        for name in ck.iter_expert_tensors(ck.KIMI_K3, [1], args.n_experts, prefix):
             if name not in ckpt:
                 error(f"argument --checkpoint: {args.checkpoint} lacks {name}")
     try:

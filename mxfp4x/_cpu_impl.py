@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import _cpu
-from ._format import GROUP_BYTES
+from ._format import GROUP_BYTES, accumulation_dtype
 
 Bytes = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -20,8 +20,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64",
                 torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def compute_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+compute_dtype = accumulation_dtype
 
 
 def _rows_contiguous(t, inner):

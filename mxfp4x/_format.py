@@ -29,6 +29,24 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 E2M1_TABLE = np.array(E2M1_VALUES, dtype=np.float64)
 
 
+def accumulation_dtype(dtype):
+    """The dtype results are accumulated in for latents of ``dtype``: float64 for float64,
+    float32 for every other float (the result is rounded to the latents' dtype once, at the
+    end).  A torch dtype gives a torch dtype, a name (``"bfloat16"``) a name."""
+    if isinstance(dtype, str):
+        return "float64" if dtype == "float64" else "float32"
+    import torch  # here, not at the top: the QEMU probes import this module without torch
+
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def torch_e8m0_dtype():
+    """``torch.float8_e8m0fnu`` (scale bytes typed as E8M0), or None on a torch without it."""
+    import torch
+
+    return getattr(torch, "float8_e8m0fnu", None)
+
+
 def e8m0_to_float64(scale_bytes):
     """2^(s - 127) for s in 0..254, NaN for 255, exactly, as float64."""
     s = np.asarray(scale_bytes, dtype=np.int64)

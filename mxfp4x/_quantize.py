@@ -19,7 +19,7 @@ from typing import Any, Tuple
 
 import torch
 
-from ._format import E2M1_VALUES, GROUP, GROUP_BYTES
+from ._format import E2M1_VALUES, GROUP, GROUP_BYTES, accumulation_dtype
 
 SCALE_RULES = ("floor", "ceil", "even")
 _E2M1_EMAX = 2
@@ -105,7 +105,7 @@ def dequantize(packed_weights: Any, scale_bytes: Any,
                          f"{tuple(packed.shape)} and {tuple(scales.shape)}")
     lead = tuple(packed.shape[:-2])
     n_groups = packed.shape[-2]
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    compute = accumulation_dtype(dtype)
     flat = decode_expert(packed.reshape(-1, n_groups, GROUP_BYTES),
                          scales.reshape(-1, n_groups), compute)
     return flat.reshape(lead + (n_groups * GROUP,)).to(dtype)

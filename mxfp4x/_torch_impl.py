@@ -8,7 +8,7 @@ reduction order across experts.
 """
 import torch
 
-from ._format import E2M1_VALUES, GROUP, e8m0_table_f32
+from ._format import E2M1_VALUES, GROUP, accumulation_dtype, e8m0_table_f32
 from ._validation import check_expert_ids
 
 _TABLES: dict = {}
@@ -68,7 +68,7 @@ def _row_chunks(device, d_in, itemsize, d_out):
 def slots_torch(x, packed, scales, sel):
     """(T, K, O): W_{e_tk} x_t (x_tk for per-slot latents) per slot, no weights, no sum."""
     check_expert_ids(sel, len(packed))
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    compute = accumulation_dtype(x.dtype)
     slot_inputs = x.dim() == 3
     n_tokens, top_k = sel.shape
     d_out = d_out_of(packed)
@@ -88,7 +88,7 @@ def grad_latents_torch(grad, packed, scales, sel, mix, x):
     get per-slot gradients; a per-slot grad (T, K, O) (of the slots op) has weight 1 (mix
     is not read)."""
     check_expert_ids(sel, len(packed))
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    compute = accumulation_dtype(x.dtype)
     n_tokens, top_k = sel.shape
     d_in = x.shape[-1]
     slot_inputs, slot_outputs = x.dim() == 3, grad.dim() == 3
@@ -115,7 +115,7 @@ def grad_latents_torch(grad, packed, scales, sel, mix, x):
 def mxfp4_experts_torch(x, packed, scales, sel, mix, shared, out_dtype):
     """shared + sum_k p W x; x is (T, I), or (T, K, I) with one input row per slot."""
     check_expert_ids(sel, len(packed))
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    compute = accumulation_dtype(x.dtype)
     slot_inputs = x.dim() == 3
     n_tokens, top_k = sel.shape
     d_out = d_out_of(packed)

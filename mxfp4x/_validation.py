@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from . import _cpu
-from ._format import GROUP, GROUP_BYTES
+from ._format import GROUP, GROUP_BYTES, torch_e8m0_dtype
 
 # The most threads a call uses: the driver's own cap (its pthreads pool size; an OpenMP
 # runtime keeps a team of the largest size used alive, so a larger request would only leave
@@ -111,7 +111,7 @@ def float_tensor(name, t, allow_int=True):
                     f"{_dtype_name(t.dtype)}")
 
 
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+_E8M0 = torch_e8m0_dtype()
 
 
 def byte_tensor(name, t):
@@ -136,6 +136,18 @@ def byte_tensor(name, t):
                 f"(dtype {_dtype_name(t.dtype)}); if these are int8 bytes, pass "
                 f"{name}.view(torch.uint8)")
     return t.to(torch.uint8)
+
+
+def bytes_by_view(name, t):
+    """A checkpoint's bytes, by view, never by value: uint8 as is, int8 and float8_e8m0fnu
+    viewed as uint8 (a file typed I8 or F8_E8M0 holds the same bytes).  The op's rule
+    (:func:`byte_tensor`) differs on purpose: a caller's int8 tensor there holds values,
+    and a negative one is an error, not a byte."""
+    if t.dtype == torch.uint8:
+        return t
+    if t.dtype == torch.int8 or (_E8M0 is not None and t.dtype == _E8M0):
+        return t.view(torch.uint8)
+    raise TypeError(f"{name}: expected bytes (U8, I8 or F8_E8M0), got {t.dtype}")
 
 
 def index_tensor(name, t):

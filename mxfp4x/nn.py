@@ -9,7 +9,7 @@ import torch
 from ._api import mxfp4_experts
 from ._format import GROUP, GROUP_BYTES
 from ._quantize import quantize
-from .checkpoints.families import as_bytes
+from ._validation import bytes_by_view as as_bytes
 from .checkpoints.safetensors import SafeTensorsCheckpoint
 from .models._common import bytes_of, expert_range_of
 from .models.gpt_oss import (  # noqa: F401

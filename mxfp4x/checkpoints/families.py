@@ -1,7 +1,7 @@
 """Per-expert MXFP4 checkpoints: where a model family keeps its expert tensors, its
 config, and reading them as the kernels want them (memory-mapped, never copied).
 
-A family is a :class:`ExpertLayout`: the name of one expert matrix's packed bytes and
+A family is a :class:`ExpertNaming`: the name of one expert matrix's packed bytes and
 scale bytes for (layer, expert, projection), and which projection is gate, up, down.
 Adding a family (e.g. DeepSeek-V4, whose experts are
 ``layers.{L}.ffn.experts.{j}.{w1,w2,w3}.{weight,scale}`` with I8 bytes and F8_E8M0
@@ -24,38 +24,36 @@ import json
 import os
 import re
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
-
-import torch
 
 from .._format import GROUP_BYTES
 from .._progress import Progress
+from .._validation import bytes_by_view as as_bytes
 from .safetensors import SafeTensorsCheckpoint
-
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
 
 @dataclass(frozen=True)
-class ExpertLayout:
-    """How a family names its per-expert MXFP4 tensors."""
+class ExpertNaming:
+    """How a family names its per-expert MXFP4 tensors (the checkpoint's naming; the
+    kernels' element order is another matter, the ``layout`` of include/mxfp4x)."""
 
     name: str
+    model_types: Tuple[str, ...]     # config.json model_type values of the family
     expert: str                      # "...{layer}...{expert}...{proj}.{kind}" (no prefix)
     packed: str                      # kind of the packed bytes
     scale: str                       # kind of the scale bytes
     roles: Dict[str, str]            # role (gate, up, down) -> projection name
     prefixes: Tuple[str, ...] = ("",)
     block: str = ""                  # "...{layer}..." of the block's other tensors
-    extra: Dict[str, str] = field(default_factory=dict)
 
     def tensor(self, prefix: str, layer: int, expert: int, role: str, kind: str) -> str:
         return prefix + self.expert.format(layer=layer, expert=expert, proj=self.roles[role],
                                            kind=kind)
 
 
-KIMI_K3 = ExpertLayout(
-    name="kimi-k3",
+KIMI_K3 = ExpertNaming(
+    name="kimi-k3", model_types=("kimi_k3", "kimi_linear"),
     expert="model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.{kind}",
     packed="weight_packed", scale="weight_scale",
     roles={"gate": "w1", "up": "w3", "down": "w2"},
@@ -111,7 +109,7 @@ def checkpoint_files(ckpt: SafeTensorsCheckpoint) -> List[str]:
     return sorted(files)
 
 
-def find_prefix(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout, layer: int) -> str:
+def find_prefix(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int) -> str:
     """The name prefix this checkpoint uses (e.g. "language_model." or none)."""
     for prefix in layout.prefixes:
         if layout.tensor(prefix, layer, 0, "down", layout.packed) in ckpt:
@@ -119,15 +117,6 @@ def find_prefix(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout, layer: int) -
     tried = [layout.tensor(p, layer, 0, "down", layout.packed) for p in layout.prefixes]
     raise KeyError(f"{ckpt.root}: no {layout.name} experts for layer {layer} (looked for "
                    f"{tried})")
-
-
-def as_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
-    """Bytes by view, never by value: uint8 as is, int8 and float8_e8m0fnu viewed."""
-    if t.dtype == torch.uint8:
-        return t
-    if t.dtype == torch.int8 or (_E8M0 is not None and t.dtype == _E8M0):
-        return t.view(torch.uint8)
-    raise TypeError(f"{name}: expected bytes (U8, I8 or F8_E8M0), got {t.dtype}")
 
 
 def expert_list(experts, n_experts: int) -> List[int]:
@@ -143,7 +132,7 @@ def expert_list(experts, n_experts: int) -> List[int]:
     return ids
 
 
-def load_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout, layer: int,
+def load_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int,
                  experts: Sequence[int], prefix: str,
                  progress: Optional[Progress] = None) -> Dict[str, Tuple[list, list]]:
     """role -> (packed list, scales list) of the given experts, views of the mapped files
@@ -168,8 +157,7 @@ def load_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout, layer: int,
     return out
 
 
-def iter_expert_tensors(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout,
-                        layers: Iterable[int], n_experts: int, prefix: str):
+def iter_expert_tensors(layout: ExpertNaming, layers: Iterable[int], n_experts: int, prefix: str):
     """Names of every expert tensor (packed and scale) of these layers."""
     for layer in layers:
         for e in range(n_experts):
@@ -178,16 +166,16 @@ def iter_expert_tensors(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout,
                     yield layout.tensor(prefix, layer, e, role, kind)
 
 
-def family_of(config: dict) -> ExpertLayout:
+def family_of(config: dict) -> ExpertNaming:
     """The layout of a checkpoint's family from its (text) config."""
-    if config.get("model_type") in ("kimi_linear", "kimi_k3") or "routed_expert_hidden_size" \
-            in config:
-        return KIMI_K3
+    for family in FAMILIES.values():
+        if config.get("model_type") in family.model_types:
+            return family
     raise ValueError(f"unknown MoE family (model_type {config.get('model_type')!r}); mxfp4x "
                      f"knows {sorted(FAMILIES)}")
 
 
-def _name_pattern(layout: ExpertLayout) -> "re.Pattern[str]":
+def _name_pattern(layout: ExpertNaming) -> "re.Pattern[str]":
     """A regular expression matching exactly the names ``layout.tensor`` makes (numbers
     without leading zeros, as ``str.format`` writes them)."""
     number = "0|[1-9][0-9]*"
@@ -202,7 +190,7 @@ def _name_pattern(layout: ExpertLayout) -> "re.Pattern[str]":
 
 
 def expert_names(ckpt: SafeTensorsCheckpoint,
-                 layout: ExpertLayout) -> Dict[Tuple[str, int], List[str]]:
+                 layout: ExpertNaming) -> Dict[Tuple[str, int], List[str]]:
     """(prefix, layer) -> the names of every expert tensor the checkpoint holds, found by
     name: config.json's ``num_hidden_layers`` does not bound what a file holds, and a
     loader reads any layer it is asked for."""
@@ -216,7 +204,7 @@ def expert_names(ckpt: SafeTensorsCheckpoint,
     return found
 
 
-def moe_layers(ckpt: SafeTensorsCheckpoint, layout: ExpertLayout) -> List[int]:
+def moe_layers(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming) -> List[int]:
     """The layers whose expert tensors this checkpoint holds."""
     return sorted({layer for _, layer in expert_names(ckpt, layout)})
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Opt
 import numpy as np
 import torch
 
+from .._format import torch_e8m0_dtype
 from .._io import atomic_write
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -32,7 +33,7 @@ _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint1
        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
        "BOOL": np.bool_}
 # dtypes numpy lacks: stored as same-width integers, viewed back (never cast by value)
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+_E8M0 = torch_e8m0_dtype()
 _VIEW_AS = {"BF16": torch.bfloat16, **({"F8_E8M0": _E8M0} if _E8M0 is not None else {})}
 _TORCH_NAME = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",

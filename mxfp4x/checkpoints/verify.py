@@ -110,7 +110,7 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
     n_bytes = 0
     wanted = set(layers)
     for prefix, layer in sorted((k for k in held if k[1] in wanted), key=lambda k: k[::-1]):
-        expected = list(iter_expert_tensors(ckpt, layout, [layer], n_experts, prefix))
+        expected = list(iter_expert_tensors(layout, [layer], n_experts, prefix))
         names = expected + sorted(set(held[prefix, layer]) - set(expected))
         where = {name: _locate(ckpt, name) for name in names}
         loaded = handed

@@ -12,9 +12,9 @@ from typing import List, Optional, Sequence
 import torch
 
 from .._api import mxfp4_experts, mxfp4_experts_slots
-from .._format import GROUP
+from .._format import GROUP, accumulation_dtype
 from .._progress import Progress
-from ..checkpoints.families import as_bytes
+from .._validation import bytes_by_view as as_bytes
 from ..checkpoints.safetensors import SafeTensorsCheckpoint
 from ._common import bytes_of, expert_range_of
 
@@ -83,7 +83,7 @@ class GptOssExperts(torch.nn.Module):
         self.register_buffer("gate_up_scales", bytes_of("gate_up_scales", gate_up_scales))
         self.register_buffer("down_blocks", bytes_of("down_blocks", down_blocks))
         self.register_buffer("down_scales", bytes_of("down_scales", down_scales))
-        bias_dtype = torch.float64 if gate_up_bias.dtype == torch.float64 else torch.float32
+        bias_dtype = accumulation_dtype(gate_up_bias.dtype)
         self.gate_up_bias = torch.nn.Parameter(gate_up_bias.detach().to(bias_dtype, copy=True),
                                                requires_grad=False)
         self.down_bias = torch.nn.Parameter(down_bias.detach().to(bias_dtype, copy=True),
@@ -109,7 +109,7 @@ class GptOssExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
-        acc = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(hidden_states.dtype)
         slots, combined = mxfp4_experts_slots, mxfp4_experts
         if self.group is not None:
             from . import distributed

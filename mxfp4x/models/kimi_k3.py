@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .._api import mxfp4_experts, mxfp4_experts_slots
-from .._format import GROUP, GROUP_BYTES
+from .._format import GROUP, GROUP_BYTES, accumulation_dtype
 from .._progress import Progress
 from .._validation import (
     as_tensor,
@@ -40,8 +40,7 @@ def clip(u, linear_beta):
     return u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
 
 
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+_acc = accumulation_dtype
 
 
 def _split(name, weights):

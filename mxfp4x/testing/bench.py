@@ -8,14 +8,26 @@ import torch
 
 from .._format import GROUP, GROUP_BYTES
 
-SHAPES = {  # name: (n_experts, top_k, d_out, d_in)
-    "gpt-oss-20b-gate-up": (32, 4, 5760, 2880),
-    "gpt-oss-20b-down": (32, 4, 2880, 2880),
-    "kimi-like": (384, 8, 4096, 7168),
-    # Kimi K3 routed experts (K3_SIZES in _kimi_k3.py): w1 and w3 (3072 x 3584), w2
-    "kimi-k3-w1": (896, 16, 3072, 3584),
-    "kimi-k3-w2": (896, 16, 3584, 3072),
-}
+
+def _shapes():
+    """name: (n_experts, top_k, d_out, d_in), from the families' own sizes."""
+    from ..models.gpt_oss import GPT_OSS_20B as g
+    from ..models.kimi_k3 import K3_SIZES as k
+
+    ff, latent = k["moe_intermediate_size"], k["routed_expert_hidden_size"]
+    e, top_k = k["num_experts"], k["num_experts_per_token"]
+    return {
+        "gpt-oss-20b-gate-up": (g["num_local_experts"], g["experts_per_token"],
+                                2 * g["intermediate_size"], g["hidden_size"]),
+        "gpt-oss-20b-down": (g["num_local_experts"], g["experts_per_token"],
+                             g["hidden_size"], g["intermediate_size"]),
+        "kimi-like": (384, 8, 4096, 7168),  # a DeepSeek-like layer past 2^31 bytes
+        "kimi-k3-w1": (e, top_k, ff, latent),  # w1 and w3 (gate, up)
+        "kimi-k3-w2": (e, top_k, latent, ff),  # w2 (down)
+    }
+
+
+SHAPES = _shapes()
 
 
 def make_experts(n_experts, d_out, d_in, seed=0):

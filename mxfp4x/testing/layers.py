@@ -5,6 +5,7 @@ import threading
 import numpy as np
 import torch
 
+from .._format import accumulation_dtype
 from .._reference import error_bound, mxfp4_experts_reference
 
 
@@ -14,7 +15,7 @@ def dtype_name(dtype):
 
 def acc_name(dtype):
     """The accumulation dtype of a result of ``dtype`` (float64 only for float64)."""
-    return "float64" if dtype == torch.float64 else "float32"
+    return accumulation_dtype(dtype_name(dtype))
 
 
 def random_layer(rng, n_tokens, top_k, n_experts, d_out, n_groups, dtype=torch.float32,
