@@ -57,3 +57,9 @@ def e8m0_to_float64(scale_bytes):
 def e8m0_table_f32():
     """The 256 scale values as float32, bit-exact (0 -> 2^-127, a subnormal)."""
     return e8m0_to_float64(np.arange(256)).astype(np.float32)
+
+
+def matrix_bytes(d_out: int, d_in: int) -> int:
+    """Bytes of one (d_out, d_in) MXFP4 matrix: a packed group and its scale byte per
+    32 elements of a row (Python ints: an expert bank passes 2^31 bytes)."""
+    return int(d_out) * (int(d_in) // GROUP) * (GROUP_BYTES + 1)

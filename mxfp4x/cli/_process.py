@@ -1,0 +1,48 @@
+"""What the measuring commands read about, and set on, this process."""
+import contextlib
+
+import torch
+
+
+def rss_mapped():
+    """(resident, mapped file-backed) bytes of this process (Linux; zeros elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        rss = int(fields["VmRSS"].split()[0]) * 1024
+        mapped = 0
+        with open("/proc/self/smaps") as f:
+            path = ""
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 5 and "-" in parts[0] and ":" not in parts[0]:
+                    path = parts[5] if len(parts) >= 6 else ""  # a new mapping
+                elif parts and parts[0] == "Size:" and path.endswith(".safetensors"):
+                    mapped += int(parts[1]) * 1024
+        return rss, mapped
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def default_threads():
+    return max(1, torch.get_num_threads())
+
+
+@contextlib.contextmanager
+def torch_threads(n):
+    """torch's thread count set for a measurement, and restored: the commands compare
+    thread counts within one run."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+# batches larger than this are timed once: each call takes seconds at model size
+REPEATED_UP_TO = 64
+
+
+def repeats(n_tokens, asked):
+    return asked if n_tokens <= REPEATED_UP_TO else 1

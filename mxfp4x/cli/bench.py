@@ -1,0 +1,173 @@
+"""run a model-sized layer and time it
+
+One MoE projection of --shape (default: gpt-oss-20b's gate/up), random MXFP4 weights made
+in-process. A slice of each result is checked against the float64 reference, then the CPU
+kernels and the torch backend are timed and shown beside the floors of each case, from
+this machine's roofs measured in the same run: bytes / memory read bandwidth, flops / FMA
+peak, and torch.matmul on the decoded weights (x: time / floor)."""
+import json
+import os
+import time
+
+import torch
+
+import mxfp4x
+from mxfp4x._format import matrix_bytes
+from mxfp4x._io import atomic_write
+from mxfp4x._progress import Progress
+from mxfp4x.testing import bench as _bench
+from mxfp4x.testing import roofline as _roofline
+from mxfp4x.testing.layers import assert_matches_reference
+
+from ._args import memory, positive_int, same_file, thread_count, writable
+from ._process import default_threads, torch_threads
+
+# the rows of each result checked against the float64 reference: enough to cross several
+# groups of the output, few enough that the reference takes no time beside the timing
+CHECKED_TOKENS, CHECKED_ROWS = 4, 96
+
+
+def add_arguments(parser):
+    parser.add_argument("--shape", choices=sorted(_bench.SHAPES), default="gpt-oss-20b-gate-up")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 128])
+    parser.add_argument("--threads", type=thread_count, nargs="+", default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
+                        default="float32")
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--no-torch", action="store_true",
+                        help="skip the torch backend timing")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="also plot GFLOP/s against T (matplotlib)")
+
+
+def _plot_path(path, error):
+    """The plot's path as matplotlib would write it (a name without an extension gets
+    ".png"), its format known to matplotlib, its folder writable."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        error("argument --plot: needs matplotlib (pip install matplotlib)")
+    if not os.path.splitext(path)[1]:
+        path += ".png"
+    fmt = os.path.splitext(path)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in formats:
+        error(f"argument --plot: matplotlib cannot write {fmt!r} images (it writes "
+              f"{', '.join(sorted(formats))})")
+    writable(path, "argument --plot", error)
+    return path
+
+
+def check(args, error):
+    n_experts, _, d_out, d_in = _bench.SHAPES[args.shape]
+    experts = n_experts * matrix_bytes(d_out, d_in)
+    memory(experts, "argument --shape", error)
+    tokens = args.repeats * max(args.tokens) * (d_in + d_out) * getattr(torch, args.dtype).itemsize
+    memory(experts + tokens, "argument --tokens", error)
+    if args.json:
+        writable(args.json, "argument --json", error)
+    if args.plot:
+        args.plot = _plot_path(args.plot, error)
+        if args.json and same_file(args.json, args.plot):
+            error("argument --plot: the same file as --json")
+
+
+def _check_result(call, packed, scales, d_out):
+    """Correctness first: a slice of the call against the float64 reference."""
+    x, sel, mix, shared = call
+    y = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared)
+    rows, t = slice(0, min(d_out, CHECKED_ROWS)), slice(0, CHECKED_TOKENS)
+    layer = dict(latent_tokens=x[t], packed_weights=packed, scale_bytes=scales,
+                 selected_experts=sel[t], mixture_weights=mix[t], shared_output=shared[t])
+    assert_matches_reference(y[t, rows], layer, rows=rows)
+
+
+def _measure(args, calls, packed, scales, th, case, roofs, isa):
+    """One row of figures: T tokens on ``th`` threads, beside the case's floors."""
+    n_tokens, top_k, d_out, d_in = case
+
+    def run(i, backend):
+        c = calls[i % len(calls)]
+        mxfp4x.mxfp4_experts(c[0], packed, scales, c[1], c[2], c[3], backend=backend,
+                             num_threads=th)
+    with torch_threads(th):
+        t_cpu = _bench.best_time(lambda i: run(i, "cpu"), repeats=args.repeats)
+        t_torch = (_bench.best_time(lambda i: run(i, "torch"), repeats=2)
+                   if not args.no_torch else float("nan"))
+    n_bytes = _bench.streamed_bytes(packed, scales, calls[0][1])
+    n_flops = _bench.flops(n_tokens, top_k, d_out, d_in)
+    fl = _bench.floors(n_bytes, n_flops, roofs, th, isa)
+    t_mm = _bench.matmul_roof(n_tokens, top_k, d_out, d_in, th, repeats=2)
+    return dict(tokens=n_tokens, threads=th, cpu_ms=t_cpu * 1e3, torch_ms=t_torch * 1e3,
+                gbps=n_bytes / t_cpu / 1e9, gflops=n_flops / t_cpu / 1e9,
+                read_floor_ms=fl["read_floor_s"] * 1e3, floor_ms=fl["floor_s"] * 1e3,
+                matmul_ms=t_mm * 1e3, vs_read=t_cpu / fl["read_floor_s"],
+                vs_floor=t_cpu / fl["floor_s"], vs_matmul=t_cpu / t_mm)
+
+
+def run(args):
+    n_experts, top_k, d_out, d_in = _bench.SHAPES[args.shape]
+    dtype = getattr(torch, args.dtype)
+    threads = args.threads or [default_threads()]
+    isa = mxfp4x.backend_info()["isa"]
+    roofs = _roofline.measure(threads=sorted(set(threads)))
+    print("roofs: read " + ", ".join(f"{roofs['read_gbps'][th]:.1f}" for th in threads) +
+          " GB/s; FMA " + ", ".join(f"{roofs['fma_gflops'][th][isa]:.0f}" for th in threads) +
+          f" GFLOP/s ({isa}; threads {', '.join(map(str, threads))})")
+    t0 = time.perf_counter()
+    packed, scales = _bench.make_experts(n_experts, d_out, d_in)
+    print(f"mxfp4x {mxfp4x.__version__}: {args.shape} E={n_experts} K={top_k} O={d_out} "
+          f"I={d_in}, {dtype}, isa={isa}, packed "
+          f"{(packed.numel() + scales.numel()) / 1e6:.0f} MB (made in "
+          f"{time.perf_counter() - t0:.1f} s)")
+    bar = Progress(len(args.tokens) * len(threads), "bench")
+    rows = []
+    for n_tokens in args.tokens:
+        calls = [_bench.make_tokens(n_tokens, top_k, n_experts, d_in, d_out, dtype, call=i)
+                 for i in range(args.repeats)]
+        _check_result(calls[0], packed, scales, d_out)
+        for th in threads:
+            bar.update(len(rows), f"measuring T={n_tokens} threads={th}")
+            r = _measure(args, calls, packed, scales, th, (n_tokens, top_k, d_out, d_in),
+                         roofs, isa)
+            rows.append(r)
+            bar.clear()
+            print(f"T={n_tokens:<5d} threads={th}  cpu {r['cpu_ms']:9.2f} ms "
+                  f"({r['gbps']:6.2f} GB/s, {r['gflops']:7.1f} GFLOP/s)  torch backend "
+                  f"{r['torch_ms']:9.2f} ms  | floor {r['floor_ms']:8.2f} ms "
+                  f"(x{r['vs_floor']:.2f}; read floor x{r['vs_read']:.2f})  decoded-matmul "
+                  f"{r['matmul_ms']:8.2f} ms (x{r['vs_matmul']:.2f})", flush=True)
+    print("check: a slice of every T matches the float64 reference within the float32 bound")
+    if args.json:
+        with atomic_write(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+def _plot(rows, path):
+    """GFLOP/s against T; ``path`` and its format were checked by ``_plot_path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for th in sorted({r["threads"] for r in rows}):
+        rs = [r for r in rows if r["threads"] == th]
+        ax.plot([r["tokens"] for r in rs], [r["gflops"] for r in rs], "o-",
+                label=f"mxfp4x, {th} thread(s)")
+        ax.plot([r["tokens"] for r in rs], [r["gflops"] * r["vs_matmul"] for r in rs], "--",
+                label=f"decoded torch.matmul, {th} thread(s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("GFLOP/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    # a file object has no name to infer the format from: pass it
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format=os.path.splitext(path)[1][1:].lower(), dpi=110)
+    plt.close(fig)
+    print(f"plot written to {path}")

@@ -1,0 +1,99 @@
+"""sha256 of every expert tensor of a checkpoint: the file's bytes vs the bytes the
+loader hands to the kernels
+
+Every expert tensor of the layers asked (default: every layer holding expert tensors) is
+hashed from its file's bytes and compared with the bytes the loader maps for the kernels,
+and with a manifest if given (each of its entries is checked). Exit status 1 on any
+mismatch, and when nothing was checked."""
+import json
+import sys
+import time
+
+from mxfp4x._io import atomic_write
+from mxfp4x.checkpoints import families as ck
+from mxfp4x.checkpoints import verify as _verify
+
+from ._args import (
+    CHECKPOINT_ERRORS,
+    existing_file,
+    existing_path,
+    message,
+    nonnegative_int,
+    same_file,
+    writable,
+)
+
+
+def add_arguments(parser):
+    parser.add_argument("checkpoint")
+    parser.add_argument("--layers", type=nonnegative_int, nargs="+", default=None,
+                        help="default: every layer whose expert tensors the checkpoint holds")
+    parser.add_argument("--manifest", metavar="JSON", help="also compare with these hashes")
+    parser.add_argument("--write-manifest", metavar="JSON", help="write the hashes")
+
+
+def _manifest(path, error):
+    existing_file(path, "argument --manifest", error)
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+    except OSError as exc:
+        error(f"argument --manifest: {exc}")
+    except ValueError as exc:
+        error(f"argument --manifest: {path} is not valid JSON ({exc})")
+    try:
+        return _verify.check_manifest(doc, "argument --manifest")
+    except ValueError as exc:
+        error(str(exc))
+
+
+def check(args, error):
+    """Opens the checkpoint (headers only) and reads the manifest: ``args.opened``,
+    ``args.hashes``."""
+    existing_path(args.checkpoint, "argument checkpoint", error)
+    try:
+        config = ck.read_config(args.checkpoint)
+        layout = ck.family_of(config)
+        ck.num_experts(config)
+        args.opened = ck.open_checkpoint(args.checkpoint)
+        available = ck.moe_layers(args.opened, layout)
+    except CHECKPOINT_ERRORS as exc:
+        error(f"argument checkpoint: {message(exc)}")
+    if not available:
+        error(f"argument checkpoint: {args.checkpoint} holds no {layout.name} expert tensors: "
+              f"nothing to verify")
+    for i, layer in enumerate(args.layers or ()):
+        if layer in args.layers[:i]:
+            error(f"argument --layers: layer {layer} given twice")
+        if layer not in available:
+            error(f"argument --layers: layer {layer} has no expert tensors in "
+                  f"{args.checkpoint} (its expert layers: {available})")
+    args.hashes = _manifest(args.manifest, error) if args.manifest else None
+    if args.write_manifest:
+        writable(args.write_manifest, "argument --write-manifest", error)
+        for path in ck.checkpoint_files(args.opened):
+            if same_file(args.write_manifest, path):
+                error(f"argument --write-manifest: {args.write_manifest!r} is a file of the "
+                      f"checkpoint")
+
+
+def run(args):
+    t0 = time.perf_counter()
+    try:
+        report = _verify.verify_experts(args.opened, layers=args.layers, manifest=args.hashes)
+    except CHECKPOINT_ERRORS as exc:
+        print(f"verify FAILED: {message(exc)}", file=sys.stderr)
+        return 1
+    for name, what in report["mismatches"][:20]:
+        print(f"MISMATCH {name}: {what}")
+    if args.write_manifest:
+        with atomic_write(args.write_manifest, "w") as f:
+            json.dump(report["hashes"], f, indent=0, sort_keys=True)
+    other = report["manifest_other"]
+    print(f"{report['checked']} expert tensors of layers {report['layers']}"
+          + (f" and {other} other tensors of the manifest" if other else "")
+          + f", {report['bytes'] / 1e9:.2f} GB, read in {time.perf_counter() - t0:.1f} s: "
+          + ("the bytes handed to the kernels are the file's bytes"
+             + (" and match the manifest" if args.hashes is not None else "")
+             if not report["mismatches"] else f"{len(report['mismatches'])} MISMATCHES"))
+    return 1 if report["mismatches"] or not report["checked"] else 0

@@ -1,0 +1,89 @@
+"""python -m mxfp4x: the one place commands are listed, each command's --help, and the
+commands a quick run can afford (layer runs in tests/test_kimi_k3.py; bench is CI's main
+job)."""
+import json
+import os
+import pkgutil
+
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x import cli
+from mxfp4x.checkpoints.safetensors import SafeTensorsFile, save_file
+
+NAMES = ["info", "bench", "check", "quantize", "verify", "layer", "roofline", "ep-bench"]
+
+
+def test_every_command_module_is_a_command():
+    """A module of mxfp4x/cli/ not in COMMANDS would be a command --help never shows."""
+    modules = {m.name for m in pkgutil.iter_modules(cli.__path__) if not m.name.startswith("_")}
+    assert {m.__name__.rpartition(".")[2] for m in cli.COMMANDS} == modules
+    assert [cli.command_name(m) for m in cli.COMMANDS] == NAMES
+    for module in cli.COMMANDS:  # the help line --help shows
+        assert module.__doc__.split("\n\n")[0].strip(), module
+
+
+def test_help_lists_every_command(cli_run):
+    out = cli_run("--help")
+    assert out.returncode == 0, out.stderr
+    for name in NAMES:
+        assert name in out.stdout
+    assert "(the default)" in out.stdout
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_help(cli_main, name):
+    code, out, _ = cli_main(name, "--help")
+    assert code == 0 and out.startswith(f"usage: python -m mxfp4x {name} ")
+    assert "-h, --help" in out
+
+
+def test_info_json(cli_run):
+    out = cli_run("info", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["isa"] == mxfp4x.backend_info()["isa"] and "openmp" in info
+
+
+def test_check_passes(cli_run):
+    out = cli_run("check")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "all checks passed" in out.stdout
+
+
+def test_quantize_file(tmp_path, cli_run):
+    w = torch.randn(3, 8, 64)
+    bias = torch.randn(3, 8)
+    src, dst = str(tmp_path / "f.safetensors"), str(tmp_path / "q.safetensors")
+    save_file({"experts.w": w, "experts.bias": bias, "norm": torch.randn(5)}, src)
+    out = cli_run("quantize", src, dst, "--only", "experts.w")
+    assert out.returncode == 0, out.stderr
+    q = SafeTensorsFile(dst)
+    assert set(q.keys()) == {"experts.w_blocks", "experts.w_scales", "experts.bias", "norm"}
+    packed, scales = mxfp4x.quantize(w)
+    assert torch.equal(q.get("experts.w_blocks"), packed)
+    assert torch.equal(q.get("experts.w_scales"), scales)
+    assert torch.equal(q.get("experts.bias"), bias)
+
+
+def test_roofline_json(cli_run):
+    out = cli_run("roofline", "--json", "--quick", "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    roofs = json.loads(out.stdout)
+    assert roofs["isas"] == mxfp4x.backend_info()["isas"]
+    assert roofs["read_gbps"]["1"] > 0
+    peaks = roofs["fma_gflops"]["1"]
+    assert set(peaks) == set(roofs["isas"]) and all(v > 0 for v in peaks.values())
+    assert roofs["matmul_gflops"]["1"]["float32"] > 0 and roofs["cpu"]["model"]
+
+
+def test_ep_bench_takes_the_shapes_of_its_checkpoint(tmp_path, k3, cli_run):
+    """ep-bench --checkpoint with a checkpoint smaller than the released model: tokens in
+    its own shapes (they were made in Kimi K3's 3584-wide latent)."""
+    out = cli_run("ep-bench", "--checkpoint", k3, "--tokens", "3", "--threads", "1",
+                  "--repeats", "1", "--json", tmp_path / "ep.json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (row,) = json.loads((tmp_path / "ep.json").read_text())
+    assert row["tokens"] == 3 and row["experts"] == 16
+    assert os.listdir(tmp_path) == ["ep.json"]

@@ -1,0 +1,78 @@
+"""python -m mxfp4x never leaves a user's file destroyed: every file is replaced whole,
+an input written over keeps its tensors, a write that fails leaves the old file."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x.checkpoints.safetensors import SafeTensorsFile, save_file
+
+
+def _float_file(path):
+    tensors = {"experts.w": torch.randn(64, 32, 64), "experts.bias": torch.randn(64, 32),
+               "norm": torch.randn(5)}
+    save_file(tensors, str(path))
+    return tensors
+
+
+def test_quantize_in_place(tmp_path, cli_run):
+    """quantize f f: the kept tensors are views of f's mapping while f is written; the
+    output replaces f whole, with the right tensors (it used to leave a bare header)."""
+    f = tmp_path / "f.safetensors"
+    tensors = _float_file(f)
+    out = cli_run("quantize", f, f)
+    assert out.returncode == 0, out.stdout + out.stderr
+    q = SafeTensorsFile(str(f))
+    assert set(q.keys()) == {"experts.w_blocks", "experts.w_scales", "experts.bias", "norm"}
+    packed, scales = mxfp4x.quantize(tensors["experts.w"])
+    assert torch.equal(q.get("experts.w_blocks"), packed)
+    assert torch.equal(q.get("experts.w_scales"), scales)
+    assert torch.equal(q.get("experts.bias"), tensors["experts.bias"])
+    assert torch.equal(q.get("norm"), tensors["norm"])
+    assert os.listdir(tmp_path) == ["f.safetensors"]  # no temporary file left
+
+
+def _file_size_limit(n_bytes):
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, n_bytes))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE, Linux")
+def test_quantize_in_place_that_fails_leaves_the_input(tmp_path, cli_run):
+    """A write that fails (here: a file size limit, as a full disk) leaves the target as
+    it was and no temporary file."""
+    f = tmp_path / "f.safetensors"
+    _float_file(f)
+    before = f.read_bytes()
+    out = cli_run("quantize", f, f, preexec_fn=_file_size_limit(16 << 10))
+    assert out.returncode != 0
+    assert f.read_bytes() == before
+    assert os.listdir(tmp_path) == ["f.safetensors"]
+
+
+def test_manifest_write_that_fails_leaves_the_old_one(tmp_path, k3, cli_main, monkeypatch):
+    """verify --write-manifest over an existing manifest: a failure mid-write (a full
+    disk) keeps the old manifest whole (open(..., "w") used to truncate it first)."""
+    manifest = tmp_path / "sha256.json"
+    manifest.write_text('{"old": "manifest"}')
+
+    def dump_then_fail(obj, f, **kw):
+        f.write('{"half": ')
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(json, "dump", dump_then_fail)
+    code, _, err = cli_main("verify", k3, "--layers", "1", "--write-manifest", manifest)
+    assert code == 1 and "No space left on device" in err
+    assert manifest.read_text() == '{"old": "manifest"}'
+    assert os.listdir(tmp_path) == ["sha256.json"]
+
+
+def test_manifest_written_over_the_one_read(tmp_path, k3, cli_main):
+    manifest = tmp_path / "sha256.json"
+    assert cli_main("verify", k3, "--write-manifest", manifest)[0] == 0
+    code, out, _ = cli_main("verify", k3, "--manifest", manifest, "--write-manifest", manifest)
+    assert code == 0 and "match the manifest" in out
+    assert len(json.loads(manifest.read_text())) == 192

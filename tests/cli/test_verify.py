@@ -1,0 +1,111 @@
+"""python -m mxfp4x verify fails unless it checked every expert tensor and every manifest
+entry: layers found from the tensor names, entries the checkpoint lacks, tensors missing
+from the index, a checkpoint without experts."""
+import json
+import os
+
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x.checkpoints.safetensors import SafeTensorsCheckpoint, save_file
+from mxfp4x.testing.kimi_k3 import k3_config
+
+PREFIX = "language_model.model.layers.{}.block_sparse_moe.experts."
+
+
+def _flip_byte(folder, name):
+    path, begin, end = SafeTensorsCheckpoint(folder).byte_range(name)
+    with open(path, "r+b") as f:
+        f.seek((begin + end) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("layers", [(1, 5), (5,)], ids=["1+5", "5"])
+def test_verify_finds_a_tampered_layer_above_num_hidden_layers(tmp_path, make_k3, cli_main,
+                                                              layers):
+    """Layer 5 of a 3-layer config: the loader reads it, so verify checks it (it used to
+    check only layers below num_hidden_layers: "0 expert tensors ... match", exit 0)."""
+    folder = make_k3(tmp_path / "ck", layers)
+    manifest = tmp_path / "sha256.json"
+    code, out, _ = cli_main("verify", folder, "--write-manifest", manifest)
+    n = 96 * len(layers)
+    assert code == 0 and f"{n} expert tensors of layers {list(layers)}" in out
+    assert len(json.loads(manifest.read_text())) == n
+    victim = PREFIX.format(5) + "3.w2.weight_packed"
+    _flip_byte(folder, victim)
+    block = mxfp4x.nn.KimiK3MoE.from_checkpoint(folder, layer=5, progress=False)
+    assert block.experts.n_local == 16  # what verify must cover: the loader takes it
+    code, out, _ = cli_main("verify", folder, "--manifest", manifest)
+    assert code == 1
+    assert f"MISMATCH {victim}: the file's bytes differ from the manifest" in out
+
+
+def test_verify_reports_a_manifest_entry_the_checkpoint_lacks(tmp_path, k3, cli_main):
+    manifest = tmp_path / "sha256.json"
+    assert cli_main("verify", k3, "--write-manifest", manifest)[0] == 0
+    hashes = json.loads(manifest.read_text())
+    ghost = PREFIX.format(1) + "16.w1.weight_packed"  # expert 16 of 16
+    hashes[ghost] = "0" * 64
+    manifest.write_text(json.dumps(hashes))
+    code, out, _ = cli_main("verify", k3, "--manifest", manifest)
+    assert code == 1
+    assert f"MISMATCH {ghost}: in the manifest but missing from the checkpoint" in out
+
+
+def test_verify_checks_manifest_entries_outside_the_layers_asked(tmp_path, make_k3, cli_main):
+    folder = make_k3(tmp_path / "ck")
+    manifest = tmp_path / "sha256.json"
+    assert cli_main("verify", folder, "--write-manifest", manifest)[0] == 0
+    victim = PREFIX.format(5) + "0.w3.weight_scale"
+    _flip_byte(folder, victim)
+    code, out, _ = cli_main("verify", folder, "--layers", "1", "--manifest", manifest)
+    assert code == 1
+    assert "96 expert tensors of layers [1] and 96 other tensors of the manifest" in out
+    assert f"MISMATCH {victim}: the file's bytes differ from the manifest" in out
+
+
+def test_verify_reports_an_expert_tensor_missing_from_the_checkpoint(tmp_path, make_k3,
+                                                                    cli_main):
+    """A tensor the config's experts need, gone from the index: a mismatch, not a
+    KeyError ending the run."""
+    folder = make_k3(tmp_path / "ck", [1])
+    index = os.path.join(folder, "model.safetensors.index.json")
+    with open(index) as f:
+        doc = json.load(f)
+    gone = PREFIX.format(1) + "9.w1.weight_scale"
+    del doc["weight_map"][gone]
+    with open(index, "w") as f:
+        json.dump(doc, f)
+    code, out, _ = cli_main("verify", folder)
+    assert code == 1
+    assert f"MISMATCH {gone}: missing from the checkpoint" in out
+    # the loader refuses expert 9 whole: its other tensors reach no kernel
+    assert f"MISMATCH {PREFIX.format(1)}9.w2.weight_packed: not handed to the kernels" in out
+
+
+def test_verify_with_nothing_to_check_fails(tmp_path, cli_main):
+    """A checkpoint without expert tensors: an error, not "0 expert tensors ... match"."""
+    from mxfp4x.checkpoints.verify import verify_experts
+
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(k3_config(num_experts=16), f)
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 8)},
+              str(tmp_path / "model.safetensors"))
+    code, _, err = cli_main("verify", tmp_path)
+    assert code == 2 and "holds no kimi-k3 expert tensors" in err
+    with pytest.raises(ValueError, match="nothing to verify"):
+        verify_experts(str(tmp_path))
+
+
+def test_verify_library_refuses_layers_without_experts(k3):
+    from mxfp4x.checkpoints.families import KIMI_K3, moe_layers, open_checkpoint
+    from mxfp4x.checkpoints.verify import verify_experts
+
+    assert moe_layers(open_checkpoint(k3), KIMI_K3) == [1, 5]
+    with pytest.raises(ValueError, match=r"no kimi-k3 expert tensors for layer\(s\) \[2\]"):
+        verify_experts(k3, layers=[2])
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        verify_experts(k3, manifest=["not", "a", "dict"])  # type: ignore[arg-type]
