@@ -13,7 +13,7 @@ Each case reports in ``extra_info``:
 * ``matmul_s``: ``torch.matmul`` of the same K products on already decoded
   weights of the latents' dtype, and ``vs_matmul`` = time / matmul_s;
 * ``torch_backend_s`` is in the ``impl=torch`` rows (dequantize-then-matmul);
-* ``target`` and ``met``: issue 12's target for the case (``_bench.verdict``); the
+* ``target`` and ``met``: the case's performance target (``_bench.verdict``); the
   session ends with the table of every case and the cross-case targets (bfloat16 never
   slower than float32, 2 threads >= 1.8 x 1 thread at T = 512).
 

@@ -1,5 +1,5 @@
 """Peak extra memory of one call: at most 64 MiB + the output, for any E and T (long
-prefills run in chunks of tokens: Kimi K3 w1 at T = 8192 is the case of issue 12).
+prefills run in chunks of tokens: Kimi K3 w1 at T = 8192 is the case measured).
 
 Measured in a fresh process: build the inputs, reset the kernel's resident-set
 high-water mark (``/proc/self/clear_refs``), make one call, and read how far the

@@ -45,7 +45,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     from mxfp4x.testing import bench as _bench
     w = terminalreporter.write_line
     w("")
-    w(f"mxfp4x targets (issue 12), isa {rows[0]['isa']}: time / floor from this run's roofs")
+    w(f"mxfp4x targets, isa {rows[0]['isa']}: time / floor from this run's roofs")
     w(f"{'shape':22s} {'T':>4s} {'dtype':8s} {'thr':>3s} {'ms':>9s} {'GFLOP/s':>8s} "
       f"{'xread':>6s} {'xfloor':>6s} {'xmatmul':>7s} {'FMA%':>5s}  target")
     for r in rows:

@@ -1,4 +1,4 @@
-"""The AVX-512 kernels' source on any x86-64, through SIMDe (issue 12, "every ISA is
+"""The AVX-512 kernels' source on any x86-64, through SIMDe ("every ISA is
 exercised on every host").
 
 ``-DMXFP4X_EMULATE_AVX512`` compiles include/mxfp4x/avx512.h through
