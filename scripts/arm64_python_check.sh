@@ -9,7 +9,7 @@
 #      stage inside it through qemu-aarch64-static + binfmt_misc);
 #   2. python3 -m venv, pip install torch==$TORCH_VERSION (CPU index), numpy, cython,
 #      pytest, hypothesis; pip install -e . of a copy of the working tree;
-#   3. pytest tests/test_decode.py tests/test_moe.py tests/test_dispatch.py
+#   3. pytest tests/kernels/test_decode.py tests/api/test_moe.py tests/test_dispatch.py
 #      tests/test_threads.py, with backend_info() printed first (isa must be "neon",
 #      threads "pthreads": torch's aarch64 wheels vendor their own libgomp).
 #
@@ -18,7 +18,7 @@
 #   MXFP4X_ARM64_ROOT=/path TORCH_VERSION=2.9.1 SUITE=bookworm scripts/arm64_python_check.sh
 #   PYTEST_ARGS="-x -k neon" scripts/arm64_python_check.sh
 # Expect tens of minutes: everything inside the root runs emulated (torch's import alone
-# takes tens of seconds).  The C-level NEON checks (tests/test_c_kernels.py) are the fast
+# takes tens of seconds).  The C-level NEON checks (tests/kernels/test_c_kernels.py) are the fast
 # proof and run in CI; this script adds the Cython driver, OpenMP and torch on aarch64.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -85,8 +85,8 @@ pip install -q --no-build-isolation -e .
 echo "== mxfp4x built after ${SECONDS}s"
 python -c "import json, mxfp4x; i = mxfp4x.backend_info(); print(json.dumps(i)); \
 assert i[\"isa\"] == \"neon\", i"
-MXFP4X_REQUIRE_OPENMP=0 MXFP4X_REQUIRE_THREADS=pthreads pytest -q -p no:cacheprovider $PYTEST_ARGS tests/test_decode.py \
-    tests/test_moe.py tests/test_dispatch.py tests/test_threads.py
+MXFP4X_REQUIRE_OPENMP=0 MXFP4X_REQUIRE_THREADS=pthreads pytest -q -p no:cacheprovider $PYTEST_ARGS tests/kernels/test_decode.py \
+    tests/api/test_moe.py tests/test_dispatch.py tests/test_threads.py
 echo "== tests done after ${SECONDS}s"
 '
 echo "== arm64_python_check: done in ${SECONDS}s"

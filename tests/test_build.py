@@ -31,7 +31,7 @@ def test_build_flags_are_shippable():
 
 def test_build_is_not_emulated_unless_asked():
     """MXFP4X_EMULATE_AVX512=1 builds the AVX-512 kernels through SIMDe (a test build:
-    exact but slow, tests/test_emulation.py); a build without it never is one."""
+    exact but slow, tests/platform/test_emulation.py); a build without it never is one."""
     emulated = mxfp4x.backend_info()["build"]["emulated"]
     asked = os.environ.get("MXFP4X_EMULATE_AVX512") == "1"
     assert emulated == ("avx512" if asked else None), (emulated, asked)

@@ -136,7 +136,7 @@ static mxfp4x_fpenv mxfp4x_fpenv_enter(void) {
 static void mxfp4x_fpenv_exit(mxfp4x_fpenv saved) { _WriteStatusReg(ARM64_FPCR, (__int64)saved); }
 #else
 /* Other architectures: no flush-to-zero control known to the build; the FTZ test
- * (tests/test_reliability.py) reports it if torch.set_flush_denormal works here. */
+ * (tests/determinism/test_reliability.py) reports it if torch.set_flush_denormal works here. */
 typedef unsigned int mxfp4x_fpenv;
 static mxfp4x_fpenv mxfp4x_fpenv_enter(void) { return 0; }
 static void mxfp4x_fpenv_exit(mxfp4x_fpenv saved) { (void)saved; }

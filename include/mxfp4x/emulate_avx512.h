@@ -6,7 +6,7 @@
  * portable C from SIMDe (https://github.com/simd-everywhere/simde, MIT; Debian
  * libsimde-dev), compiled for the x86-64 baseline (SSE2).  The purpose is testing:
  * the same kernel source runs on AVX2-only and pre-AVX CPUs, and on an AVX-512 CPU
- * its results must be bit-identical to the native build (tests/test_emulation.py).
+ * its results must be bit-identical to the native build (tests/platform/test_emulation.py).
  *
  * Include order.  <immintrin.h> comes first (avx2.h and config.h include it anyway):
  * SSE/SSE2 intrinsics and __m128 / __m128i stay native (no target needed on x86-64),
@@ -36,7 +36,7 @@
  *
  * Every other intrinsic avx512.h uses is an exact SIMDe operation (loads, stores,
  * casts, extracts, set, shifts, and IEEE add/mul, with -ffp-contract=off so the
- * compiler fuses nothing); tests/test_emulation.py lists them and fails on an
+ * compiler fuses nothing); tests/platform/test_emulation.py lists them and fails on an
  * intrinsic that nobody has checked.  Not covered: NaN payloads (which NaN an FMA of
  * two NaNs returns depends on the instruction form the compiler picked, native or
  * not), and the MXCSR: the kernels run with FTZ/DAZ off (config.h), as fmaf assumes.

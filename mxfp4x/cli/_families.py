@@ -84,7 +84,7 @@ class KimiK3(Family):
              ("ff", "moe_intermediate_size"))
     token_dtype = torch.bfloat16  # as the released model runs
     # bfloat16 latents and dense matmuls round every cast to 8 bits: the bound
-    # tests/test_kimi_k3.py holds the block to in bfloat16
+    # tests/models/test_kimi_k3.py holds the block to in bfloat16
     bound, bound_what = 3e-2, "bfloat16"
     # experts per file: the release's shards are a few GB each
     experts_per_shard = 128
@@ -126,7 +126,7 @@ class GptOss20b(Family):
     n_experts_key, top_k_key = "num_local_experts", "experts_per_token"
     shown = (("hidden", "hidden_size"), ("ff", "intermediate_size"))
     token_dtype = torch.float32
-    # float32 accumulation, activations and biases: the bound tests/test_nn.py holds
+    # float32 accumulation, activations and biases: the bound tests/models/test_nn.py holds
     # the experts block to in float32
     bound, bound_what = 1e-4, "float32"
 

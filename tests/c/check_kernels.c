@@ -3,7 +3,7 @@
  * Generic over include/mxfp4x/dispatch.h: whatever entries the build compiled
  * (scalar, avx2, avx512 on x86-64; neon, scalar on aarch64; ...) are checked, so the
  * same file runs natively, cross-compiled for aarch64 under qemu-aarch64
- * (tests/test_c_kernels.py) and in any other configuration of the headers.
+ * (tests/kernels/test_c_kernels.py) and in any other configuration of the headers.
  *
  * Per ISA (every runnable entry, or those named on the command line):
  *   decode          all 256 bytes x 256 scale bytes, bit for bit against the definition

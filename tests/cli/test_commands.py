@@ -1,5 +1,5 @@
 """python -m mxfp4x: the one place commands are listed, each command's --help, and the
-commands a quick run can afford (layer runs in tests/test_kimi_k3.py; bench is CI's main
+commands a quick run can afford (layer runs in tests/models/test_kimi_k3.py; bench is CI's main
 job)."""
 import json
 import os

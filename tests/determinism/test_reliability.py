@@ -12,7 +12,7 @@ import torch
 import mxfp4x
 from mxfp4x.testing.layers import assert_matches_reference, random_layer, run_threads
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: conftest.py
 
 
 _GARBAGE = r"""

@@ -1,7 +1,7 @@
 """Bit-identity over time: sha256 of the results of a fixed set of calls, per ISA, recorded
 once and checked on every run.  A refactor, a moved module or a new build must leave every
 bit of these results as it was; a kernel change that moves bits on purpose records new
-digests (``MXFP4X_RECORD_DIGESTS=1 pytest tests/test_digests.py -s`` prints them).
+digests (``MXFP4X_RECORD_DIGESTS=1 pytest tests/determinism/test_digests.py -s`` prints them).
 
 The inputs are made here with numpy's PCG64 (fixed seeds), not by package helpers, so that
 moving or changing a helper cannot move the inputs.  The float64 path runs the same scalar

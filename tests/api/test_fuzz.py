@@ -1,7 +1,7 @@
 """Fuzzing against the float64 reference (hypothesis).
 
 Profiles (MXFP4X_HYPOTHESIS_PROFILE): "ci" (default, quick), "dev", "long"
-(10,000 cases: ``MXFP4X_HYPOTHESIS_PROFILE=long pytest tests/test_fuzz.py``).
+(10,000 cases: ``MXFP4X_HYPOTHESIS_PROFILE=long pytest tests/api/test_fuzz.py``).
 
 Inputs cover every dtype and index dtype, strided / transposed / sliced layouts,
 scale bytes over the whole 0..255 range, NaN / Inf / huge / tiny latents and

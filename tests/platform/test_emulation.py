@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from kernel_checker import CHECKER, HEADERS, build, host_cc, parse
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 AVX512_H = HEADERS / "mxfp4x" / "avx512.h"
 EMULATE_H = HEADERS / "mxfp4x" / "emulate_avx512.h"
 EMULATED = ["-DMXFP4X_EMULATE_AVX512", "-Wno-psabi"]
@@ -74,7 +74,7 @@ def test_every_intrinsic_of_avx512_h_is_checked():
     assert not unchecked, (
         f"avx512.h uses {unchecked}, whose SIMDe emulation nobody has checked for "
         "bit-exactness: read its simde/x86 source, then list it in SIMDE_EXACT "
-        "(tests/test_emulation.py) or shim it in include/mxfp4x/emulate_avx512.h")
+        "(tests/platform/test_emulation.py) or shim it in include/mxfp4x/emulate_avx512.h")
 
 
 # ---- the C-level checker, native and emulated ---------------------------------------
