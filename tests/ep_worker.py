@@ -3,10 +3,13 @@
 Every rank builds the same global layers (same seeds), runs the single-process op on all
 tokens, then the expert-parallel op on its own tokens and its own experts, and reports
 whether its rows are bit-identical.  argv: scenario names; prints one JSON line."""
+import builtins
 import datetime
 import json
 import os
 import sys
+import time
+import traceback
 
 import numpy as np
 import torch
@@ -14,7 +17,7 @@ import torch.distributed as dist
 
 import mxfp4x
 import mxfp4x.distributed as mdist
-from mxfp4x._testing import random_layer
+from mxfp4x.testing.layers import random_layer
 
 
 def split(n, world, uneven):
@@ -111,7 +114,7 @@ def kimi(name, rank, world):
     e0, e1 = int(cuts[rank]), int(cuts[rank + 1])
     part = nn.KimiK3Experts(*[(p[e0:e1], s[e0:e1]) for p, s in
                               (mats["w1"], mats["w3"], mats["w2"])],
-                            expert_ids=range(e0, e1), group=dist.group.WORLD)
+                            expert_range=(e0, e1), group=dist.group.WORLD)
     mine = slice(start, start + n)
     got = part(h[mine], sel[mine], w[mine])
     return {"equal": bool(torch.equal(bits(got), bits(full(h, sel, w)[mine]))),
@@ -121,7 +124,7 @@ def kimi(name, rank, world):
 def modules(name, rank, world):
     """MXFP4Experts and GptOssExperts, expert-parallel, against one process (bitwise)."""
     from mxfp4x import nn
-    from mxfp4x._safetensors import save_file
+    from mxfp4x.checkpoints.safetensors import save_file
     rng = np.random.default_rng(31)
     n_exp, hid, ff = 6, 64, 64
     pre = "model.layers.0.mlp.experts."
@@ -204,7 +207,277 @@ def die(name, rank, world):
     return {"raised": None}
 
 
+# ---- a world serving error cases (tests/test_distributed_errors.py) ------------------------
+#
+# The test writes one JSON case per line to every rank's stdin; each rank answers one JSON
+# line.  A case names an entry point, a fault and the rank it hits; the rank reports what
+# its call raised and how long that took, then makes the same call again without the
+# fault, which must give the bits of the first clean call (the ranks are still in step).
+
+class Boom(Exception):
+    """An exception type no code path expects."""
+
+
+class Unprintable(ValueError):
+    """A ValueError whose message itself raises."""
+
+    def __str__(self):
+        raise RuntimeError("this message cannot be formatted")
+
+
+def make_exception(name):
+    cls = {"Boom": Boom, "Unprintable": Unprintable}.get(name) or getattr(builtins, name)
+    return cls("injected on this rank")
+
+
+def raiser(exc):
+    def fail(*args, **kwargs):
+        raise exc
+    return fail
+
+
+class Entries:
+    """Small layers for every distributed entry point and module, built once per world.
+    ``call(entry, bad)`` runs one; ``bad`` holds the faults of this rank."""
+
+    def __init__(self, rank, world):
+        from mxfp4x import nn
+        self.rank, self.world, self.nn = rank, world, nn
+        n_exp, top_k, per_rank, d = 4, 2, 3, 32
+        layer = random_layer(np.random.default_rng(5), per_rank * world, top_k, n_exp, d, 1)
+        cuts = split(n_exp, world, False)
+        self.e0, self.e1 = int(cuts[rank]), int(cuts[rank + 1])
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        self.layer = layer
+        self.x, self.sel = layer["latent_tokens"][mine], layer["selected_experts"][mine]
+        self.mix, self.shared = layer["mixture_weights"][mine], layer["shared_output"][mine]
+        self.packed = layer["packed_weights"][self.e0:self.e1]
+        self.scales = layer["scale_bytes"][self.e0:self.e1]
+        self.d, self.mine = d, mine
+        self.modules = {}
+        self.want = {}
+
+    def module(self, entry):
+        if entry not in self.modules:
+            self.modules[entry] = getattr(self, "_" + entry)()
+        return self.modules[entry]
+
+    def _mxfp4experts(self):
+        return self.nn.MXFP4Experts.from_packed(self.packed, self.scales,
+                                                expert_range=(self.e0, self.e1),
+                                                group=dist.group.WORLD)
+
+    def _gptoss(self):
+        rng = np.random.default_rng(31)
+        n_exp, hid, ff = 4, 32, 32
+        blocks = torch.from_numpy(rng.integers(0, 256, (n_exp, 2 * ff, hid // 32, 16), np.uint8))
+        scales = torch.from_numpy(rng.integers(120, 127, (n_exp, 2 * ff, hid // 32), np.uint8))
+        down = torch.from_numpy(rng.integers(0, 256, (n_exp, hid, ff // 32, 16), np.uint8))
+        down_s = torch.from_numpy(rng.integers(120, 127, (n_exp, hid, ff // 32), np.uint8))
+        bias = torch.from_numpy(rng.standard_normal((n_exp, 2 * ff))).float()
+        down_bias = torch.from_numpy(rng.standard_normal((n_exp, hid))).float()
+        r = slice(self.e0, self.e1)
+        return self.nn.GptOssExperts(blocks[r], scales[r], bias, down[r], down_s[r], down_bias,
+                                     expert_range=(self.e0, self.e1), group=dist.group.WORLD)
+
+    def _kimi(self):
+        rng = np.random.default_rng(21)
+        n_exp, lat, ff = 4, 32, 64
+        mats = []
+        for o, i in ((ff, lat), (ff, lat), (lat, ff)):
+            mats.append((torch.from_numpy(rng.integers(0, 256, (n_exp, o, i // 32, 16),
+                                                       np.uint8))[self.e0:self.e1],
+                         torch.from_numpy(rng.integers(119, 126, (n_exp, o, i // 32),
+                                                       np.uint8))[self.e0:self.e1]))
+        return self.nn.KimiK3Experts(*mats, expert_range=(self.e0, self.e1),
+                                     group=dist.group.WORLD)
+
+    def local_fn(self, rows, ids):
+        return mxfp4x.mxfp4_experts_slots(rows, self.packed, self.scales, ids.view(-1, 1))[:, 0]
+
+    def call(self, entry, bad):
+        inf_range = (self.e0, float("inf"))
+        rng = inf_range if bad.get("range") else (self.e0, self.e1)
+        x = self.x.numpy() if bad.get("numpy") else self.x
+        isa = bad.get("isa")
+        if entry in ("experts", "experts-grad"):
+            xg = x.clone().requires_grad_() if entry == "experts-grad" else x
+            out = mdist.mxfp4_experts(xg, self.packed, self.scales, self.sel, self.mix,
+                                      self.shared, expert_range=rng, isa=isa)
+            if entry == "experts-grad":
+                out.sum().backward()
+                return torch.cat((out.detach().flatten(), xg.grad.flatten()))
+            return out
+        if entry in ("slots", "slots-grad"):
+            xg = x.clone().requires_grad_() if entry == "slots-grad" else x
+            out = mdist.mxfp4_experts_slots(xg, self.packed, self.scales, self.sel,
+                                            expert_range=rng, isa=isa)
+            if entry == "slots-grad":
+                out.sum().backward()
+                return torch.cat((out.detach().flatten(), xg.grad.flatten()))
+            return out
+        if entry == "parallel":
+            fn = raiser(bad["products"]) if "products" in bad else self.local_fn
+            kw = {} if isa is None else {"isa": isa}
+            return mdist.expert_parallel(fn, x, self.sel, self.mix, expert_range=rng,
+                                         d_out=self.d, **kw)[0]
+        m = self.module(entry)
+        if entry in ("mxfp4experts", "gptoss"):
+            saved = m.expert_range
+            m.expert_range = inf_range if bad.get("range") else saved
+            try:
+                if entry == "gptoss":
+                    return m(x, self.sel, self.mix)
+                return m(x, self.sel, self.mix, self.shared)
+            finally:
+                m.expert_range = saved
+        if entry == "kimi":
+            saved = m.isa
+            m.isa = isa if isa is not None else saved  # as if set after construction
+            if "products" in bad:
+                m.mlp = raiser(bad["products"])
+            try:
+                return m(x, self.sel, self.mix)
+            finally:
+                m.isa = saved
+                m.__dict__.pop("mlp", None)
+        raise ValueError(f"unknown entry {entry!r}")
+
+
+def faulty(entries, case, rank):
+    """The bad rank's faults: arguments (``bad``), and functions of mxfp4x.distributed
+    patched to raise (restored by the caller)."""
+    bad, patches = {}, {}
+    if rank != case["bad_rank"]:
+        return bad, patches
+    fault = case["fault"]
+    exc = make_exception(case["exception"]) if "exception" in case else None
+    if fault == "check":  # before the agreement: every entry checks its thread count
+        patches["check_num_threads"] = raiser(exc)
+    elif fault == "products":  # between the all-to-alls
+        if case["entry"] in ("parallel", "kimi"):
+            bad["products"] = exc
+        else:
+            patches["_local_products"] = raiser(exc)
+    elif fault == "backward":  # the owners' gradient products
+        patches["mxfp4_experts_grad_latents_op"] = raiser(exc)
+        patches["mxfp4_experts_grad_latents_list_op"] = raiser(exc)
+    else:  # a bad argument: range, numpy, isa
+        bad[fault] = "bogus" if fault == "isa" else True
+    return bad, patches
+
+
+def run_case(entries, case, rank):
+    entry = case["entry"]
+    if entry not in entries.want:  # the first clean call of an entry: the reference bits
+        entries.want[entry] = bits(entries.call(entry, {})).clone()
+    bad, patches = faulty(entries, case, rank)
+    saved = {name: getattr(mdist, name) for name in patches}
+    raised, message = None, ""
+    t0 = time.perf_counter()
+    try:
+        for name, fn in patches.items():
+            setattr(mdist, name, fn)
+        entries.call(entry, bad)
+    except BaseException as exc:  # noqa: BLE001 - reported, whatever it is
+        raised = type(exc).__name__
+        try:
+            message = str(exc)[:400]
+        except Exception:  # noqa: BLE001 - Unprintable
+            message = "<unprintable>"
+    finally:
+        for name, fn in saved.items():
+            setattr(mdist, name, fn)
+    seconds = time.perf_counter() - t0
+    again = bits(entries.call(entry, {}))
+    return {"rank": rank, "raised": raised, "message": message, "seconds": seconds,
+            "clean": bool(torch.equal(again, entries.want[entry]))}
+
+
+def run_special(entries, name, rank, world):
+    """Cases that are not a fault on one rank of one entry."""
+    if name == "numpy-latents":
+        # expert_parallel and KimiK3Experts take numpy latents as the single-process ops do
+        return {"equal": all(bool(torch.equal(bits(entries.call(e, {"numpy": True})),
+                                              bits(entries.call(e, {}))))
+                             for e in ("parallel", "kimi"))}
+    layer = random_layer(np.random.default_rng(9), 3 * world, 2, 4, 32, 1)
+    mine = slice(3 * rank, 3 * rank + 3)
+    local = {k: v[mine] for k, v in layer.items() if k not in ("packed_weights", "scale_bytes")}
+    if name == "lists-on-an-empty-rank":
+        # rank 0 holds every expert; the others hold none and pass their shared output as
+        # nested lists
+        e0, e1 = (0, 4) if rank == 0 else (4, 4)
+        packed = layer["packed_weights"] if rank == 0 else []
+        scales = layer["scale_bytes"] if rank == 0 else []
+        shared = local["shared_output"] if rank == 0 else local["shared_output"].tolist()
+        got = mdist.mxfp4_experts(local["latent_tokens"], packed, scales,
+                                  local["selected_experts"], local["mixture_weights"], shared,
+                                  expert_range=(e0, e1))
+        want = mxfp4x.mxfp4_experts(**layer)[mine]
+        return {"equal": bool(torch.equal(bits(got), bits(want)))}
+    cuts = split(4, world, False)
+    e0, e1 = int(cuts[rank]), int(cuts[rank + 1])
+    packed, scales = layer["packed_weights"][e0:e1], layer["scale_bytes"][e0:e1]
+    if name == "routing-bad-id":
+        sel = local["selected_experts"].clone()
+        if rank == world - 1:
+            sel[0, 0] = -1
+        plan = mdist._Plan(tuple((int(cuts[r]), int(cuts[r + 1])) for r in range(world)),
+                           rank, world)
+
+        def call():
+            return mdist.ExpertRouting(plan, sel, False, None)
+    else:
+        x = local["latent_tokens"]
+        if name == "dtype-disagreement" and rank == world - 1:
+            x = x.double()
+
+        def experts():
+            return mdist.mxfp4_experts(x, packed, scales, local["selected_experts"],
+                                       local["mixture_weights"], local["shared_output"],
+                                       expert_range=(e0, e1))
+
+        def parallel():
+            return mdist.expert_parallel(
+                lambda rows, ids: mxfp4x.mxfp4_experts_slots(rows, packed, scales,
+                                                             ids.view(-1, 1))[:, 0],
+                x, local["selected_experts"], local["mixture_weights"],
+                expert_range=(e0, e1), d_out=32)
+        # op-disagreement: the last rank calls expert_parallel, the others mxfp4_experts
+        call = parallel if name == "op-disagreement" and rank == world - 1 else experts
+    t0 = time.perf_counter()
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - reported
+        return {"raised": type(exc).__name__, "message": str(exc)[:400],
+                "seconds": time.perf_counter() - t0}
+    return {"raised": None, "seconds": time.perf_counter() - t0}
+
+
+def serve():
+    """Answer cases from stdin until {"quit": true} or end of input."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    entries = Entries(rank, world)
+    print(json.dumps({"ready": rank}), flush=True)
+    for line in sys.stdin:
+        case = json.loads(line)
+        if case.get("quit"):
+            break
+        try:
+            out = run_special(entries, case["special"], rank, world) if "special" in case \
+                else run_case(entries, case, rank)
+        except BaseException:  # noqa: BLE001 - the test reports it; the world may be lost
+            out = {"rank": rank, "error": traceback.format_exc()[-3000:]}
+        print(json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main():
+    if sys.argv[1:2] == ["--serve"]:
+        return serve()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}

@@ -112,7 +112,7 @@ class GptOssExperts(torch.nn.Module):
         acc = accumulation_dtype(hidden_states.dtype)
         slots, combined = mxfp4_experts_slots, mxfp4_experts
         if self.group is not None:
-            from . import distributed
+            from .. import distributed
             slots = functools.partial(distributed.mxfp4_experts_slots,
                                       expert_range=self.expert_range, group=self.group)
             combined = functools.partial(distributed.mxfp4_experts,

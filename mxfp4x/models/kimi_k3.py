@@ -351,7 +351,7 @@ class KimiK3Experts(torch.nn.Module):
                 routing_weights: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
             # checked inside the ranks' agreement: an error on one rank reaches every rank
-            from .distributed import expert_parallel
+            from ..distributed import expert_parallel
             out, self.last_routing = expert_parallel(
                 self.mlp, h, selected_experts, routing_weights,
                 expert_range=self.expert_range,
