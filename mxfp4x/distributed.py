@@ -39,7 +39,13 @@ import torch.distributed as dist
 from . import _cpu
 from ._dispatch import _check_backend
 from ._ops import mxfp4_experts_grad_latents_list_op, mxfp4_experts_grad_latents_op, slots_op
-from ._validation import check_inputs, check_num_threads, expert_id_error, is_expert_list
+from ._validation import (
+    check_inputs,
+    check_isa,
+    check_num_threads,
+    expert_id_error,
+    is_expert_list,
+)
 
 __all__ = ["mxfp4_experts", "mxfp4_experts_slots", "ExpertRouting", "expert_parallel"]
 
@@ -387,19 +393,23 @@ def mxfp4_experts_slots(latent_tokens, packed_local, scales_local, selected_expe
 def expert_parallel(local_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                     latents: torch.Tensor, selected_experts: torch.Tensor,
                     mixture_weights: torch.Tensor, *, expert_range: Tuple[int, int],
-                    d_out: int, group=None, num_threads: Optional[int] = None):
+                    d_out: int, group=None, num_threads: Optional[int] = None,
+                    isa: Optional[str] = None):
     """A whole expert computation made expert-parallel in one round trip (inference):
     each pair's latent row goes to the owner of its expert, which runs
     ``local_fn(rows (P, I), local expert ids (P,)) -> (P, d_out)`` in the compute dtype
     (e.g. a gated MLP: gate/up, activation, down), the results come back and are combined
     ``sum_k p W x`` in the CPU driver's order, from zeros.  Returns ``(out (T, d_out) in
-    the latents' dtype, the routing)`` (its ``bytes_sent`` and ``comm_seconds``)."""
+    the latents' dtype, the routing)`` (its ``bytes_sent`` and ``comm_seconds``).
+    ``isa``: the CPU instruction set ``local_fn`` runs (None: the default), checked with
+    the other inputs before any data moves, so a bad name is an error on every rank."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("mxfp4x.distributed: torch.distributed is not initialised")
     error: Optional[BaseException] = None
     x, sel, mix = latents, selected_experts, mixture_weights
     try:
         e0, e1 = (int(v) for v in expert_range)
+        check_isa(isa)
         if x.dim() != 2 or sel.dim() != 2 or sel.shape[0] != x.shape[0] or \
                 tuple(mix.shape) != tuple(sel.shape) or x.dtype not in _DTYPE_CODE:
             raise ValueError(f"latents (T, I) float, selected_experts and mixture_weights "
