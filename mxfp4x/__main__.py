@@ -31,11 +31,11 @@ import time
 import torch
 
 import mxfp4x
-from mxfp4x import _bench
+from mxfp4x import _bench, _threads
 from mxfp4x._format import GROUP, GROUP_BYTES
 from mxfp4x._io import atomic_write, check_writable
 from mxfp4x._testing import assert_matches_reference
-from mxfp4x._validation import MAX_THREADS
+from mxfp4x._threads import MAX_THREADS
 
 
 def _cmd_info(args):
@@ -51,7 +51,7 @@ def _cmd_info(args):
 def _cmd_bench(args):
     n_experts, top_k, d_out, d_in = _bench.SHAPES[args.shape]
     dtype = getattr(torch, args.dtype)
-    threads = args.threads or [max(1, torch.get_num_threads())]
+    threads = args.threads or [_threads.resolve(None)]
     tty = sys.stderr.isatty()
     from mxfp4x import _roofline
     isa = mxfp4x.backend_info()["isa"]
@@ -137,7 +137,7 @@ def _cmd_check(args):
     failures = 0
     rng = np.random.default_rng(args.seed)
     print(f"mxfp4x {mxfp4x.__version__} self-test (seed {args.seed}); "
-          f"isas {_cpu.runnable_isas()}, openmp {_cpu.have_openmp()}")
+          f"isas {_cpu.runnable_isas()}, openmp {_threads.have_openmp()}")
     for isa in _cpu.runnable_isas():
         for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             for backend in ("cpu", "torch"):
@@ -301,7 +301,7 @@ def _cmd_layer(args):
                                  ).to(torch.bfloat16)
             sel, w = block.router(x)
             n_bytes = len(torch.unique(sel)) * per_expert
-            for th in args.threads or [max(1, torch.get_num_threads())]:
+            for th in args.threads or [_threads.resolve(None)]:
                 old = torch.get_num_threads()
                 torch.set_num_threads(th)
                 block.experts.num_threads = th
@@ -361,7 +361,7 @@ def _cmd_ep_bench(args):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                 world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    threads = args.threads or max(1, torch.get_num_threads())
+    threads = args.threads or _threads.resolve(None)
     torch.set_num_threads(threads)
     sizes = args.sizes  # the checkpoint's (--checkpoint) or the model's
     n_exp = args.n_experts  # --experts, else the checkpoint's or the model's count
@@ -472,7 +472,7 @@ def _layer_gpt_oss(args):
             x = torch.from_numpy(rng.standard_normal((n_tokens, cfg["hidden_size"]))).float()
             idx, w = _gpt_oss.route(x, rw, rb, cfg["experts_per_token"])
             n_bytes = len(torch.unique(idx)) * per_expert
-            for th in args.threads or [max(1, torch.get_num_threads())]:
+            for th in args.threads or [_threads.resolve(None)]:
                 old = torch.get_num_threads()
                 torch.set_num_threads(th)
                 block.num_threads = th

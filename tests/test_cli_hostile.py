@@ -15,7 +15,7 @@ import mxfp4x
 from mxfp4x import __main__ as cli
 from mxfp4x._kimi_k3 import k3_config, write_k3_checkpoint
 from mxfp4x._safetensors import SafeTensorsCheckpoint, SafeTensorsFile, save_file
-from mxfp4x._validation import MAX_THREADS
+from mxfp4x._threads import MAX_THREADS
 
 COMMANDS = ["bench", "info", "check", "quantize", "roofline", "verify", "layer", "ep-bench"]
 # config.json says 3 layers, the files hold layers 1 and 5: the loader reads both

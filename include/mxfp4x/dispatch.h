@@ -1,6 +1,7 @@
-/* mxfp4x/dispatch.h -- the kernel table, in order of preference.  Included by
- * exactly one translation unit (mxfp4x/_cpu.pyx).  The driver picks one entry
- * per call, outside its parallel region, and calls through its pointers. */
+/* mxfp4x/dispatch.h -- the kernel table, in order of preference.  The driver
+ * (mxfp4x/_cpu.pyx) owns the table: it picks one entry per call, outside its parallel
+ * region, and calls through its pointers; the probes (mxfp4x/_probes.pyx) reach entries
+ * only through the driver, so a kernel has one address in the process. */
 #ifndef MXFP4X_DISPATCH_H
 #define MXFP4X_DISPATCH_H
 
@@ -86,14 +87,6 @@ static int mxfp4x_kernel_runnable(int i) {
     return k != NULL && ((mxfp4x_cpu_isas() >> k->isa) & 1);
 }
 
-#ifdef _OPENMP
-#include <omp.h>
-#define MXFP4X_OPENMP 1
-#else
-#define MXFP4X_OPENMP 0
-#endif
-#include "threads.h" /* the worker threads of builds without OpenMP */
-
-static int mxfp4x_have_openmp(void) { return MXFP4X_OPENMP; }
+#include "threads.h" /* how the driver's tasks run: OpenMP, a pthreads pool, or serial */
 
 #endif /* MXFP4X_DISPATCH_H */
