@@ -64,8 +64,8 @@ cdef enum:
 cdef enum:
     ROW_TASK_ELEMS = 1 << 16
 
-# The bound of n_threads at this boundary (threads.h's pool size); the policy, and the
-# cap of user requests, is mxfp4x._threads', which reads it from here.
+# The most threads this boundary takes (threads.h's pool size).  mxfp4x._threads reads it
+# from here and owns the policy: how a request becomes a count in [1, MAX_THREADS].
 MAX_THREADS = c.MXFP4X_MAX_THREADS
 
 # names <-> C enums: the modes of a call are named, never inferred

@@ -1,7 +1,7 @@
 /* mxfp4x/dispatch.h -- the kernel table, in order of preference.  The driver
  * (mxfp4x/_cpu.pyx) owns the table: it picks one entry per call, outside its parallel
- * region, and calls through its pointers; the probes (mxfp4x/_probes.pyx) reach entries
- * only through the driver, so a kernel has one address in the process. */
+ * region, and calls through its pointers; the probes (mxfp4x/_probes.pyx) take their
+ * entries from the driver (kernels_of in _cpu.pxd), so they run the driver's own kernels. */
 #ifndef MXFP4X_DISPATCH_H
 #define MXFP4X_DISPATCH_H
 
