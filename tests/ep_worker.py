@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+from mxfp4x._testing import random_layer
 
 import mxfp4x
 import mxfp4x.distributed as mdist
-from mxfp4x._testing import random_layer
 
 
 def split(n, world, uneven):
@@ -120,8 +120,9 @@ def kimi(name, rank, world):
 
 def modules(name, rank, world):
     """MXFP4Experts and GptOssExperts, expert-parallel, against one process (bitwise)."""
-    from mxfp4x import nn
     from mxfp4x._safetensors import save_file
+
+    from mxfp4x import nn
     rng = np.random.default_rng(31)
     n_exp, hid, ff = 6, 64, 64
     pre = "model.layers.0.mlp.experts."

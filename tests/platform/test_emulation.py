@@ -178,12 +178,12 @@ import numpy as np
 pkg = types.ModuleType("mxfp4x")
 pkg.__path__ = [sys.argv[1]]
 sys.modules["mxfp4x"] = pkg  # the package's modules, without its torch-importing __init__
-from mxfp4x import _cpu, _reference
+from mxfp4x import _cpu, _probes, _reference
 
 res = {"isas": _cpu.runnable_isas(), "emulated": _cpu.build_info()["emulated"]}
 packed = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (256, 1, 1))
 scales = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, 16))
-got = _cpu.decode_rows(packed, scales, isa="avx512")
+got = _probes.decode_rows(packed, scales, isa="avx512")
 with np.errstate(over="ignore"):
     ref = _reference.decode_expert(packed, scales).astype(np.float32)
 nan = np.isnan(ref)

@@ -31,7 +31,7 @@ import numpy as np
 pkg = types.ModuleType("mxfp4x")
 pkg.__path__ = [sys.argv[1]]
 sys.modules["mxfp4x"] = pkg  # the package's modules, without its torch-importing __init__
-from mxfp4x import _cpu, _reference
+from mxfp4x import _cpu, _probes, _reference
 
 rng = np.random.default_rng(3)
 result = {"isa": _cpu.default_isa(), "isas": _cpu.runnable_isas()}
@@ -39,7 +39,7 @@ result = {"isa": _cpu.default_isa(), "isas": _cpu.runnable_isas()}
 # decode: all 256 bytes x all 256 scale bytes, bit for bit (natural order from the hook)
 packed = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (256, 1, 1))
 scales = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, 16))
-got = _cpu.decode_rows(packed, scales)
+got = _probes.decode_rows(packed, scales)
 with np.errstate(over="ignore"):
     ref = _reference.decode_expert(packed, scales).astype(np.float32)
 nan = np.isnan(ref)
