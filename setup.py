@@ -1,11 +1,14 @@
-"""Build of the mxfp4x CPU extension.
+"""Build of the mxfp4x CPU extensions.
 
-One extension, mxfp4x._cpu, built with OpenMP where the compiler has it (flags
-chosen by compiler type) and serially otherwise.  No -march / -m<isa> flags:
-the SIMD variants carry their own target attributes and are chosen at run time
-(include/mxfp4x/dispatch.h).  No fast-math style optimisation (FTZ/DAZ would
-flush the 2^-127 scale), and -ffp-contract=off so the compiler never fuses a mul
-and an add that the kernels keep separate: the order of operations defines the bits.
+Two extensions with the same flags: mxfp4x._cpu (the kernels and the parallel driver)
+and mxfp4x._probes (the roofline loops and test hooks, which run through the driver's
+own parallel mechanism), built with OpenMP where the compiler has it (flags chosen by
+compiler type), on a pool of POSIX threads or serially otherwise (_threads below).
+No -march / -m<isa> flags: the SIMD variants carry their own target attributes and are
+chosen at run time (include/mxfp4x/dispatch.h).  No fast-math style optimisation
+(FTZ/DAZ would flush the 2^-127 scale), and -ffp-contract=off so the compiler never
+fuses a mul and an add that the kernels keep separate: the order of operations defines
+the bits.
 """
 import os
 import platform
@@ -62,6 +65,9 @@ def _threads():
     clang libomp or MSVC's vcomp beside it would be a second OpenMP runtime in the
     process, a known source of crashes and oversubscription.  macOS runs the driver's
     tasks on POSIX threads of its own instead; Windows builds are serial.
+
+    This is the build-time half of the thread policy (what gets compiled, decided before
+    the package exists); at run time mxfp4x/_threads.py owns it, reading what was built.
     """
     if os.environ.get("MXFP4X_DISABLE_OPENMP", "") == "1":
         return "serial"
@@ -165,15 +171,13 @@ def _extensions():
     from Cython.Build import cythonize
 
     here = os.path.dirname(os.path.abspath(__file__))
-    ext = Extension(
-        "mxfp4x._cpu",
-        sources=["mxfp4x/_cpu.pyx"],
-        include_dirs=[os.path.join(here, "include")],
-        depends=[os.path.join("include", "mxfp4x", n) for n in
-                 ("mxfp4x.h", "config.h", "cpu.h", "scalar.h", "avx2.h", "avx512.h",
-                  "emulate_avx512.h", "neon.h", "threads.h", "dispatch.h")],
-    )
-    return cythonize([ext], compiler_directives={"language_level": "3"},
+    headers = [os.path.join("include", "mxfp4x", n) for n in
+               ("mxfp4x.h", "config.h", "cpu.h", "scalar.h", "avx2.h", "avx512.h",
+                "emulate_avx512.h", "neon.h", "threads.h", "dispatch.h")]
+    exts = [Extension(f"mxfp4x.{name}", sources=[f"mxfp4x/{name}.pyx"],
+                      include_dirs=[os.path.join(here, "include")], depends=headers)
+            for name in ("_cpu", "_probes")]
+    return cythonize(exts, compiler_directives={"language_level": "3"},
                      include_path=[here])
 
 

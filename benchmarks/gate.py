@@ -22,9 +22,8 @@ import os
 import sys
 import time
 
-import torch
-
 import mxfp4x
+from mxfp4x import _threads
 from mxfp4x._io import atomic_write
 from mxfp4x.testing import bench as _bench
 
@@ -73,7 +72,7 @@ def main(argv=None):
     ap.add_argument("--against", metavar="ISA",
                     help="compare with this ISA's baseline (default: the ISA that runs)")
     args = ap.parse_args(argv)
-    threads = max(1, min(2, torch.get_num_threads()))
+    threads = min(2, _threads.resolve(None))
     n_experts, _, d_out, d_in = _bench.SHAPES[SHAPE]
     packed, scales = _bench.make_experts(n_experts, d_out, d_in)
     isa = mxfp4x.backend_info()["isa"]

@@ -4,7 +4,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import _cpu
+from . import _cpu, _threads
 from ._ops import experts_op, slots_op
 from ._torch_impl import mxfp4_experts_torch, slots_torch
 from ._validation import check_inputs, check_isa, check_num_threads
@@ -95,9 +95,9 @@ def backend_info() -> Dict[str, Any]:
         "isas": _cpu.runnable_isas(),
         "compiled_isas": _cpu.compiled_isas(),
         "cpu_features": _cpu.cpu_features(),
-        "openmp": _cpu.have_openmp(),
-        "threads": _cpu.threads_backend(),
-        "num_threads": max(1, torch.get_num_threads()),
+        "openmp": _threads.have_openmp(),
+        "threads": _threads.backend(),
+        "num_threads": _threads.resolve(None),
         "version": __version__,
         "torch": torch.__version__,
         "cuda": torch.cuda.is_available(),

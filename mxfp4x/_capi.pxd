@@ -12,6 +12,8 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int MXFP4X_ISA_AVX2
     int MXFP4X_ISA_AVX512
     int MXFP4X_ISA_NEON
+    int MXFP4X_ISA_COUNT
+    const char *mxfp4x_isa_name(int isa)
     int MXFP4X_LAYOUT_16
     int MXFP4X_DTYPE_F32
     int MXFP4X_DTYPE_F64
@@ -115,12 +117,11 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int mxfp4x_n_kernels()
     const mxfp4x_kernels *mxfp4x_kernel_at(int i)
     int mxfp4x_kernel_runnable(int i)
-    int mxfp4x_have_openmp()
     int MXFP4X_SCALAR_TILE_ROWS
     int64_t MXFP4X_SCALAR_PANEL_BYTES
-    int MXFP4X_OPENMP
 
     # ---- threads.h
+    int MXFP4X_OPENMP
     int MXFP4X_MAX_THREADS
     ctypedef void (*mxfp4x_task_fn)(void *ctx, int64_t task, int tid) noexcept nogil
     int mxfp4x_run_tasks(int n_threads, int64_t n_tasks, mxfp4x_task_fn fn, void *ctx)

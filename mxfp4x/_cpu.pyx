@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 # cython: initializedcheck=False, nonecheck=False
-"""The CPU backend's boundary and its parallel driver.
+"""The CPU backend's boundary, its parallel driver, and the driver's one parallel
+mechanism (``parallel_tasks``, shared with mxfp4x/_probes.pyx through _cpu.pxd).
 
 The boundary: a call is described by one C struct (``mxfp4x_call`` in
 include/mxfp4x/mxfp4x.h, mirrored in _capi.pxd) held by a :class:`Call`.  Python
@@ -12,10 +13,15 @@ The driver (``Call.run``): one skeleton for both products.  Route the token-expe
 pairs by expert (a stable counting sort, which also checks every expert id), then
 split the work into tasks that each own disjoint output elements: row tiles of the
 output for the forward product, column tiles of the latents for the transposed
-one.  ``prange`` hands whole tasks to threads; each output element is accumulated
-by one thread in a fixed order (ascending expert id, then the pair order), so
-results are bit-identical for any thread count and for any batch a token sits in.
-No locks, no atomics.
+one.  ``parallel_tasks`` hands whole tasks to threads; each output element is
+accumulated by one thread in a fixed order (ascending expert id, then the pair order),
+so results are bit-identical for any thread count and for any batch a token sits in.
+No locks, no atomics.  The steps around it (the latents into the kernel layout, the
+transposed result out of it, :func:`combine`) are tasks of whole rows through the same
+mechanism.
+
+How many threads a call gets is decided in mxfp4x/_threads.py; the roofline probes and
+the test hooks live in mxfp4x/_probes.pyx, outside this module.
 """
 import os
 
@@ -50,8 +56,16 @@ cdef enum:
 cdef enum:
     PAIR_BLOCK = 512
 
-# The most threads one call uses (threads.h's pool size; OpenMP keeps a team this large
-# alive after a call, so more would only leave idle OS threads behind)
+# The layout copies of a call and :func:`combine` run in tasks of whole rows of at least
+# ROW_TASK_ELEMS elements: a pthreads build starts its threads per parallel step, and
+# below about this much work per task (a few tens of microseconds) a started thread
+# costs more than it saves.  A row is converted or combined alone, so the split never
+# changes a bit.
+cdef enum:
+    ROW_TASK_ELEMS = 1 << 16
+
+# The most threads this boundary takes (threads.h's pool size).  mxfp4x._threads reads it
+# from here and owns the policy: how a request becomes a count in [1, MAX_THREADS].
 MAX_THREADS = c.MXFP4X_MAX_THREADS
 
 # names <-> C enums: the modes of a call are named, never inferred
@@ -76,25 +90,24 @@ def runnable_isas():
             if c.mxfp4x_kernel_runnable(i)]
 
 
-def have_openmp():
-    return bool(c.mxfp4x_have_openmp())
-
-
 def threads_backend():
-    """How the driver's tasks run in parallel: "openmp" (prange; Linux), "pthreads"
-    (threads started per call; macOS, where torch brings its own OpenMP runtime), or
-    "serial" (Windows; MXFP4X_THREADS=serial builds).  See include/mxfp4x/threads.h."""
+    """How the driver's tasks run in parallel, as built: "openmp", "pthreads" or "serial"
+    (include/mxfp4x/threads.h).  Asked through mxfp4x._threads."""
     return c.mxfp4x_threads_name().decode()
 
 
-cdef void _parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
-                          void *ctx) noexcept nogil:
+cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
+                         void *ctx) noexcept nogil:
     """fn(ctx, task, tid) once for every task in [0, n_tasks), handed out one at a time to
     up to n_threads threads of the build's kind: OpenMP's prange, or threads.h's pool
-    (builds without OpenMP); each thread with flush-to-zero off (config.h)."""
+    (builds without OpenMP); each thread with flush-to-zero off (config.h).  tid < the
+    threads used, for per-thread scratch.  Every parallel step of mxfp4x runs here."""
     cdef int64_t task
-    cdef int tid
-    cdef c.mxfp4x_fpenv fpenv
+    cdef int tid = 0
+    cdef c.mxfp4x_fpenv fpenv = 0  # (both set in each thread: zero for the compiler's sake)
+    if n_tasks <= 0:
+        return
+    n_threads = <int>max(1, min(<int64_t>n_threads, n_tasks))  # more would only idle
     if c.MXFP4X_OPENMP:
         with parallel(num_threads=n_threads):
             tid = threadid()
@@ -106,28 +119,10 @@ cdef void _parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
         c.mxfp4x_run_tasks(n_threads, n_tasks, fn, ctx)
 
 
-cdef void _probe_task(void *ctx, int64_t task, int tid) noexcept nogil:
-    cdef uint64_t *seen = <uint64_t *>ctx
-    cdef uint64_t spin = 0
-    cdef int64_t _i
-    seen[task] = c.mxfp4x_thread_token()
-    for _i in range(200000):  # about 0.1 ms: long enough for every thread to take some
-        spin = spin * 1103515245 + 12345
-    if spin == 0:
-        seen[task] = 0
-
-
-def _threads_used(int n_threads, int64_t n_tasks=1024):
-    """How many OS threads ran ``n_tasks`` small tasks given ``n_threads``, through the
-    driver's own mechanism (prange, or the pthreads pool): a test of the threading."""
-    cdef uint64_t *seen = <uint64_t *>_xmalloc(n_tasks * 8, True)
-    cdef int64_t t
-    try:
-        with nogil:
-            _parallel_tasks(max(1, n_threads), n_tasks, _probe_task, seen)
-        return len({seen[t] for t in range(n_tasks)})
-    finally:
-        free(seen)
+cdef inline void _log_thread(uint64_t *log, int tid) noexcept nogil:
+    """Test hook (see Call.run): the OS thread that ran a task of a step as thread tid."""
+    if log != NULL:
+        log[tid] = c.mxfp4x_thread_token()
 
 
 def cpu_features():
@@ -174,21 +169,9 @@ def default_isa():
     return c.mxfp4x_kernel_at(_default).name.decode()
 
 
-cdef const c.mxfp4x_kernels *_kernels(isa) except NULL:
+cdef const c.mxfp4x_kernels *kernels_of(isa) except NULL:
+    """The kernel table entry of a call (or probe) naming ``isa``, None for the default."""
     return c.mxfp4x_kernel_at(_default if isa is None else _resolve(isa, "isa"))
-
-
-def _isa_decision(*, bint osxsave, bint avx, bint fma, bint avx2, bint avx512f,
-                  unsigned long long xcr0, int darwin_avx512=-1):
-    """The ISAs cpu.h would allow for these CPUID / XCR0 / macOS sysctl facts."""
-    cdef c.mxfp4x_cpu_facts f
-    f.osxsave, f.avx, f.fma, f.avx2, f.avx512f = osxsave, avx, fma, avx2, avx512f
-    f.xcr0 = xcr0
-    f.darwin_avx512 = darwin_avx512
-    mask = c.mxfp4x_isa_decision(&f)
-    names = {c.MXFP4X_ISA_SCALAR: "scalar", c.MXFP4X_ISA_AVX2: "avx2",
-             c.MXFP4X_ISA_AVX512: "avx512"}
-    return sorted(names[b] for b in names if (mask >> b) & 1)
 
 
 def build_info():
@@ -213,6 +196,16 @@ cdef uintptr_t _address(arr, str name, tuple shape, int itemsize, str what) exce
                          f"items ({what}), got shape {arr.shape}, dtype {arr.dtype}, "
                          f"c_contiguous={arr.flags.c_contiguous}")
     return <uintptr_t>arr.ctypes.data
+
+
+cdef uint64_t *_thread_log(arr, tuple shape) except? NULL:
+    """The test hook's log (Call.run, combine): NULL for None, else a writable array."""
+    if arr is None:
+        return NULL
+    cdef uintptr_t p = _address(arr, "thread_log", shape, 8, "uint64 thread tokens")
+    if not arr.flags.writeable:
+        raise ValueError("thread_log: the array is read-only")
+    return <uint64_t *>p
 
 
 cdef class Experts:
@@ -279,13 +272,13 @@ cdef class Call:
                   int n_threads=1):
         self.experts = experts
         self._keep = (selected, mix, src, dst)
-        self.desc.kernels = _kernels(isa)
+        self.desc.kernels = kernels_of(isa)
         self.isa = self.desc.kernels.name.decode()
         self.desc.experts.n_experts = experts.n_experts
         self.desc.experts.d_out = experts.d_out
         self.desc.experts.n_groups = experts.n_groups
         self.desc.experts.rows = experts.rows
-        self.desc.n_threads = max(1, min(n_threads, c.MXFP4X_MAX_THREADS))
+        self.desc.n_threads = checked_threads(n_threads)
         self.desc.product = _named(_PRODUCTS, product, "product")
         self.desc.compute = _named(_DTYPES, compute, "compute")
         self.desc.src_dtype = _named(_DTYPES, src_dtype, "src_dtype")
@@ -334,20 +327,35 @@ cdef class Call:
     def n_threads(self):
         return self.desc.n_threads
 
-    def run(self):
-        """Run the call (GIL released); ``dst`` receives the result."""
+    def run(self, thread_log=None):
+        """Run the call (GIL released); ``dst`` receives the result.
+
+        ``thread_log`` (a test hook; mxfp4x._probes.step_threads reads it): None, or a
+        zeroed (3, MAX_THREADS) uint64 array in which each step of the call (0: the
+        latents into the kernel layout, 1: the product's tasks, 2: the result out of it)
+        records, at [step, tid], the OS thread that ran one of its tasks as thread tid."""
         cdef double d0 = 0
         cdef float f0 = 0
+        cdef uint64_t *log = _thread_log(thread_log, (N_STEPS, c.MXFP4X_MAX_THREADS))
         if self.desc.compute == c.MXFP4X_DTYPE_F64:
-            _drive(d0, &self.desc)
+            _drive(d0, &self.desc, log)
         else:
-            _drive(f0, &self.desc)
+            _drive(f0, &self.desc, log)
 
 
 cdef int _named(dict names, str value, str arg) except -1:
     if value not in names:
         raise ValueError(f"{arg}: expected one of {tuple(names)}, got {value!r}")
     return names[value]
+
+
+cdef int checked_threads(int n_threads) except -1:
+    """n_threads itself, if mxfp4x._threads.resolve could have returned it (the policy is
+    decided there; this boundary only refuses what the pool could not hold)."""
+    if n_threads < 1 or n_threads > c.MXFP4X_MAX_THREADS:
+        raise ValueError(f"n_threads: expected 1 to {c.MXFP4X_MAX_THREADS} (resolve a "
+                         f"request with mxfp4x._threads.resolve), got {n_threads}")
+    return n_threads
 
 
 # ---- the driver ---------------------------------------------------------------------------
@@ -375,9 +383,21 @@ cdef struct Work:
     int64_t lanes_len             # floats of panel_dot scratch per thread
     int64_t per_thread            # bytes per thread, whole cache lines
     char *scratch
+    uint64_t *log                 # NULL, or the test hook's row of this step
 
 
-cdef void *_xmalloc(int64_t n_bytes, bint zero=False) except NULL:
+# A step of whole rows: the latents into the kernel layout (prepare), dx out of it
+# (finish); each task owns rows [task * rows_per_task, ...) of dst.
+cdef struct RowJob:
+    const c.mxfp4x_call *call
+    const char *src
+    char *dst
+    int64_t n_rows, rows_per_task
+    int half
+    uint64_t *log
+
+
+cdef void *xmalloc(int64_t n_bytes, bint zero=False) except NULL:
     cdef void *p = calloc(<size_t>max(n_bytes, 64), 1) if zero else \
         malloc(<size_t>max(n_bytes, 64))
     if p == NULL:
@@ -481,24 +501,43 @@ cdef void _combine(real *out, int64_t d_out, int64_t col, const int64_t *rows,
             _accumulate(y, ws[i], d, width)
 
 
-cdef void _combine_tokens(real dummy, real *out, const real *dots, const real *mix,
-                          const int64_t *order, int64_t n_tokens, int64_t top_k,
-                          int64_t d_out, int n_threads) noexcept nogil:
-    cdef int64_t t, j, p
-    for t in prange(n_tokens, num_threads=n_threads, schedule='static'):
-        for j in range(top_k):
-            p = t * top_k + order[t * top_k + j]
-            _accumulate(out + t * d_out, mix[p], dots + p * d_out, d_out)
+# combine(): each task owns the out rows of tokens [task * tokens_per_task, ...)
+cdef struct CombineJob:
+    char *out
+    const char *dots
+    const char *mix
+    const int64_t *order
+    int64_t n_tokens, top_k, d_out, tokens_per_task
+    bint f64
+    uint64_t *log
 
 
-def combine(out, dots, selected, mix, *, int n_threads=1):
+cdef void _combine_task(void *ctx, int64_t task, int tid) noexcept nogil:
+    """Each token of the task: its slots in the driver's order, with its arithmetic."""
+    cdef const CombineJob *j = <const CombineJob *>ctx
+    cdef int64_t t, k, p
+    cdef int64_t t0 = task * j.tokens_per_task
+    cdef int64_t t1 = min(j.n_tokens, t0 + j.tokens_per_task)
+    _log_thread(j.log, tid)
+    for t in range(t0, t1):
+        for k in range(j.top_k):
+            p = t * j.top_k + j.order[t * j.top_k + k]
+            if j.f64:
+                _accumulate((<double *>j.out) + t * j.d_out, (<const double *>j.mix)[p],
+                            (<const double *>j.dots) + p * j.d_out, j.d_out)
+            else:
+                _accumulate((<float *>j.out) + t * j.d_out, (<const float *>j.mix)[p],
+                            (<const float *>j.dots) + p * j.d_out, j.d_out)
+
+
+def combine(out, dots, selected, mix, *, int n_threads=1, thread_log=None):
     """out[t] += sum_k mix[t, k] * dots[t * K + k], the slots of each token taken in the
     CPU driver's order (ascending expert id, then slot) with its arithmetic: given the
     same products (W x per slot, e.g. computed on other processes), the result has the
     bits of the driver's own combine.  out (T, O), dots (T*K, O) and mix (T, K): float32
-    or float64 numpy arrays of one dtype; selected (T, K) int64; all C-contiguous."""
-    cdef double d0 = 0
-    cdef float f0 = 0
+    or float64 numpy arrays of one dtype; selected (T, K) int64; all C-contiguous.
+    ``thread_log``: a test hook, as a row of Call.run's (MAX_THREADS,) uint64."""
+    cdef CombineJob job
     cdef int64_t n_tokens, top_k, d_out
     if not isinstance(selected, np.ndarray) or selected.ndim != 2:
         raise ValueError("selected: expected a 2-D int64 numpy array (n_tokens, top_k)")
@@ -515,14 +554,15 @@ def combine(out, dots, selected, mix, *, int n_threads=1):
     cdef uintptr_t r = _address(order, "order", (n_tokens, top_k), 8, "int64")
     if not out.flags.writeable or out.dtype != dots.dtype or out.dtype != mix.dtype:
         raise ValueError("out, dots, mix: expected one float dtype and a writable out")
-    cdef int nt = max(1, min(n_threads, c.MXFP4X_MAX_THREADS))
+    cdef int nt = checked_threads(n_threads)
+    job.log = _thread_log(thread_log, (c.MXFP4X_MAX_THREADS,))
+    job.out, job.dots, job.mix = <char *>o, <const char *>d, <const char *>m
+    job.order = <const int64_t *>r
+    job.n_tokens, job.top_k, job.d_out, job.f64 = n_tokens, top_k, d_out, itemsize == 8
+    job.tokens_per_task = max(1, <int64_t>ROW_TASK_ELEMS // max(1, top_k * d_out))
     with nogil:
-        if itemsize == 8:
-            _combine_tokens(d0, <double *>o, <const double *>d, <const double *>m,
-                            <const int64_t *>r, n_tokens, top_k, d_out, nt)
-        else:
-            _combine_tokens(f0, <float *>o, <const float *>d, <const float *>m,
-                            <const int64_t *>r, n_tokens, top_k, d_out, nt)
+        parallel_tasks(nt, (n_tokens + job.tokens_per_task - 1) // job.tokens_per_task,
+                       _combine_task, &job)
 
 
 cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noexcept nogil:
@@ -624,6 +664,7 @@ cdef void _transposed_task(real dummy, const Work *w, int64_t task,
 
 
 cdef inline void _run_task(real dummy, const Work *w, int64_t task, int tid) noexcept nogil:
+    _log_thread(w.log, tid)
     if w.call.product == c.MXFP4X_FORWARD:
         _forward_task(dummy, w, task, w.scratch + tid * w.per_thread)
     else:
@@ -631,7 +672,7 @@ cdef inline void _run_task(real dummy, const Work *w, int64_t task, int tid) noe
 
 
 cdef void _task_f32(void *ctx, int64_t task, int tid) noexcept nogil:
-    """One task of a float32 call (_parallel_tasks hands tasks out through it)."""
+    """One task of a float32 call (parallel_tasks hands tasks out through it)."""
     cdef float f0 = 0
     _run_task(f0, <const Work *>ctx, task, tid)
 
@@ -641,41 +682,55 @@ cdef void _task_f64(void *ctx, int64_t task, int tid) noexcept nogil:
     _run_task(d0, <const Work *>ctx, task, tid)
 
 
-cdef void _prepare(real dummy, const c.mxfp4x_call *call, real *dst, int half,
-                   int n_threads) noexcept nogil:
-    """Forward latents: each row converted to the compute dtype, in the kernel layout."""
-    cdef int64_t t, n_groups = call.experts.n_groups
+cdef void _prepare_task(void *ctx, int64_t task, int tid) noexcept nogil:
+    """Forward latents: the task's rows converted to the compute dtype, in the kernel
+    layout."""
+    cdef const RowJob *j = <const RowJob *>ctx
+    cdef const c.mxfp4x_call *call = j.call
+    cdef int64_t r, n_groups = call.experts.n_groups
     cdef int64_t d_in = n_groups * c.MXFP4X_GROUP
-    cdef int64_t n_rows = call.n_tokens * (call.top_k if call.src_rows == c.MXFP4X_ROWS_PER_SLOT
-                                           else 1)
     cdef int64_t elem = 8 if call.src_dtype == c.MXFP4X_DTYPE_F64 else (
         4 if call.src_dtype == c.MXFP4X_DTYPE_F32 else 2)
-    cdef const char *src = <const char *>call.src
-    for t in prange(n_rows, num_threads=n_threads, schedule='static'):
-        if real is float:
-            c.mxfp4x_prepare_x_f32(src + t * d_in * elem, call.src_dtype, n_groups, half,
-                                   dst + t * d_in)
+    cdef int64_t r0 = task * j.rows_per_task, r1 = min(j.n_rows, r0 + j.rows_per_task)
+    _log_thread(j.log, tid)
+    for r in range(r0, r1):
+        if call.compute == c.MXFP4X_DTYPE_F64:
+            c.mxfp4x_prepare_x_f64(<const double *>(j.src + r * d_in * elem), n_groups,
+                                   (<double *>j.dst) + r * d_in)
         else:
-            c.mxfp4x_prepare_x_f64(<const double *>(src + t * d_in * elem), n_groups,
-                                   dst + t * d_in)
+            c.mxfp4x_prepare_x_f32(j.src + r * d_in * elem, call.src_dtype, n_groups, j.half,
+                                   (<float *>j.dst) + r * d_in)
 
 
-cdef void _finish(real dummy, const c.mxfp4x_call *call, const real *dx, int half,
-                  int n_threads) noexcept nogil:
-    """Transposed result: rows of dx from the kernel layout to natural order in dst."""
-    cdef int64_t t, n_groups = call.experts.n_groups
+cdef void _finish_task(void *ctx, int64_t task, int tid) noexcept nogil:
+    """Transposed result: the task's rows of dx from the kernel layout to natural order."""
+    cdef const RowJob *j = <const RowJob *>ctx
+    cdef int64_t r, n_groups = j.call.experts.n_groups
     cdef int64_t d_in = n_groups * c.MXFP4X_GROUP
-    cdef int64_t n_rows = call.n_tokens * (call.top_k if call.dst_rows == c.MXFP4X_ROWS_PER_SLOT
-                                           else 1)
-    cdef real *dst = <real *>call.dst
-    for t in prange(n_rows, num_threads=n_threads, schedule='static'):
-        if real is float:
-            c.mxfp4x_natural_f32(dx + t * d_in, n_groups, half, dst + t * d_in)
+    cdef int64_t r0 = task * j.rows_per_task, r1 = min(j.n_rows, r0 + j.rows_per_task)
+    _log_thread(j.log, tid)
+    for r in range(r0, r1):
+        if j.call.compute == c.MXFP4X_DTYPE_F64:
+            c.mxfp4x_natural_f64((<const double *>j.src) + r * d_in, n_groups, j.half,
+                                 (<double *>j.dst) + r * d_in)
         else:
-            c.mxfp4x_natural_f64(dx + t * d_in, n_groups, half, dst + t * d_in)
+            c.mxfp4x_natural_f32((<const float *>j.src) + r * d_in, n_groups, j.half,
+                                 (<float *>j.dst) + r * d_in)
 
 
-cdef _drive(real dummy, const c.mxfp4x_call *call):
+cdef void _row_step(const c.mxfp4x_call *call, const void *src, void *dst, int64_t n_rows,
+                    int half, int n_threads, c.mxfp4x_task_fn fn,
+                    uint64_t *log) noexcept nogil:
+    """One step of whole rows of d_in elements (prepare or finish) through parallel_tasks."""
+    cdef RowJob j
+    j.call, j.src, j.dst, j.n_rows, j.half, j.log = call, <const char *>src, <char *>dst, \
+        n_rows, half, log
+    j.rows_per_task = max(1, <int64_t>ROW_TASK_ELEMS //
+                          max(1, call.experts.n_groups * c.MXFP4X_GROUP))
+    parallel_tasks(n_threads, (n_rows + j.rows_per_task - 1) // j.rows_per_task, fn, &j)
+
+
+cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
     """The one driver skeleton: route, plan, prepare, run the tasks in parallel, finish."""
     cdef Work w
     cdef int64_t n_groups = call.experts.n_groups
@@ -691,13 +746,14 @@ cdef _drive(real dummy, const c.mxfp4x_call *call):
     w.r.offsets = w.r.active = w.r.pair_src = w.r.pair_dst = NULL
     w.r.pair_w = NULL
     w.scratch = NULL
+    w.log = NULL if log == NULL else log + STEP_TASKS * c.MXFP4X_MAX_THREADS
     try:
-        w.r.offsets = <int64_t *>_xmalloc((call.experts.n_experts + 1) * 8)
-        w.r.active = <int64_t *>_xmalloc((call.experts.n_experts + 1) * 8)
-        fill = <int64_t *>_xmalloc((call.experts.n_experts + 1) * 8)
-        w.r.pair_src = <int64_t *>_xmalloc(n_pairs * 8)
-        w.r.pair_dst = <int64_t *>_xmalloc(n_pairs * 8)
-        w.r.pair_w = _xmalloc(n_pairs * <int64_t>sizeof(real))
+        w.r.offsets = <int64_t *>xmalloc((call.experts.n_experts + 1) * 8)
+        w.r.active = <int64_t *>xmalloc((call.experts.n_experts + 1) * 8)
+        fill = <int64_t *>xmalloc((call.experts.n_experts + 1) * 8)
+        w.r.pair_src = <int64_t *>xmalloc(n_pairs * 8)
+        w.r.pair_dst = <int64_t *>xmalloc(n_pairs * 8)
+        w.r.pair_w = xmalloc(n_pairs * <int64_t>sizeof(real))
         with nogil:
             bad = _route(dummy, call, &w.r, fill)
         if bad >= 0:
@@ -712,9 +768,9 @@ cdef _drive(real dummy, const c.mxfp4x_call *call):
             return
         _plan(dummy, &w)
         n_threads = <int>max(1, min(<int64_t>call.n_threads, w.n_tasks))  # more would idle
-        w.scratch = <char *>_xmalloc(n_threads * w.per_thread)
+        w.scratch = <char *>xmalloc(n_threads * w.per_thread)
         # forward: the latents in the kernel layout; transposed: dx in it (zeroed)
-        layout_buf = _xmalloc(n_x_rows * d_in * <int64_t>sizeof(real), not forward)
+        layout_buf = xmalloc(n_x_rows * d_in * <int64_t>sizeof(real), not forward)
         if forward:
             w.x = layout_buf
             w.out = call.dst
@@ -723,11 +779,15 @@ cdef _drive(real dummy, const c.mxfp4x_call *call):
             w.out = layout_buf
         with nogil:
             if forward:
-                _prepare(dummy, call, <real *>layout_buf, half, n_threads)
-            _parallel_tasks(n_threads, w.n_tasks, _task_f32 if real is float else _task_f64,
-                            &w)
+                _row_step(call, call.src, layout_buf, n_x_rows, half, n_threads,
+                          _prepare_task,
+                          NULL if log == NULL else log + STEP_PREPARE * c.MXFP4X_MAX_THREADS)
+            parallel_tasks(n_threads, w.n_tasks, _task_f32 if real is float else _task_f64,
+                           &w)
             if not forward:
-                _finish(dummy, call, <const real *>layout_buf, half, n_threads)
+                _row_step(call, layout_buf, call.dst, n_x_rows, half, n_threads,
+                          _finish_task,
+                          NULL if log == NULL else log + STEP_FINISH * c.MXFP4X_MAX_THREADS)
     finally:
         free(w.r.offsets)
         free(w.r.active)
@@ -737,111 +797,3 @@ cdef _drive(real dummy, const c.mxfp4x_call *call):
         free(w.r.pair_w)
         free(w.scratch)
         free(layout_buf)
-
-
-# ---- roofline ---------------------------------------------------------------------------
-
-def fma_peak(isa=None, int n_threads=1, double seconds=0.2):
-    """The ISA's float32 multiply-add peak in FLOP/s with ``n_threads`` threads, from a
-    register-resident loop compiled for that ISA (the roofline's compute floor)."""
-    cdef const c.mxfp4x_kernels *k = _kernels(isa)
-    cdef int64_t iters = 1 << 16, flops = 0
-    cdef int tid, nt = max(1, n_threads)
-    cdef int64_t *done = <int64_t *>_xmalloc(nt * 8, True)
-    import time
-    try:
-        # calibrate one thread's rounds to about `seconds`
-        t0 = time.perf_counter()
-        with nogil:
-            k.fma_loop(iters, 1.0, &flops)
-        dt = max(time.perf_counter() - t0, 1e-6)
-        iters = max(1 << 16, <int64_t>(iters * seconds / dt))
-        t0 = time.perf_counter()
-        with nogil, parallel(num_threads=nt):
-            tid = threadid()
-            k.fma_loop(iters, 1.0 + tid, &done[tid])
-        dt = time.perf_counter() - t0
-        return sum(done[i] for i in range(nt)) / dt
-    finally:
-        free(done)
-
-
-cdef struct ReadJob:
-    const uint64_t *p
-    int64_t n_words, share
-    uint64_t *sums
-
-
-cdef void _read_task(void *ctx, int64_t t, int tid) noexcept nogil:
-    cdef ReadJob *j = <ReadJob *>ctx
-    j.sums[t] = c.mxfp4x_read_words(j.p + t * j.share,
-                                    max(0, min(j.share, j.n_words - t * j.share)))
-
-
-def read_peak(buf, int n_threads=1, int repeats=3):
-    """Bytes per second reading ``buf`` (a C-contiguous numpy array, larger than the
-    last-level cache) once with ``n_threads`` threads of the driver's kind, in 64 chunks
-    per thread summed as 64-bit words: the roofline's memory read bandwidth (the best
-    of ``repeats``)."""
-    import time
-    cdef ReadJob job
-    cdef int nt = max(1, n_threads)
-    cdef int64_t n_chunks = 64 * nt
-    job.p = <const uint64_t *><uintptr_t>buf.ctypes.data
-    job.n_words = buf.nbytes // 8
-    job.share = (job.n_words + n_chunks - 1) // n_chunks
-    job.sums = <uint64_t *>_xmalloc(n_chunks * 8, True)
-    best = float("inf")
-    try:
-        for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
-            with nogil:
-                _parallel_tasks(nt, n_chunks, _read_task, &job)
-            best = min(best, time.perf_counter() - t0)
-        return job.n_words * 8 / best
-    finally:
-        free(job.sums)
-
-
-# ---- testing hook -----------------------------------------------------------------------
-
-def decode_rows(packed, scales, *, isa=None, str compute="float32"):
-    """(n_rows, n_groups, 16) uint8 bytes and (n_rows, n_groups) scale bytes -> the
-    (n_rows, 32 n_groups) weights, decoded by the ISA's own decode kernel (the float64
-    path's for compute="float64"), in natural element order."""
-    cdef const c.mxfp4x_kernels *k = _kernels(isa)
-    cdef c.mxfp4x_rows rows
-    cdef int64_t n_rows, n_groups, r, d_in
-    cdef bint f64 = compute == "float64"
-    cdef int half = c.MXFP4X_LAYOUT_16 if f64 else k.layout_half
-    cdef uintptr_t p, o
-    if compute not in ("float32", "float64"):
-        raise ValueError(f"compute: expected 'float32' or 'float64', got {compute!r}")
-    packed = np.ascontiguousarray(packed, dtype=np.uint8)
-    scales = np.ascontiguousarray(scales, dtype=np.uint8)
-    if packed.ndim != 3 or packed.shape[2] != c.MXFP4X_GROUP_BYTES or \
-            scales.shape != packed.shape[:2]:
-        raise ValueError(f"decode_rows: expected (R, G, 16) and (R, G), got {packed.shape}, "
-                         f"{scales.shape}")
-    n_rows, n_groups = packed.shape[0], packed.shape[1]
-    d_in = n_groups * c.MXFP4X_GROUP
-    panel = np.empty((n_rows, d_in), np.float64 if f64 else np.float32)
-    out = np.empty_like(panel)
-    rows.blocks = <const uint8_t *><uintptr_t>packed.ctypes.data
-    rows.scales = <const uint8_t *><uintptr_t>scales.ctypes.data
-    rows.row_stride_blocks = n_groups * c.MXFP4X_GROUP_BYTES
-    rows.row_stride_scales = n_groups
-    rows.n_groups = n_groups
-    p, o = panel.ctypes.data, out.ctypes.data
-    with nogil:
-        if f64:
-            c.mxfp4x_decode_f64(&rows, 0, n_rows, <double *>p)
-            for r in range(n_rows):
-                c.mxfp4x_natural_f64(<double *>p + r * d_in, n_groups, half,
-                                     <double *>o + r * d_in)
-        else:
-            k.decode_f32(&rows, 0, n_rows, <float *>p)
-            for r in range(n_rows):
-                c.mxfp4x_natural_f32(<float *>p + r * d_in, n_groups, half,
-                                     <float *>o + r * d_in)
-    return out

@@ -11,7 +11,7 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from . import _cpu
+from . import _cpu, _threads
 from ._format import GROUP_BYTES, accumulation_dtype
 
 Bytes = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -110,10 +110,6 @@ def experts_of(packed: Bytes, scales: Bytes) -> _cpu.Experts:
                         owner=(tuple(packed), tuple(scales), keep))
 
 
-def _threads(num_threads):
-    return num_threads if num_threads > 0 else max(1, torch.get_num_threads())
-
-
 def _operand_rows(t, per_slot):
     """A (T, W) or per-slot (T, K, W) tensor as contiguous 2-D rows."""
     t = t.contiguous()
@@ -184,7 +180,7 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
                   src=_array(x2[t0 * k_in:t1 * k_in]), src_dtype=_DTYPE_NAMES[x.dtype],
                   src_rows="slot" if slot_latents else "token", dst=_array(out),
                   dst_rows="slot" if per_slot_outputs else "token", isa=isa,
-                  n_threads=_threads(num_threads)).run()
+                  n_threads=_threads.resolve(num_threads)).run()
         if out is not part:
             part.copy_(out)
     return result.view(n_tokens, top_k, ex.d_out) if per_slot_outputs else result
@@ -217,7 +213,7 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
                   src=_array(g2[t0 * k_out:t1 * k_out].to(compute).contiguous()),
                   src_dtype=_DTYPE_NAMES[compute], src_rows="slot" if slot_grad else "token",
                   dst=_array(dx), dst_rows="slot" if slot_latents else "token", isa=isa,
-                  n_threads=_threads(num_threads)).run()
+                  n_threads=_threads.resolve(num_threads)).run()
         if dx is not part:
             part.copy_(dx)
     return result.view(x.shape)

@@ -3,13 +3,9 @@ what was expected, and is raised before any kernel runs."""
 import numpy as np
 import torch
 
-from . import _cpu
+from . import _cpu, _threads
 from ._format import GROUP, GROUP_BYTES, torch_e8m0_dtype
 
-# The most threads a call uses: the driver's own cap (its pthreads pool size; an OpenMP
-# runtime keeps a team of the largest size used alive, so a larger request would only leave
-# idle OS threads behind).  A larger num_threads is accepted and capped.
-MAX_THREADS = _cpu.MAX_THREADS
 # ISA names, fixed at import: checked in plain Python, so torch.compile traces the check
 _COMPILED_ISAS = tuple(_cpu.compiled_isas())
 _RUNNABLE_ISAS = tuple(_cpu.runnable_isas())
@@ -355,7 +351,8 @@ def check_isa(isa, name="isa"):
 
 
 def check_num_threads(num_threads):
-    """A positive int, or 0 for "torch.get_num_threads() when the kernel runs"."""
+    """A positive int, capped as mxfp4x._threads caps it (a larger request is accepted),
+    or 0 for "torch.get_num_threads() when the kernel runs"."""
     if num_threads is None:
         return 0
     if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)):
@@ -363,4 +360,4 @@ def check_num_threads(num_threads):
                         f"{type(num_threads).__name__}")
     if num_threads < 1:
         raise ValueError(f"num_threads: expected None or a positive int, got {num_threads}")
-    return int(min(num_threads, MAX_THREADS))  # more threads than output tiles would idle
+    return _threads.resolve(int(num_threads))

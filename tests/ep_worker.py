@@ -14,6 +14,7 @@ import traceback
 import numpy as np
 import torch
 import torch.distributed as dist
+from mxfp4x._testing import random_layer
 
 import mxfp4x
 import mxfp4x.distributed as mdist

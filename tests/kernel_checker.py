@@ -1,5 +1,6 @@
 """Building and reading the C-level kernel checker (tests/c/check_kernels.c): shared by
-tests/kernels/test_c_kernels.py (native, aarch64 under qemu) and tests/platform/test_emulation.py (the
+tests/kernels/test_c_kernels.py (native, aarch64 under qemu) and
+tests/platform/test_emulation.py (the
 SIMDe-emulated AVX-512 kernels)."""
 import os
 import shutil

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _cpu
+from mxfp4x import _cpu, _probes, _threads
 from mxfp4x.testing.layers import random_layer, run_threads
 
 _PROBE = r"""
@@ -137,7 +137,7 @@ _AVX2_FACTS = dict(osxsave=True, avx=True, fma=True, avx2=True)
 ], ids=["linux-avx512", "no-zmm-state", "no-avx-state", "no-osxsave", "no-fma",
         "macos-lazy-avx512", "macos-no-avx512", "macos-cpu-without-avx512"])
 def test_isa_decision(facts, expected):
-    assert _cpu._isa_decision(**facts) == expected
+    assert _probes.isa_decision(**facts) == expected
 
 
 def test_openmp_as_expected():
@@ -155,11 +155,12 @@ def test_threads_backend_as_expected():
     and where a build has threads, a call given 2 really runs on 2 OS threads."""
     want = os.environ.get("MXFP4X_REQUIRE_THREADS")
     info = mxfp4x.backend_info()
-    assert info["threads"] in ("openmp", "pthreads", "serial")
+    assert info["threads"] in _threads.BACKENDS
+    assert (info["threads"], info["openmp"]) == (_threads.backend(), _threads.have_openmp())
     assert (info["threads"] == "openmp") == info["openmp"]
     if want is not None:
         assert info["threads"] == want, f"the build's threads are {info['threads']}"
-    used = _cpu._threads_used(2)
+    used = _probes.threads_used(2)
     if info["threads"] == "serial":
         assert used == 1
     elif (os.cpu_count() or 1) >= 2:

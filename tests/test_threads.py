@@ -1,9 +1,26 @@
-"""Determinism: bit-identical across thread counts, repeated calls and batches."""
+"""Determinism: bit-identical across thread counts, repeated calls and batches.  The
+threads themselves: one parallel mechanism for every step (mxfp4x._cpu.parallel_tasks),
+one owner of the policy (mxfp4x._threads), and steps that really run on the threads
+asked for, in every threaded build (the normal OpenMP one, and the pthreads one of the
+.ci/run lane)."""
+import os
+import re
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
 import mxfp4x
+from mxfp4x import _cpu, _probes, _threads, _validation
 from mxfp4x.testing.layers import random_layer
+
+THREADED = _threads.backend() != "serial"
+
+
+def _cpus():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
@@ -56,3 +73,161 @@ def test_long_batches_run_in_token_chunks_with_the_same_bits(isa, rng, monkeypat
         chunked = call()
         assert chunked.shape == whole[name].shape and chunked.dtype == whole[name].dtype
         assert torch.equal(chunked.view(torch.uint8), whole[name].view(torch.uint8)), name
+
+
+# ---- the steps around the product: many row tasks, the same bits ---------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_layout_steps_in_many_tasks_keep_their_bits(isa, rng, dtype):
+    # 700 tokens x 512 latents: the latents go into the kernel layout (forward) and dx out
+    # of it (transposed) in several row tasks; any thread count, and each token alone (one
+    # task), give the same bits
+    layer = random_layer(rng, 700, 2, 4, 40, 16, dtype=dtype, repeat_expert=True)
+    w = (layer["packed_weights"], layer["scale_bytes"])
+    sel, mix, x = layer["selected_experts"], layer["mixture_weights"], layer["latent_tokens"]
+    grad = torch.from_numpy(rng.standard_normal((700, 40))).to(dtype)
+
+    def run(n, rows=slice(None)):
+        y = mxfp4x.mxfp4_experts(x[rows], *w, sel[rows], mix[rows],
+                                 layer["shared_output"][rows], num_threads=n, isa=isa)
+        dx = torch.ops.mxfp4x.mxfp4_experts_grad_latents(grad[rows], *w, sel[rows],
+                                                         mix[rows], x[rows], num_threads=n,
+                                                         isa=isa)
+        return y, dx
+
+    first = run(1)
+    for n in (2, 3):
+        for a, b in zip(run(n), first, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), n
+    for t in (0, 350, 699):
+        for a, b in zip(run(2, slice(t, t + 1)), first, strict=True):
+            assert torch.equal(a[0].view(torch.uint8), b[t].view(torch.uint8)), t
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_combine_in_many_tasks_is_the_ordered_sum(rng, dtype):
+    # 300 tokens x 3 slots x 200 outputs: several token tasks; numpy's one rounding per
+    # product and per sum, in ascending expert order, is the driver's arithmetic exactly
+    n_tokens, top_k, d_out = 300, 3, 200
+    sel = rng.integers(0, 5, (n_tokens, top_k)).astype(np.int64)
+    dots = rng.standard_normal((n_tokens * top_k, d_out)).astype(dtype)
+    mix = rng.random((n_tokens, top_k)).astype(dtype)
+    base = rng.standard_normal((n_tokens, d_out)).astype(dtype)
+    want = base.copy()
+    order = np.argsort(sel, axis=1, kind="stable")
+    for j in range(top_k):
+        p = np.arange(n_tokens) * top_k + order[:, j]
+        want = want + mix.reshape(-1)[p][:, None] * dots[p]
+    for n in (1, 2, 3):
+        out = base.copy()
+        _cpu.combine(out, dots, sel, mix, n_threads=n)
+        assert np.array_equal(out.view(np.uint8), want.view(np.uint8)), n
+
+
+# ---- one owner of the policy -------------------------------------------------------------
+
+def test_thread_policy_has_one_owner():
+    assert _threads.backend() in _threads.BACKENDS
+    assert _threads.have_openmp() == (_threads.backend() == "openmp")
+    assert _threads.MAX_THREADS == _threads.max_threads() == _cpu.MAX_THREADS == 256
+    torch_default = min(torch.get_num_threads(), _threads.MAX_THREADS)
+    assert _threads.resolve(None) == _threads.resolve(0) == torch_default
+    assert _threads.resolve(3) == 3 and _threads.resolve(10 ** 6) == _threads.MAX_THREADS
+    info = mxfp4x.backend_info()
+    assert (info["threads"], info["openmp"], info["num_threads"]) == (
+        _threads.backend(), _threads.have_openmp(), torch_default)
+    # the user-facing check keeps its errors and takes the cap from the owner
+    assert _validation.check_num_threads(None) == 0
+    assert _validation.check_num_threads(10 ** 6) == _threads.MAX_THREADS
+    with pytest.raises(ValueError, match="num_threads"):
+        _validation.check_num_threads(0)
+    with pytest.raises(TypeError, match="num_threads"):
+        _validation.check_num_threads(2.0)
+    assert not hasattr(_validation, "MAX_THREADS")
+
+
+def test_driver_boundary_takes_only_resolved_thread_counts():
+    out = np.zeros((2, 3), np.float32)
+    args = (np.zeros((4, 3), np.float32), np.zeros((2, 2), np.int64), np.ones((2, 2), np.float32))
+    for bad in (0, _threads.MAX_THREADS + 1):
+        with pytest.raises(ValueError, match="n_threads"):
+            _cpu.combine(out, *args, n_threads=bad)
+        with pytest.raises(ValueError, match="n_threads"):
+            _probes.fma_peak(n_threads=bad, seconds=0.001)
+
+
+def test_one_parallel_mechanism_in_the_sources():
+    """prange / parallel() appear once, in _cpu.parallel_tasks: every step (the product's
+    tasks, the layout copies, combine, the probes) goes through it."""
+    sources = sorted(Path(mxfp4x.__file__).parent.glob("*.pyx"))
+    if not sources:
+        pytest.skip("the .pyx sources are not installed beside the package")
+    code = {p.name: re.sub(r"#[^\n]*|\"\"\".*?\"\"\"", "", p.read_text(), flags=re.S)
+            for p in sources}
+    assert {"_cpu.pyx", "_probes.pyx"} <= set(code)
+    found = {(name, m) for name, text in code.items()
+             for m in re.findall(r"\b(prange|parallel)\(", text)}
+    assert found == {("_cpu.pyx", "prange"), ("_cpu.pyx", "parallel")}, found
+    assert sum(text.count("prange(") for text in code.values()) == 1
+
+
+def test_probes_are_built_like_the_driver():
+    assert _probes.built_with() == {"threads": _cpu.threads_backend(),
+                                    "cflags": _cpu.build_info()["cflags"]}
+
+
+# ---- every step on the threads asked for ---------------------------------------------------
+
+def test_every_parallel_step_runs_on_the_threads_asked():
+    """The forward product's tasks, the latents' layout copy, the transposed result's
+    copy back and combine: each on 2 OS threads given 2 (1 in a serial build; given 1,
+    always 1).  These steps ran serially in the pthreads builds before they went through
+    the one mechanism."""
+    steps = ("prepare", "tasks", "finish", "combine")
+    assert _probes.step_threads(1) == dict.fromkeys(steps, 1)
+    if not THREADED:
+        assert _probes.step_threads(2) == dict.fromkeys(steps, 1)
+        return
+    if _cpus() < 2:
+        pytest.skip("one CPU: a second thread may never get a task")
+    best = dict.fromkeys(steps, 0)
+    for _ in range(25):  # a busy machine can starve a thread for a whole (short) step
+        got = _probes.step_threads(2)
+        best = {s: max(best[s], got[s]) for s in steps}
+        if all(v == 2 for v in best.values()):
+            break
+    assert best == dict.fromkeys(steps, 2), best
+
+
+def test_fma_peak_scales_with_threads():
+    """fma_peak runs one loop per thread through the one mechanism, so 2 threads give
+    clearly more than 1 where 2 CPUs exist (the pthreads builds measured one thread's
+    peak before).  The best of a few tries: other processes share the CPUs."""
+    if not THREADED:
+        pytest.skip(f"a {_threads.backend()} build runs one thread")
+    if _cpus() < 2:
+        pytest.skip("fewer than 2 CPUs")
+    ratios = []
+    for _ in range(5):
+        one = _probes.fma_peak(n_threads=1, seconds=0.1)
+        two = _probes.fma_peak(n_threads=2, seconds=0.1)
+        ratios.append(round(two / one, 2))
+        if two > 1.5 * one:
+            return
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > _cpus() - 0.5:  # this test itself is about one runnable thread
+        pytest.skip(f"the CPUs are busy (load {load:.1f} on {_cpus()} CPUs): 2 threads / 1 "
+                    f"gave {ratios}")
+    assert max(ratios) > 1.5, ratios
+
+
+@pytest.mark.skipif(_threads.backend() != "pthreads",
+                    reason="the pool of threads.h runs only in pthreads builds (macOS, Linux "
+                           "aarch64; MXFP4X_THREADS=pthreads, the .ci/run lane)")
+def test_pthreads_build_runs_on_the_pool():
+    assert not _threads.have_openmp() and "-fopenmp" not in _cpu.build_info()["cflags"]
+    assert _probes.threads_used(1) == 1
+    if _cpus() >= 2:
+        assert max(_probes.threads_used(2) for _ in range(3)) == 2
+    # the pool caps what it starts at its size, whatever a caller asks
+    assert _probes.threads_used(_threads.MAX_THREADS, n_tasks=4) <= 4

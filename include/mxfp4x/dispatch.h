@@ -1,6 +1,7 @@
-/* mxfp4x/dispatch.h -- the kernel table, in order of preference.  Included by
- * exactly one translation unit (mxfp4x/_cpu.pyx).  The driver picks one entry
- * per call, outside its parallel region, and calls through its pointers. */
+/* mxfp4x/dispatch.h -- the kernel table, in order of preference.  The driver
+ * (mxfp4x/_cpu.pyx) owns the table: it picks one entry per call, outside its parallel
+ * region, and calls through its pointers; the probes (mxfp4x/_probes.pyx) take their
+ * entries from the driver (kernels_of in _cpu.pxd), so they run the driver's own kernels. */
 #ifndef MXFP4X_DISPATCH_H
 #define MXFP4X_DISPATCH_H
 
@@ -11,26 +12,65 @@
 #include "avx512.h"
 #include "neon.h"
 
+/* Fields by name (mxfp4x.h says what each means): a reordered struct cannot shift a value
+ * into the wrong field. */
 static const mxfp4x_kernels mxfp4x_kernel_table[] = {
 #if MXFP4X_HAVE_X86_SIMD
-    {MXFP4X_ISA_AVX512, "avx512", MXFP4X_LAYOUT_16, MXFP4X_AVX512_MR,
-     MXFP4X_AVX512_GEMV_MAX_TOKENS, MXFP4X_AVX512_TILE_ROWS, MXFP4X_AVX512_PANEL_BYTES,
-     mxfp4x_gemv_f32_avx512, mxfp4x_decode_f32_avx512,
-     mxfp4x_panel_dot_f32_avx512, mxfp4x_panel_scratch_f32_avx512,
-     mxfp4x_axpy_rows_f32_avx512, mxfp4x_fma_loop_avx512},
-    {MXFP4X_ISA_AVX2, "avx2", MXFP4X_LAYOUT_4, MXFP4X_AVX2_MR, MXFP4X_AVX2_GEMV_MAX_TOKENS,
-     MXFP4X_AVX2_TILE_ROWS, MXFP4X_AVX2_PANEL_BYTES, mxfp4x_gemv_f32_avx2, mxfp4x_decode_f32_avx2, mxfp4x_panel_dot_f32_avx2,
-     mxfp4x_panel_scratch_f32_avx2, mxfp4x_axpy_rows_f32_avx2, mxfp4x_fma_loop_avx2},
+    {.isa = MXFP4X_ISA_AVX512,
+     .name = MXFP4X_ISA_NAME_AVX512,
+     .layout_half = MXFP4X_LAYOUT_16,
+     .panel_row_block = MXFP4X_AVX512_MR,
+     .gemv_max_tokens = MXFP4X_AVX512_GEMV_MAX_TOKENS,
+     .tile_rows = MXFP4X_AVX512_TILE_ROWS,
+     .panel_bytes = MXFP4X_AVX512_PANEL_BYTES,
+     .gemv_f32 = mxfp4x_gemv_f32_avx512,
+     .decode_f32 = mxfp4x_decode_f32_avx512,
+     .panel_dot_f32 = mxfp4x_panel_dot_f32_avx512,
+     .panel_scratch_floats = mxfp4x_panel_scratch_f32_avx512,
+     .axpy_rows_f32 = mxfp4x_axpy_rows_f32_avx512,
+     .fma_loop = mxfp4x_fma_loop_avx512},
+    {.isa = MXFP4X_ISA_AVX2,
+     .name = MXFP4X_ISA_NAME_AVX2,
+     .layout_half = MXFP4X_LAYOUT_4,
+     .panel_row_block = MXFP4X_AVX2_MR,
+     .gemv_max_tokens = MXFP4X_AVX2_GEMV_MAX_TOKENS,
+     .tile_rows = MXFP4X_AVX2_TILE_ROWS,
+     .panel_bytes = MXFP4X_AVX2_PANEL_BYTES,
+     .gemv_f32 = mxfp4x_gemv_f32_avx2,
+     .decode_f32 = mxfp4x_decode_f32_avx2,
+     .panel_dot_f32 = mxfp4x_panel_dot_f32_avx2,
+     .panel_scratch_floats = mxfp4x_panel_scratch_f32_avx2,
+     .axpy_rows_f32 = mxfp4x_axpy_rows_f32_avx2,
+     .fma_loop = mxfp4x_fma_loop_avx2},
 #endif
 #if MXFP4X_HAVE_NEON
-    {MXFP4X_ISA_NEON, "neon", MXFP4X_LAYOUT_16, MXFP4X_NEON_MR, MXFP4X_NEON_GEMV_MAX_TOKENS,
-     MXFP4X_NEON_TILE_ROWS, MXFP4X_NEON_PANEL_BYTES, mxfp4x_gemv_f32_neon, mxfp4x_decode_f32_neon, mxfp4x_panel_dot_f32_neon,
-     mxfp4x_panel_scratch_f32_neon, mxfp4x_axpy_rows_f32_neon, mxfp4x_fma_loop_neon},
+    {.isa = MXFP4X_ISA_NEON,
+     .name = MXFP4X_ISA_NAME_NEON,
+     .layout_half = MXFP4X_LAYOUT_16,
+     .panel_row_block = MXFP4X_NEON_MR,
+     .gemv_max_tokens = MXFP4X_NEON_GEMV_MAX_TOKENS,
+     .tile_rows = MXFP4X_NEON_TILE_ROWS,
+     .panel_bytes = MXFP4X_NEON_PANEL_BYTES,
+     .gemv_f32 = mxfp4x_gemv_f32_neon,
+     .decode_f32 = mxfp4x_decode_f32_neon,
+     .panel_dot_f32 = mxfp4x_panel_dot_f32_neon,
+     .panel_scratch_floats = mxfp4x_panel_scratch_f32_neon,
+     .axpy_rows_f32 = mxfp4x_axpy_rows_f32_neon,
+     .fma_loop = mxfp4x_fma_loop_neon},
 #endif
-    {MXFP4X_ISA_SCALAR, "scalar", MXFP4X_LAYOUT_16, 1, 8, MXFP4X_SCALAR_TILE_ROWS,
-     MXFP4X_SCALAR_PANEL_BYTES, mxfp4x_gemv_f32_scalar,
-     mxfp4x_decode_f32_scalar, mxfp4x_panel_dot_f32_scalar, mxfp4x_panel_scratch_f32_scalar,
-     mxfp4x_axpy_rows_f32_scalar, mxfp4x_fma_loop_scalar},
+    {.isa = MXFP4X_ISA_SCALAR,
+     .name = MXFP4X_ISA_NAME_SCALAR,
+     .layout_half = MXFP4X_LAYOUT_16,
+     .panel_row_block = MXFP4X_SCALAR_MR,
+     .gemv_max_tokens = MXFP4X_SCALAR_GEMV_MAX_TOKENS,
+     .tile_rows = MXFP4X_SCALAR_TILE_ROWS,
+     .panel_bytes = MXFP4X_SCALAR_PANEL_BYTES,
+     .gemv_f32 = mxfp4x_gemv_f32_scalar,
+     .decode_f32 = mxfp4x_decode_f32_scalar,
+     .panel_dot_f32 = mxfp4x_panel_dot_f32_scalar,
+     .panel_scratch_floats = mxfp4x_panel_scratch_f32_scalar,
+     .axpy_rows_f32 = mxfp4x_axpy_rows_f32_scalar,
+     .fma_loop = mxfp4x_fma_loop_scalar},
 };
 
 #define MXFP4X_N_KERNELS ((int)(sizeof(mxfp4x_kernel_table) / sizeof(mxfp4x_kernel_table[0])))
@@ -47,14 +87,6 @@ static int mxfp4x_kernel_runnable(int i) {
     return k != NULL && ((mxfp4x_cpu_isas() >> k->isa) & 1);
 }
 
-#ifdef _OPENMP
-#include <omp.h>
-#define MXFP4X_OPENMP 1
-#else
-#define MXFP4X_OPENMP 0
-#endif
-#include "threads.h" /* the worker threads of builds without OpenMP */
-
-static int mxfp4x_have_openmp(void) { return MXFP4X_OPENMP; }
+#include "threads.h" /* how the driver's tasks run: OpenMP, a pthreads pool, or serial */
 
 #endif /* MXFP4X_DISPATCH_H */

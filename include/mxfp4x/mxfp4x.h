@@ -43,6 +43,25 @@ enum {
     MXFP4X_ISA_COUNT = 4
 };
 
+/* Their names: the lowercase strings of MXFP4X_ISA, backend_info(), test ids and benchmark
+ * groups.  Stated here once; the kernel table (dispatch.h) and the CPU decision's report
+ * (cpu.h's bits, named for every ISA, compiled or not) both read them. */
+#define MXFP4X_ISA_NAME_SCALAR "scalar"
+#define MXFP4X_ISA_NAME_AVX2 "avx2"
+#define MXFP4X_ISA_NAME_AVX512 "avx512"
+#define MXFP4X_ISA_NAME_NEON "neon"
+static const char *const mxfp4x_isa_names[MXFP4X_ISA_COUNT] = {
+    [MXFP4X_ISA_SCALAR] = MXFP4X_ISA_NAME_SCALAR,
+    [MXFP4X_ISA_AVX2] = MXFP4X_ISA_NAME_AVX2,
+    [MXFP4X_ISA_AVX512] = MXFP4X_ISA_NAME_AVX512,
+    [MXFP4X_ISA_NEON] = MXFP4X_ISA_NAME_NEON,
+};
+
+/* The name of ISA `isa` (an MXFP4X_ISA_* value), NULL outside the enum. */
+static const char *mxfp4x_isa_name(int isa) {
+    return (isa >= 0 && isa < MXFP4X_ISA_COUNT) ? mxfp4x_isa_names[isa] : NULL;
+}
+
 /* Layouts (see the top of this file): the `half` of each kernel's layout. */
 #define MXFP4X_LAYOUT_16 16
 #define MXFP4X_LAYOUT_4 4

@@ -90,11 +90,18 @@ static void mxfp4x_decode_f32_scalar(const mxfp4x_rows *w, int64_t row_start, in
     }
 }
 
-/* One row at a time, no scratch. */
 /* The scalar kernels are the spec, not a speed target: the driver's defaults (also the
  * float64 path's). */
 #define MXFP4X_SCALAR_TILE_ROWS 48
 #define MXFP4X_SCALAR_PANEL_BYTES (384 * 1024)
+/* panel_dot takes one row at a time (no register block), so a panel may hold any number
+ * of rows. */
+#define MXFP4X_SCALAR_MR 1
+/* The gemv/panel crossover: not measured for scalar code; AVX2's value (gemv decodes the
+ * rows again for every token, a panel decodes them once). */
+#define MXFP4X_SCALAR_GEMV_MAX_TOKENS 8
+
+/* One row at a time, no scratch. */
 
 static int64_t mxfp4x_panel_scratch_f32_scalar(int64_t n_rows) {
     (void)n_rows;

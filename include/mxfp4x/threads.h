@@ -8,11 +8,18 @@
  *             run on plain POSIX threads started per call.  No runtime, no dependency.
  *   serial    Windows, and MXFP4X_THREADS=serial / MXFP4X_DISABLE_OPENMP=1.
  *
+ * Every parallel step of the extensions goes through one function,
+ * mxfp4x._cpu.parallel_tasks (prange where MXFP4X_OPENMP, mxfp4x_run_tasks otherwise),
+ * and the Python side asks mxfp4x._threads how many threads to pass it.
+ *
  * mxfp4x_run_tasks(n, n_tasks, fn, ctx) calls fn(ctx, task, tid) once for every task in
  * [0, n_tasks), on up to n threads (the caller is thread 0; tid < n indexes per-thread
  * scratch), tasks handed out one at a time from a shared counter (the dynamic schedule
  * of the OpenMP path), each thread with flush-to-zero off (config.h).  Which thread runs
- * a task never changes a result: a task owns its outputs (the driver's invariant). */
+ * a task never changes a result: a task owns its outputs (the driver's invariant).
+ *
+ * MXFP4X_MAX_THREADS bounds the pool's arrays; it is the one cap of the thread count
+ * (mxfp4x._threads reads it through the extension). */
 #ifndef MXFP4X_THREADS_H
 #define MXFP4X_THREADS_H
 
@@ -21,7 +28,9 @@
 typedef void (*mxfp4x_task_fn)(void *ctx, int64_t task, int tid);
 
 #if defined(_OPENMP)
+#include <omp.h>
 #define MXFP4X_THREADS_NAME "openmp"
+#define MXFP4X_OPENMP 1
 #elif defined(MXFP4X_PTHREADS) && MXFP4X_GNUC && !defined(_WIN32)
 #define MXFP4X_THREADS_NAME "pthreads"
 #define MXFP4X_HAVE_POOL 1
@@ -30,6 +39,9 @@ typedef void (*mxfp4x_task_fn)(void *ctx, int64_t task, int tid);
 #endif
 #ifndef MXFP4X_HAVE_POOL
 #define MXFP4X_HAVE_POOL 0
+#endif
+#ifndef MXFP4X_OPENMP
+#define MXFP4X_OPENMP 0
 #endif
 
 #define MXFP4X_MAX_THREADS 256

@@ -5,7 +5,7 @@ import argparse
 import os
 
 from mxfp4x._io import check_writable
-from mxfp4x._validation import MAX_THREADS
+from mxfp4x._threads import MAX_THREADS
 
 # what reading a checkpoint's config, index and headers raises on a bad one
 CHECKPOINT_ERRORS = (OSError, KeyError, TypeError, ValueError)

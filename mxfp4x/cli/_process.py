@@ -25,7 +25,9 @@ def rss_mapped():
 
 
 def default_threads():
-    return max(1, torch.get_num_threads())
+    from mxfp4x import _threads
+
+    return _threads.resolve(None)
 
 
 @contextlib.contextmanager

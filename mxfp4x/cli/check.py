@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 import mxfp4x
-from mxfp4x import _cpu
+from mxfp4x import _cpu, _threads
 from mxfp4x.testing import layers as _testing
 
 from ._args import nonnegative_int
@@ -28,7 +28,7 @@ def run(args):
     failures = 0
     rng = np.random.default_rng(args.seed)
     print(f"mxfp4x {mxfp4x.__version__} self-test (seed {args.seed}); "
-          f"isas {_cpu.runnable_isas()}, openmp {_cpu.have_openmp()}")
+          f"isas {_cpu.runnable_isas()}, openmp {_threads.have_openmp()}")
     for isa in _cpu.runnable_isas():
         for dtype in DTYPES:
             for backend in ("cpu", "torch"):

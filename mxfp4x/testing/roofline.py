@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .. import _cpu
+from .. import _cpu, _probes, _threads
 
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile",
          "asimd", "asimddp", "bf16", "i8mm", "sve")
@@ -51,7 +51,7 @@ def read_bandwidth(threads: int, n_bytes: int = 5 << 28, repeats: int = 3) -> fl
     memory, which would make the floor too easy)."""
     import numpy as np
     buf = np.ones(n_bytes // 8, dtype=np.uint64)
-    own = _cpu.read_peak(buf, threads, repeats)
+    own = _probes.read_peak(buf, threads, repeats)
     tbuf = torch.from_numpy(buf.view(np.float32))
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -75,8 +75,9 @@ def matmul_rate(threads: int, dtype, n: int = 2048, repeats: int = 3) -> float:
 
 
 def measure(threads: Optional[List[int]] = None, quick: bool = False) -> Dict[str, object]:
-    """Every roof, for each thread count (default 1 .. torch.get_num_threads())."""
-    threads = threads or list(range(1, max(1, torch.get_num_threads()) + 1))
+    """Every roof, for each thread count (default 1 .. the threads a call gets by default,
+    ``_threads.resolve(None)``)."""
+    threads = threads or list(range(1, _threads.resolve(None) + 1))
     n_bytes = (1 << 24) if quick else (5 << 28)
     out: Dict[str, object] = {"cpu": cpu_model(), "threads": threads,
                               "isas": _cpu.runnable_isas(), "read_gbps": {},
@@ -84,7 +85,7 @@ def measure(threads: Optional[List[int]] = None, quick: bool = False) -> Dict[st
     for th in threads:
         out["read_gbps"][th] = read_bandwidth(th, n_bytes) / 1e9  # type: ignore[index]
         out["fma_gflops"][th] = {  # type: ignore[index]
-            isa: _cpu.fma_peak(isa, th, 0.02 if quick else 0.2) / 1e9
+            isa: _probes.fma_peak(isa, th, 0.02 if quick else 0.2) / 1e9
             for isa in _cpu.runnable_isas()}
         out["matmul_gflops"][th] = {  # type: ignore[index]
             "float32": matmul_rate(th, torch.float32, 256 if quick else 2048) / 1e9,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._validation import MAX_THREADS
+from mxfp4x._threads import MAX_THREADS
 from mxfp4x.checkpoints.safetensors import save_file
 
 PREFIX = "language_model.model.layers.{}.block_sparse_moe.experts."

@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from mxfp4x import _cpu, _reference, _torch_impl
+from mxfp4x import _probes, _reference, _torch_impl
 
 
 def _all_bytes_all_scales():
@@ -22,7 +22,7 @@ def test_decode_kernel_exhaustive(isa):
     packed, scales = _all_bytes_all_scales()
     with np.errstate(over="ignore"):  # 6 * 2^127 overflows float32 to inf, as the kernels do
         ref = _reference.decode_expert(packed, scales).astype(np.float32)
-    got = _cpu.decode_rows(packed, scales, isa=isa)
+    got = _probes.decode_rows(packed, scales, isa=isa)
     # the reference is float64; each value (a code times a power of two) is exact in
     # float32 except that NaN payloads and code 8 (-0.0) must keep their bits
     nan = np.isnan(ref)
@@ -34,7 +34,7 @@ def test_decode_kernel_exhaustive(isa):
 def test_decode_signed_zero_and_subnormal_scale(isa):
     packed = np.array([[[0x08] + [0x80] + [0x11] * 14]], dtype=np.uint8)
     scales = np.zeros((1, 1), dtype=np.uint8)
-    got = _cpu.decode_rows(packed, scales, isa=isa)[0]
+    got = _probes.decode_rows(packed, scales, isa=isa)[0]
     assert got[0] == 0 and np.signbit(got[0])        # code 8 -> -0.0
     assert got[1] == 0 and not np.signbit(got[1])    # code 0 -> +0.0
     assert got[3] == 0 and np.signbit(got[3])        # high nibble 8 -> -0.0
@@ -44,7 +44,7 @@ def test_decode_signed_zero_and_subnormal_scale(isa):
 def test_float64_decode_kernel_exhaustive():
     packed, scales = _all_bytes_all_scales()
     ref = _reference.decode_expert(packed, scales)
-    got = _cpu.decode_rows(packed, scales, compute="float64")
+    got = _probes.decode_rows(packed, scales, compute="float64")
     nan = np.isnan(ref)
     np.testing.assert_array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got[~nan].view(np.uint64), ref[~nan].view(np.uint64))

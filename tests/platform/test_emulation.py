@@ -172,47 +172,7 @@ def test_emulated_checker_under_qemu(checkers, runs, cpu, isas):
 
 # ---- the extension built for the emulation lane -------------------------------------
 
-_PROBE = r"""
-import json, sys, types
-import numpy as np
-pkg = types.ModuleType("mxfp4x")
-pkg.__path__ = [sys.argv[1]]
-sys.modules["mxfp4x"] = pkg  # the package's modules, without its torch-importing __init__
-from mxfp4x import _cpu, _reference
-
-res = {"isas": _cpu.runnable_isas(), "emulated": _cpu.build_info()["emulated"]}
-packed = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (256, 1, 1))
-scales = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, 16))
-got = _cpu.decode_rows(packed, scales, isa="avx512")
-with np.errstate(over="ignore"):
-    ref = _reference.decode_expert(packed, scales).astype(np.float32)
-nan = np.isnan(ref)
-res["decode_ok"] = bool((np.isnan(got) == nan).all() and
-                        (got[~nan].view(np.uint32) == ref[~nan].view(np.uint32)).all())
-rng = np.random.default_rng(5)
-T, K, E, O, G = 9, 2, 3, 21, 3
-x = rng.standard_normal((T, 32 * G)).astype(np.float32)
-pk = rng.integers(0, 256, (E, O, G, 16), dtype=np.uint8)
-sc = rng.integers(120, 132, (E, O, G), dtype=np.uint8)
-sel = rng.integers(0, E, (T, K)).astype(np.int64)
-mix = rng.random((T, K)).astype(np.float32)
-shared = rng.standard_normal((T, O)).astype(np.float32)
-y = shared.copy()
-table = np.array([[pk[e].ctypes.data, sc[e].ctypes.data, pk.strides[1], sc.strides[1]]
-                  for e in range(E)], dtype=np.int64)
-experts = _cpu.Experts(table, d_out=O, n_groups=G, owner=(pk, sc))
-call = _cpu.Call(experts, product="forward", compute="float32", selected=sel, mix=mix, src=x,
-                 src_dtype="float32", src_rows="token", dst=y, dst_rows="token", n_threads=1,
-                 isa="avx512")
-call.run()
-res["ran"] = call.isa
-ref = _reference.mxfp4_experts_reference(x, pk, sc, sel, mix, shared)
-mag = _reference.mxfp4_experts_reference(np.abs(x), pk, sc, sel, np.abs(mix), np.abs(shared),
-                                         absolute=True)
-bound = _reference.error_bound(mag, 32 * G + K + 2, "float32")
-res["moe_worst"] = float((np.abs(y - ref) / bound).max())
-print(json.dumps(res))
-"""
+_PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchless_probe.py")
 
 
 def test_emulated_extension_runs_without_avx():
@@ -231,9 +191,9 @@ def test_emulated_extension_runs_without_avx():
     pkg_dir = str(Path(_cpu.__file__).resolve().parent)
     env = {k: v for k, v in os.environ.items() if k != "MXFP4X_ISA"}
     env["OMP_NUM_THREADS"] = "1"
-    out = subprocess.run([QEMU, "-cpu", "Nehalem", os.path.realpath(sys.executable), "-c",
-                          _PROBE, pkg_dir], capture_output=True, text=True, timeout=900,
-                         env=env, cwd=str(Path(__file__).resolve().parent))
+    out = subprocess.run([QEMU, "-cpu", "Nehalem", os.path.realpath(sys.executable),
+                          _PROBE, pkg_dir, "avx512", "1"], capture_output=True, text=True,
+                         timeout=900, env=env, cwd=str(Path(__file__).resolve().parent))
     assert out.returncode == 0, f"rc={out.returncode}:\n{out.stderr[-3000:]}"
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["emulated"] == "avx512" and got["isas"] == ["avx512", "scalar"], got

@@ -25,51 +25,7 @@ pytestmark = [
                        reason="qemu-x86_64 not installed (Debian: qemu-user)"),
 ]
 
-_PROBE = r"""
-import json, sys, types
-import numpy as np
-pkg = types.ModuleType("mxfp4x")
-pkg.__path__ = [sys.argv[1]]
-sys.modules["mxfp4x"] = pkg  # the package's modules, without its torch-importing __init__
-from mxfp4x import _cpu, _reference
-
-rng = np.random.default_rng(3)
-result = {"isa": _cpu.default_isa(), "isas": _cpu.runnable_isas()}
-
-# decode: all 256 bytes x all 256 scale bytes, bit for bit (natural order from the hook)
-packed = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (256, 1, 1))
-scales = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, 16))
-got = _cpu.decode_rows(packed, scales)
-with np.errstate(over="ignore"):
-    ref = _reference.decode_expert(packed, scales).astype(np.float32)
-nan = np.isnan(ref)
-result["decode_ok"] = bool((np.isnan(got) == nan).all() and
-                           (got[~nan].view(np.uint32) == ref[~nan].view(np.uint32)).all())
-
-# a whole call, one token (gemv) and many (panel), against the float64 reference,
-# through the same typed boundary as the torch facade (numpy arrays, no torch)
-T, K, E, O, G = 20, 3, 4, 37, 5
-x = rng.standard_normal((T, 32 * G)).astype(np.float32)
-pk = rng.integers(0, 256, (E, O, G, 16), dtype=np.uint8)
-sc = rng.integers(120, 132, (E, O, G), dtype=np.uint8)
-sel = rng.integers(0, E, (T, K)).astype(np.int64)
-sel[0] = 1
-mix = rng.random((T, K)).astype(np.float32)
-shared = rng.standard_normal((T, O)).astype(np.float32)
-y = shared.copy()
-table = np.array([[pk[e].ctypes.data, sc[e].ctypes.data, pk.strides[1], sc.strides[1]]
-                  for e in range(E)], dtype=np.int64)
-experts = _cpu.Experts(table, d_out=O, n_groups=G, owner=(pk, sc))
-_cpu.Call(experts, product="forward", compute="float32", selected=sel, mix=mix, src=x,
-          src_dtype="float32", src_rows="token", dst=y, dst_rows="token", n_threads=2).run()
-ref = _reference.mxfp4_experts_reference(x, pk, sc, sel, mix, shared)
-mag = _reference.mxfp4_experts_reference(np.abs(x), pk, sc, sel, np.abs(mix), np.abs(shared),
-                                         absolute=True)
-bound = _reference.error_bound(mag, 32 * G + K + 2, "float32")
-result["moe_ok"] = bool((np.abs(y - ref) <= bound).all())
-result["moe_worst"] = float((np.abs(y - ref) / bound).max())
-print(json.dumps(result))
-"""
+_PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchless_probe.py")
 
 
 @pytest.mark.parametrize("cpu,expected_isa", [("Haswell", "avx2"), ("Nehalem", "scalar")])
@@ -78,9 +34,9 @@ def test_runs_and_chooses_the_right_isa_under_emulation(cpu, expected_isa):
     pkg_dir = os.path.dirname(os.path.abspath(mxfp4x.__file__))
     env = {k: v for k, v in os.environ.items() if k != "MXFP4X_ISA"}
     env["OMP_NUM_THREADS"] = "2"
-    out = subprocess.run([QEMU, "-cpu", cpu, os.path.realpath(sys.executable), "-c", _PROBE,
-                          pkg_dir], capture_output=True, text=True, timeout=900, env=env,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([QEMU, "-cpu", cpu, os.path.realpath(sys.executable), _PROBE,
+                          pkg_dir, "default", "2"], capture_output=True, text=True,
+                         timeout=900, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert out.returncode == 0, f"rc={out.returncode} under -cpu {cpu}:\n{out.stderr[-3000:]}"
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["isa"] == expected_isa, got

@@ -1,0 +1,49 @@
+"""How many threads the CPU driver uses, and how they run: the one owner of the thread
+policy at run time (as scikit-learn's ``utils/_openmp_helpers`` owns "how many threads,
+and is OpenMP there").  Every other module asks here.
+
+What was built is a fact of the extension, read once: the backend (setup.py chose it;
+include/mxfp4x/threads.h runs it) and the cap, threads.h's MXFP4X_MAX_THREADS (the size
+of the pthreads pool's arrays; an OpenMP runtime keeps a team of the largest size ever
+used alive, so a larger request would only leave idle OS threads behind).  What a call
+asks for is resolved here: ``num_threads=None`` (or 0, its deferred form) means
+``torch.get_num_threads()`` when the call runs.  Requests are checked for type and sign
+where the user passes them (``_validation.check_num_threads``), which caps them here.
+"""
+from typing import Optional
+
+import torch
+
+from . import _cpu
+
+BACKENDS = ("openmp", "pthreads", "serial")  # threads.h's MXFP4X_THREADS_NAME values
+
+_BACKEND: str = _cpu.threads_backend()
+MAX_THREADS: int = _cpu.MAX_THREADS
+
+
+def backend() -> str:
+    """How the driver's tasks run in parallel in this build: "openmp" (prange over the
+    OpenMP runtime torch also loads; Linux x86-64), "pthreads" (threads.h's pool started
+    per parallel step; macOS and Linux aarch64, where torch brings a runtime of its own),
+    or "serial" (Windows, and MXFP4X_THREADS=serial / MXFP4X_DISABLE_OPENMP=1 builds)."""
+    return _BACKEND
+
+
+def have_openmp() -> bool:
+    """Whether the extension was built with OpenMP (and so shares torch's runtime)."""
+    return _BACKEND == "openmp"
+
+
+def max_threads() -> int:
+    """The most threads one call uses; larger requests are capped to it."""
+    return MAX_THREADS
+
+
+def resolve(num_threads: Optional[int] = None) -> int:
+    """The threads a call runs on: ``num_threads``, or ``torch.get_num_threads()`` for
+    None or 0 (read now, so a torch.set_num_threads between calls is followed), at least
+    1 and at most :data:`MAX_THREADS`.  A serial build runs every task on the calling
+    thread whatever this says."""
+    n = int(num_threads) if num_threads else torch.get_num_threads()
+    return max(1, min(n, MAX_THREADS))
