@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from . import _cpu
+from . import _cpu, _threads
 from ._api import _check_backend
 from ._ops import mxfp4_experts_grad_latents_list_op, mxfp4_experts_grad_latents_op, slots_op
 from ._validation import (
@@ -505,7 +505,7 @@ class _EPFunction(torch.autograd.Function):
         w = mix.detach().to(compute).contiguous()
         if out.device.type == "cpu":
             _cpu.combine(out.numpy(), dots.numpy(), sel.to(torch.int64).contiguous().numpy(),
-                         w.numpy(), n_threads=max(1, threads or torch.get_num_threads()))
+                         w.numpy(), n_threads=_threads.resolve(threads))
         else:  # the PyTorch implementation's order: slot by slot
             contrib = (dots.view(n_tokens, top_k, d_out) * w.unsqueeze(-1))
             for k in range(top_k):
@@ -716,5 +716,5 @@ def expert_parallel(local_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
     out = torch.zeros((x.shape[0], d_out), dtype=compute)
     _cpu.combine(out.numpy(), dots.numpy(), sel.to(torch.int64).cpu().contiguous().numpy(),
                  mix.detach().to(compute).cpu().contiguous().numpy(),
-                 n_threads=max(1, threads or torch.get_num_threads()))
+                 n_threads=_threads.resolve(threads))
     return out.to(x.dtype), routing

@@ -9,8 +9,8 @@
 #      stage inside it through qemu-aarch64-static + binfmt_misc);
 #   2. python3 -m venv, pip install torch==$TORCH_VERSION (CPU index), numpy, cython,
 #      pytest, hypothesis; pip install -e . of a copy of the working tree;
-#   3. pytest tests/kernels/test_decode.py tests/api/test_moe.py tests/test_dispatch.py
-#      tests/test_threads.py, with backend_info() printed first (isa must be "neon",
+#   3. pytest tests/kernels/test_decode.py tests/api/test_moe.py tests/kernels/test_dispatch.py
+#      tests/determinism/test_threads.py, with backend_info() printed first (isa must be "neon",
 #      threads "pthreads": torch's aarch64 wheels vendor their own libgomp).
 #
 # Usage (root; a Debian/Ubuntu host with network access):
@@ -86,7 +86,7 @@ echo "== mxfp4x built after ${SECONDS}s"
 python -c "import json, mxfp4x; i = mxfp4x.backend_info(); print(json.dumps(i)); \
 assert i[\"isa\"] == \"neon\", i"
 MXFP4X_REQUIRE_OPENMP=0 MXFP4X_REQUIRE_THREADS=pthreads pytest -q -p no:cacheprovider $PYTEST_ARGS tests/kernels/test_decode.py \
-    tests/api/test_moe.py tests/test_dispatch.py tests/test_threads.py
+    tests/api/test_moe.py tests/kernels/test_dispatch.py tests/determinism/test_threads.py
 echo "== tests done after ${SECONDS}s"
 '
 echo "== arm64_python_check: done in ${SECONDS}s"

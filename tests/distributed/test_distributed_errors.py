@@ -3,7 +3,7 @@ while it checks its call or while it computes between the all-to-alls, is an err
 every rank within seconds; afterwards the ranks are still in step (the same call gives
 the same bits); and no process is left behind.
 
-One world of two processes (``tests/ep_worker.py --serve``, gloo on localhost) answers
+One world of two processes (``tests/distributed/ep_worker.py --serve``, gloo on localhost) answers
 every case over its stdin; a case that does not answer within CASE_TIMEOUT fails (a hang
 is a failure, not a stuck suite) and the next case gets a fresh world.
 """

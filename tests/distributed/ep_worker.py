@@ -1,4 +1,4 @@
-"""One rank of the expert-parallel tests (tests/test_distributed.py runs N of these).
+"""One rank of the expert-parallel tests (tests/distributed/test_distributed.py runs N of these).
 
 Every rank builds the same global layers (same seeds), runs the single-process op on all
 tokens, then the expert-parallel op on its own tokens and its own experts, and reports
@@ -14,7 +14,6 @@ import traceback
 import numpy as np
 import torch
 import torch.distributed as dist
-from mxfp4x._testing import random_layer
 
 import mxfp4x
 import mxfp4x.distributed as mdist
@@ -208,7 +207,7 @@ def die(name, rank, world):
     return {"raised": None}
 
 
-# ---- a world serving error cases (tests/test_distributed_errors.py) ------------------------
+# ---- a world serving error cases (tests/distributed/test_distributed_errors.py) ------------------------
 #
 # The test writes one JSON case per line to every rank's stdin; each rank answers one JSON
 # line.  A case names an entry point, a fault and the rank it hits; the rank reports what
