@@ -17,6 +17,9 @@ import torch.distributed as dist
 
 import mxfp4x
 import mxfp4x.distributed as mdist
+import mxfp4x.distributed._agreement  # noqa: F401 (patched and read by the error cases)
+import mxfp4x.distributed._autograd  # noqa: F401
+import mxfp4x.distributed._routing  # noqa: F401
 from mxfp4x.testing.layers import random_layer
 
 
@@ -193,7 +196,7 @@ def gradcheck(name, rank, world):
 def die(name, rank, world):
     """Rank 1 dies in the middle of a call (after the pairs went out)."""
     if rank == 1:
-        mdist._local_products = lambda *a, **k: os._exit(3)
+        mdist._autograd._local_products = lambda *a, **k: os._exit(3)
     layer = random_layer(np.random.default_rng(3), 6, 2, 4, 16, 1)
     cuts = split(4, world, False)
     e0, e1 = int(cuts[rank]), int(cuts[rank + 1])
@@ -207,7 +210,7 @@ def die(name, rank, world):
     return {"raised": None}
 
 
-# ---- a world serving error cases (tests/distributed/test_distributed_errors.py) ------------------------
+# ---- a world serving error cases (tests/distributed/test_distributed_errors.py) ------------
 #
 # The test writes one JSON case per line to every rank's stdin; each rank answers one JSON
 # line.  A case names an entry point, a fault and the rank it hits; the rank reports what
@@ -372,12 +375,15 @@ def run_case(entries, case, rank):
     if entry not in entries.want:  # the first clean call of an entry: the reference bits
         entries.want[entry] = bits(entries.call(entry, {})).clone()
     bad, patches = faulty(entries, case, rank)
-    saved = {name: getattr(mdist, name) for name in patches}
+    # a name is patched in every module of the package that holds it (where it is called)
+    modules = (mdist, mdist._agreement, mdist._routing, mdist._autograd)
+    saved = {(m, name): getattr(m, name) for name in patches for m in modules
+             if hasattr(m, name)}
     raised, message = None, ""
     t0 = time.perf_counter()
     try:
-        for name, fn in patches.items():
-            setattr(mdist, name, fn)
+        for (m, name) in saved:
+            setattr(m, name, patches[name])
         entries.call(entry, bad)
     except BaseException as exc:  # noqa: BLE001 - reported, whatever it is
         raised = type(exc).__name__
@@ -386,8 +392,8 @@ def run_case(entries, case, rank):
         except Exception:  # noqa: BLE001 - Unprintable
             message = "<unprintable>"
     finally:
-        for name, fn in saved.items():
-            setattr(mdist, name, fn)
+        for (m, name), fn in saved.items():
+            setattr(m, name, fn)
     seconds = time.perf_counter() - t0
     again = bits(entries.call(entry, {}))
     return {"rank": rank, "raised": raised, "message": message, "seconds": seconds,
@@ -423,7 +429,7 @@ def run_special(entries, name, rank, world):
         sel = local["selected_experts"].clone()
         if rank == world - 1:
             sel[0, 0] = -1
-        plan = mdist._Plan(tuple((int(cuts[r]), int(cuts[r + 1])) for r in range(world)),
+        plan = mdist._agreement._Plan(tuple((int(cuts[r]), int(cuts[r + 1])) for r in range(world)),
                            rank, world)
 
         def call():

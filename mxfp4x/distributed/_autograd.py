@@ -1,0 +1,178 @@
+"""The local checks of a call, the owners' products, and the autograd function that
+carries a call (and its gradient) across the all-to-alls."""
+import operator
+from typing import Tuple
+
+import torch
+
+from .. import _cpu, _threads
+from .._ops import mxfp4_experts_grad_latents_list_op, mxfp4_experts_grad_latents_op, slots_op
+from .._validation import (
+    SKIP,
+    as_tensor,
+    check_inputs,
+    is_expert_list,
+)
+from ._agreement import _GRADIENTS, _LIMIT, _PRODUCTS, _compute
+from ._routing import ExpertRouting
+
+
+def _expert_range(expert_range) -> Tuple[int, int]:
+    """(e0, e1), Python ints with 0 <= e0 <= e1 <= 2^62, from a pair or a range of step 1
+    (as the modules take it)."""
+    if isinstance(expert_range, range):
+        if expert_range.step != 1:
+            raise ValueError(f"expert_range: expected a range of step 1, got {expert_range}")
+        expert_range = (expert_range.start, expert_range.stop)
+    if isinstance(expert_range, (str, bytes)) or not hasattr(expert_range, "__iter__"):
+        raise TypeError(f"expert_range: expected a pair of ints (e0, e1), got "
+                        f"{type(expert_range).__name__}")
+    values = list(expert_range)
+    if len(values) != 2:
+        raise ValueError(f"expert_range: expected a pair of ints (e0, e1), got {len(values)} "
+                         f"values")
+    try:
+        e0, e1 = (operator.index(v) for v in values)
+    except TypeError:
+        raise TypeError(f"expert_range: expected a pair of ints (e0, e1), got "
+                        f"{tuple(type(v).__name__ for v in values)}") from None
+    if not 0 <= e0 <= e1 <= _LIMIT:
+        raise ValueError(f"expert_range: expected (e0, e1) with 0 <= e0 <= e1, got "
+                         f"{(e0, e1)}")
+    return e0, e1
+
+
+def _validate(latent_tokens, packed_local, scales_local, selected_experts, mixture_weights,
+              shared_output, expert_range, per_slot_outputs):
+    """Local checks (no communication); returns the checked tensors and (e0, e1)."""
+    e0, e1 = _expert_range(expert_range)
+    if isinstance(packed_local, (list, tuple)) and len(packed_local) == 0:
+        # a rank holding no experts: an empty stacked placeholder (d_out from the shared
+        # output when there is one, else agreed with the other ranks)
+        d_in = as_tensor("latent_tokens", latent_tokens).shape[-1]
+        d_out = as_tensor("shared_output", shared_output).shape[-1] \
+            if shared_output is not None and not per_slot_outputs else 0
+        packed_local = torch.empty((0, d_out, d_in // 32, 16), dtype=torch.uint8)
+        scales_local = torch.empty((0, d_out, d_in // 32), dtype=torch.uint8)
+    n_local = len(packed_local) if is_expert_list(packed_local) else None
+    x, packed, scales, sel, mix, shared = check_inputs(
+        latent_tokens, packed_local, scales_local, selected_experts,
+        SKIP if per_slot_outputs else mixture_weights,
+        SKIP if per_slot_outputs else shared_output)
+    n_local = len(packed) if n_local is None else n_local
+    if n_local != e1 - e0:
+        raise ValueError(f"packed_local: holds {n_local} experts, but expert_range "
+                         f"{(e0, e1)} names {e1 - e0}")
+    return x, packed, scales, sel, mix, shared, (e0, e1)
+
+
+def _local_products(routing: ExpertRouting, recv_x: torch.Tensor, packed, scales, threads,
+                    isa, dtype):
+    """W_e x per received pair, in the compute dtype, with the local kernels."""
+    compute = _compute(dtype)
+    x_pairs = recv_x[routing.recv_row_of_pair]
+    if x_pairs.dtype != compute:
+        x_pairs = x_pairs.to(compute)  # exact: the kernels upcast 16-bit latents anyway
+    sel = routing.recv_expert.view(-1, 1).to(x_pairs.device)
+    if sel.shape[0] == 0:
+        return torch.empty((0, routing.plan.d_out), dtype=compute, device=x_pairs.device)
+    return slots_op(packed)(x_pairs, packed, scales, sel, threads, isa or "").reshape(
+        sel.shape[0], -1)
+
+
+def _d_out(packed):
+    return packed.shape[1] if isinstance(packed, torch.Tensor) else packed[0].shape[0]
+
+
+class _EPFunction(torch.autograd.Function):
+    """Forward and backward of the expert-parallel products (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, mix, shared, packed, scales, sel, plan, group, threads, isa,
+                per_slot_outputs):
+        slot_x = x.dim() == 3
+        routing = ExpertRouting(plan, sel, slot_x, group)
+        rows = x.reshape(-1, x.shape[-1]).detach()
+        recv_x = routing.send_rows_of(rows.cpu() if not rows.is_cuda else rows)
+        local, error = None, None
+        try:
+            local = _local_products(routing, recv_x, packed, scales, threads, isa, x.dtype)
+        except BaseException as exc:  # re-raised by agree(), on this rank and as an error
+            error = exc               # on every other
+        routing.agree(_PRODUCTS, error, "failed computing its experts' products")
+        dots = routing.pairs_back(local.cpu() if not local.is_cuda else local)
+        dots = dots.to(x.device)
+        n_tokens, top_k = sel.shape
+        d_out = plan.d_out
+        ctx.d_out = d_out
+        ctx.routing, ctx.packed, ctx.scales = routing, packed, scales
+        ctx.threads, ctx.isa, ctx.per_slot_outputs = threads, isa, per_slot_outputs
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        if per_slot_outputs:
+            ctx.save_for_backward()
+            return dots.view(n_tokens, top_k, d_out).to(x.dtype)
+        compute = _compute(x.dtype)
+        out = shared.detach().to(compute, copy=True).contiguous()
+        w = mix.detach().to(compute).contiguous()
+        if out.device.type == "cpu":
+            _cpu.combine(out.numpy(), dots.numpy(), sel.to(torch.int64).contiguous().numpy(),
+                         w.numpy(), n_threads=_threads.resolve(threads))
+        else:  # the PyTorch implementation's order: slot by slot
+            contrib = (dots.view(n_tokens, top_k, d_out) * w.unsqueeze(-1))
+            for k in range(top_k):
+                out += contrib[:, k]
+        ctx.save_for_backward(dots, mix)
+        ctx.shared_dtype = shared.dtype
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        routing = ctx.routing
+        compute = _compute(ctx.x_dtype)
+        n_tokens, top_k = routing.n_tokens, routing.top_k
+        d_in = ctx.x_shape[-1]
+        d_x = d_mix = d_shared = None
+        error = None
+        # every rank takes part in every exchange, whether or not it needs d_x, and
+        # whether or not its own part failed: a failure travels as its verdict, below
+        try:
+            g = grad.to(compute)
+            if ctx.per_slot_outputs:
+                per_pair = g.reshape(n_tokens * top_k, ctx.d_out)
+            else:
+                dots, mix = ctx.saved_tensors
+                if ctx.needs_input_grad[1]:
+                    acc = torch.float64 if mix.dtype == torch.float64 else compute
+                    d_mix = (dots.view(n_tokens, top_k, ctx.d_out).to(acc) *
+                             g.to(acc).unsqueeze(1)).sum(-1).to(mix.dtype)
+                if ctx.needs_input_grad[2]:
+                    d_shared = grad.to(ctx.shared_dtype)
+                per_pair = (g.unsqueeze(1) * mix.detach().to(compute).unsqueeze(-1)).reshape(
+                    n_tokens * top_k, ctx.d_out)
+            per_pair = per_pair.cpu() if not per_pair.is_cuda else per_pair
+        except BaseException as exc:  # re-raised by agree() below
+            error = exc
+            per_pair = torch.zeros((n_tokens * top_k, ctx.d_out), dtype=compute)
+        # W^T (p g) per pair, on the owners, back home
+        sent = routing.pairs_out(per_pair)
+        n = sent.shape[0]
+        local = torch.empty((0, d_in), dtype=compute)
+        if error is None and n:
+            op = mxfp4_experts_grad_latents_op if isinstance(ctx.packed, torch.Tensor) \
+                else mxfp4_experts_grad_latents_list_op
+            try:
+                local = op(sent.view(n, 1, ctx.d_out), ctx.packed, ctx.scales,
+                           routing.recv_expert.view(-1, 1), None,
+                           torch.empty((n, 1, d_in), dtype=compute), ctx.threads,
+                           ctx.isa or "").reshape(n, d_in)
+            except BaseException as exc:  # re-raised by agree() below
+                error = exc
+        routing.agree(_GRADIENTS, error, "failed computing its experts' gradient products")
+        back = routing.pairs_back(local).to(grad.device)
+        if ctx.needs_input_grad[0]:
+            if len(ctx.x_shape) == 3:
+                d_x = back.view(ctx.x_shape)
+            else:
+                d_x = back.view(n_tokens, top_k, d_in).sum(1)
+            d_x = d_x.to(ctx.x_dtype)
+        return d_x, d_mix, d_shared, None, None, None, None, None, None, None, None
