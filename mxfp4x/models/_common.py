@@ -51,3 +51,21 @@ def _index(name, value) -> int:
 
 def optional_float(value) -> Optional[float]:
     return None if value is None else float(value)
+
+
+def _pair(expert_range):
+    """(e0, e1) of a range or a pair, unchecked (expert_range_of checks)."""
+    if isinstance(expert_range, range):
+        return expert_range.start, expert_range.stop
+    e0, e1 = expert_range
+    return int(e0), int(e1)
+
+
+def _positive(name, value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a positive number, got {value!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+    return v

@@ -12,14 +12,13 @@ The block (Moonshot's ``KimiSparseMoeBlock`` in ``modeling_kimi_linear.py``):
 with situ(g) = beta tanh(g / beta) sigmoid(g), clip(u) = beta_lin tanh(u / beta_lin)
 (config ``activation_situ_beta`` 4.0, ``activation_situ_linear_beta`` 25.0).
 """
-import threading
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .._api import mxfp4_experts, mxfp4_experts_slots
-from .._format import GROUP, GROUP_BYTES, accumulation_dtype
+from .._format import accumulation_dtype
 from .._progress import Progress
 from .._validation import (
     as_tensor,
@@ -29,7 +28,8 @@ from .._validation import (
     index_tensor,
 )
 from ..checkpoints import families as ck
-from ._common import expert_range_of
+from ._common import _pair, _positive, expert_range_of
+from ._expert_state import ExpertMatrix, _ExpertWeights, _matrix_shape, _split, _Stamp, _Weights
 
 
 def situ(g, beta):
@@ -41,127 +41,6 @@ def clip(u, linear_beta):
 
 
 _acc = accumulation_dtype
-
-
-def _split(name, weights):
-    """(packed, scales) of one projection: a pair of lists, or stacked tensors (E, O,
-    G, 16) / (E, O, G) seen as lists of per-expert views (nothing copied); bytes typed
-    int8 or float8_e8m0fnu are viewed as uint8."""
-    try:
-        packed, scales = weights
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a (packed, scales) pair, got "
-                        f"{type(weights).__name__}") from None
-    if isinstance(packed, torch.Tensor):
-        packed, scales = list(packed.unbind(0)), list(scales.unbind(0))
-    packed, scales = list(packed), list(scales)
-    if len(packed) != len(scales):
-        raise ValueError(f"{name}: {len(packed)} packed tensors but {len(scales)} scale "
-                         f"tensors")
-    for e, (p, sc) in enumerate(zip(packed, scales, strict=True)):
-        if not isinstance(p, torch.Tensor) or not isinstance(sc, torch.Tensor):
-            raise TypeError(f"{name}[{e}]: expected torch tensors, got "
-                            f"{type(p).__name__} and {type(sc).__name__}")
-        packed[e] = ck.as_bytes(f"{name}[{e}] packed", p)
-        scales[e] = ck.as_bytes(f"{name}[{e}] scales", sc)
-    return packed, scales
-
-
-class _Stamp:
-    """A counter shared by a module and its expert matrices: bumped whenever a weight
-    tensor is replaced or moved, so cached kernel tables are rebuilt."""
-
-    __slots__ = ("value",)
-
-    def __init__(self):
-        self.value = 0
-
-
-class ExpertMatrix(torch.nn.Module):
-    """One MXFP4 matrix of one expert: buffers ``weight_packed`` (O, in/2) or (O, in/32,
-    16) and ``weight_scale`` (O, in/32), uint8, named as Kimi K3's checkpoint names them.
-    Replacing either (assignment, ``load_state_dict(assign=True)``, ``.to()``) is seen by
-    the module that holds it; an in-place change of the bytes is seen as well (the kernels
-    read the tensors' memory)."""
-
-    weight_packed: torch.Tensor
-    weight_scale: torch.Tensor
-
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor):
-        super().__init__()
-        self._stamp: Optional[_Stamp] = None
-        self.register_buffer("weight_packed", packed)
-        self.register_buffer("weight_scale", scale)
-
-    def _changed(self):
-        stamp = self.__dict__.get("_stamp")
-        if stamp is not None:
-            stamp.value += 1
-
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        if name in ("weight_packed", "weight_scale"):
-            self._changed()
-
-    def register_buffer(self, name, tensor, persistent=True):
-        super().register_buffer(name, tensor, persistent)
-        self._changed()
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        self._changed()
-        return out
-
-
-class _ExpertWeights(torch.nn.Module):
-    """Gate (``w1``), up (``w3``) and down (``w2``) of one expert."""
-
-    def __init__(self, w1: ExpertMatrix, w3: ExpertMatrix, w2: ExpertMatrix):
-        super().__init__()
-        self.w1, self.w3, self.w2 = w1, w3, w2
-
-
-class _Weights:
-    """What one state of the module's weights hands to the kernels: the tensors as
-    tuples (gate then up, for the one per-slot call of both) and, built on first use, the
-    CPU driver's tables (which own the tensors they point into)."""
-
-    def __init__(self, stamp: int, experts: Sequence[_ExpertWeights]):
-        self.stamp = stamp
-        g = [(m.w1.weight_packed, m.w1.weight_scale) for m in experts]
-        u = [(m.w3.weight_packed, m.w3.weight_scale) for m in experts]
-        d = [(m.w2.weight_packed, m.w2.weight_scale) for m in experts]
-        self.gate_up_packed = tuple(p for p, _ in g + u)
-        self.gate_up_scales = tuple(sc for _, sc in g + u)
-        self.down_packed = tuple(p for p, _ in d)
-        self.down_scales = tuple(sc for _, sc in d)
-        self.tables = None
-        self.lock = threading.Lock()
-
-    def cpu_tables(self):
-        if self.tables is None:
-            with self.lock:
-                if self.tables is None:
-                    from .. import _cpu_impl
-                    self.tables = (
-                        _cpu_impl.experts_of(self.gate_up_packed, self.gate_up_scales),
-                        _cpu_impl.experts_of(self.down_packed, self.down_scales))
-        return self.tables
-
-
-def _matrix_shape(name, packed, scales):
-    """(d_out, d_in) of one expert's bytes, (O, in/2) or (O, in/32, 16), scales (O, in/32)."""
-    if packed.dim() == 3 and packed.shape[2] == GROUP_BYTES:
-        n_groups = packed.shape[1]
-    elif packed.dim() == 2 and packed.shape[1] % GROUP_BYTES == 0:
-        n_groups = packed.shape[1] // GROUP_BYTES
-    else:
-        raise ValueError(f"{name}: expected packed bytes (d_out, d_in/2) or (d_out, d_in/32, "
-                         f"16), got shape {tuple(packed.shape)}")
-    if tuple(scales.shape) != (packed.shape[0], n_groups):
-        raise ValueError(f"{name}: expected scales ({packed.shape[0]}, {n_groups}) for packed "
-                         f"{tuple(packed.shape)}, got {tuple(scales.shape)}")
-    return packed.shape[0], n_groups * GROUP
 
 
 class KimiK3Experts(torch.nn.Module):
@@ -380,14 +259,6 @@ class KimiK3Experts(torch.nn.Module):
                 f"beta={self.beta}, linear_beta={self.linear_beta}")
 
 
-def _pair(expert_range):
-    """(e0, e1) of a range or a pair, unchecked (expert_range_of checks)."""
-    if isinstance(expert_range, range):
-        return expert_range.start, expert_range.stop
-    e0, e1 = expert_range
-    return int(e0), int(e1)
-
-
 def situ_betas(config: dict):
     """(beta, linear_beta) of SiTU from a K3 text config.  The released config states
     both (4.0 and 25.0); the public ports disagree on what a missing key means (1.0 in
@@ -401,16 +272,6 @@ def situ_betas(config: dict):
     linear = config["activation_situ_linear_beta"]
     return beta, None if linear is None else _positive(
         "config.json: activation_situ_linear_beta", linear)
-
-
-def _positive(name, value) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a positive number, got {value!r}") from None
-    if not (v > 0 and v != float("inf")):
-        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
-    return v
 
 
 class KimiK3Router(torch.nn.Module):
