@@ -97,11 +97,17 @@ class MXFP4Experts(torch.nn.Module):
     def forward(self, latent_tokens: torch.Tensor, selected_experts: torch.Tensor,
                 mixture_weights: torch.Tensor,
                 shared_output: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if shared_output is None:
-            x = torch.as_tensor(latent_tokens)
-            dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
-            shared_output = torch.zeros((x.shape[0], self.packed_weights.shape[1]),
-                                        dtype=dtype, device=x.device)
+        try:
+            if shared_output is None:
+                x = torch.as_tensor(latent_tokens)
+                dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
+                shared_output = torch.zeros((x.shape[0], self.packed_weights.shape[1]),
+                                            dtype=dtype, device=x.device)
+        except BaseException as exc:
+            if self.group is None:
+                raise
+            from . import distributed  # the other ranks wait in the op's first check
+            distributed.fail_on_every_rank(exc, self.group)
         if self.group is not None:
             from . import distributed
             return distributed.mxfp4_experts(latent_tokens, self.packed_weights,

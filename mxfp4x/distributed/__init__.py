@@ -41,7 +41,7 @@ op the same number of times, and backward likewise (as with DistributedDataParal
 rank that never makes a call cannot be waited for by any check.
 """
 import operator
-from typing import Callable, Optional, Tuple
+from typing import Callable, NoReturn, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,13 +59,24 @@ from ._agreement import _LIMIT, _OPS, _PRODUCTS, _agree, _compute, _facts
 from ._autograd import _d_out, _EPFunction, _expert_range, _validate
 from ._routing import ExpertRouting
 
-__all__ = ["mxfp4_experts", "mxfp4_experts_slots", "ExpertRouting", "expert_parallel"]
+__all__ = ["mxfp4_experts", "mxfp4_experts_slots", "ExpertRouting", "expert_parallel",
+           "fail_on_every_rank"]
 
 
 def _check_initialized():
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("mxfp4x.distributed: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group (torchrun sets it up)")
+
+
+def fail_on_every_rank(error: BaseException, group=None) -> NoReturn:
+    """Raise ``error`` here and an error on every other rank of ``group``, which are in the
+    first check of one of this module's ops: for code that prepares an op's inputs on each
+    rank (a module's forward), whose failure on one rank must not leave the others waiting.
+    Never returns."""
+    _check_initialized()
+    _agree(error, None, group)
+    raise error  # _agree raised it already; this line only tells readers and type checkers
 
 
 def _run(latent_tokens, packed_local, scales_local, selected_experts, mixture_weights,

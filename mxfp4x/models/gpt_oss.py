@@ -109,7 +109,6 @@ class GptOssExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
-        acc = accumulation_dtype(hidden_states.dtype)
         slots, combined = mxfp4_experts_slots, mxfp4_experts
         if self.group is not None:
             from .. import distributed
@@ -118,18 +117,24 @@ class GptOssExperts(torch.nn.Module):
             combined = functools.partial(distributed.mxfp4_experts,
                                          expert_range=self.expert_range, group=self.group)
         gate_up = slots(hidden_states, self.gate_up_blocks, self.gate_up_scales,
-                        router_indices, num_threads=self.num_threads).to(acc)
-        gate_up = gate_up + self.gate_up_bias.to(acc)[router_indices]
-        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        weights = routing_weights.to(acc)
-        bias = (weights.unsqueeze(-1) * self.down_bias.to(acc)[router_indices]).sum(1)
+                        router_indices, num_threads=self.num_threads)  # checks the inputs
+        out_dtype = gate_up.dtype  # the latents' (integer latents: the default float dtype)
+        try:
+            acc = accumulation_dtype(out_dtype)
+            gate_up = gate_up.to(acc) + self.gate_up_bias.to(acc)[router_indices]
+            gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+            weights = torch.as_tensor(routing_weights).to(acc)
+            bias = (weights.unsqueeze(-1) * self.down_bias.to(acc)[router_indices]).sum(1)
+        except BaseException as exc:
+            if self.group is None:
+                raise
+            distributed.fail_on_every_rank(exc, self.group)  # the others wait in `combined`
         out = combined(act, self.down_blocks, self.down_scales, router_indices, weights, bias,
                        num_threads=self.num_threads)
-        return out.to(hidden_states.dtype)
-
+        return out.to(out_dtype)
 
 
 class GptOssMoE(torch.nn.Module):

@@ -330,7 +330,9 @@ class Entries:
             m.expert_range = inf_range if bad.get("range") else saved
             try:
                 if entry == "gptoss":
-                    return m(x, self.sel, self.mix)
+                    return m(x, self.sel, object() if bad.get("prep") else self.mix)
+                if bad.get("prep"):
+                    return m(object(), self.sel, self.mix)  # no shared output: zeros made
                 return m(x, self.sel, self.mix, self.shared)
             finally:
                 m.expert_range = saved
