@@ -15,128 +15,33 @@ import json
 import math
 import operator
 import os
-import reprlib
 import struct
 import threading
 import weakref
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
 
-from .._format import torch_e8m0_dtype
 from .._io import atomic_write
+from ._header import (  # noqa: F401 (UnsupportedDtypeError, MAX_HEADER_BYTES: public)
+    _TORCH_NAME,
+    _VIEW_AS,
+    MAX_HEADER_BYTES,
+    UnsupportedDtypeError,
+    _check_disjoint,
+    _check_entry,
+    _Entry,
+    _parse_json,
+    _short,
+)
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
        "F8_E8M0": np.uint8,
        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
        "BOOL": np.bool_}
 # dtypes numpy lacks: stored as same-width integers, viewed back (never cast by value)
-_E8M0 = torch_e8m0_dtype()
-_VIEW_AS = {"BF16": torch.bfloat16, **({"F8_E8M0": _E8M0} if _E8M0 is not None else {})}
-_TORCH_NAME = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-               **({_E8M0: "F8_E8M0"} if _E8M0 is not None else {})}
-
-# the reference implementation's limit: a longer "header" is not a safetensors file, and
-# reading it whole would let a hostile length exhaust memory
-MAX_HEADER_BYTES = 100_000_000
-# numpy 1.x arrays have at most 32 dimensions (numpy 2: 64)
-MAX_DIMS = 32
-# torch and numpy index with signed 64-bit strides: every stride in bytes must fit
-_MAX_INDEX = 2 ** 63
-
-_short = reprlib.Repr()
-_short.maxstring = 120
-_short.maxother = 120
-_short.maxlevel = 3  # hostile values may nest deeply: never recurse into them
-
-
-class UnsupportedDtypeError(ValueError, TypeError):
-    """A well-formed entry whose dtype this reader cannot view (the other tensors of the
-    file stay readable).  A ``TypeError`` too, as it was before files were validated."""
-
-
-class _DuplicateKey(ValueError):
-    pass
-
-
-def _no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-    # json keeps the last of repeated keys: two meanings for one name, so refuse it
-    out: Dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(f"duplicate key {_short.repr(key)}")
-        out[key] = value
-    return out
-
-
-def _parse_json(path: str, raw: bytes, what: str) -> Any:
-    """``raw`` as strict UTF-8 JSON without repeated keys, any failure a ValueError
-    naming ``path``."""
-    try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
-        raise ValueError(f"{path}: {what} is not valid JSON ({reason})") from None
-
-
-class _Entry(NamedTuple):
-    """A validated header entry; ``begin``/``end`` are relative to the data section."""
-    dtype: str
-    shape: Tuple[int, ...]
-    begin: int
-    end: int
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)  # JSON true is not a size
-
-
-def _check_entry(path: str, name: str, info: object, data_size: int) -> _Entry:
-    """Offsets inside the data section, a shape of at most MAX_DIMS non-negative ints
-    whose strides fit 64 bits, and, for a known dtype, a shape that fills the bytes."""
-    def bad(why: str) -> ValueError:
-        return ValueError(f"{path}: tensor {_short.repr(name)}: {why}: {_short.repr(info)}")
-
-    if not isinstance(info, dict):
-        raise bad("expected an object with dtype, shape and data_offsets")
-    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
-    if missing:
-        raise bad(f"missing {', '.join(missing)}")
-    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if not isinstance(dtype, str):
-        raise bad("dtype is not a string")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise bad("shape is not a list of non-negative integers")
-    if len(shape) > MAX_DIMS:
-        raise bad(f"more than {MAX_DIMS} dimensions")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))):
-        raise bad("data_offsets is not a list of two integers")
-    begin, end = offsets
-    if not 0 <= begin <= end <= data_size:
-        raise bad(f"data_offsets leave the data section [0, {data_size})")
-    itemsize = np.dtype(_NP[dtype]).itemsize if dtype in _NP else 1
-    # a zero-size tensor still has strides: its other dimensions must be indexable
-    if math.prod(max(d, 1) for d in shape) * itemsize >= _MAX_INDEX:
-        raise bad("dimensions too large to index")
-    if dtype in _NP and math.prod(shape) * itemsize != end - begin:
-        raise bad(f"shape {shape} of {dtype} does not fill bytes [{begin}, {end})")
-    # an unknown dtype is reported by get(), so that the other tensors stay readable
-    return _Entry(dtype, tuple(shape), begin, end)
-
-
-def _check_disjoint(path: str, entries: Mapping[str, _Entry]) -> None:
-    """No byte belongs to two tensors (empty tensors hold no byte)."""
-    spans = sorted((e.begin, e.end, name) for name, e in entries.items() if e.end > e.begin)
-    for (_, end0, name0), (begin1, _, name1) in zip(spans, spans[1:], strict=False):
-        if begin1 < end0:
-            raise ValueError(f"{path}: tensors {_short.repr(name0)} and {_short.repr(name1)} "
-                             f"share bytes (data_offsets overlap at {begin1})")
-
-
 class SafeTensorsFile:
     """Read access to one .safetensors file; ``get`` returns zero-copy tensors.
 
