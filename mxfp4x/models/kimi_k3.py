@@ -145,21 +145,11 @@ class KimiK3Experts(torch.nn.Module):
             w = self._weights = _Weights(self._stamp.value, self._experts())
         return w
 
-    @property
-    def gate_up_packed(self):
-        return self.weights().gate_up_packed
-
-    @property
-    def gate_up_scales(self):
-        return self.weights().gate_up_scales
-
-    @property
-    def down_packed(self):
-        return self.weights().down_packed
-
-    @property
-    def down_scales(self):
-        return self.weights().down_scales
+    # what the kernels read now, as tuples (gate then up for the one per-slot call of both)
+    gate_up_packed = property(lambda self: self.weights().gate_up_packed)
+    gate_up_scales = property(lambda self: self.weights().gate_up_scales)
+    down_packed = property(lambda self: self.weights().down_packed)
+    down_scales = property(lambda self: self.weights().down_scales)
 
     # ---- checks ---------------------------------------------------------------------------
 
