@@ -64,7 +64,7 @@ cdef enum:
 cdef enum:
     ROW_TASK_ELEMS = 1 << 16
 
-# The most threads this boundary takes (threads.h's pool size).  mxfp4x._threads reads it
+# The most threads this boundary takes (threads.h's MXFP4X_MAX_THREADS).  mxfp4x._threads reads it
 # from here and owns the policy: how a request becomes a count in [1, MAX_THREADS].
 MAX_THREADS = c.MXFP4X_MAX_THREADS
 
@@ -99,7 +99,7 @@ def threads_backend():
 cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
                          void *ctx) noexcept nogil:
     """fn(ctx, task, tid) once for every task in [0, n_tasks), handed out one at a time to
-    up to n_threads threads of the build's kind: OpenMP's prange, or threads.h's pool
+    up to n_threads threads of the build's kind: OpenMP's prange, or threads.h's workers
     (builds without OpenMP); each thread with flush-to-zero off (config.h).  tid < the
     threads used, for per-thread scratch.  Every parallel step of mxfp4x runs here."""
     cdef int64_t task
@@ -351,7 +351,7 @@ cdef int _named(dict names, str value, str arg) except -1:
 
 cdef int checked_threads(int n_threads) except -1:
     """n_threads itself, if mxfp4x._threads.resolve could have returned it (the policy is
-    decided there; this boundary only refuses what the pool could not hold)."""
+    decided there; this boundary only refuses what threads.h could not hold)."""
     if n_threads < 1 or n_threads > c.MXFP4X_MAX_THREADS:
         raise ValueError(f"n_threads: expected 1 to {c.MXFP4X_MAX_THREADS} (resolve a "
                          f"request with mxfp4x._threads.resolve), got {n_threads}")

@@ -5,7 +5,7 @@ loops (``fma_peak``, ``read_peak``) and the test hooks (``threads_used``,
 ``step_threads``, ``decode_rows``, ``isa_decision``).
 
 Everything parallel here runs through the driver's own mechanism
-(``mxfp4x._cpu.parallel_tasks``: prange under OpenMP, threads.h's pool otherwise), and
+(``mxfp4x._cpu.parallel_tasks``: prange under OpenMP, threads.h's workers otherwise), and
 every kernel is the driver's table entry (``kernels_of``), so a probe measures the code a
 call runs.  Numpy only, no torch: the QEMU portability tests load this module alone.
 """
@@ -114,7 +114,7 @@ cdef void _spin_task(void *ctx, int64_t task, int tid) noexcept nogil:
 
 def threads_used(int n_threads, int64_t n_tasks=1024):
     """How many OS threads ran ``n_tasks`` small tasks given ``n_threads``, through the
-    driver's own mechanism (prange, or the pthreads pool)."""
+    driver's own mechanism (prange, or the pthreads workers)."""
     cdef int nt = driver.checked_threads(n_threads)
     cdef uint64_t *seen = <uint64_t *>driver.xmalloc(n_tasks * 8, True)
     cdef int64_t t

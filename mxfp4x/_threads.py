@@ -4,7 +4,7 @@ and is OpenMP there").  Every other module asks here.
 
 What was built is a fact of the extension, read once: the backend (setup.py chose it;
 include/mxfp4x/threads.h runs it) and the cap, threads.h's MXFP4X_MAX_THREADS (the size
-of the pthreads pool's arrays; an OpenMP runtime keeps a team of the largest size ever
+of the pthreads workers's arrays; an OpenMP runtime keeps a team of the largest size ever
 used alive, so a larger request would only leave idle OS threads behind).  What a call
 asks for is resolved here: ``num_threads=None`` (or 0, its deferred form) means
 ``torch.get_num_threads()`` when the call runs.  Requests are checked for type and sign
@@ -24,7 +24,7 @@ MAX_THREADS: int = _cpu.MAX_THREADS
 
 def backend() -> str:
     """How the driver's tasks run in parallel in this build: "openmp" (prange over the
-    OpenMP runtime torch also loads; Linux x86-64), "pthreads" (threads.h's pool started
+    OpenMP runtime torch also loads; Linux x86-64), "pthreads" (threads.h's workers started
     per parallel step; macOS and Linux aarch64, where torch brings a runtime of its own),
     or "serial" (Windows, and MXFP4X_THREADS=serial / MXFP4X_DISABLE_OPENMP=1 builds)."""
     return _BACKEND

@@ -87,6 +87,6 @@ static int mxfp4x_kernel_runnable(int i) {
     return k != NULL && ((mxfp4x_cpu_isas() >> k->isa) & 1);
 }
 
-#include "threads.h" /* how the driver's tasks run: OpenMP, a pthreads pool, or serial */
+#include "threads.h" /* how the driver's tasks run: OpenMP, POSIX threads started per call, or serial */
 
 #endif /* MXFP4X_DISPATCH_H */

@@ -18,7 +18,7 @@
  * of the OpenMP path), each thread with flush-to-zero off (config.h).  Which thread runs
  * a task never changes a result: a task owns its outputs (the driver's invariant).
  *
- * MXFP4X_MAX_THREADS bounds the pool's arrays; it is the one cap of the thread count
+ * MXFP4X_MAX_THREADS bounds the workers' arrays; it is the one cap of the thread count
  * (mxfp4x._threads reads it through the extension). */
 #ifndef MXFP4X_THREADS_H
 #define MXFP4X_THREADS_H
@@ -33,12 +33,12 @@ typedef void (*mxfp4x_task_fn)(void *ctx, int64_t task, int tid);
 #define MXFP4X_OPENMP 1
 #elif defined(MXFP4X_PTHREADS) && MXFP4X_GNUC && !defined(_WIN32)
 #define MXFP4X_THREADS_NAME "pthreads"
-#define MXFP4X_HAVE_POOL 1
+#define MXFP4X_HAVE_PTHREADS 1
 #else
 #define MXFP4X_THREADS_NAME "serial"
 #endif
-#ifndef MXFP4X_HAVE_POOL
-#define MXFP4X_HAVE_POOL 0
+#ifndef MXFP4X_HAVE_PTHREADS
+#define MXFP4X_HAVE_PTHREADS 0
 #endif
 #ifndef MXFP4X_OPENMP
 #define MXFP4X_OPENMP 0
@@ -46,7 +46,7 @@ typedef void (*mxfp4x_task_fn)(void *ctx, int64_t task, int tid);
 
 #define MXFP4X_MAX_THREADS 256
 
-#if MXFP4X_HAVE_POOL
+#if MXFP4X_HAVE_PTHREADS
 #include <pthread.h>
 
 typedef struct {
@@ -103,7 +103,7 @@ static int mxfp4x_run_tasks(int n_threads, int64_t n_tasks, mxfp4x_task_fn fn, v
     return started;
 }
 #else
-/* Without a pool: every task on the calling thread (the serial build). */
+/* Without pthreads: every task on the calling thread (the serial build). */
 static int mxfp4x_run_tasks(int n_threads, int64_t n_tasks, mxfp4x_task_fn fn, void *ctx) {
     const mxfp4x_fpenv env = mxfp4x_fpenv_enter();
     int64_t t;

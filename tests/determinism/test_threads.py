@@ -222,12 +222,12 @@ def test_fma_peak_scales_with_threads():
 
 
 @pytest.mark.skipif(_threads.backend() != "pthreads",
-                    reason="the pool of threads.h runs only in pthreads builds (macOS, Linux "
+                    reason="threads.h's workers run only in pthreads builds (macOS, Linux "
                            "aarch64; MXFP4X_THREADS=pthreads, the .ci/run lane)")
-def test_pthreads_build_runs_on_the_pool():
+def test_pthreads_build_runs_on_its_own_threads():
     assert not _threads.have_openmp() and "-fopenmp" not in _cpu.build_info()["cflags"]
     assert _probes.threads_used(1) == 1
     if _cpus() >= 2:
         assert max(_probes.threads_used(2) for _ in range(3)) == 2
-    # the pool caps what it starts at its size, whatever a caller asks
+    # threads.h caps what it starts at MXFP4X_MAX_THREADS, whatever a caller asks
     assert _probes.threads_used(_threads.MAX_THREADS, n_tasks=4) <= 4
