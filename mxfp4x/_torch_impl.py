@@ -65,6 +65,16 @@ def _row_chunks(device, d_in, itemsize, d_out):
     return [(r0, min(d_out, r0 + chunk)) for r0 in range(0, d_out, chunk)]
 
 
+def _connected(out, *inputs):
+    """``out``, made to depend on ``inputs`` for autograd when no product was computed (an
+    empty or product-free result): their gradients are then zeros, as on the CPU path,
+    instead of an error that the result needs no gradient."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        for t in inputs:  # the sum of no elements: exactly 0, whatever t holds (inf, NaN)
+            out = out + t.reshape(-1)[:0].sum().to(out.dtype)
+    return out
+
+
 def slots_torch(x, packed, scales, sel):
     """(T, K, O): W_{e_tk} x_t (x_tk for per-slot latents) per slot, no weights, no sum."""
     check_expert_ids(sel, len(packed))
@@ -80,6 +90,8 @@ def slots_torch(x, packed, scales, sel):
         for r0, r1 in chunks:
             weight = decode_expert(packed[e][r0:r1], scales[e][r0:r1], compute)
             out[pairs, r0:r1] = xe @ weight.T
+    if out.numel() == 0:  # no product computed: the (empty) result still depends on x
+        out = _connected(out, x)
     return out.view(n_tokens, top_k, d_out).to(x.dtype)
 
 
@@ -122,7 +134,7 @@ def mxfp4_experts_torch(x, packed, scales, sel, mix, shared, out_dtype):
     y = torch.empty((n_tokens, d_out), dtype=compute, device=x.device)
     y.copy_(shared)
     if n_tokens * top_k == 0 or d_out == 0:
-        return y.to(out_dtype)
+        return _connected(y, x, mix).to(out_dtype)
     xc = x.to(compute).reshape(n_tokens * (top_k if slot_inputs else 1), x.shape[-1])
     w = mix.to(compute).reshape(-1)
     contrib = torch.empty((n_tokens * top_k, d_out), dtype=compute, device=x.device)

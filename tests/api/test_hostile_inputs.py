@@ -247,22 +247,32 @@ def test_zero_sizes_run_on_the_cpu_path_as_on_torch(rng, case):
     assert torch.equal(got, expected)
 
 
-def test_zero_size_gradients_on_the_cpu_path(rng):
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_zero_size_gradients(rng, backend):
     x = torch.from_numpy(rng.standard_normal((3, 64))).float().requires_grad_()
     sel = torch.tensor([[0, 1], [1, 1], [0, 0]])
     packed, scales = torch.zeros(2, 0, 2, 16, dtype=torch.uint8), torch.zeros(2, 0, 2,
                                                                             dtype=torch.uint8)
-    mxfp4x.mxfp4_experts_slots(x, packed, scales, sel, backend="cpu").sum().backward()
+    mxfp4x.mxfp4_experts_slots(x, packed, scales, sel, backend=backend).sum().backward()
     assert torch.equal(x.grad, torch.zeros_like(x))
     x.grad = None
     mxfp4x.mxfp4_experts(x, list(packed.unbind(0)), list(scales.unbind(0)), sel,
-                         torch.ones(3, 2), torch.zeros(3, 0), backend="cpu").sum().backward()
+                         torch.ones(3, 2), torch.zeros(3, 0), backend=backend).sum().backward()
     assert torch.equal(x.grad, torch.zeros_like(x))
     xs = torch.zeros(3, 2, 0, requires_grad=True)
     empty = (torch.zeros(2, 5, 0, 16, dtype=torch.uint8), torch.zeros(2, 5, 0, dtype=torch.uint8))
     mxfp4x.mxfp4_experts(xs, *empty, sel, torch.ones(3, 2), torch.zeros(3, 5),
-                         backend="cpu").sum().backward()
+                         backend=backend).sum().backward()
     assert xs.grad.shape == (3, 2, 0)
+    # no pairs (K = 0): the shared output passes through, untouched by latents holding inf
+    xi = torch.full((3, 64), float("inf"), requires_grad=True)
+    y = mxfp4x.mxfp4_experts(xi, torch.zeros(2, 5, 2, 16, dtype=torch.uint8),
+                             torch.zeros(2, 5, 2, dtype=torch.uint8),
+                             torch.zeros(3, 0, dtype=torch.int64), torch.ones(3, 0),
+                             torch.ones(3, 5), backend=backend)
+    assert torch.equal(y, torch.ones(3, 5))
+    y.sum().backward()
+    assert torch.equal(xi.grad, torch.zeros_like(xi))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
