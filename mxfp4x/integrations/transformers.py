@@ -33,7 +33,7 @@ from transformers.quantizers.auto import (
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .._format import GROUP, GROUP_BYTES
-from ..models.gpt_oss import GptOssExperts
+from ..models.gpt_oss import gpt_oss_experts
 
 __all__ = ["from_pretrained", "Mxfp4xConfig", "Mxfp4xHfQuantizer", "GptOssMxfp4Experts"]
 
@@ -56,7 +56,7 @@ class Mxfp4xConfig(QuantizationConfigMixin):
 
     def __init__(self, modules_to_not_convert: Optional[list] = None,
                  num_threads: Optional[int] = None, **kwargs):
-        self.quant_method = QUANT_METHOD
+        self.quant_method = QUANT_METHOD  # type: ignore[assignment]  # not in their enum
         self.modules_to_not_convert = modules_to_not_convert
         self.num_threads = num_threads
 
@@ -69,11 +69,12 @@ class Mxfp4xConfig(QuantizationConfigMixin):
                 f"modules_to_not_convert={self.modules_to_not_convert})")
 
 
-class GptOssMxfp4Experts(GptOssExperts):
+class GptOssMxfp4Experts(torch.nn.Module):
     """transformers' ``GptOssExperts`` with its experts in MXFP4: the same forward
     signature ``(hidden_states (T, H), router_indices (T, K), routing_weights (T, K))``,
-    computed by :class:`mxfp4x.nn.GptOssExperts` (autograd included: the gradient flows to
-    the hidden states, the routing weights and the biases; the bytes are frozen).
+    computed as :class:`mxfp4x.nn.GptOssExperts` computes it (autograd included: the
+    gradient flows to the hidden states, the routing weights and the biases; the bytes are
+    frozen).
 
     Buffers under the checkpoint's names: ``gate_up_proj_blocks`` (E, 2F, H/32, 16),
     ``gate_up_proj_scales`` (E, 2F, H/32), ``down_proj_blocks`` (E, H, F/32, 16),
@@ -88,12 +89,11 @@ class GptOssMxfp4Experts(GptOssExperts):
 
     def __init__(self, config, bias_dtype: Optional[torch.dtype] = None,
                  num_threads: Optional[int] = None):
-        torch.nn.Module.__init__(self)
+        super().__init__()
         e, h, f = config.num_local_experts, config.hidden_size, config.intermediate_size
         if h % GROUP or f % GROUP:
             raise ValueError(f"hidden_size {h} and intermediate_size {f}: MXFP4 experts need "
                              f"multiples of {GROUP}")
-        self.expert_range, self.group = (0, e), None
         self.limit = float(config.swiglu_limit)
         self.alpha = float(getattr(config, "swiglu_alpha", 1.702))
         self.num_threads = num_threads
@@ -107,30 +107,14 @@ class GptOssMxfp4Experts(GptOssExperts):
         self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros((e, 2 * f), dtype=bias_dtype))
         self.down_proj_bias = torch.nn.Parameter(torch.zeros((e, h), dtype=bias_dtype))
 
-    # what mxfp4x's GptOssExperts.forward reads, under the checkpoint's names
-    @property  # type: ignore[override]
-    def gate_up_blocks(self) -> torch.Tensor:
-        return self.gate_up_proj_blocks
-
-    @property  # type: ignore[override]
-    def gate_up_scales(self) -> torch.Tensor:
-        return self.gate_up_proj_scales
-
-    @property  # type: ignore[override]
-    def down_blocks(self) -> torch.Tensor:
-        return self.down_proj_blocks
-
-    @property  # type: ignore[override]
-    def down_scales(self) -> torch.Tensor:
-        return self.down_proj_scales
-
-    @property  # type: ignore[override]
-    def gate_up_bias(self) -> torch.Tensor:
-        return self.gate_up_proj_bias
-
-    @property  # type: ignore[override]
-    def down_bias(self) -> torch.Tensor:
-        return self.down_proj_bias
+    def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
+                routing_weights: torch.Tensor) -> torch.Tensor:
+        return gpt_oss_experts(hidden_states, router_indices, routing_weights,
+                               (self.gate_up_proj_blocks, self.gate_up_proj_scales),
+                               self.gate_up_proj_bias,
+                               (self.down_proj_blocks, self.down_proj_scales),
+                               self.down_proj_bias, limit=self.limit, alpha=self.alpha,
+                               num_threads=self.num_threads)
 
     def extra_repr(self) -> str:
         e, two_f, g, _ = self.gate_up_proj_blocks.shape
