@@ -109,32 +109,48 @@ class GptOssExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
-        slots, combined = mxfp4_experts_slots, mxfp4_experts
-        if self.group is not None:
-            from .. import distributed
-            slots = functools.partial(distributed.mxfp4_experts_slots,
-                                      expert_range=self.expert_range, group=self.group)
-            combined = functools.partial(distributed.mxfp4_experts,
-                                         expert_range=self.expert_range, group=self.group)
-        gate_up = slots(hidden_states, self.gate_up_blocks, self.gate_up_scales,
-                        router_indices, num_threads=self.num_threads)  # checks the inputs
-        out_dtype = gate_up.dtype  # the latents' (integer latents: the default float dtype)
-        try:
-            acc = accumulation_dtype(out_dtype)
-            gate_up = gate_up.to(acc) + self.gate_up_bias.to(acc)[router_indices]
-            gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-            act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-            weights = torch.as_tensor(routing_weights).to(acc)
-            bias = (weights.unsqueeze(-1) * self.down_bias.to(acc)[router_indices]).sum(1)
-        except BaseException as exc:
-            if self.group is None:
-                raise
-            distributed.fail_on_every_rank(exc, self.group)  # the others wait in `combined`
-        out = combined(act, self.down_blocks, self.down_scales, router_indices, weights, bias,
-                       num_threads=self.num_threads)
-        return out.to(out_dtype)
+        return gpt_oss_experts(hidden_states, router_indices, routing_weights,
+                               (self.gate_up_blocks, self.gate_up_scales), self.gate_up_bias,
+                               (self.down_blocks, self.down_scales), self.down_bias,
+                               limit=self.limit, alpha=self.alpha,
+                               num_threads=self.num_threads, expert_range=self.expert_range,
+                               group=self.group)
+
+
+def gpt_oss_experts(hidden_states: torch.Tensor, router_indices: torch.Tensor,
+                    routing_weights: torch.Tensor, gate_up, gate_up_bias: torch.Tensor, down,
+                    down_bias: torch.Tensor, limit: float = 7.0, alpha: float = 1.702,
+                    num_threads: Optional[int] = None, expert_range=None,
+                    group=None) -> torch.Tensor:
+    """The forward of :class:`GptOssExperts` as a function: ``gate_up`` and ``down`` are
+    (blocks, scales) pairs of uint8 tensors in the checkpoint's layout; the modules that
+    hold these tensors under other names (``mxfp4x.integrations.transformers``) call it."""
+    slots, combined = mxfp4_experts_slots, mxfp4_experts
+    if group is not None:
+        from .. import distributed
+        slots = functools.partial(distributed.mxfp4_experts_slots,
+                                  expert_range=expert_range, group=group)
+        combined = functools.partial(distributed.mxfp4_experts,
+                                     expert_range=expert_range, group=group)
+    gate_up_out = slots(hidden_states, gate_up[0], gate_up[1], router_indices,
+                        num_threads=num_threads)  # checks the inputs
+    out_dtype = gate_up_out.dtype  # the latents' (integer latents: the default float dtype)
+    try:
+        acc = accumulation_dtype(out_dtype)
+        gate_up_out = gate_up_out.to(acc) + gate_up_bias.to(acc)[router_indices]
+        gate, up = gate_up_out[..., 0::2], gate_up_out[..., 1::2]
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        weights = torch.as_tensor(routing_weights).to(acc)
+        bias = (weights.unsqueeze(-1) * down_bias.to(acc)[router_indices]).sum(1)
+    except BaseException as exc:
+        if group is None:
+            raise
+        distributed.fail_on_every_rank(exc, group)  # the others wait in `combined`
+    out = combined(act, down[0], down[1], router_indices, weights, bias,
+                   num_threads=num_threads)
+    return out.to(out_dtype)
 
 
 class GptOssMoE(torch.nn.Module):

@@ -1,0 +1,213 @@
+"""mxfp4x.integrations.transformers: a tiny random gpt-oss MXFP4 checkpoint in the released
+layout, loaded with its experts kept MXFP4, against transformers' own dequantized model."""
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs Hugging Face transformers")
+pytest.importorskip("accelerate", reason="transformers' own mxfp4 loader (the baseline) "
+                                         "wants accelerate")
+
+from safetensors import safe_open  # noqa: E402  (transformers' dependency)
+from safetensors.torch import save_file  # noqa: E402
+
+import mxfp4x.integrations.transformers as mxt  # noqa: E402
+
+EXPERT_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
+                  "down_proj_blocks", "down_proj_scales", "down_proj_bias")
+SIZES = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_local_experts=4,
+             num_experts_per_tok=2, vocab_size=96, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+             sliding_window=8)
+
+
+def _write_checkpoint(folder, seed=0):
+    """config.json (transformers' GptOssConfig, quant_method mxfp4 as released) and one
+    model.safetensors: random dense non-expert weights, and per layer the experts as the
+    released checkpoints store them, blocks (E, out, in/32, 16) and scales (E, out, in/32)
+    uint8, biases bf16."""
+    config = transformers.GptOssConfig(**SIZES)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dense = transformers.GptOssForCausalLM(config)
+    rng = np.random.default_rng(seed)
+    e, h, f = config.num_local_experts, config.hidden_size, config.intermediate_size
+    tensors = {k: v.detach().to(torch.bfloat16).contiguous()
+               for k, v in dense.state_dict().items() if ".mlp.experts." not in k}
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        for proj, (o, i) in (("gate_up_proj", (2 * f, h)), ("down_proj", (h, f))):
+            tensors[p + proj + "_blocks"] = torch.from_numpy(
+                rng.integers(0, 256, (e, o, i // 32, 16), np.uint8))
+            tensors[p + proj + "_scales"] = torch.from_numpy(
+                rng.integers(120, 126, (e, o, i // 32), np.uint8))
+            tensors[p + proj + "_bias"] = torch.from_numpy(
+                rng.standard_normal((e, o)) * 0.1).to(torch.bfloat16)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    cfg = config.to_dict()
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=1)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _write_checkpoint(str(tmp_path_factory.mktemp("gpt_oss_mxfp4")))
+
+
+def _dense(path):
+    """transformers' own load: on a CPU it dequantizes the experts (fp32)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _ours(path, **kwargs):
+    kwargs.setdefault("dtype", torch.float32)
+    return mxt.from_pretrained(path, **kwargs)
+
+
+def test_loads_with_mxfp4_experts(checkpoint):
+    model = _ours(checkpoint)
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, mxt.GptOssMxfp4Experts)
+    with safe_open(os.path.join(checkpoint, "model.safetensors"), "pt") as f:
+        assert torch.equal(experts.gate_up_proj_blocks,
+                           f.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks"))
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    return _ours(checkpoint), _dense(checkpoint)
+
+
+def _tokens(n=12, batch=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SIZES["vocab_size"], (batch, n), generator=g)
+
+
+def test_logits_match_transformers_dequantized(models):
+    ours, dense = models
+    assert not isinstance(dense.model.layers[0].mlp.experts, mxt.GptOssMxfp4Experts)
+    ids = _tokens()
+    with torch.no_grad():
+        got, want = ours(ids).logits, dense(ids).logits
+    assert got.dtype == want.dtype == torch.float32
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * want.abs().max().item(), err
+
+
+def test_greedy_generate_matches(models):
+    ours, dense = models
+    ids = _tokens(n=5, batch=1, seed=2)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kw), dense.generate(ids, **kw))
+
+
+def test_no_dense_expert_tensor(models):
+    ours, _ = models
+    e, f = SIZES["num_local_experts"], SIZES["intermediate_size"]
+    smallest_matrix = SIZES["hidden_size"] * f  # one expert's down (or half its gate/up)
+    for name, module in ours.named_modules():
+        if not name.endswith(".mlp.experts"):
+            continue
+        for tname, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if t.is_floating_point():
+                assert t.numel() < smallest_matrix, (name, tname, tuple(t.shape))
+            else:
+                assert t.dtype == torch.uint8, (name, tname, t.dtype)
+    assert e * 2 * f < smallest_matrix  # the biases are below the bound
+
+
+def test_save_pretrained_round_trips_the_expert_bytes(models, checkpoint, tmp_path):
+    ours, _ = models
+    ours.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as fh:
+        assert json.load(fh)["quantization_config"]["quant_method"] == "mxfp4"
+    original = safe_open(os.path.join(checkpoint, "model.safetensors"), "pt")
+    saved = {}
+    for name in os.listdir(tmp_path):
+        if name.endswith(".safetensors"):
+            f = safe_open(str(tmp_path / name), "pt")
+            saved.update({k: f for k in f.keys()})
+    for layer in range(SIZES["num_hidden_layers"]):
+        for t in EXPERT_TENSORS:
+            key = f"model.layers.{layer}.mlp.experts.{t}"
+            a, b = original.get_tensor(key), saved[key].get_tensor(key)
+            if t.endswith("_bias"):  # loaded (and saved) in the model's dtype, exactly
+                assert torch.equal(a.to(b.dtype), b), key
+            else:
+                assert a.dtype == b.dtype == torch.uint8 and a.shape == b.shape, key
+                assert a.numpy().tobytes() == b.numpy().tobytes(), key
+    again = mxt.from_pretrained(str(tmp_path), dtype=torch.float32)
+    ids = _tokens(seed=3)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ours(ids).logits)
+
+
+def test_bf16_saves_the_released_bytes(checkpoint, tmp_path):
+    model = _ours(checkpoint, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = model(_tokens()).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    model.save_pretrained(tmp_path)
+    original = safe_open(os.path.join(checkpoint, "model.safetensors"), "pt")
+    saved = safe_open(str(tmp_path / "model.safetensors"), "pt")
+    for t in EXPERT_TENSORS:
+        key = f"model.layers.1.mlp.experts.{t}"
+        a, b = original.get_tensor(key), saved.get_tensor(key)
+        assert a.dtype == b.dtype and a.view(torch.uint8).numpy().tobytes() == \
+            b.view(torch.uint8).numpy().tobytes(), key
+
+
+def test_gradient_of_the_input_embeddings_matches(models):
+    ours, dense = models
+    ids = _tokens(seed=4)
+    grads = []
+    for model in (ours, dense):
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        model(inputs_embeds=emb).logits.square().sum().backward()
+        grads.append(emb.grad)
+        model.zero_grad(set_to_none=True)
+    got, want = grads
+    assert want.abs().max() > 0
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * want.abs().max().item(), err
+
+
+@pytest.mark.parametrize("backend", [
+    "eager",  # Dynamo traces the whole forward, the experts' custom ops included
+    pytest.param("inductor", marks=pytest.mark.slow),  # ~25 s on 2 cores: C++ codegen
+])
+def test_torch_compile_forward(models, backend):
+    ours, _ = models
+    ids = _tokens(seed=5)
+    with torch.no_grad():
+        want = ours(ids).logits
+        got = torch.compile(ours, backend=backend, fullgraph=True)(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_refuses_a_checkpoint_that_is_not_mxfp4(tmp_path):
+    config = transformers.GptOssConfig(**SIZES)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="quantization_config"):
+        mxt.from_pretrained(str(tmp_path))
+
+
+def test_importing_mxfp4x_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, mxfp4x, mxfp4x.integrations; "
+            "assert 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
