@@ -20,7 +20,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64",
                 torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-compute_dtype = accumulation_dtype
 
 
 def _rows_contiguous(t, inner):
@@ -153,7 +152,7 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
     """The forward product on CPU tensors.  x: (T, I), or (T, K, I) with one latent
     row per slot.  Returns shared + sum_k p W x (T, O) in x's dtype, or with
     ``per_slot_outputs`` W x per slot (T, K, O) (mix and shared then None)."""
-    compute = compute_dtype(x.dtype)
+    compute = accumulation_dtype(x.dtype)
     n_tokens, top_k = sel.shape
     slot_latents = x.dim() == 3
     ex = experts_of(packed, scales)
@@ -190,7 +189,7 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
     """The transposed product: dx = sum_k p W^T grad, shaped and typed like x.  Per-slot
     latents (T, K, I) get per-slot rows; a per-slot grad (T, K, O) (of the per-slot
     outputs) has weight 1 (mix None)."""
-    compute = compute_dtype(x.dtype)
+    compute = accumulation_dtype(x.dtype)
     slot_latents, slot_grad = x.dim() == 3, grad.dim() == 3
     ex = experts_of(packed, scales)
     n_tokens, top_k = sel.shape

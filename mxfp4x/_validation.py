@@ -1,5 +1,8 @@
 """Input coercion and checks.  Every error names the argument, what it got and
 what was expected, and is raised before any kernel runs."""
+import operator
+from typing import Tuple
+
 import numpy as np
 import torch
 
@@ -335,6 +338,35 @@ def check_expert_ids(sel, n_experts):
         lo, hi = _min_max(sel)
         if lo < 0 or hi >= n_experts:
             raise expert_id_error(lo if lo < 0 else hi, n_experts)
+
+
+_RANGE_LIMIT = 2 ** 62
+
+
+def parse_expert_range(expert_range) -> Tuple[int, int]:
+    """``expert_range`` as (e0, e1), Python ints with 0 <= e0 <= e1 <= 2^62 (larger cannot
+    be real, and fits int64), from a pair or a range of step 1: the one reading of the
+    held experts, for the ops, the modules and their loaders."""
+    if isinstance(expert_range, range):
+        if expert_range.step != 1:
+            raise ValueError(f"expert_range: expected a range of step 1, got {expert_range}")
+        expert_range = (expert_range.start, expert_range.stop)
+    if isinstance(expert_range, (str, bytes)) or not hasattr(expert_range, "__iter__"):
+        raise TypeError(f"expert_range: expected a pair of ints (e0, e1), got "
+                        f"{type(expert_range).__name__}")
+    values = list(expert_range)
+    if len(values) != 2:
+        raise ValueError(f"expert_range: expected a pair of ints (e0, e1), got {len(values)} "
+                         f"values")
+    try:
+        e0, e1 = (operator.index(v) for v in values)
+    except TypeError:
+        raise TypeError(f"expert_range: expected a pair of ints (e0, e1), got "
+                        f"{tuple(type(v).__name__ for v in values)}") from None
+    if not 0 <= e0 <= e1 <= _RANGE_LIMIT:
+        raise ValueError(f"expert_range: expected (e0, e1) with 0 <= e0 <= e1, got "
+                         f"{(e0, e1)}")
+    return e0, e1
 
 
 def check_isa(isa, name="isa"):

@@ -54,9 +54,10 @@ from .._validation import (
     check_num_threads,
     float_tensor,
     index_tensor,
+    parse_expert_range,
 )
 from ._agreement import _LIMIT, _OPS, _PRODUCTS, _agree, _compute, _facts
-from ._autograd import _d_out, _EPFunction, _expert_range, _validate
+from ._autograd import _d_out, _EPFunction, _validate
 from ._routing import ExpertRouting
 
 __all__ = ["mxfp4_experts", "mxfp4_experts_slots", "ExpertRouting", "expert_parallel",
@@ -154,7 +155,7 @@ def _check_parallel(local_fn, latents, selected_experts, mixture_weights, expert
     if tuple(mix.shape) != tuple(sel.shape):
         raise ValueError(f"mixture_weights: expected shape {tuple(sel.shape)} (as "
                          f"selected_experts), got {tuple(mix.shape)}")
-    e0, e1 = _expert_range(expert_range)
+    e0, e1 = parse_expert_range(expert_range)
     try:
         d_out = operator.index(d_out)
     except TypeError:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from .._validation import (
+    _RANGE_LIMIT,
     _dtype_name,
     _min_max,
     expert_id_error,
@@ -34,7 +35,7 @@ _F = {name: i for i, name in enumerate(_FACTS)}
 _MESSAGE_BYTES = 512  # an error's text, cut to this, travels in the row (no pickling)
 _ROW = 2 + len(_FACTS) + _MESSAGE_BYTES // 8
 _INT64 = (-2 ** 63, 2 ** 63 - 1)
-_LIMIT = 2 ** 62  # expert ranges and sizes above this cannot be real, and fit in int64
+_LIMIT = _RANGE_LIMIT  # sizes above this cannot be real, and fit in int64
 # how long an interrupted rank's posted verdict waits for its peers (ranks in step
 # arrive within one layer's work; longer would only delay the interrupted process's exit
 # when they never come)

@@ -1,7 +1,5 @@
 """The local checks of a call, the owners' products, and the autograd function that
 carries a call (and its gradient) across the all-to-alls."""
-import operator
-from typing import Tuple
 
 import torch
 
@@ -12,40 +10,16 @@ from .._validation import (
     as_tensor,
     check_inputs,
     is_expert_list,
+    parse_expert_range,
 )
-from ._agreement import _GRADIENTS, _LIMIT, _PRODUCTS, _compute
+from ._agreement import _GRADIENTS, _PRODUCTS, _compute
 from ._routing import ExpertRouting
-
-
-def _expert_range(expert_range) -> Tuple[int, int]:
-    """(e0, e1), Python ints with 0 <= e0 <= e1 <= 2^62, from a pair or a range of step 1
-    (as the modules take it)."""
-    if isinstance(expert_range, range):
-        if expert_range.step != 1:
-            raise ValueError(f"expert_range: expected a range of step 1, got {expert_range}")
-        expert_range = (expert_range.start, expert_range.stop)
-    if isinstance(expert_range, (str, bytes)) or not hasattr(expert_range, "__iter__"):
-        raise TypeError(f"expert_range: expected a pair of ints (e0, e1), got "
-                        f"{type(expert_range).__name__}")
-    values = list(expert_range)
-    if len(values) != 2:
-        raise ValueError(f"expert_range: expected a pair of ints (e0, e1), got {len(values)} "
-                         f"values")
-    try:
-        e0, e1 = (operator.index(v) for v in values)
-    except TypeError:
-        raise TypeError(f"expert_range: expected a pair of ints (e0, e1), got "
-                        f"{tuple(type(v).__name__ for v in values)}") from None
-    if not 0 <= e0 <= e1 <= _LIMIT:
-        raise ValueError(f"expert_range: expected (e0, e1) with 0 <= e0 <= e1, got "
-                         f"{(e0, e1)}")
-    return e0, e1
 
 
 def _validate(latent_tokens, packed_local, scales_local, selected_experts, mixture_weights,
               shared_output, expert_range, per_slot_outputs):
     """Local checks (no communication); returns the checked tensors and (e0, e1)."""
-    e0, e1 = _expert_range(expert_range)
+    e0, e1 = parse_expert_range(expert_range)
     if isinstance(packed_local, (list, tuple)) and len(packed_local) == 0:
         # a rank holding no experts: an empty stacked placeholder (d_out from the shared
         # output when there is one, else agreed with the other ranks)

@@ -1,8 +1,8 @@
 """What every model family's modules share: the range of experts a module holds, and
 bytes checked as the op checks them."""
-from typing import Optional, Tuple
+from typing import Tuple
 
-from .._validation import as_tensor, byte_tensor
+from .._validation import as_tensor, byte_tensor, parse_expert_range
 
 
 def bytes_of(name, t):
@@ -22,43 +22,14 @@ def expert_range_of(expert_range, n_local: int, group, *, subset_without_group: 
             raise ValueError("expert_range: an expert-parallel module (group=...) needs the "
                              "range (e0, e1) of the experts it holds")
         return 0, n_local
-    if isinstance(expert_range, range):
-        if expert_range.step != 1:
-            raise ValueError(f"expert_range: expected a range of step 1, got {expert_range}")
-        expert_range = (expert_range.start, expert_range.stop)
-    try:
-        e0, e1 = (_index("expert_range", v) for v in expert_range)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"expert_range: expected (e0, e1), got {expert_range!r} ({exc})"
-                        ) from None
-    if e1 - e0 != n_local or e0 < 0:
+    e0, e1 = parse_expert_range(expert_range)
+    if e1 - e0 != n_local:
         raise ValueError(f"expert_range: {(e0, e1)} names {e1 - e0} experts, the bytes hold "
                          f"{n_local}")
     if group is None and e0 != 0 and not subset_without_group:
         raise ValueError("expert_range: a module holding some of the experts needs group= "
                          "(torch.distributed) to reach the others")
     return e0, e1
-
-
-def _index(name, value) -> int:
-    import operator
-
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected integers, got {type(value).__name__}") from None
-
-
-def optional_float(value) -> Optional[float]:
-    return None if value is None else float(value)
-
-
-def _pair(expert_range):
-    """(e0, e1) of a range or a pair, unchecked (expert_range_of checks)."""
-    if isinstance(expert_range, range):
-        return expert_range.start, expert_range.stop
-    e0, e1 = expert_range
-    return int(e0), int(e1)
 
 
 def _positive(name, value) -> float:

@@ -26,9 +26,10 @@ from .._validation import (
     check_num_threads,
     float_tensor,
     index_tensor,
+    parse_expert_range,
 )
 from ..checkpoints import families as ck
-from ._common import _pair, _positive, expert_range_of
+from ._common import _positive, expert_range_of
 from ._expert_state import ExpertMatrix, _ExpertWeights, _matrix_shape, _split, _Stamp, _Weights
 
 
@@ -40,7 +41,6 @@ def clip(u, linear_beta):
     return u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
 
 
-_acc = accumulation_dtype
 
 
 class KimiK3Experts(torch.nn.Module):
@@ -208,7 +208,7 @@ class KimiK3Experts(torch.nn.Module):
     def mlp(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """w2_e (situ(w1_e x) * clip(w3_e x)) per row (P, L), for local expert ids (P,):
         the per-pair work of an expert-parallel owner, in the compute dtype."""
-        acc = _acc(rows.dtype)
+        acc = accumulation_dtype(rows.dtype)
         w = self.weights()
         ids = local_ids.view(-1, 1).to(torch.int64)
         gu = self._slots(rows, 0, w.gate_up_packed, w.gate_up_scales,
@@ -228,7 +228,7 @@ class KimiK3Experts(torch.nn.Module):
                 isa=self.isa)
             return out
         h, sel, mix = self._check(h, selected_experts, routing_weights)
-        acc = _acc(h.dtype)
+        acc = accumulation_dtype(h.dtype)
         w = self.weights()
         top_k = sel.shape[1]
         both = torch.cat((sel, sel + self.n_local), dim=1)  # gate slots, then up slots
@@ -285,7 +285,7 @@ class KimiK3Router(torch.nn.Module):
         self.n_group, self.topk_group = int(n_group), int(topk_group)
 
     def forward(self, x: torch.Tensor):
-        acc = _acc(x.dtype)
+        acc = accumulation_dtype(x.dtype)
         scores = torch.sigmoid(F.linear(x.to(acc), self.weight.to(acc)))
         choice = scores + self.bias.to(acc)
         n_tok, n_exp = choice.shape
@@ -307,7 +307,7 @@ class KimiK3Router(torch.nn.Module):
 
 def _rms_norm(y, weight, eps):
     """Moonshot's KimiRMSNorm: normalise in float32 (float64 for float64), then weight."""
-    z = y.to(_acc(y.dtype))
+    z = y.to(accumulation_dtype(y.dtype))
     z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)
     return weight.to(y.dtype) * z.to(y.dtype)
 
@@ -340,7 +340,7 @@ class KimiK3MoE(torch.nn.Module):
         self.norm_eps = float(norm_eps)
 
     def shared(self, x):
-        acc = _acc(x.dtype)
+        acc = accumulation_dtype(x.dtype)
         g, u = _linear(x, self.shared_gate).to(acc), _linear(x, self.shared_up).to(acc)
         act = situ(g, self.experts.beta) * clip(u, self.experts.linear_beta)
         return _linear(act.to(x.dtype), self.shared_down)
@@ -368,8 +368,7 @@ class KimiK3MoE(torch.nn.Module):
         prefix = ck.find_prefix(ckpt, layout, layer)
         base = prefix + layout.block.format(layer=layer)
         n_experts = int(config["num_experts"])
-        e0, e1 = (0, n_experts) if expert_range is None else expert_range_of(
-            expert_range, len(range(*_pair(expert_range))), group, subset_without_group=True)
+        e0, e1 = (0, n_experts) if expert_range is None else parse_expert_range(expert_range)
         if not 0 <= e0 < e1 <= n_experts:
             raise ValueError(f"expert_range: expected 0 <= e0 < e1 <= {n_experts} (the "
                              f"checkpoint's experts), got {(e0, e1)}")
