@@ -18,11 +18,22 @@ a ``quantization_config`` of another class for it; :func:`from_pretrained` there
 the config and hands transformers one whose quantization config is ``"mxfp4x"``.
 :class:`Mxfp4xConfig` is written back as ``"mxfp4"`` (the format of the bytes), so what
 ``save_pretrained`` writes is a plain gpt-oss MXFP4 checkpoint.
+
+A checkpoint with dense experts (Qwen3-MoE, Mixtral, DeepSeek-style, gpt-oss in bf16)
+loads through the same door: the experts modules keep their class, and their dense
+weights become uint8 buffers that :class:`Mxfp4xQuantize` fills as transformers' loader
+hands over each layer's merged tensor; their forward becomes transformers' experts
+implementation ``"mxfp4x"`` (:func:`mxfp4x_experts_forward`, registered in its experts
+interface), so the model's own routing, activation and biases run around mxfp4x's
+kernels. Plain ``AutoModelForCausalLM.from_pretrained(path,
+quantization_config=Mxfp4xConfig())`` works for these once this module is imported.
 """
 from typing import Any, Dict, Optional
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.core_model_loading import ConversionOps
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
@@ -30,13 +41,18 @@ from transformers.quantizers.auto import (
     register_quantization_config,
     register_quantizer,
 )
+from transformers.utils import logging
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .._format import GROUP, GROUP_BYTES
+from .._api import mxfp4_experts, mxfp4_experts_slots
+from .._format import GROUP, GROUP_BYTES, accumulation_dtype
+from .._quantize import SCALE_RULES, quantize
 from ..models.gpt_oss import gpt_oss_experts
 
-__all__ = ["from_pretrained", "Mxfp4xConfig", "Mxfp4xHfQuantizer", "GptOssMxfp4Experts"]
+__all__ = ["from_pretrained", "Mxfp4xConfig", "Mxfp4xHfQuantizer", "GptOssMxfp4Experts",
+           "Mxfp4xQuantize", "mxfp4x_experts_forward"]
 
+_LOG = logging.get_logger(__name__)
 QUANT_METHOD = "mxfp4x"
 _FILE_FORMAT = "mxfp4"  # what the checkpoints we read (and write) call their format
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision",
@@ -44,28 +60,39 @@ _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "re
 
 
 class Mxfp4xConfig(QuantizationConfigMixin):
-    """Load an MXFP4 checkpoint with its experts kept MXFP4 and run by mxfp4x.
+    """Run a transformers MoE model with its experts in MXFP4 on mxfp4x.
+
+    For a checkpoint already in MXFP4 (gpt-oss as released) the experts' bytes are taken
+    as they are. For a checkpoint with dense experts (Qwen3-MoE, Mixtral, DeepSeek-style,
+    gpt-oss in bf16: every model whose experts module transformers routes through its
+    experts interface) each expert tensor is quantized to MXFP4 as it is loaded.
 
     ``num_threads``: the threads of each experts call (None: mxfp4x's default).
-    ``modules_to_not_convert``: kept from the checkpoint's config and written back.
+    ``scale_rule``: how dense weights get their E8M0 scales (``mxfp4x.quantize``:
+    ``"floor"``, OCP MX v1.0; ``"ceil"``; ``"even"``).
+    ``modules_to_not_convert``: modules left as they are (name patterns, as transformers
+    takes them); kept from an MXFP4 checkpoint's config and written back.
 
-    Serialized (``to_dict``, hence ``config.json``) as the checkpoint format,
-    ``quant_method: "mxfp4"``: the bytes saved are the released layout, readable by any
-    MXFP4 loader; mxfp4x is how they run, not a format.
+    An MXFP4 checkpoint's config is written back (``to_dict``, hence ``config.json``) as
+    the checkpoint format, ``quant_method: "mxfp4"``: the bytes saved are the released
+    layout, readable by any MXFP4 loader; mxfp4x is how they run, not a format.
     """
 
     def __init__(self, modules_to_not_convert: Optional[list] = None,
-                 num_threads: Optional[int] = None, **kwargs):
+                 num_threads: Optional[int] = None, scale_rule: str = "floor", **kwargs):
+        if scale_rule not in SCALE_RULES:
+            raise ValueError(f"scale_rule: expected one of {SCALE_RULES}, got {scale_rule!r}")
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]  # not in their enum
         self.modules_to_not_convert = modules_to_not_convert
         self.num_threads = num_threads
+        self.scale_rule = scale_rule
 
     def to_dict(self) -> Dict[str, Any]:
         return {"quant_method": _FILE_FORMAT,
                 "modules_to_not_convert": self.modules_to_not_convert}
 
     def __repr__(self) -> str:
-        return (f"Mxfp4xConfig(num_threads={self.num_threads}, "
+        return (f"Mxfp4xConfig(num_threads={self.num_threads}, scale_rule={self.scale_rule!r}, "
                 f"modules_to_not_convert={self.modules_to_not_convert})")
 
 
@@ -121,28 +148,164 @@ class GptOssMxfp4Experts(torch.nn.Module):
         return f"n_experts={e}, hidden_size={GROUP * g}, intermediate_size={two_f // 2}"
 
 
+# ---- dense experts, quantized at load -------------------------------------------------
+
+_DENSE_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def _dense_experts_modules(model, skip):
+    """(name, module) of every experts module transformers routes through its experts
+    interface (``@use_experts_implementation``: it has ``has_gate`` and
+    ``is_transposed``), whose weights are 3-D parameters, and whose name no
+    ``modules_to_not_convert`` pattern matches."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    found = []
+    for name, module in model.named_modules():
+        if not (hasattr(module, "has_gate") and hasattr(module, "is_transposed")):
+            continue
+        weights = [w for w in _DENSE_WEIGHTS if isinstance(module._parameters.get(w),
+                                                           torch.nn.Parameter)]
+        if "down_proj" in weights and len(weights) == 2 and all(
+                module._parameters[w].dim() == 3 for w in weights) and \
+                should_convert_module(name, skip):
+            found.append((name, module, weights))
+    return found
+
+
+def _mxfp4_layout(module, weight: str):
+    """(E, O, I) of a dense experts weight as mxfp4x holds it: rows O, groups along I
+    (transformers' transposed experts store (E, I, O))."""
+    e, a, b = module._parameters[weight].shape
+    return (e, b, a) if module.is_transposed else (e, a, b)
+
+
+def _swap_to_mxfp4(name, module):
+    """On the meta model: each dense experts weight becomes the uint8 buffers ``<w>``
+    (E, O, I/32, 16) and ``<w>_scales`` (E, O, I/32), filled by :class:`Mxfp4xQuantize`
+    as the checkpoint's tensors arrive; the module's forward becomes the ``"mxfp4x"``
+    experts implementation."""
+    shapes = {}
+    for weight in [w for w in _DENSE_WEIGHTS if w in module._parameters]:
+        e, o, i = _mxfp4_layout(module, weight)
+        if i % GROUP:
+            raise ValueError(f"{name}.{weight}: an input width of {i} is not a multiple of "
+                             f"{GROUP}; MXFP4 needs whole groups of {GROUP} (leave this "
+                             f"module dense with modules_to_not_convert=[{name!r}])")
+        shapes[weight] = (e, o, i)
+    for weight, (e, o, i) in shapes.items():
+        del module._parameters[weight]
+        with torch.device("meta"):
+            module.register_buffer(weight, torch.empty((e, o, i // GROUP, GROUP_BYTES),
+                                                       dtype=torch.uint8))
+            module.register_buffer(weight + "_scales", torch.empty((e, o, i // GROUP),
+                                                                   dtype=torch.uint8))
+    module._mxfp4x_weights = tuple(shapes)
+    module.config._experts_implementation_internal = QUANT_METHOD
+
+
+class Mxfp4xQuantize(ConversionOps):
+    """transformers' load-time conversion of a dense experts weight (E, O, I), or its
+    transposed (E, I, O), to MXFP4: ``<w>`` (E, O, I/32, 16) and ``<w>_scales`` (E, O,
+    I/32) uint8, one expert at a time (the peak is the dense tensor the loader built,
+    plus one expert in float64)."""
+
+    def __init__(self, hf_quantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict, model=None, **kwargs):
+        from transformers.quantizers.quantizers_utils import get_module_from_name
+
+        rule = self.hf_quantizer.quantization_config.scale_rule
+        out = {}
+        for key, value in input_dict.items():
+            dense = value[0] if isinstance(value, list) else value
+            module, weight = get_module_from_name(model, key)
+            e, o, n_groups, _ = getattr(module, weight).shape  # the meta buffer
+            i = GROUP * n_groups
+            want = (e, i, o) if module.is_transposed else (e, o, i)
+            if tuple(dense.shape) != want:
+                raise ValueError(f"{key}: expected a dense tensor of shape {want}, got "
+                                 f"{tuple(dense.shape)}")
+            blocks = torch.empty((e, o, i // GROUP, GROUP_BYTES), dtype=torch.uint8)
+            scales = torch.empty((e, o, i // GROUP), dtype=torch.uint8)
+            for x in range(e):
+                w = dense[x].t() if module.is_transposed else dense[x]
+                blocks[x], scales[x] = quantize(w.contiguous(), scale_rule=rule)
+            out[key], out[key + "_scales"] = blocks, scales
+            del dense
+        return out
+
+
+def mxfp4x_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts interface ``"mxfp4x"``: the forward of any experts module
+    decorated with ``@use_experts_implementation`` (gated or not, concatenated or
+    interleaved gate/up through the module's own ``_apply_gate``, biases, a post-expert
+    norm), its weights MXFP4 (``<w>`` / ``<w>_scales`` uint8 buffers). Accumulates in
+    float32 (float64 for float64) and returns the hidden states' dtype."""
+    if not hasattr(self, "_mxfp4x_weights"):
+        raise ValueError(f"experts_implementation 'mxfp4x': {type(self).__name__} holds "
+                         f"dense weights; load the model with quantization_config="
+                         f"Mxfp4xConfig() (mxfp4x.integrations.transformers.from_pretrained)")
+    if getattr(self, "_is_expert_parallel", False):
+        raise NotImplementedError("experts_implementation 'mxfp4x' does not run transformers' "
+                                  "expert parallelism; use mxfp4x.distributed")
+    threads = getattr(self, "_mxfp4x_threads", None)
+    up = "gate_up_proj" if self.has_gate else "up_proj"
+    h = mxfp4_experts_slots(hidden_states, getattr(self, up), getattr(self, up + "_scales"),
+                            top_k_index, num_threads=threads)
+    acc = accumulation_dtype(h.dtype)
+    h = h.to(acc)
+    if self.has_bias:
+        h = h + getattr(self, up + "_bias").to(acc)[top_k_index]
+    act = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    weights = top_k_weights.to(acc)
+    if getattr(self, "has_post_expert_norm", False):
+        y = mxfp4_experts_slots(act, self.down_proj, self.down_proj_scales, top_k_index,
+                                num_threads=threads).to(acc)
+        if self.has_bias:
+            y = y + self.down_proj_bias.to(acc)[top_k_index]
+        out = (self.post_expert_norm(y).to(acc) * weights.unsqueeze(-1)).sum(1)
+    else:
+        if self.has_bias:
+            shared = (weights.unsqueeze(-1) * self.down_proj_bias.to(acc)[top_k_index]).sum(1)
+        else:
+            shared = act.new_zeros((act.shape[0], self.down_proj.shape[1]))
+        out = mxfp4_experts(act, self.down_proj, self.down_proj_scales, top_k_index, weights,
+                            shared, num_threads=threads)
+    return out.to(hidden_states.dtype)
+
+
+ALL_EXPERTS_FUNCTIONS.register(QUANT_METHOD, mxfp4x_experts_forward)
+
+
 class Mxfp4xHfQuantizer(HfQuantizer):
-    """transformers' quantizer of the ``"mxfp4x"`` method: swaps the experts modules of the
-    meta-device model for :class:`GptOssMxfp4Experts` before the weights are read; nothing
-    is converted while loading (the modules take the checkpoint's tensors as they are)."""
+    """transformers' quantizer of the ``"mxfp4x"`` method.
+
+    An MXFP4 checkpoint (gpt-oss): the experts modules of the meta-device model become
+    :class:`GptOssMxfp4Experts` before the weights are read; nothing is converted while
+    loading (the modules take the checkpoint's tensors as they are).
+
+    A dense checkpoint: every experts module transformers routes through its experts
+    interface keeps its class, its biases and its activation; its weights become uint8
+    buffers filled by :class:`Mxfp4xQuantize` as the loader hands over each merged
+    tensor, and its forward becomes :func:`mxfp4x_experts_forward`."""
 
     requires_calibration = False
     quantization_config: Mxfp4xConfig
 
-    def __init__(self, quantization_config, **kwargs):
-        super().__init__(quantization_config, **kwargs)
-        if not self.pre_quantized:
-            raise ValueError("mxfp4x loads checkpoints already in MXFP4 (e.g. gpt-oss); it "
-                             "does not quantize dense weights at load")
-
     def _process_model_before_weight_loading(self, model, **kwargs):
+        if not self.pre_quantized:
+            return self._dense_before_loading(model)
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as HfExperts
 
         config = model.config.get_text_config()
         found = [(name, m) for name, m in model.named_modules() if isinstance(m, HfExperts)]
         if not found:
-            raise ValueError(f"mxfp4x: no gpt-oss experts in {type(model).__name__}; the "
-                             f"transformers integration supports gpt-oss models only")
+            raise ValueError(f"mxfp4x: no gpt-oss experts in {type(model).__name__}; an "
+                             f"MXFP4 checkpoint loads for gpt-oss models (dense checkpoints "
+                             f"of other MoE models are quantized at load)")
         for name, module in found:
             with torch.device("meta"):
                 new = GptOssMxfp4Experts(config, bias_dtype=module.gate_up_proj_bias.dtype,
@@ -150,8 +313,36 @@ class Mxfp4xHfQuantizer(HfQuantizer):
             model.set_submodule(name, new)
         return model
 
+    def _dense_before_loading(self, model):
+        found = _dense_experts_modules(model, self.quantization_config.modules_to_not_convert)
+        if not found:
+            raise ValueError(f"mxfp4x: no experts module in {type(model).__name__} that "
+                             f"transformers routes through its experts interface "
+                             f"(@use_experts_implementation); nothing to quantize")
+        for name, module, _ in found:
+            _swap_to_mxfp4(name, module)
+            module._mxfp4x_threads = self.quantization_config.num_threads
+        return model
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        if self.pre_quantized:
+            return False
+        from transformers.quantizers.quantizers_utils import get_module_from_name
+
+        module, name = get_module_from_name(model, param_name)
+        return name in getattr(module, "_mxfp4x_weights", ())
+
+    def get_quantize_ops(self):
+        return Mxfp4xQuantize(self)
+
     def is_serializable(self):
-        return True
+        # quantized at load, the experts would have to be written in a layout of our own
+        # that no loader reads; an MXFP4 checkpoint is written back as it came
+        if not self.pre_quantized:
+            _LOG.warning("mxfp4x: experts quantized at load are not saved (no MXFP4 layout "
+                         "for them is read by other loaders); save the dense checkpoint and "
+                         "quantize again at load")
+        return self.pre_quantized
 
     @property
     def is_trainable(self) -> bool:
@@ -170,13 +361,19 @@ if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
 
 def from_pretrained(pretrained_model_name_or_path, *model_args,
                     num_threads: Optional[int] = None, **kwargs):
-    """A gpt-oss MXFP4 checkpoint (a folder or a Hub id) as a transformers
-    ``AutoModelForCausalLM`` whose experts stay MXFP4 and run on mxfp4x.
+    """A transformers ``AutoModelForCausalLM`` whose MoE experts are MXFP4 and run on
+    mxfp4x, from a folder or a Hub id.
+
+    * an MXFP4 checkpoint (gpt-oss as released, ``quant_method: "mxfp4"``): the expert
+      bytes go from the file into uint8 buffers; no dense copy of an expert is ever made;
+    * a checkpoint with dense experts (Qwen3-MoE, Mixtral, DeepSeek-style, gpt-oss bf16,
+      any model whose experts module transformers routes through its experts interface):
+      each layer's experts are quantized to MXFP4 as the loader hands them over
+      (``mxfp4x.quantize``, the scale rule of ``Mxfp4xConfig(scale_rule=...)``).
 
     ``kwargs`` go to transformers' ``from_pretrained`` (``dtype``/``torch_dtype``,
     ``revision``, ``config``, ...); ``num_threads`` (or ``quantization_config=
-    Mxfp4xConfig(num_threads=...)``) sets the threads of each experts call. The expert
-    bytes go from the file into uint8 buffers; no dense copy of an expert is ever made.
+    Mxfp4xConfig(num_threads=...)``) sets the threads of each experts call.
     """
     qc = kwargs.pop("quantization_config", None)
     if qc is not None and not isinstance(qc, Mxfp4xConfig):
@@ -186,19 +383,23 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
     if config is None:
         hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
         config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub)
+    threads = num_threads if num_threads is not None else getattr(qc, "num_threads", None)
     found = getattr(config, "quantization_config", None)
-    if found is None:
-        raise ValueError(f"{pretrained_model_name_or_path}: its config has no "
-                         f"quantization_config; expected an MXFP4 checkpoint (quant_method "
-                         f"'mxfp4', as gpt-oss is released)")
+    if found is None:  # dense experts: quantized at load
+        dense = Mxfp4xConfig(num_threads=threads,
+                             scale_rule=getattr(qc, "scale_rule", "floor"),
+                             modules_to_not_convert=getattr(qc, "modules_to_not_convert", None))
+        return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args,
+                                                    config=config, quantization_config=dense,
+                                                    **kwargs)
     method = found.get("quant_method") if isinstance(found, dict) else found.quant_method
     method = getattr(method, "value", method)
     if method not in (_FILE_FORMAT, QUANT_METHOD):
         raise ValueError(f"{pretrained_model_name_or_path}: quant_method {method!r}; mxfp4x "
-                         f"loads MXFP4 checkpoints (quant_method 'mxfp4')")
+                         f"loads MXFP4 checkpoints (quant_method 'mxfp4') and checkpoints "
+                         f"with dense experts")
     skip = (found.get("modules_to_not_convert") if isinstance(found, dict)
             else getattr(found, "modules_to_not_convert", None))
-    threads = num_threads if num_threads is not None else getattr(qc, "num_threads", None)
     # a dict, as config.json holds it: transformers dispatches on its quant_method
     config.quantization_config = {"quant_method": QUANT_METHOD, "num_threads": threads,
                                   "modules_to_not_convert": skip}

@@ -197,10 +197,11 @@ def test_torch_compile_forward(models, backend):
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
-def test_refuses_a_checkpoint_that_is_not_mxfp4(tmp_path):
+def test_refuses_a_checkpoint_quantized_otherwise(tmp_path):
     config = transformers.GptOssConfig(**SIZES)
+    config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="quantization_config"):
+    with pytest.raises(ValueError, match="quant_method 'fp8'"):
         mxt.from_pretrained(str(tmp_path))
 
 

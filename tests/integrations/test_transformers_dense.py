@@ -1,0 +1,228 @@
+"""Dense-expert MoE checkpoints (Qwen3-MoE, Mixtral, gpt-oss in bf16) quantized to MXFP4 as
+transformers loads them: small random models of the public shapes, against transformers'
+own forward on the same dequantized weights (must agree within 1e-5 of max|logit|) and on
+the dense weights (the quality cost of MXFP4, reported and bounded)."""
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs Hugging Face transformers")
+pytest.importorskip("accelerate", reason="transformers' loader wants accelerate")
+
+from safetensors import safe_open  # noqa: E402  (transformers' dependency)
+
+import mxfp4x  # noqa: E402
+import mxfp4x.integrations.transformers as mxt  # noqa: E402
+
+SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+FAMILIES = {
+    # per-expert tensors in the file, merged by transformers' loader (gate;up concatenated)
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SMALL, intermediate_size=96, moe_intermediate_size=64, num_experts=5,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **SMALL, intermediate_size=96, num_local_experts=5, num_experts_per_tok=2),
+    # transposed (E, in, out) tensors, gate/up interleaved, biases, a clamped activation
+    "gpt_oss_bf16": lambda: transformers.GptOssConfig(
+        **SMALL, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+}
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    """A random model of the family saved in bf16, as such checkpoints are released."""
+    config = FAMILIES[request.param]()
+    torch.manual_seed(sum(map(ord, request.param)))
+    model = _quiet(transformers.AutoModelForCausalLM.from_config, config)  # N(0, 0.02)
+    folder = tmp_path_factory.mktemp(request.param)
+    _quiet(model.to(torch.bfloat16).save_pretrained, folder)
+    return request.param, str(folder)
+
+
+def _experts(model):
+    return [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+
+
+def _dequantized_dense(path, ours, dtype=torch.float32):
+    """transformers' own model of the checkpoint with every expert weight replaced by the
+    dequantization of the bytes ours holds."""
+    dense = _quiet(transformers.AutoModelForCausalLM.from_pretrained, path, dtype=dtype)
+    with torch.no_grad():
+        for mine, theirs in zip(_experts(ours), _experts(dense), strict=True):
+            for w in mine._mxfp4x_weights:
+                q = mxfp4x.dequantize(getattr(mine, w), getattr(mine, w + "_scales"))
+                getattr(theirs, w).copy_(q.transpose(1, 2) if theirs.is_transposed else q)
+    return dense
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    family, path = checkpoint
+    ours = _quiet(mxt.from_pretrained, path, dtype=torch.float32)
+    dense = _quiet(transformers.AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32)
+    return family, path, ours, dense, _dequantized_dense(path, ours)
+
+
+def _tokens(n=12, batch=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SMALL["vocab_size"], (batch, n), generator=g)
+
+
+def test_experts_are_mxfp4_buffers(loaded):
+    family, path, ours, _, _ = loaded
+    experts = _experts(ours)
+    assert len(experts) == SMALL["num_hidden_layers"]
+    for module in experts:
+        assert set(module._mxfp4x_weights) == {"gate_up_proj", "down_proj"}
+        smallest = SMALL["hidden_size"] * 32
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            assert t.device.type == "cpu", name
+            if t.is_floating_point():
+                assert t.numel() < smallest, (family, name, tuple(t.shape))  # biases only
+            else:
+                assert t.dtype == torch.uint8, (family, name)
+        assert module.config._experts_implementation == "mxfp4x"
+    if family == "qwen3_moe":  # the file held per-expert tensors: the loader's merge ran
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            assert any(".experts.3.gate_proj.weight" in k for k in f.keys())
+
+
+def test_logits_match_the_dequantized_model_and_report_the_cost(loaded):
+    family, _, ours, dense, deq = loaded
+    ids = _tokens()
+    with torch.no_grad():
+        got, exact, want = ours(ids).logits, deq(ids).logits, dense(ids).logits
+    scale = want.abs().max().item()
+    assert (got - exact).abs().max().item() <= 1e-5 * scale
+    cost = (got - want).abs().max().item() / scale
+    rounding = (exact - want).abs().max().item() / scale
+    print(f"\n{family}: max|logit error| vs the dense model {cost:.3e} of max|logit|; the "
+          f"dequantized weights in transformers' forward: {rounding:.3e}")
+    assert 0 < cost <= rounding + 1e-5  # MXFP4 rounding explains the whole cost
+
+
+def test_greedy_generate_matches_the_dequantized_model(loaded):
+    _, _, ours, _, deq = loaded
+    ids = _tokens(n=5, batch=1, seed=2)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kw), deq.generate(ids, **kw))
+
+
+def test_gradient_of_the_input_embeddings_matches(loaded):
+    _, _, ours, _, deq = loaded
+    ids = _tokens(seed=4)
+    grads = []
+    for model in (ours, deq):
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        model(inputs_embeds=emb).logits.square().sum().backward()
+        grads.append(emb.grad)
+        model.zero_grad(set_to_none=True)
+    got, want = grads
+    assert want.abs().max() > 0
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_bf16_model_runs_and_plain_transformers_takes_the_config(checkpoint):
+    _, path = checkpoint
+    model = _quiet(transformers.AutoModelForCausalLM.from_pretrained, path,
+                   dtype=torch.bfloat16, quantization_config=mxt.Mxfp4xConfig(num_threads=1))
+    assert all(m.gate_up_proj.dtype == torch.uint8 for m in _experts(model))
+    with torch.no_grad():
+        out = model(_tokens()).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_scale_rule_and_modules_to_not_convert(checkpoint):
+    _, path = checkpoint
+    ceil = _quiet(mxt.from_pretrained, path, quantization_config=mxt.Mxfp4xConfig(
+        scale_rule="ceil", modules_to_not_convert=["model.layers.1"]))
+    first, second = _experts(ceil)
+    floor = _experts(_quiet(mxt.from_pretrained, path))[0]
+    assert first.gate_up_proj.dtype == torch.uint8
+    assert not torch.equal(first.gate_up_proj_scales, floor.gate_up_proj_scales)
+    assert second.gate_up_proj.is_floating_point()  # left dense, transformers' forward
+    assert second.config._experts_implementation == "mxfp4x"  # shared config: the forward
+    with torch.no_grad():  # of a dense module under "mxfp4x" must not run silently
+        with pytest.raises(ValueError, match="dense weights"):
+            ceil(_tokens())
+    with pytest.raises(ValueError, match="scale_rule"):
+        mxt.Mxfp4xConfig(scale_rule="nearest")
+
+
+def test_save_pretrained_refuses_and_says_why(loaded, tmp_path):
+    _, _, ours, _, _ = loaded
+    with pytest.raises(ValueError, match="not serializable"):
+        ours.save_pretrained(tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_width_that_is_not_whole_groups_is_refused(tmp_path):
+    config = transformers.Qwen3MoeConfig(**{**SMALL, "hidden_size": 48}, intermediate_size=96,
+                                         moe_intermediate_size=64, num_experts=3,
+                                         num_experts_per_tok=2, mlp_only_layers=[])
+    _quiet(transformers.AutoModelForCausalLM.from_config(config).save_pretrained, tmp_path)
+    with pytest.raises(ValueError, match="multiple of 32.*modules_to_not_convert"):
+        _quiet(mxt.from_pretrained, str(tmp_path))
+
+
+_MEMORY_PROBE = r"""
+import json, resource, sys, warnings
+import torch
+warnings.simplefilter("ignore")
+path, mode = sys.argv[1], sys.argv[2]
+if mode == "mxfp4x":
+    import mxfp4x.integrations.transformers as mxt
+    model = mxt.from_pretrained(path, dtype=torch.float32)
+else:
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+with torch.no_grad():
+    model(torch.arange(16).reshape(1, 16))
+experts = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
+              if ".experts." in n)
+print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "experts": experts}))
+"""
+
+
+def test_peak_memory_against_transformers_dense(tmp_path):
+    """A Qwen3-MoE-shaped model with 32 experts of 1024 x 768 in 2 layers (151 MB of bf16
+    experts per layer, 302 MB as transformers holds them in fp32): loading quantized
+    needs about one dense layer more than the MXFP4 model, not the dense model."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=768,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+        num_experts=32, num_experts_per_tok=4, mlp_only_layers=[],
+        max_position_embeddings=64)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = _quiet(transformers.AutoModelForCausalLM.from_config, config,
+                       dtype=torch.bfloat16)
+    _quiet(model.save_pretrained, tmp_path)
+    del model
+    found = {}
+    for mode in ("mxfp4x", "transformers"):
+        run = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(tmp_path), mode],
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        found[mode] = json.loads(run.stdout.strip().splitlines()[-1])
+    ours, theirs = found["mxfp4x"], found["transformers"]
+    layer_dense_fp32 = theirs["experts"] // config.num_hidden_layers
+    print(f"\npeak RSS of load + one forward: mxfp4x {ours['peak'] / 2**20:.0f} MiB "
+          f"(experts {ours['experts'] / 2**20:.0f} MiB MXFP4), transformers "
+          f"{theirs['peak'] / 2**20:.0f} MiB (experts {theirs['experts'] / 2**20:.0f} MiB fp32)")
+    assert ours["experts"] * 7 < theirs["experts"]  # 4.25 bits against 32
+    assert ours["peak"] < theirs["peak"] - layer_dense_fp32  # at least a dense layer less
