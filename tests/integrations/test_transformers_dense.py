@@ -183,6 +183,14 @@ import json, resource, sys, warnings
 import torch
 warnings.simplefilter("ignore")
 path, mode = sys.argv[1], sys.argv[2]
+
+
+def rss():
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize()
+
+
+before = rss()
 if mode == "mxfp4x":
     import mxfp4x.integrations.transformers as mxt
     model = mxt.from_pretrained(path, dtype=torch.float32)
@@ -194,7 +202,7 @@ with torch.no_grad():
 experts = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
               if ".experts." in n)
 print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "experts": experts}))
+                  "experts": experts, "before": before, "after": rss()}))
 """
 
 
@@ -220,9 +228,12 @@ def test_peak_memory_against_transformers_dense(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         found[mode] = json.loads(run.stdout.strip().splitlines()[-1])
     ours, theirs = found["mxfp4x"], found["transformers"]
-    layer_dense_fp32 = theirs["experts"] // config.num_hidden_layers
-    print(f"\npeak RSS of load + one forward: mxfp4x {ours['peak'] / 2**20:.0f} MiB "
-          f"(experts {ours['experts'] / 2**20:.0f} MiB MXFP4), transformers "
-          f"{theirs['peak'] / 2**20:.0f} MiB (experts {theirs['experts'] / 2**20:.0f} MiB fp32)")
+    mib = {k: {q: v / 2**20 for q, v in d.items()} for k, d in found.items()}
+    for k, d in mib.items():
+        print(f"\n{k}: RSS {d['before']:.0f} MiB after imports, {d['after']:.0f} MiB after load "
+              f"and one forward, peak {d['peak']:.0f} MiB; experts {d['experts']:.0f} MiB")
     assert ours["experts"] * 7 < theirs["experts"]  # 4.25 bits against 32
-    assert ours["peak"] < theirs["peak"] - layer_dense_fp32  # at least a dense layer less
+    # held after loading: the dense experts' difference, less the page cache of the file
+    assert ours["after"] - ours["before"] < theirs["after"] - theirs["before"] - \
+        (theirs["experts"] - ours["experts"]) // 2
+    assert ours["peak"] < theirs["peak"]
