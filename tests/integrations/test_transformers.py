@@ -212,3 +212,23 @@ def test_importing_mxfp4x_does_not_import_transformers():
     code = ("import sys, mxfp4x, mxfp4x.integrations; "
             "assert 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow  # ~1 min: transformers' own load dequantizes 6 GB on the CPU
+def test_peak_memory_at_real_width(tmp_path):
+    """gpt-oss-20b's widths (hidden 2880, intermediate 2880, 32 experts) in 2 layers with a
+    small vocabulary: load + one forward stays under the packed experts + 1.5 GB; what
+    transformers' own load needs is printed beside it."""
+    from memory_probe import measure, report
+
+    from mxfp4x.testing.gpt_oss import write_gpt_oss_model
+
+    write_gpt_oss_model(str(tmp_path), num_hidden_layers=2, vocab_size=1024)
+    found = {"mxfp4x": measure(tmp_path, "mxfp4x", "bfloat16"),
+             "transformers": measure(tmp_path, "transformers", "bfloat16")}
+    report(found)
+    ours, theirs = found["mxfp4x"], found["transformers"]
+    packed = 2 * 32 * (2 * 2880 + 2880) * 90 * 17
+    assert ours["experts"] >= packed
+    assert ours["peak"] - ours["before"] < packed + 1.5 * 2**30
+    assert theirs["peak"] > ours["peak"] + 2 * packed  # dequantized: 4x the bytes or more

@@ -2,10 +2,7 @@
 transformers loads them: small random models of the public shapes, against transformers'
 own forward on the same dequantized weights (must agree within 1e-5 of max|logit|) and on
 the dense weights (the quality cost of MXFP4, reported and bounded)."""
-import json
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -14,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs Hugging Face transformers")
 pytest.importorskip("accelerate", reason="transformers' loader wants accelerate")
 
+from memory_probe import measure, report  # noqa: E402  (tests/)
 from safetensors import safe_open  # noqa: E402  (transformers' dependency)
 
 import mxfp4x  # noqa: E402
@@ -178,34 +176,6 @@ def test_a_width_that_is_not_whole_groups_is_refused(tmp_path):
         _quiet(mxt.from_pretrained, str(tmp_path))
 
 
-_MEMORY_PROBE = r"""
-import json, resource, sys, warnings
-import torch
-warnings.simplefilter("ignore")
-path, mode = sys.argv[1], sys.argv[2]
-
-
-def rss():
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * resource.getpagesize()
-
-
-before = rss()
-if mode == "mxfp4x":
-    import mxfp4x.integrations.transformers as mxt
-    model = mxt.from_pretrained(path, dtype=torch.float32)
-else:
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-with torch.no_grad():
-    model(torch.arange(16).reshape(1, 16))
-experts = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
-              if ".experts." in n)
-print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "experts": experts, "before": before, "after": rss()}))
-"""
-
-
 def test_peak_memory_against_transformers_dense(tmp_path):
     """A Qwen3-MoE-shaped model with 32 experts of 1024 x 768 in 2 layers (151 MB of bf16
     experts per layer, 302 MB as transformers holds them in fp32): loading quantized
@@ -221,17 +191,9 @@ def test_peak_memory_against_transformers_dense(tmp_path):
                        dtype=torch.bfloat16)
     _quiet(model.save_pretrained, tmp_path)
     del model
-    found = {}
-    for mode in ("mxfp4x", "transformers"):
-        run = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(tmp_path), mode],
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
-        found[mode] = json.loads(run.stdout.strip().splitlines()[-1])
+    found = {mode: measure(tmp_path, mode) for mode in ("mxfp4x", "transformers")}
+    report(found)
     ours, theirs = found["mxfp4x"], found["transformers"]
-    mib = {k: {q: v / 2**20 for q, v in d.items()} for k, d in found.items()}
-    for k, d in mib.items():
-        print(f"\n{k}: RSS {d['before']:.0f} MiB after imports, {d['after']:.0f} MiB after load "
-              f"and one forward, peak {d['peak']:.0f} MiB; experts {d['experts']:.0f} MiB")
     assert ours["experts"] * 7 < theirs["experts"]  # 4.25 bits against 32
     # held after loading: the dense experts' difference, less the page cache of the file
     assert ours["after"] - ours["before"] < theirs["after"] - theirs["before"] - \
