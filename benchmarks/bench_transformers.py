@@ -1,0 +1,240 @@
+"""gpt-oss-20b in Hugging Face transformers on a CPU, experts kept MXFP4 on mxfp4x, beside
+transformers' own path (which dequantizes the experts at load).
+
+    python benchmarks/bench_transformers.py [--folder DIR] [--json out.json]
+
+writes (once) a checkpoint of gpt-oss-20b's configuration with random weights in the
+released layout (13 GB, streamed to disk one tensor at a time), then, each measurement in
+a fresh process:
+
+* mxfp4x, all 24 layers: load time, peak RSS, prefill tokens/s at 128 and 512 tokens,
+  decode tokens/s over 32 tokens, and where a decode step's time goes (the experts, the
+  attention, the rest: router, norms, embeddings, the 201088-wide head);
+* transformers' own load and mxfp4x at the largest layer count whose dequantized experts
+  fit this machine's memory, and transformers' figures scaled per layer to 24 layers
+  (labelled "scaled": its experts and attention times per layer times 24, plus its rest).
+
+Under pytest (``pytest benchmarks``) one case runs the same measurements on a tiny model
+with ``MXFP4X_BENCH_SMALL=1`` (CI's smoke run), the full run otherwise.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import warnings
+
+TOTAL_LAYERS = 24
+PREFILL = (128, 512)
+DECODE = 32
+SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_local_experts=4,
+             vocab_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             sliding_window=8)
+
+
+def say(*parts):
+    print(*parts, flush=True)
+
+
+def _rss_peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _Clock:
+    """Wall time spent inside modules of two kinds (forward hooks), per forward."""
+
+    def __init__(self, model):
+        self.spent = {"experts": 0.0, "attention": 0.0}
+        self._start = {}
+        for name, module in model.named_modules():
+            kind = ("experts" if name.endswith("mlp.experts") else
+                    "attention" if name.endswith("self_attn") else None)
+            if kind is not None:
+                module.register_forward_pre_hook(self._enter(name))
+                module.register_forward_hook(self._leave(name, kind))
+
+    def _enter(self, name):
+        def hook(module, args):
+            self._start[name] = time.perf_counter()
+        return hook
+
+    def _leave(self, name, kind):
+        def hook(module, args, out):
+            self.spent[kind] += time.perf_counter() - self._start.pop(name)
+        return hook
+
+    def reset(self):
+        self.spent = dict.fromkeys(self.spent, 0.0)
+
+
+def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECODE):
+    """One process's figures: load ``folder`` with ``layers`` layers through ``mode``
+    (``mxfp4x`` or ``transformers``) and time prefills and a greedy decode."""
+    import torch
+    import transformers
+
+    warnings.simplefilter("ignore")
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.from_pretrained(folder)
+    config.num_hidden_layers = layers
+    config.layer_types = config.layer_types[:layers]
+    kwargs = dict(config=config, dtype=getattr(torch, dtype))
+    t0 = time.perf_counter()
+    if mode == "mxfp4x":
+        import mxfp4x.integrations.transformers as mxt
+        model = mxt.from_pretrained(folder, **kwargs)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    load_s = time.perf_counter() - t0
+    load_peak = _rss_peak()
+    model.eval()
+    clock = _Clock(model)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    out = {"mode": mode, "layers": layers, "dtype": dtype, "load_s": load_s,
+           "load_peak_bytes": load_peak, "threads": torch.get_num_threads()}
+    with torch.no_grad():
+        model(torch.randint(0, vocab, (1, 8), generator=gen), logits_to_keep=1)  # warm-up
+        for n in prefill:
+            ids = torch.randint(0, vocab, (1, n), generator=gen)
+            t0 = time.perf_counter()
+            model(ids, use_cache=True, logits_to_keep=1)
+            out[f"prefill_{n}_tok_s"] = n / (time.perf_counter() - t0)
+        ids = torch.randint(0, vocab, (1, prefill[0]), generator=gen)
+        step = model(ids, use_cache=True, logits_to_keep=1)
+        cache, token = step.past_key_values, step.logits[:, -1].argmax(-1, keepdim=True)
+        clock.reset()
+        t0 = time.perf_counter()
+        for _ in range(decode):
+            step = model(token, past_key_values=cache, use_cache=True)
+            cache, token = step.past_key_values, step.logits[:, -1].argmax(-1, keepdim=True)
+        total = time.perf_counter() - t0
+    out["decode_tok_s"] = decode / total
+    per_step = {k: v / decode for k, v in clock.spent.items()}
+    per_step["rest"] = total / decode - sum(per_step.values())
+    out["decode_step_s"] = {"total": total / decode, **per_step}
+    out["peak_bytes"] = _rss_peak()
+    return out
+
+
+def _in_process(folder, mode, layers, **kw):
+    """``measure`` in a fresh process (its own peak RSS)."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_transformers as b; "
+            "print(json.dumps(b.measure(*sys.argv[2:4], int(sys.argv[4]), **json.loads("
+            "sys.argv[5]))))")
+    run = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(
+        __file__)), folder, mode, str(layers), json.dumps(kw)], capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"{mode} with {layers} layers failed:\n{run.stderr[-4000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _available_bytes():
+    with open("/proc/meminfo") as fh:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in fh}
+    return info["MemAvailable"]
+
+
+def baseline_layers(config, dtype_bytes=2):
+    """The most layers whose dequantized experts (and a load-time copy of one layer)
+    fit in 60% of the memory available now, at least 1."""
+    e, h, f = config["num_local_experts"], config["hidden_size"], config["intermediate_size"]
+    per_layer = e * 3 * h * f * dtype_bytes
+    dense = 2 * config["vocab_size"] * h * dtype_bytes
+    return max(1, min(TOTAL_LAYERS, int((0.6 * _available_bytes() - dense) // per_layer) - 1))
+
+
+def scaled(result, layers):
+    """transformers' figures at ``result['layers']`` scaled per layer to ``layers``: the
+    experts' and attention's times per layer times ``layers``, plus the rest as measured."""
+    k = layers / result["layers"]
+    step = result["decode_step_s"]
+    new = {"experts": step["experts"] * k, "attention": step["attention"] * k,
+           "rest": step["rest"]}
+    new["total"] = sum(new.values())
+    return {"mode": "transformers (scaled)", "layers": layers,
+            "decode_tok_s": 1 / new["total"], "decode_step_s": new}
+
+
+def table(rows):
+    lines = [f"{'path':<24}{'layers':>7}{'load s':>8}{'peak GiB':>9}{'prefill 128':>12}"
+             f"{'prefill 512':>12}{'decode':>8}   decode step ms: experts / attention / rest",
+             f"{'':<24}{'':>7}{'':>8}{'':>9}{'tok/s':>12}{'tok/s':>12}{'tok/s':>8}"]
+    for r in rows:
+        s = r["decode_step_s"]
+
+        def num(key, fmt, r=r):
+            return format(r[key], fmt) if key in r else "-"
+        peak = format(r["peak_bytes"] / 2**30, ".2f") if "peak_bytes" in r else "-"
+        lines.append(f"{r['mode']:<24}{r['layers']:>7}{num('load_s', '.1f'):>8}{peak:>9}"
+                     f"{num('prefill_128_tok_s', '.1f'):>12}{num('prefill_512_tok_s', '.1f'):>12}"
+                     f"{r['decode_tok_s']:>8.2f}   {1e3 * s['experts']:.1f} / "
+                     f"{1e3 * s['attention']:.1f} / {1e3 * s['rest']:.1f}")
+    return "\n".join(lines)
+
+
+def run(folder, layers=TOTAL_LAYERS, base=None, small=False):
+    """Write the checkpoint if ``folder`` has none, measure, return the rows."""
+    from mxfp4x.testing.gpt_oss import write_gpt_oss_model
+    from mxfp4x.testing.roofline import cpu_model
+
+    sizes = SMALL if small else {}
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        say(f"writing a random gpt-oss checkpoint to {folder}")
+        write_gpt_oss_model(folder, progress=lambda d, n: say(f"  file {d}/{n} written"),
+                            **sizes)
+    with open(os.path.join(folder, "config.json")) as fh:
+        config = json.load(fh)
+    layers = min(layers, config["num_hidden_layers"])
+    base = base or (layers if small else baseline_layers(config))
+    measure_kw = dict(prefill=(16, 32), decode=4) if small else {}
+    rows = []
+    for mode, n in (("mxfp4x", layers), ("mxfp4x", base), ("transformers", base)):
+        if rows and n == layers and mode == "mxfp4x":
+            continue
+        say(f"measuring {mode} with {n} layers")
+        rows.append(_in_process(folder, mode, n, **measure_kw))
+        say(table(rows[-1:]).splitlines()[-1])
+    if base < layers:
+        rows.append(scaled(rows[-1], layers))
+    say(f"\nCPU: {cpu_model().get('model', '?')}; {rows[0]['threads']} threads; "
+        f"{rows[0]['dtype']} model")
+    say(table(rows))
+    return rows
+
+
+def test_transformers_end_to_end(benchmark, tmp_path):
+    small = os.environ.get("MXFP4X_BENCH_SMALL") == "1"
+    folder = str(tmp_path / "gpt-oss") if small else os.environ.get(
+        "MXFP4X_GPT_OSS_FOLDER", os.path.join(os.path.expanduser("~"), ".cache",
+                                             "mxfp4x-gpt-oss-20b-random"))
+    rows = benchmark.pedantic(run, args=(folder,), kwargs=dict(small=small), rounds=1)
+    ours = rows[0]
+    assert ours["mode"] == "mxfp4x" and ours["decode_tok_s"] > 0
+    assert min(ours["decode_step_s"].values()) >= 0
+    benchmark.extra_info.update({"rows": rows})
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--folder", default=os.path.join(os.path.expanduser("~"), ".cache",
+                                                    "mxfp4x-gpt-oss-20b-random"),
+                   help="where the random checkpoint is (written there if absent)")
+    p.add_argument("--layers", type=int, default=TOTAL_LAYERS,
+                   help="layers of the mxfp4x run (default: all 24)")
+    p.add_argument("--baseline-layers", type=int, default=None,
+                   help="layers of transformers' own run (default: the most that fit)")
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    args = p.parse_args(argv)
+    rows = run(args.folder, args.layers, args.baseline_layers)
+    if args.json:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from mxfp4x._io import atomic_write
+        with atomic_write(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
