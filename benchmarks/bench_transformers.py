@@ -7,7 +7,8 @@ writes (once) a checkpoint of gpt-oss-20b's configuration with random weights in
 released layout (13 GB, streamed to disk one tensor at a time), then, each measurement in
 a fresh process:
 
-* mxfp4x, all 24 layers: load time, peak RSS, prefill tokens/s at 128 and 512 tokens,
+* mxfp4x, all 24 layers: load time (``from_pretrained``, then the first forward, which
+  reads what transformers mapped lazily), peak RSS, prefill tokens/s at 128 and 512 tokens,
   decode tokens/s over 32 tokens, and where a decode step's time goes (the experts, the
   attention, the rest: router, norms, embeddings, the 201088-wide head);
 * transformers' own load and mxfp4x at the largest layer count whose dequantized experts
@@ -96,7 +97,10 @@ def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECO
     out = {"mode": mode, "layers": layers, "dtype": dtype, "load_s": load_s,
            "load_peak_bytes": load_peak, "threads": torch.get_num_threads()}
     with torch.no_grad():
-        model(torch.randint(0, vocab, (1, 8), generator=gen), logits_to_keep=1)  # warm-up
+        # the first forward reads the weights transformers mapped lazily: part of loading
+        t0 = time.perf_counter()
+        model(torch.randint(0, vocab, (1, 8), generator=gen), logits_to_keep=1)
+        out["first_forward_s"] = time.perf_counter() - t0
         for n in prefill:
             ids = torch.randint(0, vocab, (1, n), generator=gen)
             t0 = time.perf_counter()
@@ -159,16 +163,18 @@ def scaled(result, layers):
 
 
 def table(rows):
-    lines = [f"{'path':<24}{'layers':>7}{'load s':>8}{'peak GiB':>9}{'prefill 128':>12}"
-             f"{'prefill 512':>12}{'decode':>8}   decode step ms: experts / attention / rest",
-             f"{'':<24}{'':>7}{'':>8}{'':>9}{'tok/s':>12}{'tok/s':>12}{'tok/s':>8}"]
+    lines = [f"{'path':<24}{'layers':>7}{'load s':>8}{'1st s':>7}{'peak GiB':>9}"
+             f"{'prefill 128':>12}{'prefill 512':>12}{'decode':>8}   decode step ms: "
+             f"experts / attention / rest",
+             f"{'':<24}{'':>7}{'':>8}{'':>7}{'':>9}{'tok/s':>12}{'tok/s':>12}{'tok/s':>8}"]
     for r in rows:
         s = r["decode_step_s"]
 
         def num(key, fmt, r=r):
             return format(r[key], fmt) if key in r else "-"
         peak = format(r["peak_bytes"] / 2**30, ".2f") if "peak_bytes" in r else "-"
-        lines.append(f"{r['mode']:<24}{r['layers']:>7}{num('load_s', '.1f'):>8}{peak:>9}"
+        lines.append(f"{r['mode']:<24}{r['layers']:>7}{num('load_s', '.1f'):>8}"
+                     f"{num('first_forward_s', '.1f'):>7}{peak:>9}"
                      f"{num('prefill_128_tok_s', '.1f'):>12}{num('prefill_512_tok_s', '.1f'):>12}"
                      f"{r['decode_tok_s']:>8.2f}   {1e3 * s['experts']:.1f} / "
                      f"{1e3 * s['attention']:.1f} / {1e3 * s['rest']:.1f}")
