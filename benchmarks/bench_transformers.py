@@ -7,8 +7,8 @@ writes (once) a checkpoint of gpt-oss-20b's configuration with random weights in
 released layout (13 GB, streamed to disk one tensor at a time), then, each measurement in
 a fresh process:
 
-* mxfp4x, all 24 layers: load time (``from_pretrained``, then the first forward, which
-  reads what transformers mapped lazily), peak RSS, prefill tokens/s at 128 and 512 tokens,
+* mxfp4x, all 24 layers: load time (``from_pretrained``, then a first forward of 128
+  tokens, which reads what transformers mapped lazily), peak RSS, prefill tokens/s at 128 and 512 tokens,
   decode tokens/s over 32 tokens, and where a decode step's time goes (the experts, the
   attention, the rest: router, norms, embeddings, the 201088-wide head);
 * transformers' own load and mxfp4x at the largest layer count whose dequantized experts
@@ -98,8 +98,9 @@ def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECO
            "load_peak_bytes": load_peak, "threads": torch.get_num_threads()}
     with torch.no_grad():
         # the first forward reads the weights transformers mapped lazily: part of loading
+        # (as many tokens as the first prefill, so that every expert has been read)
         t0 = time.perf_counter()
-        model(torch.randint(0, vocab, (1, 8), generator=gen), logits_to_keep=1)
+        model(torch.randint(0, vocab, (1, prefill[0]), generator=gen), logits_to_keep=1)
         out["first_forward_s"] = time.perf_counter() - t0
         for n in prefill:
             ids = torch.randint(0, vocab, (1, n), generator=gen)
