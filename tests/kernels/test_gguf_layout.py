@@ -466,3 +466,12 @@ def test_experts_table_checks_the_gguf_form():
     with pytest.raises(ValueError, match="equal row strides"):
         _cpu.Experts(np.array([[2, 1, 48, 3]], np.int64), d_out=1, n_groups=3, owner=None,
                      form="gguf")
+
+
+def test_gguf_blocks_of_is_the_inverse_of_the_conversion(rng):
+    """mxfp4x.testing's converter (used by the benchmark) against this file's own."""
+    from mxfp4x.testing.layers import gguf_blocks_of
+    blocks = gguf_blocks(rng, 2, 5, 3)
+    packed, scales = to_safetensors(blocks)
+    np.testing.assert_array_equal(gguf_blocks_of(packed, scales), blocks)
+    np.testing.assert_array_equal(oracle(gguf_blocks_of(packed, scales)), oracle(blocks))
