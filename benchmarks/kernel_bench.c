@@ -7,6 +7,8 @@
  *                                                    rows, in 48-row tiles expert after
  *                                                    expert as the driver walks them
  *                                                    (E > 1: weights stream from DRAM)
+ *   ./kernel_bench gemv_gguf ISA ROWS TOKENS GROUPS [E]  the same on GGUF block_mxfp4
+ *                                                    blocks (17 bytes per group, in place)
  *
  * Prints the best of several runs: time, GFLOP/s and, for gemv, ns and GB/s per
  * row-group (16 packed bytes + 1 scale byte). */
@@ -40,8 +42,10 @@ int main(int argc, char **argv) {
     int64_t *x_rows;
     double best = 1e30;
     int rep, reps, ki;
-    if (argc < 6 || (strcmp(argv[1], "panel") && strcmp(argv[1], "gemv"))) {
-        fprintf(stderr, "usage: %s panel|gemv ISA ROWS TOKENS GROUPS [EXPERTS]\n", argv[0]);
+    if (argc < 6 ||
+        (strcmp(argv[1], "panel") && strcmp(argv[1], "gemv") && strcmp(argv[1], "gemv_gguf"))) {
+        fprintf(stderr, "usage: %s panel|gemv|gemv_gguf ISA ROWS TOKENS GROUPS [EXPERTS]\n",
+                argv[0]);
         return 2;
     }
     for (ki = 0; ki < mxfp4x_n_kernels(); ki++)
@@ -75,22 +79,25 @@ int main(int argc, char **argv) {
                (long long)rows, (long long)tokens, (long long)d_in, best * 1e6,
                2.0 * (double)(rows * tokens * d_in) / best / 1e9);
     } else {
-        const int64_t row_bytes = groups * MXFP4X_GROUP_BYTES;
+        const int gguf = !strcmp(argv[1], "gemv_gguf");
+        const int64_t row_bytes = groups * (gguf ? MXFP4X_GGUF_BLOCK_BYTES : MXFP4X_GROUP_BYTES);
         uint8_t *blocks = (uint8_t *)xmalloc((size_t)(experts * rows * row_bytes));
         uint8_t *scales = (uint8_t *)xmalloc((size_t)(experts * rows * groups));
         for (i = 0; i < experts * rows * row_bytes; i++) blocks[i] = (uint8_t)(i * 37 + 11);
         for (i = 0; i < experts * rows * groups; i++) scales[i] = (uint8_t)(120 + i % 5);
+        if (gguf) /* every block's first byte is its scale */
+            for (i = 0; i < experts * rows * groups; i++)
+                blocks[i * MXFP4X_GGUF_BLOCK_BYTES] = scales[i];
         reps = experts > 1 ? 3 : 20;
         for (rep = 0; rep < reps; rep++) {
             const double t0 = now();
             for (r0 = 0; r0 < rows; r0 += 48)
                 for (e = 0; e < experts; e++) {
-                    mxfp4x_rows w;
-                    w.blocks = blocks + e * rows * row_bytes;
-                    w.scales = scales + e * rows * groups;
-                    w.row_stride_blocks = row_bytes;
-                    w.row_stride_scales = groups;
-                    w.n_groups = groups;
+                    const mxfp4x_rows w =
+                        gguf ? mxfp4x_rows_gguf(blocks + e * rows * row_bytes, row_bytes, groups)
+                             : mxfp4x_rows_split(blocks + e * rows * row_bytes,
+                                                 scales + e * rows * groups, row_bytes, groups,
+                                                 groups);
                     k->gemv_f32(&w, r0, r0 + 48 < rows ? r0 + 48 : rows, x, d_in, x_rows, tokens,
                                 out, 48);
                 }
@@ -98,9 +105,9 @@ int main(int argc, char **argv) {
         }
         {
             const double row_groups = (double)(experts * rows * groups);
-            printf("%s gemv rows=%lld tokens=%lld I=%lld experts=%lld: %.2f ns per row-group, "
+            printf("%s %s rows=%lld tokens=%lld I=%lld experts=%lld: %.2f ns per row-group, "
                    "%.1f GFLOP/s, %.2f GB/s\n",
-                   k->name, (long long)rows, (long long)tokens, (long long)d_in,
+                   k->name, argv[1], (long long)rows, (long long)tokens, (long long)d_in,
                    (long long)experts, best / row_groups * 1e9,
                    2.0 * row_groups * MXFP4X_GROUP * (double)tokens / best / 1e9,
                    row_groups * (MXFP4X_GROUP_BYTES + 1) / best / 1e9);

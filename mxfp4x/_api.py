@@ -27,7 +27,8 @@ def _check_device(backend, x):
                          f"{x.device}; use backend='torch' or 'auto'")
 
 
-def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike, scale_bytes: ArrayLike,
+def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike,
+                  scale_bytes: Optional[ArrayLike],
                   selected_experts: ArrayLike, mixture_weights: ArrayLike,
                   shared_output: ArrayLike, *, backend: str = "auto",
                   num_threads: Optional[int] = None, isa: Optional[str] = None
@@ -40,7 +41,12 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike, scale_byt
     lists of E per-expert tensors, packed (O, G, 16) or (O, G*16) and scales (O, G), read
     in place (a per-expert checkpoint such as Kimi K3's: nothing is stacked or copied;
     bit-identical to the stacked form).  Scales typed ``torch.float8_e8m0fnu`` are read
-    as their bytes.
+    as their bytes.  ``scale_bytes=None``: ``packed_weights`` holds llama.cpp's GGUF
+    ``block_mxfp4`` blocks, (E, O, G, 17) or a list of E (O, G, 17) / (O, G*17) tensors
+    (17 bytes per group: the E8M0 scale byte, then 16 bytes whose byte j holds element j
+    in its low nibble and j+16 in its high one), read in place (a view of a
+    memory-mapped file works; nothing is repacked or copied).  Byte 255 is NaN, as for
+    every scale.
     ``latent_tokens`` may also be (n_tokens, top_k, d_in): slot k then uses its own input
     ``latent_tokens[t, k]`` (a down projection after a per-slot activation).
 
@@ -68,7 +74,7 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike, scale_byt
 
 
 def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
-                        scale_bytes: ArrayLike, selected_experts: ArrayLike, *,
+                        scale_bytes: Optional[ArrayLike], selected_experts: ArrayLike, *,
                         backend: str = "auto", num_threads: Optional[int] = None,
                         isa: Optional[str] = None) -> torch.Tensor:
     """Per-slot outputs without the combine: ``y[t, k] = W[selected_experts[t, k]] @ x``,

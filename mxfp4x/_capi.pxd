@@ -6,6 +6,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     # ---- mxfp4x.h: format facts
     int MXFP4X_GROUP
     int MXFP4X_GROUP_BYTES
+    int MXFP4X_GGUF_BLOCK_BYTES
     int MXFP4X_E8M0_BIAS
     int MXFP4X_E8M0_NAN
     int MXFP4X_ISA_SCALAR
@@ -20,12 +21,23 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int MXFP4X_DTYPE_BF16
     int MXFP4X_DTYPE_F16
 
+    int MXFP4X_NIBBLES_PAIRS
+    int MXFP4X_NIBBLES_HALVES
+
     ctypedef struct mxfp4x_rows:
         const uint8_t *blocks
         const uint8_t *scales
         int64_t row_stride_blocks
         int64_t row_stride_scales
         int64_t n_groups
+        int64_t group_stride_blocks
+        int64_t group_stride_scales
+        int nibbles
+
+    mxfp4x_rows mxfp4x_rows_split(const uint8_t *blocks, const uint8_t *scales,
+                                  int64_t row_stride_blocks, int64_t row_stride_scales,
+                                  int64_t n_groups)
+    mxfp4x_rows mxfp4x_rows_gguf(const uint8_t *base, int64_t row_stride, int64_t n_groups)
 
     ctypedef void (*mxfp4x_gemv_f32_fn)(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
                                         const float *x, int64_t x_stride, const int64_t *x_rows,
@@ -59,7 +71,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         mxfp4x_axpy_rows_f32_fn axpy_rows_f32
         mxfp4x_fma_loop_fn fma_loop
 
-    int64_t mxfp4x_layout_pos(int64_t i, int half)
+    int64_t mxfp4x_layout_pos(int64_t i, int half, int nibbles)
 
     # ---- mxfp4x.h: the call description
     ctypedef struct mxfp4x_experts:
@@ -137,7 +149,10 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
                               int64_t n_tok, double *out, int64_t out_stride)
     void mxfp4x_axpy_rows_f64(const double *panel, int64_t n_rows, int64_t width,
                               const double *coef, double *dst)
-    void mxfp4x_prepare_x_f32(const void *row, int dtype, int64_t n_groups, int half, float *dst)
-    void mxfp4x_prepare_x_f64(const double *row, int64_t n_groups, double *dst)
-    void mxfp4x_natural_f32(const float *src, int64_t n_groups, int half, float *dst)
-    void mxfp4x_natural_f64(const double *src, int64_t n_groups, int half, double *dst)
+    void mxfp4x_prepare_x_f32(const void *row, int dtype, int64_t n_groups, int half,
+                              int nibbles, float *dst)
+    void mxfp4x_prepare_x_f64(const double *row, int64_t n_groups, int nibbles, double *dst)
+    void mxfp4x_natural_f32(const float *src, int64_t n_groups, int half, int nibbles,
+                            float *dst)
+    void mxfp4x_natural_f64(const double *src, int64_t n_groups, int half, int nibbles,
+                            double *dst)

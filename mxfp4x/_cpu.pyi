@@ -5,6 +5,7 @@ import numpy as np
 
 GROUP: int
 GROUP_BYTES: int
+GGUF_BLOCK_BYTES: int
 DTYPES: tuple[str, ...]
 MAX_THREADS: int
 
@@ -23,7 +24,9 @@ class Experts:
     d_out: int
     n_groups: int
     owner: Any
-    def __init__(self, table: np.ndarray, *, d_out: int, n_groups: int, owner: Any) -> None: ...
+    form: str
+    def __init__(self, table: np.ndarray, *, d_out: int, n_groups: int, owner: Any,
+                 form: str = "split") -> None: ...
 
 class Call:
     experts: Experts

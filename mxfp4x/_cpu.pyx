@@ -40,6 +40,7 @@ ctypedef fused real:
 
 GROUP = c.MXFP4X_GROUP
 GROUP_BYTES = c.MXFP4X_GROUP_BYTES
+GGUF_BLOCK_BYTES = c.MXFP4X_GGUF_BLOCK_BYTES
 
 # Rows of W per forward task and the bytes of decoded rows a thread holds at once come
 # from the ISA's kernel table (tile_rows, panel_bytes: each ISA's header says why); the
@@ -213,23 +214,33 @@ cdef class Experts:
     so the experts may be slices of one stacked tensor or separate tensors.
 
     ``table`` is (n_experts, 4) int64, one row per expert: the addresses of its packed
-    bytes and of its scale bytes, then their row strides in bytes (each row's
-    ``n_groups * 16`` bytes and ``n_groups`` scale bytes contiguous).  ``owner`` keeps
-    the memory alive as long as this object.
+    bytes and of its scale bytes, then their row strides in bytes.  ``form`` says how a
+    row is arranged, one form for every expert (the latents of a call are prepared for
+    it): "split" (gpt-oss safetensors: each row's ``n_groups * 16`` packed bytes and
+    ``n_groups`` scale bytes contiguous, in two arrays; byte j of a group holds elements
+    2j and 2j+1) or "gguf" (llama.cpp's block_mxfp4: each row ``n_groups`` 17-byte blocks,
+    the scale byte first, read in place; the scale address is the row's first byte, the
+    packed address one past it, both row strides equal; byte j holds elements j and
+    j+16).  ``owner`` keeps the memory alive as long as this object.
     """
     cdef c.mxfp4x_rows *rows
     cdef readonly int64_t n_experts, d_out, n_groups
     cdef readonly object owner
+    cdef readonly str form
 
     def __cinit__(self, const int64_t[:, ::1] table, *, int64_t d_out, int64_t n_groups,
-                  owner):
+                  owner, str form="split"):
         cdef int64_t e
+        cdef bint gguf = form == "gguf"
         if table.shape[1] != 4 or d_out < 0 or n_groups < 0:
             raise ValueError(f"Experts: expected an (n_experts, 4) table and d_out, n_groups "
                              f">= 0, got {(table.shape[0], table.shape[1])}, {d_out}, "
                              f"{n_groups}")
+        if form not in ("split", "gguf"):
+            raise ValueError(f"Experts: form: expected 'split' or 'gguf', got {form!r}")
         self.n_experts, self.d_out, self.n_groups = table.shape[0], d_out, n_groups
         self.owner = owner
+        self.form = form
         self.rows = <c.mxfp4x_rows *>malloc(max(self.n_experts, 1) * sizeof(c.mxfp4x_rows))
         if self.rows == NULL:
             raise MemoryError("mxfp4x: cannot allocate the expert table")
@@ -241,11 +252,17 @@ cdef class Experts:
                                  f"{table[e, 3]}")
             if d_out and n_groups and (table[e, 0] == 0 or table[e, 1] == 0):
                 raise ValueError(f"Experts: expert {e}: null address")
-            self.rows[e].blocks = <const uint8_t *><uintptr_t>table[e, 0]
-            self.rows[e].scales = <const uint8_t *><uintptr_t>table[e, 1]
-            self.rows[e].row_stride_blocks = table[e, 2]
-            self.rows[e].row_stride_scales = table[e, 3]
-            self.rows[e].n_groups = n_groups
+            if gguf and (table[e, 0] != table[e, 1] + 1 or table[e, 2] != table[e, 3]):
+                raise ValueError(f"Experts: expert {e}: GGUF blocks hold their scale bytes: "
+                                 f"expected the packed address one past the scale address "
+                                 f"and equal row strides, got {list(table[e])}")
+            if gguf:
+                self.rows[e] = c.mxfp4x_rows_gguf(<const uint8_t *><uintptr_t>table[e, 1],
+                                                  table[e, 2], n_groups)
+            else:
+                self.rows[e] = c.mxfp4x_rows_split(<const uint8_t *><uintptr_t>table[e, 0],
+                                                   <const uint8_t *><uintptr_t>table[e, 1],
+                                                   table[e, 2], table[e, 3], n_groups)
 
     def __dealloc__(self):
         free(self.rows)
@@ -393,7 +410,7 @@ cdef struct RowJob:
     const char *src
     char *dst
     int64_t n_rows, rows_per_task
-    int half
+    int half, nibbles
     uint64_t *log
 
 
@@ -640,8 +657,8 @@ cdef void _transposed_task(real dummy, const Work *w, int64_t task,
         s = w.r.offsets[e]
         n = w.r.offsets[e + 1] - s
         rows = call.experts.rows[e]
-        rows.blocks = rows.blocks + g0 * c.MXFP4X_GROUP_BYTES
-        rows.scales = rows.scales + g0
+        rows.blocks = rows.blocks + g0 * rows.group_stride_blocks
+        rows.scales = rows.scales + g0 * rows.group_stride_scales
         rows.n_groups = g1 - g0
         o0 = 0
         while o0 < d_out:
@@ -696,10 +713,10 @@ cdef void _prepare_task(void *ctx, int64_t task, int tid) noexcept nogil:
     for r in range(r0, r1):
         if call.compute == c.MXFP4X_DTYPE_F64:
             c.mxfp4x_prepare_x_f64(<const double *>(j.src + r * d_in * elem), n_groups,
-                                   (<double *>j.dst) + r * d_in)
+                                   j.nibbles, (<double *>j.dst) + r * d_in)
         else:
             c.mxfp4x_prepare_x_f32(j.src + r * d_in * elem, call.src_dtype, n_groups, j.half,
-                                   (<float *>j.dst) + r * d_in)
+                                   j.nibbles, (<float *>j.dst) + r * d_in)
 
 
 cdef void _finish_task(void *ctx, int64_t task, int tid) noexcept nogil:
@@ -712,19 +729,22 @@ cdef void _finish_task(void *ctx, int64_t task, int tid) noexcept nogil:
     for r in range(r0, r1):
         if j.call.compute == c.MXFP4X_DTYPE_F64:
             c.mxfp4x_natural_f64((<const double *>j.src) + r * d_in, n_groups, j.half,
-                                 (<double *>j.dst) + r * d_in)
+                                 j.nibbles, (<double *>j.dst) + r * d_in)
         else:
             c.mxfp4x_natural_f32((<const float *>j.src) + r * d_in, n_groups, j.half,
-                                 (<float *>j.dst) + r * d_in)
+                                 j.nibbles, (<float *>j.dst) + r * d_in)
 
 
 cdef void _row_step(const c.mxfp4x_call *call, const void *src, void *dst, int64_t n_rows,
                     int half, int n_threads, c.mxfp4x_task_fn fn,
                     uint64_t *log) noexcept nogil:
-    """One step of whole rows of d_in elements (prepare or finish) through parallel_tasks."""
+    """One step of whole rows of d_in elements (prepare or finish) through parallel_tasks,
+    in the layout of the call's arrangement (every expert of a call has one: Experts)."""
     cdef RowJob j
     j.call, j.src, j.dst, j.n_rows, j.half, j.log = call, <const char *>src, <char *>dst, \
         n_rows, half, log
+    j.nibbles = call.experts.rows[0].nibbles if call.experts.n_experts else \
+        c.MXFP4X_NIBBLES_PAIRS
     j.rows_per_task = max(1, <int64_t>ROW_TASK_ELEMS //
                           max(1, call.experts.n_groups * c.MXFP4X_GROUP))
     parallel_tasks(n_threads, (n_rows + j.rows_per_task - 1) // j.rows_per_task, fn, &j)

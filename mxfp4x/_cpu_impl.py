@@ -3,7 +3,8 @@ compiled driver (``mxfp4x._cpu.Call``), which checks it and runs it.
 
 Memory is arranged here and nowhere else: each expert row's packed bytes and scale
 bytes contiguous (outer expert / row strides pass through, so expert slices and
-per-expert tensors are never copied), latents contiguous in their own dtype (16-bit
+per-expert tensors are never copied), or for GGUF blocks (``scales`` None) each row's
+17-byte blocks contiguous, read in place; latents contiguous in their own dtype (16-bit
 ones stay 16-bit), expert ids int64, weights and results in the compute dtype.
 """
 from typing import Sequence, Union
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 
 from . import _cpu, _threads
-from ._format import GROUP_BYTES, accumulation_dtype
+from ._format import GGUF_BLOCK_BYTES, GROUP_BYTES, accumulation_dtype
 
 Bytes = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -40,27 +41,65 @@ def _array(t):
     return t.numpy()
 
 
-def _expert_bytes(name, t, n_groups):
-    """One expert's bytes as (d_out, n_groups * 16) rows: (O, G, 16) or (O, G*16)."""
+def _expert_bytes(name, t, n_groups, width=GROUP_BYTES):
+    """One expert's bytes as (d_out, n_groups * width) rows: (O, G, width) or
+    (O, G*width); width 16 (packed bytes) or 17 (GGUF blocks)."""
     if t.dtype != torch.uint8:
         raise TypeError(f"{name}: expected uint8 bytes, got {t.dtype}")
-    if t.dim() == 3 and t.shape[2] == GROUP_BYTES and (n_groups is None or
-                                                        t.shape[1] == n_groups):
+    if t.dim() == 3 and t.shape[2] == width and (n_groups is None or t.shape[1] == n_groups):
         return _rows_contiguous(t, 2).flatten(1) if t.shape[0] else \
-            t.reshape(0, t.shape[1] * GROUP_BYTES)  # (reshape(0, -1) is ambiguous)
-    if t.dim() == 2 and (n_groups is None or t.shape[1] == n_groups * GROUP_BYTES):
+            t.reshape(0, t.shape[1] * width)  # (reshape(0, -1) is ambiguous)
+    if t.dim() == 2 and (n_groups is None or t.shape[1] == n_groups * width) and \
+            (n_groups is not None or t.shape[1] % width == 0):
         return _rows_contiguous(t, 1)
-    raise ValueError(f"{name}: expected (d_out, n_groups, 16) or (d_out, n_groups * 16) "
-                     f"bytes, got shape {tuple(t.shape)}")
+    raise ValueError(f"{name}: expected (d_out, n_groups, {width}) or (d_out, n_groups * "
+                     f"{width}) bytes, got shape {tuple(t.shape)}")
+
+
+def _gguf_experts_of(packed: Bytes) -> _cpu.Experts:
+    """GGUF block_mxfp4 blocks read in place: stacked (E, O, G, 17) or a list of E
+    (O, G, 17) / (O, G*17); each row's blocks contiguous (else that expert is copied)."""
+    width = GGUF_BLOCK_BYTES
+    if isinstance(packed, torch.Tensor):
+        if packed.dim() != 4 or packed.shape[3] != width or packed.dtype != torch.uint8:
+            raise ValueError(f"mxfp4x: expected uint8 GGUF blocks (E, O, G, {width}) (scales "
+                             f"None), got {tuple(packed.shape)} {packed.dtype}")
+        pk: torch.Tensor = _rows_contiguous(packed, 2)
+        n_experts, d_out, n_groups = pk.shape[:3]
+        base = pk.data_ptr() + torch.arange(n_experts, dtype=torch.int64) * pk.stride(0)
+        stride = torch.full_like(base, pk.stride(1))
+        table = torch.stack((base + 1, base, stride, stride), dim=1)
+        return _cpu.Experts(table.numpy(), d_out=d_out, n_groups=n_groups, owner=pk,
+                            form="gguf")
+    if not len(packed):
+        raise ValueError("mxfp4x: expected at least one expert")
+    p0 = _expert_bytes("packed_weights[0]", packed[0], None, width)
+    d_out, n_groups = p0.shape[0], p0.shape[1] // width
+    keep = []
+    rows = []
+    for i, p in enumerate(packed):
+        p = _expert_bytes(f"packed_weights[{i}]", p, n_groups, width)
+        if p.shape[0] != d_out:
+            raise ValueError(f"expert {i}: expected GGUF blocks ({d_out}, {n_groups}, {width}), "
+                             f"got {tuple(p.shape)}")
+        if p.data_ptr() != packed[i].data_ptr():  # a copy (rows were not contiguous)
+            keep.append(p)
+        rows.append((p.data_ptr() + 1, p.data_ptr(), p.stride(0), p.stride(0)))
+    per_expert = np.array(rows, dtype=np.int64).reshape(len(rows), 4)
+    return _cpu.Experts(per_expert, d_out=d_out, n_groups=n_groups,
+                        owner=(tuple(packed), keep), form="gguf")
 
 
 def experts_of(packed: Bytes, scales: Bytes) -> _cpu.Experts:
     """The experts' description for the driver: packed (E, O, G, 16) and scales
     (E, O, G) uint8, or lists of E per-expert tensors (O, G, 16) / (O, G*16) and
-    (O, G).  Nothing is stacked or copied (rows already contiguous); the result keeps
+    (O, G); or, with scales None, GGUF blocks (E, O, G, 17) or a list of (O, G, 17) /
+    (O, G*17).  Nothing is stacked or copied (rows already contiguous); the result keeps
     the tensors alive.  An ``_cpu.Experts`` passes through (a module's cached table)."""
     if isinstance(packed, _cpu.Experts):
         return packed
+    if scales is None:
+        return _gguf_experts_of(packed)
     if isinstance(packed, torch.Tensor):
         if packed.dim() != 4 or packed.shape[3] != GROUP_BYTES or not isinstance(
                 scales, torch.Tensor) or tuple(scales.shape) != tuple(packed.shape[:3]) or \

@@ -7,8 +7,11 @@ nibble::
     byte j:  [ hi nibble | lo nibble ]    element 2j   = byte & 0xF
                 bits 7..4   bits 3..0     element 2j+1 = byte >> 4
 
-(ggml's MXFP4 block differs: there the low nibble is element j and the high
-nibble element j+16.  Do not mix the two.)
+llama.cpp's GGUF files store each group as one 17-byte ``block_mxfp4``: the scale
+byte first, then 16 bytes in which byte j holds element j in its low nibble and
+element j+16 in its high nibble (not 2j and 2j+1).  mxfp4x reads those blocks in
+place (``scale_bytes=None``); the values and the E8M0 rule are the same (byte 255 is
+NaN here, whatever ggml does).
 """
 import numpy as np
 
@@ -17,6 +20,9 @@ GROUP = 32
 
 GROUP_BYTES = 16
 """Packed bytes per group: two 4-bit codes per byte."""
+
+GGUF_BLOCK_BYTES = 17
+"""Bytes of one GGUF ``block_mxfp4``: the E8M0 scale byte, then the group's 16 bytes."""
 
 E8M0_BIAS = 127
 E8M0_NAN = 255

@@ -9,7 +9,9 @@
 
 Each exists twice: with stacked experts (``packed`` (E, O, G, 16), ``scales`` (E, O, G))
 and, with the suffix ``_list``, with one tensor per expert (``Tensor[]``: (O, G, 16) or
-(O, G*16), and (O, G)), e.g. ``torch.ops.mxfp4x.mxfp4_experts_list``.
+(O, G*16), and (O, G)), e.g. ``torch.ops.mxfp4x.mxfp4_experts_list``.  ``scales`` None:
+``packed`` holds GGUF block_mxfp4 blocks, (E, O, G, 17) or a list of (O, G, 17) /
+(O, G*17), their scale bytes inside, read in place.
 
 x is (T, I), or (T, K, I) with one input row per slot (a down projection); grad is
 (T, O), or (T, K, O) for the slots op.  num_threads 0: ``torch.get_num_threads()``;
@@ -30,11 +32,12 @@ _TAIL = 'int num_threads=0, str isa="") -> Tensor'
 
 
 def _weights(ctx, saved, n_fixed):
-    """(packed, scales) back from save_for_backward's flat list (either form)."""
+    """(packed, scales) back from save_for_backward's flat list (either form; scales None
+    for GGUF blocks)."""
     flat = saved[n_fixed:]
     if not ctx.listed:
-        return flat[0], flat[1]
-    return list(flat[:ctx.n_experts]), list(flat[ctx.n_experts:])
+        return flat[0], None if ctx.gguf else flat[1]
+    return list(flat[:ctx.n_experts]), None if ctx.gguf else list(flat[ctx.n_experts:])
 
 
 def _save(ctx, fixed, packed, scales, num_threads, isa):
@@ -44,8 +47,11 @@ def _save(ctx, fixed, packed, scales, num_threads, isa):
     ctx.n_dropped = 2 if (num_threads, isa) == (0, "") else (1 if isa == "" else 0)
     ctx.num_threads, ctx.isa = num_threads, isa
     ctx.listed = not isinstance(packed, torch.Tensor)
+    ctx.gguf = scales is None
     ctx.n_experts = len(packed) if ctx.listed else 0
-    weights = [*packed, *scales] if ctx.listed else [packed, scales]
+    weights = [*packed] if ctx.listed else [packed]
+    if not ctx.gguf:
+        weights += [*scales] if ctx.listed else [scales]
     ctx.save_for_backward(*fixed, *weights)
 
 
@@ -53,12 +59,12 @@ def _no_grad(ctx):
     """The gradient entries of (packed_weights, scale_bytes): frozen, in their form."""
     if not ctx.listed:
         return None, None
-    return [None] * ctx.n_experts, [None] * ctx.n_experts
+    return [None] * ctx.n_experts, None if ctx.gguf else [None] * ctx.n_experts
 
 
 def _define(suffix, weights):
     """The three ops for one form of the experts (weights: "Tensor" or "Tensor[]")."""
-    w = f"{weights} packed_weights, {weights} scale_bytes"
+    w = f"{weights} packed_weights, {weights}? scale_bytes"  # None: GGUF blocks
 
     @torch.library.custom_op(f"mxfp4x::mxfp4_experts{suffix}", mutates_args=(), schema=(
         f"(Tensor latent_tokens, {w}, Tensor selected_experts, Tensor mixture_weights, "

@@ -180,7 +180,8 @@ def built_with():
 def decode_rows(packed, scales, *, isa=None, str compute="float32"):
     """(n_rows, n_groups, 16) uint8 bytes and (n_rows, n_groups) scale bytes -> the
     (n_rows, 32 n_groups) weights, decoded by the ISA's own decode kernel (the float64
-    path's for compute="float64"), in natural element order."""
+    path's for compute="float64"), in natural element order.  ``scales`` None: ``packed``
+    is (n_rows, n_groups, 17) GGUF block_mxfp4 blocks (the scale byte first)."""
     cdef const c.mxfp4x_kernels *k = driver.kernels_of(isa)
     cdef c.mxfp4x_rows rows
     cdef int64_t n_rows, n_groups, r, d_in
@@ -189,32 +190,36 @@ def decode_rows(packed, scales, *, isa=None, str compute="float32"):
     cdef uintptr_t p, o
     if compute not in ("float32", "float64"):
         raise ValueError(f"compute: expected 'float32' or 'float64', got {compute!r}")
+    cdef bint gguf = scales is None
     packed = np.ascontiguousarray(packed, dtype=np.uint8)
-    scales = np.ascontiguousarray(scales, dtype=np.uint8)
-    if packed.ndim != 3 or packed.shape[2] != c.MXFP4X_GROUP_BYTES or \
+    scales = packed[..., 0] if gguf else np.ascontiguousarray(scales, dtype=np.uint8)
+    if packed.ndim != 3 or packed.shape[2] != (c.MXFP4X_GGUF_BLOCK_BYTES if gguf else
+                                               c.MXFP4X_GROUP_BYTES) or \
             scales.shape != packed.shape[:2]:
-        raise ValueError(f"decode_rows: expected (R, G, 16) and (R, G), got {packed.shape}, "
-                         f"{scales.shape}")
+        raise ValueError(f"decode_rows: expected (R, G, 16) and (R, G), or (R, G, 17) and "
+                         f"None, got {packed.shape}, {getattr(scales, 'shape', None)}")
     n_rows, n_groups = packed.shape[0], packed.shape[1]
     d_in = n_groups * c.MXFP4X_GROUP
     panel = np.empty((n_rows, d_in), np.float64 if f64 else np.float32)
     out = np.empty_like(panel)
-    rows.blocks = <const uint8_t *><uintptr_t>packed.ctypes.data
-    rows.scales = <const uint8_t *><uintptr_t>scales.ctypes.data
-    rows.row_stride_blocks = n_groups * c.MXFP4X_GROUP_BYTES
-    rows.row_stride_scales = n_groups
-    rows.n_groups = n_groups
+    if gguf:
+        rows = c.mxfp4x_rows_gguf(<const uint8_t *><uintptr_t>packed.ctypes.data,
+                                  n_groups * c.MXFP4X_GGUF_BLOCK_BYTES, n_groups)
+    else:
+        rows = c.mxfp4x_rows_split(<const uint8_t *><uintptr_t>packed.ctypes.data,
+                                   <const uint8_t *><uintptr_t>scales.ctypes.data,
+                                   n_groups * c.MXFP4X_GROUP_BYTES, n_groups, n_groups)
     p, o = panel.ctypes.data, out.ctypes.data
     with nogil:
         if f64:
             c.mxfp4x_decode_f64(&rows, 0, n_rows, <double *>p)
             for r in range(n_rows):
-                c.mxfp4x_natural_f64(<double *>p + r * d_in, n_groups, half,
+                c.mxfp4x_natural_f64(<double *>p + r * d_in, n_groups, half, rows.nibbles,
                                      <double *>o + r * d_in)
         else:
             k.decode_f32(&rows, 0, n_rows, <float *>p)
             for r in range(n_rows):
-                c.mxfp4x_natural_f32(<float *>p + r * d_in, n_groups, half,
+                c.mxfp4x_natural_f32(<float *>p + r * d_in, n_groups, half, rows.nibbles,
                                      <float *>o + r * d_in)
     return out
 

@@ -8,7 +8,14 @@ reduction order across experts.
 """
 import torch
 
-from ._format import E2M1_VALUES, GROUP, accumulation_dtype, e8m0_table_f32
+from ._format import (
+    E2M1_VALUES,
+    GGUF_BLOCK_BYTES,
+    GROUP,
+    GROUP_BYTES,
+    accumulation_dtype,
+    e8m0_table_f32,
+)
 from ._validation import check_expert_ids
 
 _TABLES: dict = {}
@@ -33,13 +40,30 @@ def _tables(device, dtype):
 
 def decode_expert(packed, scales, dtype=torch.float32):
     """(O, G, 16) (or (O, G*16)) uint8 bytes and (O, G) uint8 scales -> (O, 32 G) matrix
-    of ``dtype``."""
+    of ``dtype``.  ``scales`` None: ``packed`` holds GGUF block_mxfp4 blocks, (O, G, 17)
+    or (O, G*17): each the scale byte, then 16 bytes whose byte j holds elements j (low
+    nibble) and j+16 (high nibble)."""
     pairs, e8m0 = _tables(packed.device, dtype)
-    d_out, n_groups = scales.shape[0], scales.shape[1]
-    values = torch.nn.functional.embedding(packed.reshape(-1).int(), pairs)
-    values = values.reshape(d_out, n_groups, GROUP)
+    if scales is None:
+        d_out = packed.shape[0]
+        n_groups = packed.shape[1] if packed.dim() == 3 else packed.shape[1] // GGUF_BLOCK_BYTES
+        blocks = packed.reshape(d_out, n_groups, GGUF_BLOCK_BYTES)
+        scales = blocks[..., 0]
+        # (byte j's low nibble, its high nibble) -> elements j and j + 16
+        values = torch.nn.functional.embedding(blocks[..., 1:].reshape(-1).int(), pairs)
+        values = values.reshape(d_out, n_groups, GROUP_BYTES, 2).transpose(2, 3)
+        values = values.reshape(d_out, n_groups, GROUP)
+    else:
+        d_out, n_groups = scales.shape[0], scales.shape[1]
+        values = torch.nn.functional.embedding(packed.reshape(-1).int(), pairs)
+        values = values.reshape(d_out, n_groups, GROUP)
     values.mul_(e8m0[scales.int()].unsqueeze(-1))
     return values.reshape(d_out, n_groups * GROUP)
+
+
+def _decode_rows(packed, scales, e, r0, r1, dtype):
+    """Rows [r0, r1) of expert e (stacked or listed; scales None: GGUF blocks)."""
+    return decode_expert(packed[e][r0:r1], None if scales is None else scales[e][r0:r1], dtype)
 
 
 def d_out_of(packed):
@@ -88,7 +112,7 @@ def slots_torch(x, packed, scales, sel):
     for e, pairs in _by_expert(sel):
         xe = xc[pairs if slot_inputs else pairs // top_k]
         for r0, r1 in chunks:
-            weight = decode_expert(packed[e][r0:r1], scales[e][r0:r1], compute)
+            weight = _decode_rows(packed, scales, e, r0, r1, compute)
             out[pairs, r0:r1] = xe @ weight.T
     if out.numel() == 0:  # no product computed: the (empty) result still depends on x
         out = _connected(out, x)
@@ -113,7 +137,7 @@ def grad_latents_torch(grad, packed, scales, sel, mix, x):
         else:
             ge = g[pairs // top_k] * mix.to(compute).reshape(-1)[pairs].unsqueeze(1)
         for r0, r1 in chunks:
-            weight = decode_expert(packed[e][r0:r1], scales[e][r0:r1], compute)
+            weight = _decode_rows(packed, scales, e, r0, r1, compute)
             per_pair[pairs] += ge[:, r0:r1] @ weight
     per_pair = per_pair.view(n_tokens, top_k, d_in)
     if slot_inputs:
@@ -142,7 +166,7 @@ def mxfp4_experts_torch(x, packed, scales, sel, mix, shared, out_dtype):
     for e, pairs in _by_expert(sel):
         xe, we = xc[pairs if slot_inputs else pairs // top_k], w[pairs].unsqueeze(1)
         for r0, r1 in chunks:
-            weight = decode_expert(packed[e][r0:r1], scales[e][r0:r1], compute)
+            weight = _decode_rows(packed, scales, e, r0, r1, compute)
             contrib[pairs, r0:r1] = (xe @ weight.T) * we
     contrib = contrib.view(n_tokens, top_k, d_out)
     for k in range(top_k):

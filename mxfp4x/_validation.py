@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from . import _cpu, _threads
-from ._format import GROUP, GROUP_BYTES, torch_e8m0_dtype
+from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES, torch_e8m0_dtype
 
 # ISA names, fixed at import: checked in plain Python, so torch.compile traces the check
 _COMPILED_ISAS = tuple(_cpu.compiled_isas())
@@ -180,16 +180,21 @@ def _expert_entries(name, value, device):
 
 def _uniform_bytes(packed, scales, n_groups, device):
     """Every entry a uint8 torch tensor on ``device``, packed all of entry 0's shape,
-    (O, G, 16) or (O, G*16), scales all (O, G)."""
+    (O, G, 16) or (O, G*16), scales all (O, G); or, for scales None (GGUF blocks), packed
+    all (O, G, 17) or (O, G*17)."""
     p0 = packed[0]
     if not isinstance(p0, torch.Tensor) or p0.dim() not in (2, 3) or not p0.shape[0]:
         return False
     shape_p = p0.shape
-    if shape_p[1:] not in ((n_groups, GROUP_BYTES), (n_groups * GROUP_BYTES,)):
+    width = GROUP_BYTES if scales is not None else GGUF_BLOCK_BYTES
+    if shape_p[1:] not in ((n_groups, width), (n_groups * width,)):
         return False
     shape_s = (shape_p[0], n_groups)
     u8 = torch.uint8
     tensor = torch.Tensor
+    if scales is None:
+        return all(isinstance(p, tensor) and p.dtype == u8 and p.shape == shape_p and
+                   p.device == device and p.layout == torch.strided for p in packed)
     for p, s in zip(packed, scales, strict=True):
         if not (isinstance(p, tensor) and isinstance(s, tensor) and p.dtype == u8 and
                 s.dtype == u8 and p.shape == shape_p and s.shape == shape_s and
@@ -199,9 +204,45 @@ def _uniform_bytes(packed, scales, n_groups, device):
     return True
 
 
+def _gguf_hint(shape):
+    """What to do with a shape of the other arrangement, or nothing."""
+    if len(shape) >= 1 and shape[-1] == GGUF_BLOCK_BYTES:
+        return (f" ({GGUF_BLOCK_BYTES} bytes per group: GGUF block_mxfp4 blocks are passed "
+                f"with scale_bytes=None)")
+    return ""
+
+
+def check_gguf_list(packed_weights, n_groups, d_in, device):
+    """Per-expert GGUF blocks (O, G, 17) or (O, G*17) (scale_bytes None): every entry the
+    same shape; returns (packed as (O, G, 17) views, n_experts, d_out)."""
+    if _uniform_bytes(packed_weights, None, n_groups, device):
+        return list(packed_weights), len(packed_weights), packed_weights[0].shape[0]
+    packed = _expert_entries("packed_weights", packed_weights, device)
+    first = packed[0]
+    d_out = first.shape[0] if first.dim() else 0
+    width = n_groups * GGUF_BLOCK_BYTES
+    for e, p in enumerate(packed):
+        if p.dim() == 2 and p.shape == (d_out, width):
+            packed[e] = p = p.unflatten(1, (n_groups, GGUF_BLOCK_BYTES))
+        if tuple(p.shape) != (d_out, n_groups, GGUF_BLOCK_BYTES):
+            hint = " (16 bytes per group: pass their scale_bytes)" if p.dim() and \
+                p.shape[-1] in (GROUP_BYTES, n_groups * GROUP_BYTES) else ""
+            raise ValueError(f"packed_weights[{e}]: scale_bytes is None, so each entry holds "
+                             f"GGUF block_mxfp4 blocks: expected shape ({d_out}, {n_groups}, "
+                             f"{GGUF_BLOCK_BYTES}) or ({d_out}, {width}) for d_in = {d_in} "
+                             f"(as entry 0), got {tuple(p.shape)}{hint}")
+    return packed, len(packed), d_out
+
+
 def check_expert_list(packed_weights, scale_bytes, n_groups, d_in, device):
     """Per-expert packed (O, G, 16) or (O, G*16) and scales (O, G): every entry the same
     shape and dtype; returns (packed as (O, G, 16) views, scales, n_experts, d_out)."""
+    if isinstance(scale_bytes, (list, tuple)) and any(s is None for s in scale_bytes):
+        e = next(i for i, s in enumerate(scale_bytes) if s is None)
+        raise ValueError(f"scale_bytes[{e}]: None in a list: GGUF blocks are passed with "
+                         f"scale_bytes=None itself (not a list), and then every "
+                         f"packed_weights entry holds GGUF blocks (the experts of one call "
+                         f"share one arrangement)")
     if not is_expert_list(scale_bytes):
         raise ValueError("scale_bytes: packed_weights is a list of per-expert tensors, so "
                          "scale_bytes must be one too (a list or tuple of (d_out, n_groups) "
@@ -224,7 +265,8 @@ def check_expert_list(packed_weights, scale_bytes, n_groups, d_in, device):
         if tuple(p.shape) != (d_out, n_groups, GROUP_BYTES):
             raise ValueError(f"packed_weights[{e}]: expected shape ({d_out}, {n_groups}, "
                              f"{GROUP_BYTES}) or ({d_out}, {n_groups * GROUP_BYTES}) for "
-                             f"d_in = {d_in} (as entry 0), got {tuple(p.shape)}")
+                             f"d_in = {d_in} (as entry 0), got {tuple(p.shape)}"
+                             f"{_gguf_hint(p.shape) if p.dim() == 3 else ''}")
         if tuple(sc.shape) != (d_out, n_groups):
             raise ValueError(f"scale_bytes[{e}]: expected shape ({d_out}, {n_groups}) to "
                              f"match packed_weights[{e}], got {tuple(sc.shape)}")
@@ -237,14 +279,18 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
 
     latent_tokens is (n_tokens, d_in), or (n_tokens, top_k, d_in) with one input row per
     slot.  mixture_weights / shared_output given as SKIP are not checked (returned None).
+    scale_bytes None: packed_weights holds GGUF block_mxfp4 blocks, (E, O, G, 17) or a
+    list of (O, G, 17) / (O, G*17), the scales inside them (returned scales: None).
     """
     names = ("latent_tokens", "packed_weights", "scale_bytes", "selected_experts",
              "mixture_weights", "shared_output")
     raw = (latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
            shared_output)
     listed = is_expert_list(packed_weights)
-    ts = [None if v is SKIP or (listed and n in ("packed_weights", "scale_bytes"))
-          else as_tensor(n, v) for n, v in zip(names, raw, strict=True)]
+    gguf = scale_bytes is None
+    ts = [None if v is SKIP or (listed and n in ("packed_weights", "scale_bytes")) or
+          (gguf and n == "scale_bytes") else as_tensor(n, v)
+          for n, v in zip(names, raw, strict=True)]
     device = ts[0].device
     for n, v, t in zip(names, raw, ts, strict=True):
         if t is not None and t.device != device and isinstance(v, torch.Tensor):
@@ -263,9 +309,13 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
                          f"MXFP4 group size); got shape {tuple(x.shape)}")
     n_groups = d_in // GROUP
 
-    if listed:
+    if listed and gguf:
+        packed, n_experts, d_out = check_gguf_list(packed_weights, n_groups, d_in, device)
+    elif listed:
         packed, scales, n_experts, d_out = check_expert_list(packed_weights, scale_bytes,
                                                              n_groups, d_in, device)
+    elif gguf:
+        packed, n_experts, d_out = _check_stacked_gguf(packed, n_groups, d_in)
     else:
         packed, scales, n_experts, d_out = _check_stacked(packed, scales, n_groups, d_in)
 
@@ -302,7 +352,8 @@ def _check_stacked(packed, scales, n_groups, d_in):
     n_experts, d_out = packed.shape[0], packed.shape[1]
     if packed.shape[2] != n_groups or packed.shape[3] != GROUP_BYTES:
         raise ValueError(f"packed_weights: expected shape (n_experts, d_out, {n_groups}, "
-                         f"{GROUP_BYTES}) for d_in = {d_in}, got {tuple(packed.shape)}")
+                         f"{GROUP_BYTES}) for d_in = {d_in}, got {tuple(packed.shape)}"
+                         f"{_gguf_hint(packed.shape)}")
     check_rank("scale_bytes", scales, 3, "(n_experts, d_out, n_groups)")
     scales = byte_tensor("scale_bytes", scales)
     if tuple(scales.shape) != (n_experts, d_out, n_groups):
@@ -310,6 +361,22 @@ def _check_stacked(packed, scales, n_groups, d_in):
                          f"match packed_weights {tuple(packed.shape)}, got "
                          f"{tuple(scales.shape)}")
     return packed, scales, n_experts, d_out
+
+
+def _check_stacked_gguf(packed, n_groups, d_in):
+    """Stacked GGUF blocks (E, O, G, 17), their scale bytes inside (scale_bytes None)."""
+    check_rank("packed_weights", packed, 4, f"(n_experts, d_out, n_groups, "
+               f"{GGUF_BLOCK_BYTES}) GGUF blocks (scale_bytes is None), or a list of "
+               f"per-expert tensors")
+    packed = byte_tensor("packed_weights", packed)
+    if packed.shape[2] != n_groups or packed.shape[3] != GGUF_BLOCK_BYTES:
+        hint = " (16 bytes per group: pass their scale_bytes)" \
+            if packed.shape[3] == GROUP_BYTES else ""
+        raise ValueError(f"packed_weights: scale_bytes is None, so packed_weights holds GGUF "
+                         f"block_mxfp4 blocks: expected shape (n_experts, d_out, {n_groups}, "
+                         f"{GGUF_BLOCK_BYTES}) for d_in = {d_in}, got "
+                         f"{tuple(packed.shape)}{hint}")
+    return packed, packed.shape[0], packed.shape[1]
 
 
 def _float_matrix(name, t, shape, dims, why):

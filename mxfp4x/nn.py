@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ._api import mxfp4_experts
-from ._format import GROUP, GROUP_BYTES
+from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 from ._quantize import quantize
 from ._validation import bytes_by_view as as_bytes
 from .checkpoints.safetensors import SafeTensorsCheckpoint
@@ -26,7 +26,9 @@ __all__ = ["MXFP4Experts", "GptOssExperts", "GptOssMoE", "GptOssRouter",
 
 class MXFP4Experts(torch.nn.Module):
     """E experts W_e (d_out x d_in) stored in MXFP4: buffers ``packed_weights``
-    (E, d_out, d_in/32, 16) and ``scale_bytes`` (E, d_out, d_in/32), uint8.
+    (E, d_out, d_in/32, 16) and ``scale_bytes`` (E, d_out, d_in/32), uint8; or, built by
+    ``from_packed(blocks, None)``, ``packed_weights`` (E, d_out, d_in/32, 17) holding GGUF
+    block_mxfp4 blocks (read in place) and ``scale_bytes`` None.
 
     ``forward(latent_tokens, selected_experts, mixture_weights, shared_output=None)``
     returns ``shared_output + sum_k p_tk W_{e_tk} x_t`` (zeros for a missing shared output).
@@ -37,7 +39,7 @@ class MXFP4Experts(torch.nn.Module):
     """
 
     packed_weights: torch.Tensor
-    scale_bytes: torch.Tensor
+    scale_bytes: Optional[torch.Tensor]
 
     def __init__(self, n_experts: int, d_out: int, d_in: int, num_threads: Optional[int] = None,
                  expert_range=None, group=None):
@@ -53,23 +55,32 @@ class MXFP4Experts(torch.nn.Module):
                              torch.zeros((n_experts, d_out, d_in // GROUP), dtype=torch.uint8))
 
     @classmethod
-    def from_packed(cls, packed_weights: torch.Tensor, scale_bytes: torch.Tensor,
+    def from_packed(cls, packed_weights: torch.Tensor, scale_bytes: Optional[torch.Tensor],
                     num_threads: Optional[int] = None, expert_range=None,
                     group=None) -> "MXFP4Experts":
-        """Wrap existing bytes (no copy when they are uint8 already)."""
-        if packed_weights.dim() != 4 or packed_weights.shape[-1] != GROUP_BYTES:
-            raise ValueError(f"packed_weights: expected (E, d_out, G, 16), got "
-                             f"{tuple(packed_weights.shape)}")
-        if tuple(scale_bytes.shape) != tuple(packed_weights.shape[:3]):
+        """Wrap existing bytes (no copy when they are uint8 already).  ``scale_bytes``
+        None: ``packed_weights`` (E, d_out, G, 17) holds GGUF block_mxfp4 blocks (e.g. a
+        view of a memory-mapped GGUF file), read in place."""
+        width = GGUF_BLOCK_BYTES if scale_bytes is None else GROUP_BYTES
+        if packed_weights.dim() != 4 or packed_weights.shape[-1] != width:
+            raise ValueError(f"packed_weights: expected (E, d_out, G, {width})"
+                             f"{' GGUF blocks (scale_bytes is None)' if width == 17 else ''}"
+                             f", got {tuple(packed_weights.shape)}")
+        if scale_bytes is not None and tuple(scale_bytes.shape) != tuple(
+                packed_weights.shape[:3]):
             raise ValueError(f"scale_bytes: expected {tuple(packed_weights.shape[:3])}, got "
                              f"{tuple(scale_bytes.shape)}")
+        if scale_bytes is None and group is not None:
+            raise ValueError("group: GGUF blocks (scale_bytes None) are not supported by "
+                             "mxfp4x.distributed; pass packed bytes and their scale bytes")
         e, o, g, _ = packed_weights.shape
         m = cls.__new__(cls)
         torch.nn.Module.__init__(m)
         m.num_threads = num_threads
         m.expert_range, m.group = expert_range_of(expert_range, e, group), group
         m.register_buffer("packed_weights", bytes_of("packed_weights", packed_weights))
-        m.register_buffer("scale_bytes", bytes_of("scale_bytes", scale_bytes))
+        m.register_buffer("scale_bytes", None if scale_bytes is None else
+                          bytes_of("scale_bytes", scale_bytes))
         return m
 
     @classmethod

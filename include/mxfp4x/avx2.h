@@ -88,6 +88,7 @@ MXFP4X_AVX2_FN void mxfp4x_gemv1_f32_avx2(const mxfp4x_rows *w, int64_t row_star
                                           int64_t row_end, const float *x, float *out) {
     const mxfp4x_avx2_tables t = mxfp4x_avx2_load_tables();
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r = row_start, g;
     __m256 wv[4];
     for (; r + 4 <= row_end; r += 4) {
@@ -100,15 +101,15 @@ MXFP4X_AVX2_FN void mxfp4x_gemv1_f32_avx2(const mxfp4x_rows *w, int64_t row_star
         if (r + 8 <= row_end) MXFP4X_PREFETCH_ROWS(s0 + 4 * ss, ss);
         for (g = 0; g < G; g++) {
             const float *xg = x + g * MXFP4X_GROUP;
-            const int64_t ob = g * MXFP4X_GROUP_BYTES;
+            const int64_t ob = g * gb, os = g * gs;
             if ((g & 3) == 0) MXFP4X_PREFETCH_ROWS(nb + ob, sb);
-            mxfp4x_decode_group_avx2(b0 + ob, s0[g], &t, wv);
+            mxfp4x_decode_group_avx2(b0 + ob, s0[os], &t, wv);
             a0 = mxfp4x_fma_group_avx2(wv, xg, a0);
-            mxfp4x_decode_group_avx2(b0 + sb + ob, s0[ss + g], &t, wv);
+            mxfp4x_decode_group_avx2(b0 + sb + ob, s0[ss + os], &t, wv);
             a1 = mxfp4x_fma_group_avx2(wv, xg, a1);
-            mxfp4x_decode_group_avx2(b0 + 2 * sb + ob, s0[2 * ss + g], &t, wv);
+            mxfp4x_decode_group_avx2(b0 + 2 * sb + ob, s0[2 * ss + os], &t, wv);
             a2 = mxfp4x_fma_group_avx2(wv, xg, a2);
-            mxfp4x_decode_group_avx2(b0 + 3 * sb + ob, s0[3 * ss + g], &t, wv);
+            mxfp4x_decode_group_avx2(b0 + 3 * sb + ob, s0[3 * ss + os], &t, wv);
             a3 = mxfp4x_fma_group_avx2(wv, xg, a3);
         }
         out[r - row_start] = mxfp4x_hsum8_avx2(a0);
@@ -121,7 +122,7 @@ MXFP4X_AVX2_FN void mxfp4x_gemv1_f32_avx2(const mxfp4x_rows *w, int64_t row_star
         const uint8_t *s = w->scales + r * ss;
         __m256 a = _mm256_setzero_ps();
         for (g = 0; g < G; g++) {
-            mxfp4x_decode_group_avx2(b + g * MXFP4X_GROUP_BYTES, s[g], &t, wv);
+            mxfp4x_decode_group_avx2(b + g * gb, s[g * gs], &t, wv);
             a = mxfp4x_fma_group_avx2(wv, x + g * MXFP4X_GROUP, a);
         }
         out[r - row_start] = mxfp4x_hsum8_avx2(a);
@@ -136,6 +137,7 @@ MXFP4X_AVX2_INLINE void mxfp4x_gemv_tokens_avx2(const mxfp4x_rows *w, int64_t ro
                                                 float *out, int64_t out_stride) {
     const mxfp4x_avx2_tables t = mxfp4x_avx2_load_tables();
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r, g;
     int c, i;
     __m256 wv[4];
@@ -152,13 +154,13 @@ MXFP4X_AVX2_INLINE void mxfp4x_gemv_tokens_avx2(const mxfp4x_rows *w, int64_t ro
         for (i = 0; i < 2; i++)
             for (c = 0; c < 4; c++) a[i][c] = _mm256_setzero_ps();
         for (g = 0; g < G; g++) {
-            const int64_t ob = g * MXFP4X_GROUP_BYTES;
+            const int64_t ob = g * gb;
             if ((g & 3) == 0 && prefetch) {
                 MXFP4X_PREFETCH(b + 2 * sb + ob);
                 MXFP4X_PREFETCH(b + 3 * sb + ob);
             }
             for (i = 0; i < mr; i++) {
-                mxfp4x_decode_group_avx2(b + i * sb + ob, s[i * ss + g], &t, wv);
+                mxfp4x_decode_group_avx2(b + i * sb + ob, s[i * ss + g * gs], &t, wv);
                 for (c = 0; c < 4; c++)
                     if (c < nt)
                         a[i][c] = mxfp4x_fma_group_avx2(wv, xs[c] + g * MXFP4X_GROUP, a[i][c]);
@@ -198,6 +200,7 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_sta
                                            int64_t row_end, float *panel) {
     const mxfp4x_avx2_tables t = mxfp4x_avx2_load_tables();
     const int64_t d_in = w->n_groups * MXFP4X_GROUP;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r, g;
     __m256 wv[4];
     for (r = row_start; r < row_end; r++) {
@@ -206,7 +209,7 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_sta
         float *p = panel + (r - row_start) * d_in;
         for (g = 0; g < w->n_groups; g++) {
             float *pg = p + g * MXFP4X_GROUP;
-            mxfp4x_decode_group_avx2(b + g * MXFP4X_GROUP_BYTES, s[g], &t, wv);
+            mxfp4x_decode_group_avx2(b + g * gb, s[g * gs], &t, wv);
             _mm256_storeu_ps(pg, wv[0]);
             _mm256_storeu_ps(pg + 8, wv[1]);
             _mm256_storeu_ps(pg + 16, wv[2]);

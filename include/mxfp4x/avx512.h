@@ -56,6 +56,7 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
                                               int64_t row_end, const float *x, float *out) {
     const __m512 table = _mm512_loadu_ps(mxfp4x_e2m1_f32);
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r = row_start, g;
     __m512 lo, hi;
     for (; r + 4 <= row_end; r += 4) {
@@ -68,15 +69,15 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
         for (g = 0; g < G; g++) {
             const __m512 xe = _mm512_loadu_ps(x + g * MXFP4X_GROUP);
             const __m512 xo = _mm512_loadu_ps(x + g * MXFP4X_GROUP + 16);
-            const int64_t ob = g * MXFP4X_GROUP_BYTES;
+            const int64_t ob = g * gb, os = g * gs;
             if ((g & 3) == 0) MXFP4X_PREFETCH_ROWS(nb + ob, sb);
-            mxfp4x_decode_group_avx512(b0 + ob, s0[g], table, &lo, &hi);
+            mxfp4x_decode_group_avx512(b0 + ob, s0[os], table, &lo, &hi);
             a0 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a0));
-            mxfp4x_decode_group_avx512(b0 + sb + ob, s0[ss + g], table, &lo, &hi);
+            mxfp4x_decode_group_avx512(b0 + sb + ob, s0[ss + os], table, &lo, &hi);
             a1 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a1));
-            mxfp4x_decode_group_avx512(b0 + 2 * sb + ob, s0[2 * ss + g], table, &lo, &hi);
+            mxfp4x_decode_group_avx512(b0 + 2 * sb + ob, s0[2 * ss + os], table, &lo, &hi);
             a2 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a2));
-            mxfp4x_decode_group_avx512(b0 + 3 * sb + ob, s0[3 * ss + g], table, &lo, &hi);
+            mxfp4x_decode_group_avx512(b0 + 3 * sb + ob, s0[3 * ss + os], table, &lo, &hi);
             a3 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a3));
         }
         out[r - row_start] = mxfp4x_hsum16_avx512(a0);
@@ -89,7 +90,7 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
         const uint8_t *s = w->scales + r * ss;
         __m512 a = _mm512_setzero_ps();
         for (g = 0; g < G; g++) {
-            mxfp4x_decode_group_avx512(b + g * MXFP4X_GROUP_BYTES, s[g], table, &lo, &hi);
+            mxfp4x_decode_group_avx512(b + g * gb, s[g * gs], table, &lo, &hi);
             a = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + g * MXFP4X_GROUP), a);
             a = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + g * MXFP4X_GROUP + 16), a);
         }
@@ -124,6 +125,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
                                                           const uint8_t *next) {
     const __m512 table = _mm512_loadu_ps(mxfp4x_e2m1_f32);
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     const uint8_t *b[4], *sc[4];
     __m512 a[4][MXFP4X_AVX512_NT], lo, hi;
     int64_t g;
@@ -135,7 +137,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
     }
     if (next) MXFP4X_PREFETCH_ROWS(sc[0] + 4 * ss, ss);
     for (g = 0; g < G; g++) {
-        const int64_t ob = g * MXFP4X_GROUP_BYTES;
+        const int64_t ob = g * gb, os = g * gs;
         __m512 xe[MXFP4X_AVX512_NT], xo[MXFP4X_AVX512_NT];
         if ((g & 3) == 0 && next) MXFP4X_PREFETCH_ROWS(next + ob, sb);
         for (c = 0; c < nt; c++) {
@@ -143,7 +145,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
             xo[c] = _mm512_loadu_ps(xs[c] + g * MXFP4X_GROUP + 16);
         }
         for (i = 0; i < mr; i++) {
-            mxfp4x_decode_group_avx512(b[i] + ob, sc[i][g], table, &lo, &hi);
+            mxfp4x_decode_group_avx512(b[i] + ob, sc[i][os], table, &lo, &hi);
             for (c = 0; c < nt; c++)
                 a[i][c] = _mm512_fmadd_ps(hi, xo[c], _mm512_fmadd_ps(lo, xe[c], a[i][c]));
         }
@@ -218,6 +220,7 @@ MXFP4X_AVX512_FN void mxfp4x_decode_f32_avx512(const mxfp4x_rows *w, int64_t row
                                                int64_t row_end, float *panel) {
     const __m512 table = _mm512_loadu_ps(mxfp4x_e2m1_f32);
     const int64_t d_in = w->n_groups * MXFP4X_GROUP;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r, g;
     __m512 lo, hi;
     for (r = row_start; r < row_end; r++) {
@@ -225,7 +228,7 @@ MXFP4X_AVX512_FN void mxfp4x_decode_f32_avx512(const mxfp4x_rows *w, int64_t row
         const uint8_t *s = w->scales + r * w->row_stride_scales;
         float *p = panel + (r - row_start) * d_in;
         for (g = 0; g < w->n_groups; g++) {
-            mxfp4x_decode_group_avx512(b + g * MXFP4X_GROUP_BYTES, s[g], table, &lo, &hi);
+            mxfp4x_decode_group_avx512(b + g * gb, s[g * gs], table, &lo, &hi);
             _mm512_storeu_ps(p + g * MXFP4X_GROUP, lo);
             _mm512_storeu_ps(p + g * MXFP4X_GROUP + 16, hi);
         }

@@ -2,21 +2,27 @@
  * the ISA enum, the row descriptor and the kernel signatures.
  *
  * Format (OCP Microscaling Formats (MX) v1.0, sections 5.3 (E8M0) and 5.3.3
- * (FP4 E2M1)), in the gpt-oss checkpoint layout:
+ * (FP4 E2M1)):
  *
  *   one group = 32 elements = 16 bytes + 1 scale byte s
- *
- *     byte j:  [ hi nibble | lo nibble ]      element 2j   = lo = b & 0xF
- *                 bit 7..4    bit 3..0        element 2j+1 = hi = b >> 4
- *
  *   value(element) = E2M1[code] * 2^(s - 127);  s = 255 is NaN.
  *
- * Kernels work in a "deinterleaved" element order (a layout) chosen per ISA:
- * blocks of 2*half elements, each holding its `half` even elements (low
- * nibbles) then its `half` odd ones (high nibbles).  half = 16 (scalar,
- * AVX-512, NEON, the float64 path): a group's 16 low nibbles, then its 16 high ones;
- * half = 4 (AVX2): per 8 elements, 4 even then 4 odd.  Latent rows are
- * permuted once per call into the layout (mxfp4x_prepare_x_*, through
+ * Two arrangements of a group's 16 bytes (the row descriptor names one, "nibbles"):
+ *
+ *   pairs  (gpt-oss safetensors; scales in a tensor of their own):
+ *     byte j:  [ hi nibble | lo nibble ]      element 2j   = lo = b & 0xF
+ *                 bit 7..4    bit 3..0        element 2j+1 = hi = b >> 4
+ *   halves (llama.cpp GGUF block_mxfp4 { uint8_t e; uint8_t qs[16]; }, 17 bytes, the
+ *           scale byte first, read in place):
+ *     byte j:  element j = lo = b & 0xF,  element j+16 = hi = b >> 4
+ *
+ * A kernel never looks at the arrangement: it processes a group's 16 bytes in chunks
+ * of `half` bytes, the chunk's low nibbles then its high nibbles ("layout" of half-size
+ * `half`: half = 16 for scalar, AVX-512, NEON and the float64 path; half = 4 for AVX2).
+ * Byte b, nibble n (0 low, 1 high) of a group thus lands at position
+ *   (b / half) * 2 half + n * half + b % half
+ * and the arrangement says which element that is.  Latent rows are permuted once per
+ * call into the kernel's order for the call's arrangement (mxfp4x_prepare_x_*, through
  * mxfp4x_layout_pos), so a kernel never has to interleave nibbles again.
  */
 #ifndef MXFP4X_H
@@ -27,6 +33,7 @@
 
 #define MXFP4X_GROUP 32            /* elements per scale group (OCP MX k = 32) */
 #define MXFP4X_GROUP_BYTES 16      /* packed bytes per group */
+#define MXFP4X_GGUF_BLOCK_BYTES 17 /* a GGUF block_mxfp4: the scale byte, then 16 bytes */
 #define MXFP4X_E8M0_BIAS 127
 #define MXFP4X_E8M0_NAN 255
 
@@ -112,17 +119,62 @@ MXFP4X_INLINE float mxfp4x_e8m0_f32(uint8_t s) { return mxfp4x_e8m0_table.f[s]; 
 /* float64 twin: every E8M0 value is a normal binary64 number (or NaN). */
 MXFP4X_INLINE double mxfp4x_e8m0_f64(uint8_t s) { return (double)mxfp4x_e8m0_table.f[s]; }
 
-/* One expert's weights as the kernels see them: row r of W_e is n_groups
- * groups; its packed bytes start at blocks + r * row_stride_blocks (n_groups*16
- * contiguous bytes) and its scales at scales + r * row_stride_scales (n_groups
- * contiguous bytes).  Strides are 64-bit: expert tensors pass 2^31 bytes. */
+/* The arrangement of a group's nibbles (see the top of this file). */
+enum {
+    MXFP4X_NIBBLES_PAIRS = 0,  /* byte j: elements 2j (low), 2j+1 (high): gpt-oss */
+    MXFP4X_NIBBLES_HALVES = 1  /* byte j: elements j (low), j+16 (high): GGUF */
+};
+
+/* One expert's weights as the kernels see them: row r of W_e is n_groups groups; group
+ * g of row r has its 16 bytes at blocks + r * row_stride_blocks + g * group_stride_blocks
+ * and its scale byte at scales[r * row_stride_scales + g * group_stride_scales].
+ * Separate tensors (gpt-oss safetensors): group strides 16 and 1.  GGUF blocks: both
+ * group strides 17, scales = the first block, blocks = scales + 1.  `nibbles` names the
+ * arrangement; the kernels read only the strides (every row of one call has the same
+ * arrangement: the latents are prepared for it).  Strides are 64-bit: expert tensors
+ * pass 2^31 bytes. */
 typedef struct {
     const uint8_t *blocks;
     const uint8_t *scales;
     int64_t row_stride_blocks;
     int64_t row_stride_scales;
     int64_t n_groups;
+    int64_t group_stride_blocks;
+    int64_t group_stride_scales;
+    int nibbles; /* MXFP4X_NIBBLES_* */
 } mxfp4x_rows;
+
+/* Rows with packed bytes and scales in separate arrays (gpt-oss safetensors). */
+MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_split(const uint8_t *blocks, const uint8_t *scales,
+                                             int64_t row_stride_blocks,
+                                             int64_t row_stride_scales, int64_t n_groups) {
+    mxfp4x_rows w;
+    w.blocks = blocks;
+    w.scales = scales;
+    w.row_stride_blocks = row_stride_blocks;
+    w.row_stride_scales = row_stride_scales;
+    w.n_groups = n_groups;
+    w.group_stride_blocks = MXFP4X_GROUP_BYTES;
+    w.group_stride_scales = 1;
+    w.nibbles = MXFP4X_NIBBLES_PAIRS;
+    return w;
+}
+
+/* Rows of GGUF block_mxfp4 blocks read in place: row r's blocks start at
+ * base + r * row_stride. */
+MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_gguf(const uint8_t *base, int64_t row_stride,
+                                            int64_t n_groups) {
+    mxfp4x_rows w;
+    w.blocks = base + 1;
+    w.scales = base;
+    w.row_stride_blocks = row_stride;
+    w.row_stride_scales = row_stride;
+    w.n_groups = n_groups;
+    w.group_stride_blocks = MXFP4X_GGUF_BLOCK_BYTES;
+    w.group_stride_scales = MXFP4X_GGUF_BLOCK_BYTES;
+    w.nibbles = MXFP4X_NIBBLES_HALVES;
+    return w;
+}
 
 /* Kernel signatures (one implementation per ISA, see dispatch.h).
  *
@@ -177,13 +229,18 @@ typedef struct {
     mxfp4x_fma_loop_fn fma_loop;          /* roofline only */
 } mxfp4x_kernels;
 
-/* Where natural element i of a row sits in a kernel layout of half-size `half`
- * (blocks of 2*half elements: the `half` even ones, then the `half` odd ones).
- * The only statement of the layouts: preparing latents and undoing the
- * transposed product's order both go through it. */
-MXFP4X_INLINE int64_t mxfp4x_layout_pos(int64_t i, int half) {
-    const int64_t j = i % (2 * half);
-    return (i - j) + (j & 1) * half + (j >> 1);
+/* Where natural element i of a row sits in a kernel layout of half-size `half` for
+ * the arrangement `nibbles`: element i is byte b, nibble n of its group (pairs: b = j/2,
+ * n = j&1; halves: b = j%16, n = j/16, j = i%32), and a kernel processes the group's
+ * bytes in chunks of `half`, low nibbles then high nibbles.  The only statement of the
+ * layouts: preparing latents and undoing the transposed product's order both go
+ * through it.  (Pairs: blocks of 2*half elements, the `half` even ones then the `half`
+ * odd ones; halves with half = 16: the natural order itself.) */
+MXFP4X_INLINE int64_t mxfp4x_layout_pos(int64_t i, int half, int nibbles) {
+    const int64_t j = i % MXFP4X_GROUP;
+    const int64_t b = nibbles == MXFP4X_NIBBLES_HALVES ? j % MXFP4X_GROUP_BYTES : j >> 1;
+    const int64_t n = nibbles == MXFP4X_NIBBLES_HALVES ? j / MXFP4X_GROUP_BYTES : j & 1;
+    return (i - j) + (b / half) * 2 * half + n * half + b % half;
 }
 
 /* ---- one call of the CPU driver, described once ------------------------------
@@ -194,7 +251,7 @@ MXFP4X_INLINE int64_t mxfp4x_layout_pos(int64_t i, int half) {
  */
 
 /* The experts: expert e's rows are rows[e] (stacked or one tensor each: any
- * mix of base pointers and row strides). */
+ * mix of base pointers and strides), all of one arrangement (rows[e].nibbles). */
 typedef struct {
     int64_t n_experts, d_out, n_groups;
     const mxfp4x_rows *rows;

@@ -121,6 +121,7 @@ MXFP4X_NEON_FN void mxfp4x_gemv1_f32_neon(const mxfp4x_rows *w, int64_t row_star
                                           int64_t row_end, const float *x, float *out) {
     const mxfp4x_neon_tables t = mxfp4x_neon_load_tables();
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r = row_start, g;
     int i;
     float32x4_t wv[8];
@@ -131,9 +132,9 @@ MXFP4X_NEON_FN void mxfp4x_gemv1_f32_neon(const mxfp4x_rows *w, int64_t row_star
         for (i = 0; i < 2; i++) mxfp4x_neon_zero4(a[i]);
         for (g = 0; g < G; g++) {
             const float *xg = x + g * MXFP4X_GROUP;
-            const int64_t ob = g * MXFP4X_GROUP_BYTES;
+            const int64_t ob = g * gb;
             for (i = 0; i < 2; i++) {
-                mxfp4x_decode_group_neon(b0 + i * sb + ob, s0[i * ss + g], &t, wv);
+                mxfp4x_decode_group_neon(b0 + i * sb + ob, s0[i * ss + g * gs], &t, wv);
                 mxfp4x_neon_fma_group(wv, xg, a[i]);
             }
         }
@@ -145,7 +146,7 @@ MXFP4X_NEON_FN void mxfp4x_gemv1_f32_neon(const mxfp4x_rows *w, int64_t row_star
         float32x4_t a[4];
         mxfp4x_neon_zero4(a);
         for (g = 0; g < G; g++) {
-            mxfp4x_decode_group_neon(b + g * MXFP4X_GROUP_BYTES, s[g], &t, wv);
+            mxfp4x_decode_group_neon(b + g * gb, s[g * gs], &t, wv);
             mxfp4x_neon_fma_group(wv, x + g * MXFP4X_GROUP, a);
         }
         out[r - row_start] = mxfp4x_neon_hsum(a);
@@ -161,6 +162,7 @@ MXFP4X_NEON_INLINE void mxfp4x_gemv_tokens_neon(const mxfp4x_rows *w, int64_t ro
                                                 int nt, float *out, int64_t out_stride) {
     const mxfp4x_neon_tables t = mxfp4x_neon_load_tables();
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r, g;
     int c;
     float32x4_t wv[8];
@@ -170,7 +172,7 @@ MXFP4X_NEON_INLINE void mxfp4x_gemv_tokens_neon(const mxfp4x_rows *w, int64_t ro
         float32x4_t a[MXFP4X_NEON_NT][4];
         for (c = 0; c < MXFP4X_NEON_NT; c++) mxfp4x_neon_zero4(a[c]);
         for (g = 0; g < G; g++) {
-            mxfp4x_decode_group_neon(b + g * MXFP4X_GROUP_BYTES, s[g], &t, wv);
+            mxfp4x_decode_group_neon(b + g * gb, s[g * gs], &t, wv);
             for (c = 0; c < nt; c++) mxfp4x_neon_fma_group(wv, xs[c] + g * MXFP4X_GROUP, a[c]);
         }
         for (c = 0; c < nt; c++) out[c * out_stride + r - row_start] = mxfp4x_neon_hsum(a[c]);
@@ -209,6 +211,7 @@ MXFP4X_NEON_FN void mxfp4x_decode_f32_neon(const mxfp4x_rows *w, int64_t row_sta
                                            int64_t row_end, float *panel) {
     const mxfp4x_neon_tables t = mxfp4x_neon_load_tables();
     const int64_t d_in = w->n_groups * MXFP4X_GROUP;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r, g;
     int k;
     float32x4_t wv[8];
@@ -217,7 +220,7 @@ MXFP4X_NEON_FN void mxfp4x_decode_f32_neon(const mxfp4x_rows *w, int64_t row_sta
         const uint8_t *s = w->scales + r * w->row_stride_scales;
         float *p = panel + (r - row_start) * d_in;
         for (g = 0; g < w->n_groups; g++) {
-            mxfp4x_decode_group_neon(b + g * MXFP4X_GROUP_BYTES, s[g], &t, wv);
+            mxfp4x_decode_group_neon(b + g * gb, s[g * gs], &t, wv);
             for (k = 0; k < 8; k++) vst1q_f32(p + g * MXFP4X_GROUP + 4 * k, wv[k]);
         }
     }

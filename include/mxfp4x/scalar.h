@@ -24,8 +24,9 @@ MXFP4X_INLINE float mxfp4x_hsum16_f32(const float *a) {
     return d[0] + d[1];
 }
 
-/* Decode one group into the deinterleaved order: out[j] = element 2j,
- * out[16 + j] = element 2j+1, both times the group scale. */
+/* Decode one group into the deinterleaved order: out[j] = the low nibble of byte j,
+ * out[16 + j] = its high nibble (elements 2j, 2j+1 in the pairs arrangement; j, j+16
+ * in the halves one), both times the group scale. */
 MXFP4X_INLINE void mxfp4x_decode_group_f32_scalar(const uint8_t *b, uint8_t s, float *out) {
     const float sc = mxfp4x_e8m0_f32(s);
     int j;
@@ -51,6 +52,7 @@ MXFP4X_INLINE float mxfp4x_dot_f32_scalar(const float *w, const float *x, int64_
 /* Fused decode + dot, one group at a time (no panel in memory). */
 static void mxfp4x_gemv1_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
                                     const float *x, float *out) {
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r, g;
     int j;
     float wg[MXFP4X_GROUP];
@@ -60,7 +62,7 @@ static void mxfp4x_gemv1_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int
         float acc[16] = {0};
         for (g = 0; g < w->n_groups; g++) {
             const float *xg = x + g * MXFP4X_GROUP;
-            mxfp4x_decode_group_f32_scalar(b + g * MXFP4X_GROUP_BYTES, s[g], wg);
+            mxfp4x_decode_group_f32_scalar(b + g * gb, s[g * gs], wg);
             for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[j] * xg[j];
             for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[16 + j] * xg[16 + j];
         }
@@ -80,13 +82,14 @@ static void mxfp4x_gemv_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int6
 static void mxfp4x_decode_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
                                      float *panel) {
     const int64_t d_in = w->n_groups * MXFP4X_GROUP;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r, g;
     for (r = row_start; r < row_end; r++) {
         const uint8_t *b = w->blocks + r * w->row_stride_blocks;
         const uint8_t *s = w->scales + r * w->row_stride_scales;
         float *p = panel + (r - row_start) * d_in;
         for (g = 0; g < w->n_groups; g++)
-            mxfp4x_decode_group_f32_scalar(b + g * MXFP4X_GROUP_BYTES, s[g], p + g * MXFP4X_GROUP);
+            mxfp4x_decode_group_f32_scalar(b + g * gb, s[g * gs], p + g * MXFP4X_GROUP);
     }
 }
 
@@ -160,6 +163,7 @@ static uint64_t mxfp4x_read_words(const uint64_t *p, int64_t n_words) {
 static void mxfp4x_decode_f64(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
                               double *panel) {
     const int64_t d_in = w->n_groups * MXFP4X_GROUP;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r, g;
     int j;
     for (r = row_start; r < row_end; r++) {
@@ -167,8 +171,8 @@ static void mxfp4x_decode_f64(const mxfp4x_rows *w, int64_t row_start, int64_t r
         const uint8_t *s = w->scales + r * w->row_stride_scales;
         double *p = panel + (r - row_start) * d_in;
         for (g = 0; g < w->n_groups; g++) {
-            const uint8_t *bg = b + g * MXFP4X_GROUP_BYTES;
-            const double sc = mxfp4x_e8m0_f64(s[g]);
+            const uint8_t *bg = b + g * gb;
+            const double sc = mxfp4x_e8m0_f64(s[g * gs]);
             double *pg = p + g * MXFP4X_GROUP;
             for (j = 0; j < 16; j++) {
                 pg[j] = (double)mxfp4x_e2m1_f32[bg[j] & 0xF] * sc;
@@ -216,33 +220,37 @@ MXFP4X_INLINE float mxfp4x_load_f32(const void *row, int dtype, int64_t i) {
     }
 }
 
-/* Permute one latent row into a kernel layout (mxfp4x_layout_pos), converting it
- * to float32. */
+/* Permute one latent row into a kernel layout (mxfp4x_layout_pos, for the experts'
+ * arrangement `nibbles`), converting it to float32. */
 static void mxfp4x_prepare_x_f32(const void *row, int dtype, int64_t n_groups, int half,
-                                 float *dst) {
+                                 int nibbles, float *dst) {
     const int64_t n = n_groups * MXFP4X_GROUP;
     int64_t i;
-    for (i = 0; i < n; i++) dst[mxfp4x_layout_pos(i, half)] = mxfp4x_load_f32(row, dtype, i);
+    for (i = 0; i < n; i++)
+        dst[mxfp4x_layout_pos(i, half, nibbles)] = mxfp4x_load_f32(row, dtype, i);
 }
 
 /* The float64 path's layout is MXFP4X_LAYOUT_16 (its decode is mxfp4x_decode_f64). */
-static void mxfp4x_prepare_x_f64(const double *row, int64_t n_groups, double *dst) {
+static void mxfp4x_prepare_x_f64(const double *row, int64_t n_groups, int nibbles,
+                                 double *dst) {
     const int64_t n = n_groups * MXFP4X_GROUP;
     int64_t i;
-    for (i = 0; i < n; i++) dst[mxfp4x_layout_pos(i, MXFP4X_LAYOUT_16)] = row[i];
+    for (i = 0; i < n; i++) dst[mxfp4x_layout_pos(i, MXFP4X_LAYOUT_16, nibbles)] = row[i];
 }
 
 /* The inverse permutation: a row in a kernel layout back to natural order. */
-static void mxfp4x_natural_f32(const float *src, int64_t n_groups, int half, float *dst) {
+static void mxfp4x_natural_f32(const float *src, int64_t n_groups, int half, int nibbles,
+                               float *dst) {
     const int64_t n = n_groups * MXFP4X_GROUP;
     int64_t i;
-    for (i = 0; i < n; i++) dst[i] = src[mxfp4x_layout_pos(i, half)];
+    for (i = 0; i < n; i++) dst[i] = src[mxfp4x_layout_pos(i, half, nibbles)];
 }
 
-static void mxfp4x_natural_f64(const double *src, int64_t n_groups, int half, double *dst) {
+static void mxfp4x_natural_f64(const double *src, int64_t n_groups, int half, int nibbles,
+                               double *dst) {
     const int64_t n = n_groups * MXFP4X_GROUP;
     int64_t i;
-    for (i = 0; i < n; i++) dst[i] = src[mxfp4x_layout_pos(i, half)];
+    for (i = 0; i < n; i++) dst[i] = src[mxfp4x_layout_pos(i, half, nibbles)];
 }
 
 #endif /* MXFP4X_SCALAR_H */

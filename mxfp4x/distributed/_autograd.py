@@ -20,6 +20,10 @@ def _validate(latent_tokens, packed_local, scales_local, selected_experts, mixtu
               shared_output, expert_range, per_slot_outputs):
     """Local checks (no communication); returns the checked tensors and (e0, e1)."""
     e0, e1 = parse_expert_range(expert_range)
+    if scales_local is None:
+        raise ValueError("scales_local: None (GGUF block_mxfp4 blocks) is not supported by "
+                         "mxfp4x.distributed; pass the packed bytes (E, O, G, 16) and their "
+                         "scale bytes (E, O, G)")
     if isinstance(packed_local, (list, tuple)) and len(packed_local) == 0:
         # a rank holding no experts: an empty stacked placeholder (d_out from the shared
         # output when there is one, else agreed with the other ranks)

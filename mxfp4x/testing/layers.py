@@ -36,6 +36,21 @@ def random_layer(rng, n_tokens, top_k, n_experts, d_out, n_groups, dtype=torch.f
                 selected_experts=sel, mixture_weights=mix, shared_output=shared)
 
 
+def gguf_blocks_of(packed, scale_bytes):
+    """The same matrices as llama.cpp's GGUF block_mxfp4 blocks: packed (..., G, 16) in
+    gpt-oss's arrangement (byte j: elements 2j, 2j+1) and scale bytes (..., G) ->
+    (..., G, 17) uint8, each block the scale byte then 16 bytes whose byte j holds
+    element j (low nibble) and element j+16 (high nibble).  numpy arrays in and out."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    lo, hi = packed & 0xF, packed >> 4  # elements 2j and 2j+1
+    codes = np.empty(packed.shape[:-1] + (32,), np.uint8)
+    codes[..., 0::2], codes[..., 1::2] = lo, hi
+    blocks = np.empty(packed.shape[:-1] + (17,), np.uint8)
+    blocks[..., 0] = scale_bytes
+    blocks[..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
+    return blocks
+
+
 def _np(t):
     """float tensors -> float64 ndarray; integer tensors -> ndarray views (no copy of
     a multi-GB weight tensor)."""

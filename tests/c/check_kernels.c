@@ -21,6 +21,10 @@
  *                   still decodes and multiplies exactly; _exit restores the caller's
  *                   register bit for bit
  *   fma_loop        runs, counts its flops, returns a finite value
+ *   gguf_*          decode, gemv, panel_dot and batch again on llama.cpp's GGUF blocks
+ *                   (17 bytes per group, the scale byte first; byte j holds elements j
+ *                   and j+16), read in place: gguf_decode, gguf_gemv, gguf_panel,
+ *                   gguf_batch
  * Cases: odd sizes (0..90 groups, chunk-crossing widths, row counts off every block
  * size, row_start > 0), 1..70 tokens through permuted rows, padded row / latent /
  * output strides; fixed seeds.
@@ -109,14 +113,25 @@ static void *xcalloc(size_t n, size_t size) {
 
 /* ---- the definition ---------------------------------------------------------------- */
 
-/* Element i (natural order) of a row of `n_groups` groups, as the spec defines it. */
-static double weight_ref(const uint8_t *blocks, const uint8_t *scales, int64_t i) {
+/* Element i (natural order) of row r, as the spec defines it: in the pairs arrangement
+ * byte j of a group holds elements 2j (low nibble) and 2j+1 (high); in the halves (GGUF)
+ * one elements j (low) and j+16 (high).  Written from the spec, not from
+ * mxfp4x_layout_pos. */
+static double weight_ref(const mxfp4x_rows *w, int64_t r, int64_t i) {
     const int64_t g = i / MXFP4X_GROUP, j = i % MXFP4X_GROUP;
-    const uint8_t b = blocks[g * MXFP4X_GROUP_BYTES + j / 2];
-    const int code = (j & 1) ? b >> 4 : b & 0xF;
-    const uint8_t s = scales[g];
+    const int halves = w->nibbles == MXFP4X_NIBBLES_HALVES;
+    const uint8_t b = w->blocks[r * w->row_stride_blocks + g * w->group_stride_blocks +
+                                (halves ? j % 16 : j / 2)];
+    const int high = halves ? j >= 16 : (int)(j & 1);
+    const int code = high ? b >> 4 : b & 0xF;
+    const uint8_t s = w->scales[r * w->row_stride_scales + g * w->group_stride_scales];
     if (s == MXFP4X_E8M0_NAN) return NAN;
     return ldexp((double)mxfp4x_e2m1_f32[code], (int)s - MXFP4X_E8M0_BIAS);
+}
+
+/* The check's name for an arrangement: "decode" or "gguf_decode", ... */
+static const char *named(const char *check, const char *gguf_check, int nibbles) {
+    return nibbles == MXFP4X_NIBBLES_HALVES ? gguf_check : check;
 }
 
 /* mxfp4x/_reference.py error_bound(magnitude, n_terms, "float32"). */
@@ -127,40 +142,45 @@ static double error_bound(double magnitude, int64_t n_terms) {
 
 /* ---- decode: every byte x every scale byte, bit for bit ------------------------- */
 
-static void check_decode(const mxfp4x_kernels *k) {
-    /* row s: 16 groups holding the bytes 0..255 in order, all with scale byte s */
+static void check_decode(const mxfp4x_kernels *k, int nibbles) {
+    /* row s: 16 groups holding the bytes 0..255 in order, all with scale byte s (GGUF:
+     * each group a 17-byte block, the scale byte first) */
     const int64_t G = 16, d_in = G * MXFP4X_GROUP;
-    uint8_t *blocks = xcalloc(256 * 256, 1), *scales = xcalloc(256 * G, 1);
+    const int gguf = nibbles == MXFP4X_NIBBLES_HALVES;
+    const int64_t row_bytes = G * (gguf ? MXFP4X_GGUF_BLOCK_BYTES : MXFP4X_GROUP_BYTES);
+    uint8_t *blocks = xcalloc(256 * row_bytes, 1), *scales = xcalloc(256 * G, 1);
     float *panel = xcalloc(256 * d_in, sizeof(float));
     mxfp4x_rows rows;
     digest d;
-    int64_t s, i, bad = 0;
+    int64_t s, i, g, bad = 0;
     char detail[160] = "";
     for (s = 0; s < 256; s++) {
-        for (i = 0; i < 256; i++) blocks[s * 256 + i] = (uint8_t)i;
+        for (g = 0; g < G; g++) {
+            uint8_t *blk = blocks + s * row_bytes + g * (gguf ? MXFP4X_GGUF_BLOCK_BYTES : 16);
+            if (gguf) *blk++ = (uint8_t)s;
+            for (i = 0; i < 16; i++) blk[i] = (uint8_t)(16 * g + i);
+        }
         for (i = 0; i < G; i++) scales[s * G + i] = (uint8_t)s;
     }
-    rows.blocks = blocks;
-    rows.scales = scales;
-    rows.row_stride_blocks = 256;
-    rows.row_stride_scales = G;
-    rows.n_groups = G;
+    rows = gguf ? mxfp4x_rows_gguf(blocks, row_bytes, G)
+                : mxfp4x_rows_split(blocks, scales, row_bytes, G, G);
     k->decode_f32(&rows, 0, 256, panel);
     digest_init(&d);
     for (s = 0; s < 256; s++)
         for (i = 0; i < d_in; i++) {
-            const float got = panel[s * d_in + mxfp4x_layout_pos(i, k->layout_half)];
-            const double want = weight_ref(blocks + s * 256, scales + s * G, i);
+            const float got = panel[s * d_in + mxfp4x_layout_pos(i, k->layout_half, nibbles)];
+            const double want = weight_ref(&rows, s, i);
             const int ok = want != want ? got != got : f32_bits(got) == f32_bits((float)want);
+            const int64_t j = i % 32;
             digest_f32(&d, got);
             if (!ok && bad++ == 0)
                 snprintf(detail, sizeof detail, "first mismatch: scale %d byte %d %s: got %a, "
-                         "want %a", (int)s, (int)((i / 32) * 16 + (i % 32) / 2),
-                         (i & 1) ? "hi" : "lo", (double)got, want);
+                         "want %a", (int)s, (int)((i / 32) * 16 + (gguf ? j % 16 : j / 2)),
+                         (gguf ? j >= 16 : j & 1) ? "hi" : "lo", (double)got, want);
     }
     if (bad) snprintf(detail + strlen(detail), sizeof detail - strlen(detail), " (%lld bad)",
                       (long long)bad);
-    report(k->name, "decode", &d, bad == 0, detail);
+    report(k->name, named("decode", "gguf_decode", nibbles), &d, bad == 0, detail);
     free(blocks);
     free(scales);
     free(panel);
@@ -225,12 +245,15 @@ static void compare_bits(const float *a, const float *b, int64_t n_tok, int64_t 
         }
 }
 
-static void run_mv_case(const mxfp4x_kernels *k, int case_no, mv_result *res) {
+static void run_mv_case(const mxfp4x_kernels *k, int case_no, int nibbles, mv_result *res) {
     const mv_case *c = &mv_cases[case_no];
+    const int gguf = nibbles == MXFP4X_NIBBLES_HALVES;
     const int64_t G = c->n_groups, d_in = G * MXFP4X_GROUP;
     const int64_t n_rows = c->n_rows, row_start = c->row_start, row_end = c->n_rows;
     const int64_t n_out = row_end - row_start, n_tok = c->n_tok;
-    const int64_t sb = G * MXFP4X_GROUP_BYTES + 16 * 3 + 5, ss = G + 7;
+    /* padded rows; GGUF: one buffer of 17-byte blocks (sb bytes per row) */
+    const int64_t sb = G * (gguf ? MXFP4X_GGUF_BLOCK_BYTES : MXFP4X_GROUP_BYTES) + 16 * 3 + 5;
+    const int64_t ss = G + 7;
     const int64_t n_x = n_tok + 5, x_stride = d_in + 12, out_stride = n_out + 3;
     uint8_t *blocks = xcalloc(n_rows * sb, 1), *scales = xcalloc(n_rows * ss, 1);
     float *x_nat = xcalloc(n_x * d_in, sizeof(float));
@@ -249,17 +272,26 @@ static void run_mv_case(const mxfp4x_kernels *k, int case_no, mv_result *res) {
     int64_t r, t, i;
     const int64_t mid = row_start + n_out / 2 + (n_out > 2 ? 1 : 0);
 
-    seed(1000 + (uint64_t)case_no);
+    seed(1000 + (uint64_t)case_no + (gguf ? 500 : 0));
     for (i = 0; i < n_rows * sb; i++) blocks[i] = (uint8_t)next_u64();
     for (i = 0; i < n_rows * ss; i++) {
         const uint64_t u = next_u64();
         /* mostly moderate scales; now and then 0 (2^-127, subnormal weights) */
         scales[i] = (u & 63) == 0 ? 0 : (uint8_t)(118 + (u >> 8) % 17);
     }
+    if (gguf) { /* the scale bytes inside the blocks */
+        for (r = 0; r < n_rows; r++)
+            for (i = 0; i < G; i++)
+                blocks[r * sb + i * MXFP4X_GGUF_BLOCK_BYTES] = scales[r * ss + i];
+        rows = mxfp4x_rows_gguf(blocks, sb, G);
+    } else {
+        rows = mxfp4x_rows_split(blocks, scales, sb, ss, G);
+    }
     for (i = 0; i < n_x * d_in; i++) x_nat[i] = next_float();
     for (t = 0; t < n_x; t++)
         for (i = 0; i < d_in; i++)
-            x[t * x_stride + mxfp4x_layout_pos(i, k->layout_half)] = x_nat[t * d_in + i];
+            x[t * x_stride + mxfp4x_layout_pos(i, k->layout_half, nibbles)] =
+                x_nat[t * d_in + i];
     for (t = 0; t < n_tok; t++) x_rows[t] = (t * 7 + 3) % n_x;
     for (i = 0; i < n_tok * out_stride; i++)
         out_multi[i] = out_one[i] = out_split[i] = out_panel[i] = -1.0f;
@@ -267,7 +299,7 @@ static void run_mv_case(const mxfp4x_kernels *k, int case_no, mv_result *res) {
     /* the float64 reference and the magnitude sum |W||x| */
     for (r = row_start; r < row_end; r++)
         for (i = 0; i < d_in; i++)
-            w_nat[(r - row_start) * d_in + i] = weight_ref(blocks + r * sb, scales + r * ss, i);
+            w_nat[(r - row_start) * d_in + i] = weight_ref(&rows, r, i);
     for (t = 0; t < n_tok; t++)
         for (r = 0; r < n_out; r++) {
             const float *xt = x_nat + x_rows[t] * d_in;
@@ -280,11 +312,6 @@ static void run_mv_case(const mxfp4x_kernels *k, int case_no, mv_result *res) {
             mag[t * n_out + r] = m;
         }
 
-    rows.blocks = blocks;
-    rows.scales = scales;
-    rows.row_stride_blocks = sb;
-    rows.row_stride_scales = ss;
-    rows.n_groups = G;
     /* several tokens in one call; one call per token; two row ranges (a thread split) */
     k->gemv_f32(&rows, row_start, row_end, x, x_stride, x_rows, n_tok, out_multi, out_stride);
     for (t = 0; t < n_tok; t++)
@@ -314,7 +341,7 @@ static void run_mv_case(const mxfp4x_kernels *k, int case_no, mv_result *res) {
     free(panel); free(scratch);
 }
 
-static void check_mv(const mxfp4x_kernels *k) {
+static void check_mv(const mxfp4x_kernels *k, int nibbles) {
     mv_result res;
     int i;
     char detail[260];
@@ -323,14 +350,16 @@ static void check_mv(const mxfp4x_kernels *k) {
     digest_init(&res.panel);
     digest_init(&res.batch);
     res.gemv_ok = res.panel_ok = res.batch_ok = 1;
-    for (i = 0; i < N_MV_CASES; i++) run_mv_case(k, i, &res);
+    for (i = 0; i < N_MV_CASES; i++) run_mv_case(k, i, nibbles, &res);
     snprintf(detail, sizeof detail, "worst err/bound %.3g%s%s", res.gemv_worst,
              *res.gemv_why ? " " : "", res.gemv_why);
-    report(k->name, "gemv", &res.gemv, res.gemv_ok, detail);
+    report(k->name, named("gemv", "gguf_gemv", nibbles), &res.gemv, res.gemv_ok, detail);
     snprintf(detail, sizeof detail, "worst err/bound %.3g%s%s", res.panel_worst,
              *res.panel_why ? " " : "", res.panel_why);
-    report(k->name, "panel_dot", &res.panel, res.panel_ok, detail);
-    report(k->name, "batch", &res.batch, res.batch_ok, res.batch_why);
+    report(k->name, named("panel_dot", "gguf_panel", nibbles), &res.panel, res.panel_ok,
+           detail);
+    report(k->name, named("batch", "gguf_batch", nibbles), &res.batch, res.batch_ok,
+           res.batch_why);
 }
 
 /* ---- axpy_rows ---------------------------------------------------------------------- */
@@ -456,14 +485,10 @@ static void check_fz(const mxfp4x_kernels *k) {
         x[i] = 1.0f;
         x[FZ_D + i] = (i & 1) ? 0.75f : -1.25f;
     }
-    rows.blocks = blocks;
-    rows.scales = scales;
-    rows.row_stride_blocks = sizeof blocks;
-    rows.row_stride_scales = FZ_G;
-    rows.n_groups = FZ_G;
-    for (i = 0; i < FZ_D; i++) want_w[i] = weight_ref(blocks, scales, i);
+    rows = mxfp4x_rows_split(blocks, scales, sizeof blocks, FZ_G, FZ_G);
+    for (i = 0; i < FZ_D; i++) want_w[i] = weight_ref(&rows, 0, i);
     for (i = 0; i < FZ_D; i++) {
-        const int p = (int)mxfp4x_layout_pos(i, k->layout_half);
+        const int p = (int)mxfp4x_layout_pos(i, k->layout_half, rows.nibbles);
         want_dot[0] += want_w[i] * x[p];
         want_dot[1] += want_w[i] * x[FZ_D + p];
     }
@@ -481,7 +506,7 @@ static void check_fz(const mxfp4x_kernels *k) {
 
     digest_init(&d);
     for (i = 0; i < FZ_D; i++) {
-        const int p = (int)mxfp4x_layout_pos(i, k->layout_half);
+        const int p = (int)mxfp4x_layout_pos(i, k->layout_half, rows.nibbles);
         digest_f32(&d, guarded.panel[p]);
         if (f32_bits(guarded.panel[p]) != f32_bits((float)want_w[i]) && ok) {
             ok = 0;
@@ -601,11 +626,13 @@ int main(int argc, char **argv) {
             printf("# %s: not runnable on this CPU, skipped\n", k->name);
             continue;
         }
-        check_decode(k);
-        check_mv(k);
+        check_decode(k, MXFP4X_NIBBLES_PAIRS);
+        check_mv(k, MXFP4X_NIBBLES_PAIRS);
         check_axpy(k);
         check_fz(k);
         check_fma_loop(k);
+        check_decode(k, MXFP4X_NIBBLES_HALVES);
+        check_mv(k, MXFP4X_NIBBLES_HALVES);
     }
     printf("# %s\n", failures ? "FAILED" : "all ok");
     return failures ? 1 : 0;

@@ -3,7 +3,8 @@
 The checker includes include/mxfp4x/dispatch.h and checks every table entry its CPU can
 run: all 256 bytes x 256 scale bytes decoded bit for bit, gemv / panel_dot / axpy_rows
 against float64 within the documented bound, bit-identity between the one-token, several-
-token, split-rows and panel paths, and the flush-to-zero guard (see the file's header).
+token, split-rows and panel paths, and the flush-to-zero guard (see the file's header);
+decode, gemv, panel_dot and bit-identity again on GGUF block_mxfp4 blocks read in place.
 
 * natively, with the host's C compiler (x86-64 here: scalar, avx2, avx512 as runnable);
 * cross-compiled with aarch64-linux-gnu-gcc (-static) and run under qemu-aarch64: the NEON
@@ -21,7 +22,8 @@ from kernel_checker import CHECKER, HEADERS, build, host_cc, parse
 
 X86_ISAS = {"avx2", "avx512"}
 ARM_ISAS = {"neon"}
-CHECKS = ("decode", "gemv", "panel_dot", "batch", "axpy_rows", "fz", "fma_loop")
+CHECKS = ("decode", "gemv", "panel_dot", "batch", "axpy_rows", "fz", "fma_loop",
+          "gguf_decode", "gguf_gemv", "gguf_panel", "gguf_batch")
 REQUIRE_QEMU = os.environ.get("MXFP4X_REQUIRE_QEMU") == "1"
 IS_AARCH64 = platform.machine().lower() in ("aarch64", "arm64")
 
@@ -137,8 +139,9 @@ def test_bits_agree_across_builds(native, emulated_aarch64):
     order; printed, not required.)"""
     a = parse(_run(native).stdout)
     b = parse(_run(emulated_aarch64).stdout)
-    decode = {d for (isa, check), (d, _) in {**a, **b}.items() if check == "decode"}
-    assert len(decode) == 1, decode
+    for name in ("decode", "gguf_decode"):
+        decode = {d for (isa, check), (d, _) in {**a, **b}.items() if check == name}
+        assert len(decode) == 1, (name, decode)
     for check in CHECKS:
         assert a[("scalar", check)] == b[("scalar", check)], check
     if ("avx512", "gemv") in a:
