@@ -10,7 +10,7 @@ UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL = range(8)
 STRING, ARRAY, UINT64, INT64, FLOAT64 = 8, 9, 10, 11, 12
 _FMT = {UINT8: "B", INT8: "b", UINT16: "H", INT16: "h", UINT32: "I", INT32: "i",
         FLOAT32: "f", BOOL: "?", UINT64: "Q", INT64: "q", FLOAT64: "d"}
-MXFP4, Q8_0, F32, F16, BF16 = 39, 8, 0, 1, 30
+MXFP4, Q8_0, F32, F16, BF16, I8 = 39, 8, 0, 1, 30, 24
 
 
 def mxfp4_stack(rng, n_experts, d_out, n_groups):
@@ -53,8 +53,8 @@ def write_gguf(path, arch, tensors, metadata=(), alignment=None, split_max_tenso
 
 def gpt_oss_tensors(rng, n_layers=(0, 1), n_experts=3, d_out=37, n_groups=3):
     """A gpt-oss-shaped model as llama.cpp's converter writes it: per layer the stacked
-    MXFP4 gate, up (each d_out rows of d_in = n_groups * 32) and down (n_groups * 32 rows
-    of d_out... rounded to whole groups) experts, their F32 biases, the router F32."""
+    MXFP4 gate and up experts (d_out rows of d_in = n_groups * 32) and down (d_in rows of
+    whole groups past d_out), their F32 biases, the router and the sinks in F32."""
     d_in = n_groups * 32
     d_ff = d_out
     down_groups = -(-d_ff // 32)
@@ -137,3 +137,42 @@ def encode(kvs, infos, data, alignment=32, version=3, n_kv=None, n_tensors=None,
     head += b"".join(kvs) + b"".join(infos)
     head += bytes(-len(head) % alignment)
     return head + data
+
+
+def tiny_gguf(path, arch="gpt-oss", layers=(0, 1), n_experts=3, d_out=37, n_groups=3,
+              seed=0, types=None, split=1):
+    """A small GGUF model built byte by byte (no gguf package): per layer stacked MXFP4
+    gate/up/down experts (``types``: names of some stored as I8 instead, 1-D, the same
+    bytes) and an F32 router; ``split`` > 1 writes that many files
+    ``stem-0000i-of-0000N.gguf`` (one layer's tensors or more each).  Returns the paths."""
+    rng = np.random.default_rng(seed)
+    tensors = []
+    for layer in layers:
+        for proj in ("gate", "up", "down"):
+            name = f"blk.{layer}.ffn_{proj}_exps.weight"
+            raw = mxfp4_stack(rng, n_experts, d_out, n_groups).tobytes()
+            if name in (types or ()):
+                tensors.append((name, [len(raw)], I8, raw))
+            else:
+                tensors.append((name, [n_groups * 32, d_out, n_experts], MXFP4, raw))
+        router = rng.standard_normal((n_experts, n_groups * 32), np.float32)
+        tensors.append((f"blk.{layer}.ffn_gate_inp.weight", [n_groups * 32, n_experts], F32,
+                        router.tobytes()))
+    chunks = [tensors[i::split] for i in range(split)]
+    stem = str(path)[:-len(".gguf")] if str(path).endswith(".gguf") else str(path)
+    paths = []
+    for i, chunk in enumerate(chunks):
+        kvs = [kv("general.architecture", STRING, arch)] if i == 0 else []
+        if split > 1:
+            kvs += [kv("split.no", UINT16, i), kv("split.count", UINT16, split),
+                    kv("split.tensors.count", INT32, len(tensors))]
+        infos, data = [], b""
+        for name, ne, t, raw in chunk:
+            data += bytes(-len(data) % 32)
+            infos.append(tensor_info(name, ne, t, len(data)))
+            data += raw
+        p = f"{stem}-{i + 1:05d}-of-{split:05d}.gguf" if split > 1 else str(path)
+        with open(p, "wb") as f:
+            f.write(encode(kvs, infos, data))
+        paths.append(p)
+    return paths
