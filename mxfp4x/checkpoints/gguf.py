@@ -51,7 +51,7 @@ import struct
 import threading
 import weakref
 from types import MappingProxyType
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -268,7 +268,35 @@ class _Cursor:
                 arr = arr.astype(arr.dtype.newbyteorder("="))  # a copy, native order
             arr.flags.writeable = False
             return arr
+        if etype == _STRING:
+            return self._strings(count, what)
         return [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
+
+    def _strings(self, count: int, what: str) -> list:
+        """``count`` strings (a tokenizer's hundreds of thousands: read from the buffer
+        directly, through :meth:`take` only at its end)."""
+        out: List[Union[str, bytes]] = []
+        unpack = _STRUCT[_UINT64].unpack_from
+        for i in range(count):
+            lo = self.pos - self._buf_at
+            buf = self._buf
+            if lo + 8 <= len(buf):
+                (n,) = unpack(buf, lo)
+                if n <= MAX_STRING_BYTES and lo + 8 + n <= len(buf):
+                    raw = buf[lo + 8:lo + 8 + n]
+                    self.pos += 8 + n
+                else:
+                    raw = b""
+            else:
+                raw = b""
+                n = -1
+            if n < 0 or len(raw) != n:  # across the buffer's end, or refused: the slow way
+                raw = self.raw_string(f"{what}[{i}]")
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(raw)
+        return out
 
 
 def _check_alignment(path: str, metadata: Mapping[str, Any], types: Mapping[str, int]) -> int:

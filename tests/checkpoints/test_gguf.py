@@ -327,3 +327,25 @@ def test_mapping_a_layer_does_not_read_it(tmp_path):
     size, grown, after_read = map(int, out.stdout.split())
     assert size > 200e6
     assert grown < 8 << 20 and after_read < 8 << 20, (grown, after_read)
+
+
+def test_a_kimi_shaped_file_has_the_names_of_its_entry(rng, tmp_path):
+    tensors = kimi_tensors(rng, n_layers=(1, 2))
+    (path,) = write_gguf(tmp_path / "k.gguf", "kimi-k3", tensors)
+    ckpt = GGUFCheckpoint(path)
+    naming = families.gguf_naming(ckpt.architecture)
+    assert naming is families.GGUF_KIMI_K3
+    for layer in (1, 2):
+        names = [naming.tensor(layer, r) for r in ("gate", "up", "down")]
+        names += [naming.router.format(layer=layer), naming.router_bias.format(layer=layer)]
+        names += [naming.shared.format(layer=layer, proj=p) for p in ("gate", "up", "down")]
+        assert all(n in ckpt for n in names), names
+        experts = families.load_gguf_experts(ckpt, layer, (2, 5))
+        assert {r: tuple(t.shape) for r, t in experts.items()} == {
+            "gate": (3, 37, 3, 17), "up": (3, 37, 3, 17), "down": (3, 96, 2, 17)}
+        for role, t in experts.items():
+            assert np.array_equal(t.numpy().reshape(3, -1), tensors[naming.tensor(
+                layer, role)][0][2:5].reshape(3, -1))
+    assert families.gguf_expert_tensors(ckpt) == {
+        layer: {r: f"blk.{layer}.ffn_{r}_exps.weight" for r in ("down", "gate", "up")}
+        for layer in (1, 2)}
