@@ -312,7 +312,8 @@ def _check_alignment(path: str, metadata: Mapping[str, Any], types: Mapping[str,
 
 
 def _parse(fh, path: str, size: int):
-    """(version, metadata, value types, alignment, tensors) of an open file."""
+    """(version, metadata, value types, alignment, data offset, tensors) of an open
+    file, every field checked."""
     cur = _Cursor(fh, path, size)
     magic = bytes(cur.take(min(4, size), "the magic"))
     if magic != MAGIC:
