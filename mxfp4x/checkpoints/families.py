@@ -19,6 +19,37 @@ llama.cpp ``conversion/kimi_k3.py``, vLLM, SGLang, MaxText, and Moonshot's
   .{w1,w2,w3}.weight_packed`` uint8 (out, in/2), the low nibble the even input column
   (compressed-tensors packs ``codes[2j] | codes[2j+1] << 4``: the gpt-oss order), and
   ``.weight_scale`` uint8 (out, in/32), E8M0 (2^(s-127)).  w1 = gate, w3 = up, w2 = down.
+
+GGUF files (llama.cpp) name tensors per architecture (``general.architecture``), all
+MoE architectures alike (the ``gguf`` package's ``TENSOR_NAMES`` and ``MODEL_TENSORS``;
+the converters in llama.cpp's ``conversion/``).  :class:`GGUFExpertNaming` holds them,
+``GGUF_FAMILIES`` by architecture:
+
+* routed experts of layer L, stacked: ``blk.{L}.ffn_gate_exps.weight``,
+  ``blk.{L}.ffn_up_exps.weight``, ``blk.{L}.ffn_down_exps.weight``, each GGUF ``ne =
+  [d_in, d_out, n_experts]`` (our ``(n_experts, d_out, d_in)``); some architectures
+  fuse gate and up as ``blk.{L}.ffn_gate_up_exps.weight``; the router
+  ``blk.{L}.ffn_gate_inp.weight``.
+* gpt-oss (``"gpt-oss"``; ``GptOssModel`` in ``conversion/gpt_oss.py``): the released
+  ``gate_up_proj_blocks``/``_scales`` interleave gate and up rows (gate rows even, up
+  rows odd); the converter splits them, rows ``0::2`` to ``ffn_gate_exps`` and ``1::2``
+  to ``ffn_up_exps``, and the bias likewise (``ffn_gate_exps.bias``,
+  ``ffn_up_exps.bias``; ``down_proj_bias`` to ``ffn_down_exps.bias``).  Its
+  ``repack_mxfp4`` puts each group's scale byte before its 16 bytes and
+  ``transform_nibble_layout`` moves element j to the low nibble of byte j and element
+  j + 16 to its high nibble, losslessly: the same codes and scales, re-arranged.  The
+  router is ``blk.{L}.ffn_gate_inp.weight`` and ``.bias``; the attention sinks
+  ``blk.{L}.attn_sinks.weight``.
+* Kimi K3 (``"kimi-k3"``; ``KimiK3Model`` in ``conversion/kimi_k3.py``): w1 to
+  ``ffn_gate_exps``, w3 to ``ffn_up_exps``, w2 to ``ffn_down_exps``, the experts'
+  compressed-tensors bytes repacked losslessly into ggml MXFP4 blocks
+  (``repack_mxfp4_blocks``); shared experts ``blk.{L}.ffn_{gate,up,down}_shexp.weight``;
+  the router ``blk.{L}.ffn_gate_inp.weight`` and its score-correction bias
+  ``blk.{L}.exp_probs_b.bias``; the latent projections around the routed experts
+  ``blk.{L}.ffn_routed_down``, ``ffn_routed_up``, ``ffn_routed_norm``.  (The ``gguf``
+  package on PyPI, 0.19, predates the architecture: its names are llama.cpp's.)
+* DeepSeek-V2/V3 and Kimi K2 (``"deepseek2"``), Kimi Linear (``"kimi-linear"``): the
+  same routed, shared and router names as Kimi K3, without the latent projections.
 """
 import json
 import os
@@ -27,9 +58,13 @@ import string
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+import torch
+
 from .._format import GROUP_BYTES
 from .._progress import Progress
 from .._validation import bytes_by_view as as_bytes
+from .._validation import parse_expert_range
+from .gguf import MXFP4, GGUFCheckpoint
 from .safetensors import SafeTensorsCheckpoint
 
 
@@ -209,3 +244,113 @@ def moe_layers(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming) -> List[int]:
     return sorted({layer for _, layer in expert_names(ckpt, layout)})
 
 
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF files (llama.cpp): the names of its converters, one entry per architecture
+
+
+@dataclass(frozen=True)
+class GGUFExpertNaming:
+    """How llama.cpp names an architecture's MoE tensors in GGUF files (the module
+    docstring says where each name comes from).  Patterns take ``layer`` (and ``proj``,
+    the projection name of a role)."""
+
+    name: str                        # mxfp4x's family name
+    architectures: Tuple[str, ...]   # general.architecture values
+    roles: Dict[str, str]            # role (gate, up, down) -> projection in the names
+    experts: str = "blk.{layer}.ffn_{proj}_exps.weight"
+    expert_bias: Optional[str] = None  # "blk.{layer}.ffn_{proj}_exps.bias" where any
+    router: str = "blk.{layer}.ffn_gate_inp.weight"
+    router_bias: Optional[str] = None
+    shared: Optional[str] = None     # "blk.{layer}.ffn_{proj}_shexp.weight" where any
+    other: Tuple[str, ...] = ()      # the block's other MoE tensors
+
+    def tensor(self, layer: int, role: str) -> str:
+        return self.experts.format(layer=layer, proj=self.roles[role])
+
+
+_ROLES = {"gate": "gate", "up": "up", "down": "down"}
+
+GGUF_GPT_OSS = GGUFExpertNaming(
+    name="gpt-oss", architectures=("gpt-oss",), roles=_ROLES,
+    expert_bias="blk.{layer}.ffn_{proj}_exps.bias",
+    router_bias="blk.{layer}.ffn_gate_inp.bias",
+    other=("blk.{layer}.attn_sinks.weight",),
+)
+GGUF_KIMI_K3 = GGUFExpertNaming(
+    name="kimi-k3", architectures=("kimi-k3",), roles=_ROLES,
+    router_bias="blk.{layer}.exp_probs_b.bias",
+    shared="blk.{layer}.ffn_{proj}_shexp.weight",
+    other=("blk.{layer}.ffn_routed_down.weight", "blk.{layer}.ffn_routed_up.weight",
+           "blk.{layer}.ffn_routed_norm.weight"),
+)
+GGUF_DEEPSEEK2 = GGUFExpertNaming(
+    name="deepseek2", architectures=("deepseek2", "kimi-linear"), roles=_ROLES,
+    router_bias="blk.{layer}.exp_probs_b.bias",
+    shared="blk.{layer}.ffn_{proj}_shexp.weight",
+)
+GGUF_FAMILIES = {arch: naming for naming in (GGUF_GPT_OSS, GGUF_KIMI_K3, GGUF_DEEPSEEK2)
+                 for arch in naming.architectures}
+
+# every llama.cpp architecture names its stacked experts so (gguf's TENSOR_NAMES:
+# FFN_GATE_EXP, FFN_UP_EXP, FFN_DOWN_EXP, FFN_GATE_UP_EXP)
+GGUF_EXPERT_NAME = re.compile(
+    r"blk\.(?P<layer>0|[1-9][0-9]*)\.ffn_(?P<proj>gate|up|down|gate_up)_exps\.weight")
+
+
+def gguf_naming(architecture: Optional[str]) -> GGUFExpertNaming:
+    """The naming of an architecture; llama.cpp's common one (routed experts and router
+    only) for an architecture mxfp4x has no entry for."""
+    if architecture in GGUF_FAMILIES:
+        return GGUF_FAMILIES[architecture]
+    return GGUFExpertNaming(name=architecture or "unknown", architectures=(), roles=_ROLES)
+
+
+def open_gguf(path) -> GGUFCheckpoint:
+    return path if isinstance(path, GGUFCheckpoint) else GGUFCheckpoint(path)
+
+
+def gguf_expert_tensors(ckpt: GGUFCheckpoint) -> Dict[int, Dict[str, str]]:
+    """layer -> {role: name} of every stacked expert tensor the file(s) hold, found by
+    name (roles gate, up, down, and gate_up where fused), whatever their type."""
+    found: Dict[int, Dict[str, str]] = {}
+    for name in ckpt.keys():
+        m = GGUF_EXPERT_NAME.fullmatch(name)
+        if m is not None:
+            found.setdefault(int(m["layer"]), {})[m["proj"]] = name
+    return dict(sorted(found.items()))
+
+
+def load_gguf_experts(ckpt: GGUFCheckpoint, layer: int, expert_range=None,
+                      roles: Iterable[str] = ("gate", "up", "down"),
+                      naming: Optional[GGUFExpertNaming] = None) -> Dict[str, torch.Tensor]:
+    """role -> uint8 ``(n_experts, d_out, n_groups, 17)`` GGUF MXFP4 blocks of layer
+    ``layer``'s experts ``expert_range`` (a pair (e0, e1) or a range; None: all), each a
+    view of a mapping of just those experts' bytes: what
+    ``mxfp4x.mxfp4_experts(x, blocks, None, ...)`` takes.  A tensor that is missing,
+    not MXFP4, or shaped unlike a stack of matrices is a ``ValueError`` naming it."""
+    naming = naming or gguf_naming(ckpt.architecture)
+    out: Dict[str, torch.Tensor] = {}
+    n_experts = None
+    for role in roles:
+        name = naming.experts.format(layer=layer, proj=naming.roles.get(role, role))
+        if name not in ckpt:
+            raise ValueError(f"{ckpt.root}: no tensor {name!r} (the {role} experts of layer "
+                             f"{layer})")
+        info = ckpt.tensor(name)
+        if info.ggml_type != MXFP4 or len(info.shape) != 3:
+            raise ValueError(f"{info.path}: tensor {name!r} is {info.type_name} "
+                             f"{list(info.shape)}, expected MXFP4 (n_experts, d_out, d_in)")
+        if n_experts is None:
+            n_experts = info.shape[0]
+            e0, e1 = (0, n_experts) if expert_range is None else \
+                parse_expert_range(expert_range)
+            if e1 > n_experts:
+                raise ValueError(f"expert_range: ({e0}, {e1}) passes the {n_experts} experts "
+                                 f"of {name!r}")
+        elif info.shape[0] != n_experts:
+            raise ValueError(f"{info.path}: tensor {name!r} holds {info.shape[0]} experts, "
+                             f"the layer's other expert tensors {n_experts}")
+        out[role] = ckpt.get_rows(name, e0, e1)
+    return out

@@ -1,5 +1,7 @@
 """Verify a checkpoint: the sha256 of every expert tensor's byte range, read straight from
-its file, against the bytes the loader hands to the kernels and against a manifest."""
+its file, against the bytes the loader hands to the kernels and against a manifest.
+Safetensors checkpoints (:func:`verify_experts`) and GGUF files (:func:`verify_gguf_experts`)
+follow the same rules and report alike."""
 import re
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -8,12 +10,15 @@ import torch
 from .families import (
     expert_names,
     family_of,
+    gguf_expert_tensors,
     iter_expert_tensors,
     load_experts,
     num_experts,
     open_checkpoint,
+    open_gguf,
     read_config,
 )
+from .gguf import MXFP4, GGUFCheckpoint
 from .safetensors import SafeTensorsCheckpoint
 
 _HEX = re.compile("[0-9a-fA-F]{64}")
@@ -49,7 +54,8 @@ def _file_sha256(path: str, begin: int, end: int) -> str:
     return h.hexdigest()
 
 
-def _locate(ckpt: SafeTensorsCheckpoint, name: str) -> Union[Tuple[str, int, int], str]:
+def _locate(ckpt: Union[SafeTensorsCheckpoint, GGUFCheckpoint],
+            name: str) -> Union[Tuple[str, int, int], str]:
     """(file, begin, end) of a tensor, or why it cannot be read (a mismatch to report,
     not an exception that would end the verification)."""
     if name not in ckpt:
@@ -135,6 +141,107 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
             hashes[name] = digest = _file_sha256(file_path, begin, end)
             n_bytes += end - begin
             if name not in loaded:
+                mismatches.append((name, "not handed to the kernels"))
+            elif _tensor_sha256(loaded[name]) != digest:
+                mismatches.append((name, "the bytes handed to the kernels differ from the "
+                                         "file's"))
+            if manifest is not None and manifest.get(name) != digest:
+                mismatches.append((name, "the file's bytes differ from the manifest"
+                                   if name in manifest else "missing from the manifest"))
+    other = 0
+    for name, digest in sorted((manifest or {}).items()):
+        if name in seen:
+            continue
+        found = _locate(ckpt, name)
+        if not isinstance(found, tuple):
+            mismatches.append((name, "in the manifest but " + found))
+            continue
+        file_path, begin, end = found
+        other += 1
+        n_bytes += end - begin
+        if _file_sha256(file_path, begin, end) != digest:
+            mismatches.append((name, "the file's bytes differ from the manifest"))
+    if not hashes and not other:
+        raise ValueError(f"{ckpt.root}: no expert tensor of layers {layers} could be read: "
+                         f"nothing verified")
+    return {"checked": len(hashes), "bytes": n_bytes, "hashes": hashes,
+            "mismatches": mismatches, "layers": layers, "manifest_other": other}
+
+
+def _mxfp4_stack(ckpt: GGUFCheckpoint, name: str) -> bool:
+    """Whether ``name`` is a stack of MXFP4 matrices, as the kernels take them."""
+    if name not in ckpt:
+        return False
+    info = ckpt.tensor(name)
+    return info.ggml_type == MXFP4 and len(info.shape) == 3
+
+
+def verify_gguf_experts(path: Union[str, GGUFCheckpoint],
+                        layers: Optional[Sequence[int]] = None,
+                        manifest: Optional[Dict[str, str]] = None,
+                        handed: Optional[Dict[str, torch.Tensor]] = None) -> dict:
+    """:func:`verify_experts` for a GGUF model (one file or a split set): the sha256 of
+    every stacked expert tensor's byte range (``blk.{L}.ffn_{gate,up,down}_exps.weight``,
+    and ``ffn_gate_up_exps`` where fused), read straight from its file, against the
+    bytes the loader maps for the kernels (``handed``: name -> tensor, default: what
+    :func:`~mxfp4x.checkpoints.families.load_gguf_experts` hands out, uint8 MXFP4 blocks)
+    and against ``manifest`` if given.
+
+    A layer's experts are gate, up and down (or gate_up and down): one missing is a
+    mismatch, and so is an expert tensor that is not MXFP4 (the kernels cannot run it).
+    ``layers``, the manifest and the result are as for :func:`verify_experts`; a file
+    without expert tensors, or layers it does not hold, are a ``ValueError``."""
+    from .families import load_gguf_experts
+
+    ckpt = open_gguf(path)
+    if manifest is not None:
+        manifest = check_manifest(manifest)
+    held = gguf_expert_tensors(ckpt)
+    available = sorted(held)
+    if layers is None:
+        layers = available
+    else:
+        layers = [int(layer) for layer in layers]
+        absent = [layer for layer in layers if layer not in available]
+        if absent:
+            raise ValueError(f"layers: {ckpt.root} holds no expert tensors for layer(s) "
+                             f"{absent} (its expert layers: {available})")
+    if not layers:
+        raise ValueError(f"{ckpt.root}: no expert tensors (names like "
+                         f"'blk.0.ffn_down_exps.weight'): nothing to verify")
+    hashes: Dict[str, str] = {}
+    mismatches: List[Tuple[str, str]] = []
+    seen = set()
+    n_bytes = 0
+    for layer in layers:
+        roles = held[layer]
+        wanted = ["gate_up", "down"] if "gate_up" in roles and not (
+            {"gate", "up"} & set(roles)) else ["gate", "up", "down"]
+        names = {role: roles.get(role, f"blk.{layer}.ffn_{role}_exps.weight")
+                 for role in wanted + sorted(set(roles) - set(wanted))}
+        runnable = [role for role, name in names.items() if _mxfp4_stack(ckpt, name)]
+        loaded = handed
+        if loaded is None:
+            loaded = {}
+            for role in runnable:  # each alone: one refused tensor must not hide the others
+                try:
+                    loaded[names[role]] = load_gguf_experts(ckpt, layer, roles=[role])[role]
+                except ValueError:
+                    pass
+        for role, name in names.items():
+            seen.add(name)
+            found = _locate(ckpt, name)
+            if not isinstance(found, tuple):
+                mismatches.append((name, found))
+                continue
+            file_path, begin, end = found
+            hashes[name] = digest = _file_sha256(file_path, begin, end)
+            n_bytes += end - begin
+            info = ckpt.tensor(name)
+            if role not in runnable:
+                mismatches.append((name, f"{info.type_name} {list(info.shape)}, not MXFP4 "
+                                         f"experts: the kernels cannot run it"))
+            elif name not in loaded:
                 mismatches.append((name, "not handed to the kernels"))
             elif _tensor_sha256(loaded[name]) != digest:
                 mismatches.append((name, "the bytes handed to the kernels differ from the "

@@ -1,17 +1,23 @@
 """sha256 of every expert tensor of a checkpoint: the file's bytes vs the bytes the
 loader hands to the kernels
 
-Every expert tensor of the layers asked (default: every layer holding expert tensors) is
-hashed from its file's bytes and compared with the bytes the loader maps for the kernels,
-and with a manifest if given (each of its entries is checked). Exit status 1 on any
-mismatch, and when nothing was checked."""
+The checkpoint is a safetensors one (a folder with config.json, or a .safetensors file
+beside one) or a GGUF model (a .gguf file, or any file of a split set
+name-0000N-of-0000M.gguf). Every expert tensor of the layers asked (default: every layer
+holding expert tensors) is hashed from its file's byte range and compared with the bytes
+the loader maps for the kernels, and with a manifest if given (each of its entries is
+checked). In a GGUF file the expert tensors are blk.L.ffn_{gate,up,down}_exps.weight,
+hashed as stored (MXFP4 blocks, scale byte first); one in another type than MXFP4 is a
+mismatch. Exit status 1 on any mismatch, and when nothing was checked."""
 import json
+import os
 import sys
 import time
 
 from mxfp4x._io import atomic_write
 from mxfp4x.checkpoints import families as ck
 from mxfp4x.checkpoints import verify as _verify
+from mxfp4x.checkpoints.gguf import GGUFCheckpoint, is_gguf
 
 from ._args import (
     CHECKPOINT_ERRORS,
@@ -25,7 +31,8 @@ from ._args import (
 
 
 def add_arguments(parser):
-    parser.add_argument("checkpoint")
+    parser.add_argument("checkpoint", help="a safetensors checkpoint (folder or file) or a "
+                        "GGUF file (any file of a split set)")
     parser.add_argument("--layers", type=nonnegative_int, nargs="+", default=None,
                         help="default: every layer whose expert tensors the checkpoint holds")
     parser.add_argument("--manifest", metavar="JSON", help="also compare with these hashes")
@@ -51,16 +58,25 @@ def check(args, error):
     """Opens the checkpoint (headers only) and reads the manifest: ``args.opened``,
     ``args.hashes``."""
     existing_path(args.checkpoint, "argument checkpoint", error)
+    args.gguf = os.path.isfile(args.checkpoint) and is_gguf(args.checkpoint)
     try:
-        config = ck.read_config(args.checkpoint)
-        layout = ck.family_of(config)
-        ck.num_experts(config)
-        args.opened = ck.open_checkpoint(args.checkpoint)
-        available = ck.moe_layers(args.opened, layout)
+        if args.gguf:
+            args.opened = GGUFCheckpoint(args.checkpoint)
+            available = sorted(ck.gguf_expert_tensors(args.opened))
+            kind = "blk.L.ffn_*_exps.weight"
+            files = args.opened.paths
+        else:
+            config = ck.read_config(args.checkpoint)
+            layout = ck.family_of(config)
+            ck.num_experts(config)
+            args.opened = ck.open_checkpoint(args.checkpoint)
+            available = ck.moe_layers(args.opened, layout)
+            kind = layout.name
+            files = ck.checkpoint_files(args.opened)
     except CHECKPOINT_ERRORS as exc:
         error(f"argument checkpoint: {message(exc)}")
     if not available:
-        error(f"argument checkpoint: {args.checkpoint} holds no {layout.name} expert tensors: "
+        error(f"argument checkpoint: {args.checkpoint} holds no {kind} expert tensors: "
               f"nothing to verify")
     for i, layer in enumerate(args.layers or ()):
         if layer in args.layers[:i]:
@@ -71,7 +87,7 @@ def check(args, error):
     args.hashes = _manifest(args.manifest, error) if args.manifest else None
     if args.write_manifest:
         writable(args.write_manifest, "argument --write-manifest", error)
-        for path in ck.checkpoint_files(args.opened):
+        for path in files:
             if same_file(args.write_manifest, path):
                 error(f"argument --write-manifest: {args.write_manifest!r} is a file of the "
                       f"checkpoint")
@@ -80,7 +96,8 @@ def check(args, error):
 def run(args):
     t0 = time.perf_counter()
     try:
-        report = _verify.verify_experts(args.opened, layers=args.layers, manifest=args.hashes)
+        verify = _verify.verify_gguf_experts if args.gguf else _verify.verify_experts
+        report = verify(args.opened, layers=args.layers, manifest=args.hashes)
     except CHECKPOINT_ERRORS as exc:
         print(f"verify FAILED: {message(exc)}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from gguf_files import tiny_gguf
 
 import mxfp4x
 from mxfp4x._threads import MAX_THREADS
@@ -39,6 +40,7 @@ def no_work(monkeypatch, tmp_path):
     for module, name in [(_roofline, "measure"), (_bench, "make_experts"),
                          (_testing, "random_layer"), (mxfp4x, "quantize"),
                          (_safetensors, "save_file"), (_checkpoints, "verify_experts"),
+                         (_checkpoints, "verify_gguf_experts"),
                          (_kimi_k3, "write_k3_checkpoint"), (_gpt_oss, "write_gpt_oss_layer"),
                          (torch.distributed, "init_process_group")]:
         monkeypatch.setattr(module, name, work)
@@ -61,6 +63,10 @@ def files(tmp_path):
                                                    "abc"}))
     for name in ("f.st", "none.st", "clash.st", "garbage", "list.json", "hex.json"):
         paths[name.replace(".", "_")] = str(tmp_path / name)
+    (paths["gguf"],) = tiny_gguf(tmp_path / "m.gguf", layers=(0, 2))
+    paths["split"] = tiny_gguf(tmp_path / "s.gguf", split=2)[0]
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(15))
+    paths["bad_gguf"] = str(tmp_path / "bad.gguf")
     return paths
 
 
@@ -87,6 +93,11 @@ BAD = [  # argv ({placeholders}), what the error line must name
     pytest.param(["bench", "--tokens", str(10 ** 15)], "--tokens", marks=pytest.mark.skipif(
         not _memory_known(), reason="no physical memory size here")),
     (["info", "--jsn"], "--jsn"),
+    (["info", "{missing}.gguf"], "file"),
+    (["info", "{tmp}"], "file"),
+    (["info", "{garbage}"], "file"),  # not GGUF
+    (["info", "{bad_gguf}"], "file"),  # truncated
+    (["info", "{gguf}", "{gguf}"], "unrecognized"),
     (["check", "--seed", "-1"], "--seed"),
     (["quantize", "{missing}.st", "{tmp}/q.st"], "input"),
     (["quantize", "{tmp}", "{tmp}/q.st"], "input"),
@@ -112,6 +123,13 @@ BAD = [  # argv ({placeholders}), what the error line must name
     (["verify", "{k3}", "--write-manifest", "{missing}/m.json"], "--write-manifest"),
     (["verify", "{k3}", "--write-manifest", "{tmp}"], "--write-manifest"),
     (["verify", "{k3}", "--write-manifest", "{k3}/config.json"], "--write-manifest"),
+    (["verify", "{bad_gguf}"], "checkpoint"),
+    (["verify", "{gguf}", "--layers", "1"], "--layers"),
+    (["verify", "{gguf}", "--layers", "0", "0"], "--layers"),
+    (["verify", "{gguf}", "--manifest", "{list_json}"], "--manifest"),
+    (["verify", "{gguf}", "--write-manifest", "{gguf}"], "--write-manifest"),
+    (["verify", "{split}", "--write-manifest", "{tmp}/s-00002-of-00002.gguf"],
+     "--write-manifest"),
     (["layer", "--experts", "0"], "--experts"),
     (["layer", "--experts", "-5"], "--experts"),
     (["layer", "--experts", "897"], "--experts"),
@@ -157,6 +175,7 @@ def test_bad_argument_is_refused_before_any_work(argv, names, files, k3, no_work
     ["bench", "--tokens", "1", "--threads", "1", "--repeats", "1", "--json", "{tmp}/b.json"],
     ["roofline", "--threads", "1", "--quick"], ["check", "--seed", "3"],
     ["quantize", "{f_st}", "{f_st}"], ["verify", "{k3}", "--layers", "5"],
+    ["verify", "{gguf}", "--layers", "2"], ["verify", "{split}"],
     ["layer", "--experts", "16", "--dir", "{tmp}"],
     ["layer", "--model", "gpt-oss-20b", "--experts", "4", "--tokens", "2"],
     ["ep-bench", "--checkpoint", "{k3}", "--experts", "16", "--json", "{tmp}/e.json"],
