@@ -8,9 +8,9 @@ released layout (13 GB, streamed to disk one tensor at a time), then, each measu
 a fresh process:
 
 * mxfp4x, all 24 layers: load time (``from_pretrained``, then a first forward of 128
-  tokens, which reads what transformers mapped lazily), peak RSS, prefill tokens/s at 128 and 512 tokens,
-  decode tokens/s over 32 tokens, and where a decode step's time goes (the experts, the
-  attention, the rest: router, norms, embeddings, the 201088-wide head);
+  tokens, which reads what transformers mapped lazily), peak RSS, prefill tokens/s at
+  128 and 512 tokens, decode tokens/s over 32 tokens, and where a decode step's time
+  goes (the experts, the attention, the rest: router, norms, embeddings, the head);
 * transformers' own load and mxfp4x at the largest layer count whose dequantized experts
   fit this machine's memory, and transformers' figures scaled per layer to 24 layers
   (labelled "scaled": its experts and attention times per layer times 24, plus its rest).

@@ -70,9 +70,6 @@ class MXFP4Experts(torch.nn.Module):
                 packed_weights.shape[:3]):
             raise ValueError(f"scale_bytes: expected {tuple(packed_weights.shape[:3])}, got "
                              f"{tuple(scale_bytes.shape)}")
-        if scale_bytes is None and group is not None:
-            raise ValueError("group: GGUF blocks (scale_bytes None) are not supported by "
-                             "mxfp4x.distributed; pass packed bytes and their scale bytes")
         e, o, g, _ = packed_weights.shape
         m = cls.__new__(cls)
         torch.nn.Module.__init__(m)

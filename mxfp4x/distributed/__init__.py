@@ -57,7 +57,7 @@ from .._validation import (
     parse_expert_range,
 )
 from ._agreement import _LIMIT, _OPS, _PRODUCTS, _agree, _compute, _facts
-from ._autograd import _d_out, _EPFunction, _validate
+from ._autograd import _d_out, _EPFunction, _validate, empty_experts
 from ._routing import ExpertRouting
 
 __all__ = ["mxfp4_experts", "mxfp4_experts_slots", "ExpertRouting", "expert_parallel",
@@ -102,8 +102,7 @@ def _run(latent_tokens, packed_local, scales_local, selected_experts, mixture_we
     plan = _agree(error, facts, group, ids)
     if isinstance(packed, torch.Tensor) and packed.shape[0] == 0 and \
             packed.shape[1] != plan.d_out:
-        packed = torch.empty((0, plan.d_out) + tuple(packed.shape[2:]), dtype=torch.uint8)
-        scales = torch.empty((0, plan.d_out, packed.shape[2]), dtype=torch.uint8)
+        packed, scales = empty_experts(plan.d_out, packed.shape[2], scales is None)
     return _EPFunction.apply(x, mix, shared, packed, scales, sel, plan, group, threads, isa,
                              per_slot_outputs)
 

@@ -4,6 +4,7 @@ carries a call (and its gradient) across the all-to-alls."""
 import torch
 
 from .. import _cpu, _threads
+from .._format import GGUF_BLOCK_BYTES, GROUP_BYTES
 from .._ops import mxfp4_experts_grad_latents_list_op, mxfp4_experts_grad_latents_op, slots_op
 from .._validation import (
     SKIP,
@@ -20,18 +21,14 @@ def _validate(latent_tokens, packed_local, scales_local, selected_experts, mixtu
               shared_output, expert_range, per_slot_outputs):
     """Local checks (no communication); returns the checked tensors and (e0, e1)."""
     e0, e1 = parse_expert_range(expert_range)
-    if scales_local is None:
-        raise ValueError("scales_local: None (GGUF block_mxfp4 blocks) is not supported by "
-                         "mxfp4x.distributed; pass the packed bytes (E, O, G, 16) and their "
-                         "scale bytes (E, O, G)")
     if isinstance(packed_local, (list, tuple)) and len(packed_local) == 0:
         # a rank holding no experts: an empty stacked placeholder (d_out from the shared
-        # output when there is one, else agreed with the other ranks)
+        # output when there is one, else agreed with the other ranks), in the arrangement
+        # of its scales (None: GGUF blocks)
         d_in = as_tensor("latent_tokens", latent_tokens).shape[-1]
         d_out = as_tensor("shared_output", shared_output).shape[-1] \
             if shared_output is not None and not per_slot_outputs else 0
-        packed_local = torch.empty((0, d_out, d_in // 32, 16), dtype=torch.uint8)
-        scales_local = torch.empty((0, d_out, d_in // 32), dtype=torch.uint8)
+        packed_local, scales_local = empty_experts(d_out, d_in // 32, scales_local is None)
     n_local = len(packed_local) if is_expert_list(packed_local) else None
     x, packed, scales, sel, mix, shared = check_inputs(
         latent_tokens, packed_local, scales_local, selected_experts,
@@ -42,6 +39,14 @@ def _validate(latent_tokens, packed_local, scales_local, selected_experts, mixtu
         raise ValueError(f"packed_local: holds {n_local} experts, but expert_range "
                          f"{(e0, e1)} names {e1 - e0}")
     return x, packed, scales, sel, mix, shared, (e0, e1)
+
+
+def empty_experts(d_out: int, n_groups: int, gguf: bool):
+    """(packed, scales) of no experts: split bytes and scales, or GGUF blocks and None."""
+    if gguf:
+        return torch.empty((0, d_out, n_groups, GGUF_BLOCK_BYTES), dtype=torch.uint8), None
+    return (torch.empty((0, d_out, n_groups, GROUP_BYTES), dtype=torch.uint8),
+            torch.empty((0, d_out, n_groups), dtype=torch.uint8))
 
 
 def _local_products(routing: ExpertRouting, recv_x: torch.Tensor, packed, scales, threads,

@@ -20,7 +20,7 @@ import mxfp4x.distributed as mdist
 import mxfp4x.distributed._agreement  # noqa: F401 (patched and read by the error cases)
 import mxfp4x.distributed._autograd  # noqa: F401
 import mxfp4x.distributed._routing  # noqa: F401
-from mxfp4x.testing.layers import random_layer
+from mxfp4x.testing.layers import gguf_blocks_of, random_layer
 
 
 def split(n, world, uneven):
@@ -54,8 +54,15 @@ def scenario(name, rank, world):
     e0, e1 = int(cuts[rank]), int(cuts[rank + 1])
     mine = slice(start, start + n)
     local = {k: v[mine] for k, v in layer.items() if k not in ("packed_weights", "scale_bytes")}
-    packed, scales = layer["packed_weights"][e0:e1], layer["scale_bytes"][e0:e1]
-    if name.startswith("list"):
+    if "gguf" in name:  # the same matrices as GGUF blocks, read in place (scales None)
+        layer["packed_weights"] = torch.from_numpy(gguf_blocks_of(layer["packed_weights"],
+                                                                  layer["scale_bytes"]))
+        layer["scale_bytes"] = None
+    packed = layer["packed_weights"][e0:e1]
+    scales = None if layer["scale_bytes"] is None else layer["scale_bytes"][e0:e1]
+    if "gguf" in name and name.startswith("list"):
+        packed = [p.clone() for p in packed]
+    elif name.startswith("list"):
         packed = [p.clone() for p in packed]
         scales = [s.clone() for s in scales]
     if name.startswith("slots"):
@@ -162,7 +169,21 @@ def modules(name, rank, world):
     xb = torch.from_numpy(rng.standard_normal((sum(counts), ff))).float()
     ok_bank = torch.equal(bits(part_bank(xb[mine], sel[mine], w[mine])),
                           bits(bank(xb, sel, w)[mine]))
-    return {"equal": bool(ok_gpt and ok_bank), "gpt": bool(ok_gpt), "bank": bool(ok_bank),
+    # the GGUF form (llama.cpp: gate rows 0::2, up rows 1::2, GGUF blocks) of the same block
+    gb = torch.from_numpy(gguf_blocks_of(t[pre + "gate_up_proj_blocks"],
+                                         t[pre + "gate_up_proj_scales"]))
+    db = torch.from_numpy(gguf_blocks_of(t[pre + "down_proj_blocks"], t[pre + "down_proj_scales"]))
+    gub, dbias = torch.from_numpy(t[pre + "gate_up_proj_bias"]), torch.from_numpy(
+        t[pre + "down_proj_bias"])
+
+    def gguf_block(r=slice(None), **kw):
+        return nn.GptOssExperts.from_gguf_blocks(gb[r, 0::2], gb[r, 1::2], gub[:, 0::2],
+                                                 gub[:, 1::2], db[r], dbias, **kw)
+    part_gguf = gguf_block(slice(e0, e1), expert_range=(e0, e1), group=dist.group.WORLD)
+    ok_gguf = torch.equal(bits(part_gguf(x[mine], sel[mine], w[mine])),
+                          bits(gguf_block()(x, sel, w)[mine]))
+    return {"equal": bool(ok_gpt and ok_bank and ok_gguf), "gpt": bool(ok_gpt),
+            "bank": bool(ok_bank), "gguf": bool(ok_gguf),
             "local_experts": int(part.gate_up_blocks.shape[0])}
 
 
