@@ -73,8 +73,10 @@ class GptOssExperts(torch.nn.Module):
 
     gate_up_blocks: torch.Tensor
     gate_up_scales: torch.Tensor
+    gate_blocks: torch.Tensor  # the GGUF form's, in place of gate_up_*
+    up_blocks: torch.Tensor
     down_blocks: torch.Tensor
-    down_scales: torch.Tensor
+    down_scales: Optional[torch.Tensor]
 
     def __init__(self, gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor,
                  gate_up_bias: torch.Tensor, down_blocks: torch.Tensor,
@@ -257,8 +259,9 @@ class GptOssMoE(torch.nn.Module):
             naming = gguf_naming(gguf.architecture)
             if top_k is None:
                 top_k = _gguf_int(gguf, "expert_used_count")
+            bias = naming.router_bias or ""  # gpt-oss's router has a bias
             router = GptOssRouter(gguf.get(naming.router.format(layer=layer)),
-                                  gguf.get(naming.router_bias.format(layer=layer)), top_k)
+                                  gguf.get(bias.format(layer=layer)), top_k)
             return cls(router, _gguf_experts(gguf, layer, expert_range=expert_range,
                                              num_threads=num_threads, group=group))
         ckpt = path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
