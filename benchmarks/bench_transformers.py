@@ -40,7 +40,13 @@ def say(*parts):
 
 
 def _rss_peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """VmHWM, this process image's peak (ru_maxrss carries over the forking parent's)."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh
+                        if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _Clock:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     not (os.path.isfile(README) and os.path.isdir(os.path.join(ROOT, "mxfp4x"))),
     reason="needs the source checkout (README.md, mxfp4x/)")
 
-README_MAX_LINES = 260
+README_MAX_LINES = 280
 
 
 def _read(path):
