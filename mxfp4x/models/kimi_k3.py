@@ -66,9 +66,10 @@ class KimiK3Experts(torch.nn.Module):
     buffers ``weight_packed`` and ``weight_scale`` (the checkpoint's own names, so
     ``state_dict()`` keys read ``{e}.w1.weight_packed``; for GGUF blocks
     ``weight_packed`` holds the blocks and ``weight_scale`` is None), and ``.to()``,
-    ``state_dict()`` and ``load_state_dict()`` work on them.  The gate and up products run as one call of the
-    per-slot op over the 2E matrices (each decoded once); SiTU and the clip in float32
-    (float64 for float64); the down product with the weighted combine.
+    ``state_dict()`` and ``load_state_dict()`` work on them.  The gate and up products
+    run as one call of the per-slot op over the 2E matrices (each decoded once); SiTU and
+    the clip in float32 (float64 for float64); the down product with the weighted
+    combine.
 
     ``expert_range``: ``(e0, e1)`` (or ``range(e0, e1)``), the global ids of the experts
     held (default all, 0..E-1).  A module holding some of the experts (a process serving
