@@ -11,6 +11,10 @@ The block (Moonshot's ``KimiSparseMoeBlock`` in ``modeling_kimi_linear.py``):
 
 with situ(g) = beta tanh(g / beta) sigmoid(g), clip(u) = beta_lin tanh(u / beta_lin)
 (config ``activation_situ_beta`` 4.0, ``activation_situ_linear_beta`` 25.0).
+
+``KimiK3MoE.from_checkpoint`` reads the release's safetensors layout or llama.cpp's GGUF
+files (architecture ``kimi-k3``; :func:`from_gguf`): there the experts stay GGUF blocks,
+read in place.
 """
 import os
 from typing import Any, Dict, List, Optional
