@@ -176,3 +176,133 @@ def tiny_gguf(path, arch="gpt-oss", layers=(0, 1), n_experts=3, d_out=37, n_grou
             f.write(encode(kvs, infos, data))
         paths.append(p)
     return paths
+
+
+# ---------------------------------------------------------------------------------------
+# a Kimi K3 layer as llama.cpp's converter writes it, and the same layer as safetensors
+
+K3_METADATA = {  # kimi-k3.* keys (llama.cpp gguf-py Keys) -> (value, GGUF value type)
+    "expert_weights_scale": (2.5, FLOAT32),
+    "expert_weights_norm": (True, BOOL),
+    "expert_gating_func": (2, UINT32),
+    "attention.layer_norm_rms_epsilon": (1e-5, FLOAT32),
+    "activation.situ_beta": (4.0, FLOAT32),
+    "activation.situ_linear_beta": (25.0, FLOAT32),
+}
+
+
+def k3_layer(rng, n_experts=6, hidden=96, latent=64, d_ff=64, shared_ff=64):
+    """Random weights of one K3 MoE layer: the experts as split-layout bytes (packed
+    (E, O, G, 16) in gpt-oss's arrangement and scale bytes (E, O, G), as the released
+    checkpoint), the dense parts as float32 values."""
+    def experts(d_out, d_in):
+        g = d_in // 32
+        return (rng.integers(0, 256, (n_experts, d_out, g, 16), np.uint8),
+                rng.integers(119, 126, (n_experts, d_out, g), np.uint8))
+
+    def dense(*shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale / shape[-1] ** 0.5).astype(np.float32)
+
+    return dict(
+        w1=experts(d_ff, latent), w3=experts(d_ff, latent), w2=experts(latent, d_ff),
+        router=dense(n_experts, hidden), bias=(rng.standard_normal(n_experts) * 0.01).astype(
+            np.float32),
+        down=dense(latent, hidden), up=dense(hidden, latent),
+        norm=(1 + 0.1 * rng.standard_normal(latent)).astype(np.float32),
+        shared_gate=dense(shared_ff, hidden), shared_up=dense(shared_ff, hidden),
+        shared_down=dense(hidden, shared_ff))
+
+
+def _bf16_bits(a):
+    """float32 -> bfloat16 bytes (truncated), as (..., 2 * n) uint8 for raw_dtype BF16."""
+    bits = (np.ascontiguousarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return bits.view(np.uint8)
+
+
+def write_k3_gguf(path, weights, layer=1, arch="kimi-k3", metadata=None, omit=(),
+                  split_max_tensors=0):
+    """A GGUF file of one K3 MoE layer named as llama.cpp's ``conversion/kimi_k3.py``
+    names it: the experts repacked into MXFP4 blocks (scale byte first, element j / j+16
+    in byte j's low / high nibble), the dense parts in F32, F16, BF16 and Q8_0.  ``omit``:
+    tensor suffixes or metadata keys left out.  Returns the paths written."""
+    import gguf
+
+    from mxfp4x.testing.layers import gguf_blocks_of
+
+    p = f"blk.{layer}."
+    q8 = gguf.quants.quantize(weights["shared_gate"], gguf.GGMLQuantizationType.Q8_0)
+    tensors = {}
+    for proj, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+        packed, scales = weights[w]
+        blocks = gguf_blocks_of(packed, scales)
+        tensors[f"ffn_{proj}_exps.weight"] = (blocks.reshape(blocks.shape[:2] + (-1,)), MXFP4)
+    tensors.update({
+        "ffn_gate_inp.weight": weights["router"],
+        "exp_probs_b.bias": weights["bias"],
+        "ffn_routed_down.weight": (_bf16_bits(weights["down"]), BF16),
+        "ffn_routed_up.weight": weights["up"].astype(np.float16),
+        "ffn_routed_norm.weight": weights["norm"],
+        "ffn_gate_shexp.weight": (q8, Q8_0),
+        "ffn_up_shexp.weight": weights["shared_up"].astype(np.float16),
+        "ffn_down_shexp.weight": (_bf16_bits(weights["shared_down"]), BF16),
+    })
+    n_experts = weights["router"].shape[0]
+    meta = dict(K3_METADATA, expert_count=(n_experts, UINT32), expert_used_count=(2, UINT32),
+                expert_latent_length=(weights["down"].shape[0], UINT32),
+                embedding_length=(weights["down"].shape[1], UINT32))
+    meta.update(metadata or {})
+    kvs = [(f"{arch}.{k}", v, t) for k, (v, t) in meta.items() if k not in omit]
+    return write_gguf(path, arch, {p + k: v for k, v in tensors.items() if k not in omit},
+                      kvs, split_max_tensors=split_max_tensors)
+
+
+def write_k3_safetensors(folder, gguf_path, weights, layer=1, config=None):
+    """The same layer as a checkpoint in the release's layout: the experts' split-layout
+    bytes as they were before the repacking, the dense parts as the GGUF file holds them
+    (its F16, BF16 and Q8_0 values, as float32), config.json from the file's metadata."""
+    import json
+    import os
+
+    import torch
+
+    from mxfp4x.checkpoints.gguf import GGUFCheckpoint
+    from mxfp4x.checkpoints.safetensors import write_file
+    from mxfp4x.testing.kimi_k3 import k3_config
+
+    ckpt = GGUFCheckpoint(gguf_path)
+    n_experts, _, _, _ = weights["w1"][0].shape
+    hidden, latent = weights["router"].shape[1], weights["down"].shape[0]
+    d_ff, shared_ff = weights["w1"][0].shape[1], weights["shared_gate"].shape[0]
+    cfg = k3_config(hidden_size=hidden, routed_expert_hidden_size=latent,
+                    num_experts=n_experts, num_experts_per_token=2,
+                    moe_intermediate_size=d_ff, num_shared_experts=shared_ff // d_ff,
+                    routed_scaling_factor=2.5, rms_norm_eps=float(np.float32(1e-5)),
+                    num_hidden_layers=layer + 1, **(config or {}))
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    base = f"model.layers.{layer}.block_sparse_moe."
+    g = f"blk.{layer}."
+    dense = {"gate.weight": "ffn_gate_inp.weight",
+             "gate.e_score_correction_bias": "exp_probs_b.bias",
+             "routed_expert_down_proj.weight": "ffn_routed_down.weight",
+             "routed_expert_up_proj.weight": "ffn_routed_up.weight",
+             "routed_expert_norm.weight": "ffn_routed_norm.weight",
+             "shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+             "shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+             "shared_experts.down_proj.weight": "ffn_down_shexp.weight"}
+    entries = {}
+    for name, gname in dense.items():
+        t = ckpt.dequantize(g + gname).contiguous()
+        entries[base + name] = (torch.float32, tuple(t.shape), lambda t=t: t)
+    for w in ("w1", "w3", "w2"):
+        packed, scales = weights[w]
+        for e in range(n_experts):
+            p = torch.from_numpy(packed[e].reshape(packed.shape[1], -1).copy())
+            s = torch.from_numpy(scales[e].copy())
+            stem = f"{base}experts.{e}.{w}."
+            entries[stem + "weight_packed"] = (torch.uint8, tuple(p.shape), lambda p=p: p)
+            entries[stem + "weight_scale"] = (torch.uint8, tuple(s.shape), lambda s=s: s)
+    ckpt.close()
+    write_file(os.path.join(folder, "model.safetensors"), entries)
+    return folder

@@ -1,25 +1,42 @@
 """Per-expert MXFP4 matrices as module state: each expert's gate, up and down bytes are
 buffers named as per-expert checkpoints name them (``{e}.w1.weight_packed`` ...), and a
 stamp shared with the holding module tells it when a weight was replaced or moved, so the
-kernel tables it caches are rebuilt (never a table pointing into freed memory)."""
+kernel tables it caches are rebuilt (never a table pointing into freed memory).
+
+Two arrangements of the bytes, as the ops take them: ``"split"`` (gpt-oss's and the
+compressed-tensors checkpoints': packed bytes and their scale bytes) and ``"gguf"``
+(llama.cpp's block_mxfp4 blocks, scale byte first, read in place: ``weight_packed``
+holds the (O, G, 17) blocks and ``weight_scale`` is None, as ``scale_bytes=None`` in the
+ops).  One module holds one arrangement: a kernel table reads one."""
 import threading
 from typing import Optional, Sequence
 
 import torch
 
-from .._format import GROUP, GROUP_BYTES
+from .._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 from .._validation import bytes_by_view
 
 
 def _split(name, weights):
     """(packed, scales) of one projection: a pair of lists, or stacked tensors (E, O,
     G, 16) / (E, O, G) seen as lists of per-expert views (nothing copied); bytes typed
-    int8 or float8_e8m0fnu are viewed as uint8."""
+    int8 or float8_e8m0fnu are viewed as uint8.  ``(blocks, None)``: GGUF blocks, a
+    stacked (E, O, G, 17) tensor or a list of (O, G, 17); scales come back None."""
     try:
         packed, scales = weights
     except (TypeError, ValueError):
         raise TypeError(f"{name}: expected a (packed, scales) pair, got "
                         f"{type(weights).__name__}") from None
+    if scales is None:  # GGUF blocks
+        if isinstance(packed, torch.Tensor):
+            packed = list(packed.unbind(0))
+        packed = list(packed)
+        for e, p in enumerate(packed):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{name}[{e}]: expected a torch tensor, got "
+                                f"{type(p).__name__}")
+            packed[e] = bytes_by_view(f"{name}[{e}] blocks", p)
+        return packed, None
     if isinstance(packed, torch.Tensor):
         packed, scales = list(packed.unbind(0)), list(scales.unbind(0))
     packed, scales = list(packed), list(scales)
@@ -47,19 +64,25 @@ class _Stamp:
 
 class ExpertMatrix(torch.nn.Module):
     """One MXFP4 matrix of one expert: buffers ``weight_packed`` (O, in/2) or (O, in/32,
-    16) and ``weight_scale`` (O, in/32), uint8, named as Kimi K3's checkpoint names them.
-    Replacing either (assignment, ``load_state_dict(assign=True)``, ``.to()``) is seen by
-    the module that holds it; an in-place change of the bytes is seen as well (the kernels
-    read the tensors' memory)."""
+    16) and ``weight_scale`` (O, in/32), uint8, named as Kimi K3's checkpoint names them;
+    or, for GGUF blocks (``scale`` None), ``weight_packed`` (O, in/32, 17) and
+    ``weight_scale`` None.  Replacing either (assignment, ``load_state_dict(assign=True)``,
+    ``.to()``) is seen by the module that holds it; an in-place change of the bytes is
+    seen as well (the kernels read the tensors' memory)."""
 
     weight_packed: torch.Tensor
-    weight_scale: torch.Tensor
+    weight_scale: Optional[torch.Tensor]
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor):
+    def __init__(self, packed: torch.Tensor, scale: Optional[torch.Tensor]):
         super().__init__()
         self._stamp: Optional[_Stamp] = None
         self.register_buffer("weight_packed", packed)
         self.register_buffer("weight_scale", scale)
+
+    @property
+    def form(self) -> str:
+        """The bytes' arrangement: "split" (packed bytes and scale bytes) or "gguf"."""
+        return "gguf" if self.weight_scale is None else "split"
 
     def _changed(self):
         stamp = self.__dict__.get("_stamp")
@@ -91,18 +114,28 @@ class _ExpertWeights(torch.nn.Module):
 
 class _Weights:
     """What one state of the module's weights hands to the kernels: the tensors as
-    tuples (gate then up, for the one per-slot call of both) and, built on first use, the
-    CPU driver's tables (which own the tensors they point into)."""
+    tuples (gate then up, for the one per-slot call of both; the scale tuples None for
+    GGUF blocks) and, built on first use, the CPU driver's tables (which own the tensors
+    they point into)."""
 
     def __init__(self, stamp: int, experts: Sequence[_ExpertWeights]):
         self.stamp = stamp
+        self.form = experts[0].w1.form
+        for e, m in enumerate(experts):
+            for name, mat in (("w1", m.w1), ("w3", m.w3), ("w2", m.w2)):
+                if mat.form != self.form:
+                    raise ValueError(f"expert {e} {name}: {mat.form} bytes in a module of "
+                                     f"{self.form} bytes (one arrangement per module: give "
+                                     f"GGUF blocks with weight_scale None everywhere, or "
+                                     f"scale bytes everywhere)")
         g = [(m.w1.weight_packed, m.w1.weight_scale) for m in experts]
         u = [(m.w3.weight_packed, m.w3.weight_scale) for m in experts]
         d = [(m.w2.weight_packed, m.w2.weight_scale) for m in experts]
+        gguf = self.form == "gguf"
         self.gate_up_packed = tuple(p for p, _ in g + u)
-        self.gate_up_scales = tuple(sc for _, sc in g + u)
+        self.gate_up_scales: Optional[tuple] = None if gguf else tuple(sc for _, sc in g + u)
         self.down_packed = tuple(p for p, _ in d)
-        self.down_scales = tuple(sc for _, sc in d)
+        self.down_scales: Optional[tuple] = None if gguf else tuple(sc for _, sc in d)
         self.tables = None
         self.lock = threading.Lock()
 
@@ -118,7 +151,16 @@ class _Weights:
 
 
 def _matrix_shape(name, packed, scales):
-    """(d_out, d_in) of one expert's bytes, (O, in/2) or (O, in/32, 16), scales (O, in/32)."""
+    """(d_out, d_in) of one expert's bytes, (O, in/2) or (O, in/32, 16), scales (O, in/32);
+    or GGUF blocks (O, in/32, 17) or (O, in/32 * 17), scales None."""
+    if scales is None:
+        width = GGUF_BLOCK_BYTES
+        if packed.dim() == 3 and packed.shape[2] == width:
+            return packed.shape[0], packed.shape[1] * GROUP
+        if packed.dim() == 2 and packed.shape[1] % width == 0:
+            return packed.shape[0], packed.shape[1] // width * GROUP
+        raise ValueError(f"{name}: expected GGUF blocks (d_out, d_in/32, {width}) or (d_out, "
+                         f"d_in/32 * {width}) (scales None), got shape {tuple(packed.shape)}")
     if packed.dim() == 3 and packed.shape[2] == GROUP_BYTES:
         n_groups = packed.shape[1]
     elif packed.dim() == 2 and packed.shape[1] % GROUP_BYTES == 0:

@@ -11,9 +11,15 @@ The block (Moonshot's ``KimiSparseMoeBlock`` in ``modeling_kimi_linear.py``):
 
 with situ(g) = beta tanh(g / beta) sigmoid(g), clip(u) = beta_lin tanh(u / beta_lin)
 (config ``activation_situ_beta`` 4.0, ``activation_situ_linear_beta`` 25.0).
-"""
-from typing import List, Optional
 
+``KimiK3MoE.from_checkpoint`` reads the release's safetensors layout or llama.cpp's GGUF
+files (architecture ``kimi-k3``; :func:`from_gguf`): there the experts stay GGUF blocks,
+read in place.
+"""
+import os
+from typing import Any, Dict, List, Optional
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,8 +35,14 @@ from .._validation import (
     parse_expert_range,
 )
 from ..checkpoints import families as ck
+from ..checkpoints.gguf import MXFP4, GGUFCheckpoint, is_gguf
 from ._common import _positive, expert_range_of
 from ._expert_state import ExpertMatrix, _ExpertWeights, _matrix_shape, _split, _Stamp, _Weights
+
+
+def _listed(scales):
+    """A scale tuple as the ops take it: a list, or None for GGUF blocks."""
+    return None if scales is None else list(scales)
 
 
 def situ(g, beta):
@@ -50,13 +62,18 @@ class KimiK3Experts(torch.nn.Module):
 
     ``w1``, ``w3``, ``w2`` are (packed, scales) of gate, up and down: lists of per-expert
     tensors ((O, in/2) or (O, in/32, 16) bytes, (O, in/32) scales), as the checkpoint
-    holds them, or stacked tensors; never copied.  They become module state: expert ``e``
-    is the child module ``str(e)`` with ``w1``, ``w3``, ``w2`` each holding buffers
-    ``weight_packed`` and ``weight_scale`` (the checkpoint's own names, so ``state_dict()``
-    keys read ``{e}.w1.weight_packed``), and ``.to()``, ``state_dict()`` and
-    ``load_state_dict()`` work on them.  The gate and up products run as one call of the
-    per-slot op over the 2E matrices (each decoded once); SiTU and the clip in float32
-    (float64 for float64); the down product with the weighted combine.
+    holds them, or stacked tensors; never copied.  ``(blocks, None)``: GGUF block_mxfp4
+    blocks (llama.cpp's arrangement, ``scale_bytes=None`` in the ops), a stacked (E, O,
+    in/32, 17) tensor (e.g. a view of a mapped GGUF file) or a list of (O, in/32, 17),
+    read in place; all three projections in one arrangement.  They become module state:
+    expert ``e`` is the child module ``str(e)`` with ``w1``, ``w3``, ``w2`` each holding
+    buffers ``weight_packed`` and ``weight_scale`` (the checkpoint's own names, so
+    ``state_dict()`` keys read ``{e}.w1.weight_packed``; for GGUF blocks
+    ``weight_packed`` holds the blocks and ``weight_scale`` is None), and ``.to()``,
+    ``state_dict()`` and ``load_state_dict()`` work on them.  The gate and up products
+    run as one call of the per-slot op over the 2E matrices (each decoded once); SiTU and
+    the clip in float32 (float64 for float64); the down product with the weighted
+    combine.
 
     ``expert_range``: ``(e0, e1)`` (or ``range(e0, e1)``), the global ids of the experts
     held (default all, 0..E-1).  A module holding some of the experts (a process serving
@@ -86,6 +103,14 @@ class KimiK3Experts(torch.nn.Module):
             raise ValueError(f"w1, w3, w2: expected the same number of experts, got "
                              f"{len(g_packed)}, {len(u_packed)}, {len(d_packed)}")
         self.n_local = len(g_packed)
+        gguf = [s is None for s in (g_scales, u_scales, d_scales)]
+        if len(set(gguf)) > 1:
+            raise ValueError("w1, w3, w2: one arrangement for all three: GGUF blocks "
+                             "(blocks, None) for all, or (packed, scales) for all; got "
+                             + ", ".join("GGUF blocks" if g else "(packed, scales)"
+                                         for g in gguf))
+        if gguf[0]:
+            g_scales, u_scales, d_scales = ([None] * self.n_local,) * 3
         d_ff, d_latent = _matrix_shape("w1[0]", g_packed[0], g_scales[0])
         shapes = {"w1": (d_ff, d_latent), "w3": (d_ff, d_latent), "w2": (d_latent, d_ff)}
         for name, (packed, scales) in (("w1", (g_packed, g_scales)), ("w3", (u_packed, u_scales)),
@@ -202,7 +227,7 @@ class KimiK3Experts(torch.nn.Module):
             return _cpu_impl.experts(x, w.cpu_tables()[table_index], None, sel.to(torch.int64),
                                      None, None, self.num_threads or 0, per_slot_outputs=True,
                                      isa=self.isa)
-        return mxfp4_experts_slots(x, list(packed), list(scales), sel,
+        return mxfp4_experts_slots(x, list(packed), _listed(scales), sel,
                                    num_threads=self.num_threads, isa=self.isa)
 
     def mlp(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
@@ -240,28 +265,29 @@ class KimiK3Experts(torch.nn.Module):
             out = _cpu_impl.experts(act, w.cpu_tables()[1], None, sel, mix.to(acc), zeros,
                                     self.num_threads or 0, isa=self.isa)
         else:
-            out = mxfp4_experts(act, list(w.down_packed), list(w.down_scales), sel,
+            out = mxfp4_experts(act, list(w.down_packed), _listed(w.down_scales), sel,
                                 mix.to(acc), zeros, num_threads=self.num_threads, isa=self.isa)
         return out.to(h.dtype)
 
     def extra_repr(self) -> str:
+        form = ", gguf blocks" if self._experts()[0].w1.weight_scale is None else ""
         return (f"n_experts={self.n_local}, d_latent={self.d_latent}, d_ff={self.d_ff}, "
-                f"beta={self.beta}, linear_beta={self.linear_beta}")
+                f"beta={self.beta}, linear_beta={self.linear_beta}{form}")
 
 
-def situ_betas(config: dict):
+def situ_betas(config: dict, source: str = "config.json"):
     """(beta, linear_beta) of SiTU from a K3 text config.  The released config states
     both (4.0 and 25.0); the public ports disagree on what a missing key means (1.0 in
     some readers, 4.0 in others), so a config without them is refused rather than
     guessed.  ``activation_situ_linear_beta`` may be null (no clip on the up branch)."""
     for key in ("activation_situ_beta", "activation_situ_linear_beta"):
         if key not in config:
-            raise ValueError(f"config.json: {key!r} is missing; Kimi K3's config states it "
+            raise ValueError(f"{source}: {key!r} is missing; Kimi K3's config states it "
                              f"(4.0 and 25.0 as released)")
-    beta = _positive("config.json: activation_situ_beta", config["activation_situ_beta"])
+    beta = _positive(f"{source}: activation_situ_beta", config["activation_situ_beta"])
     linear = config["activation_situ_linear_beta"]
     return beta, None if linear is None else _positive(
-        "config.json: activation_situ_linear_beta", linear)
+        f"{source}: activation_situ_linear_beta", linear)
 
 
 class KimiK3Router(torch.nn.Module):
@@ -356,12 +382,23 @@ class KimiK3MoE(torch.nn.Module):
     @classmethod
     def from_checkpoint(cls, path, layer: int, expert_range=None,
                         num_threads: Optional[int] = None, progress: bool = True,
-                        group=None) -> "KimiK3MoE":
+                        group=None, config: Optional[dict] = None) -> "KimiK3MoE":
         """Layer ``layer`` of a Kimi K3 checkpoint folder (``config.json`` and one or
-        sharded ``.safetensors`` files).  ``expert_range`` ((e0, e1) or a range) maps only
-        those experts' bytes; the bytes stay views of the files' mappings.  ``group``:
-        expert-parallel over this torch.distributed group (``expert_range`` then this
-        rank's range; see :class:`KimiK3Experts`)."""
+        sharded ``.safetensors`` files), or of a GGUF file of llama.cpp's converter
+        (architecture ``kimi-k3``; one ``.gguf`` file or any file of a split set
+        ``-0000i-of-0000N.gguf``; see :func:`from_gguf`).  ``expert_range`` ((e0, e1) or
+        a range) maps only those experts' bytes; the bytes stay views of the files'
+        mappings.  ``group``: expert-parallel over this torch.distributed group
+        (``expert_range`` then this rank's range; see :class:`KimiK3Experts`).
+        ``config``: for a GGUF file only, hyperparameters its metadata lacks, by their
+        ``config.json`` names (a safetensors checkpoint has its config.json)."""
+        if isinstance(path, GGUFCheckpoint) or is_gguf(os.fspath(path) if isinstance(
+                path, (str, os.PathLike)) else ""):
+            return from_gguf(cls, path, layer, expert_range=expert_range,
+                             num_threads=num_threads, group=group, config=config)
+        if config is not None:
+            raise TypeError("config: only for GGUF files (a safetensors checkpoint's "
+                            "hyperparameters come from its config.json)")
         config = ck.read_config(path if isinstance(path, str) else path.root)
         ckpt = ck.open_checkpoint(path)
         layout = ck.KIMI_K3
@@ -403,6 +440,152 @@ class KimiK3MoE(torch.nn.Module):
                    norm_eps=config.get("rms_norm_eps", 1e-5))
 
 
+# ---- GGUF files (llama.cpp's converter, architecture "kimi-k3") -------------------------
+
+# The hyperparameters ``KimiK3Model.set_gguf_parameters`` (llama.cpp
+# ``conversion/kimi_k3.py``) writes, under the names of ``gguf-py``'s ``Keys``, by the
+# config.json name each comes from.  The group counts are optional (llama.cpp reads a
+# missing one as no grouped routing; K3 has one group); the others are required, from
+# the file or from ``config=``.
+GGUF_KEYS: Dict[str, str] = {
+    "num_experts": "{arch}.expert_count",
+    "num_experts_per_token": "{arch}.expert_used_count",
+    "routed_scaling_factor": "{arch}.expert_weights_scale",
+    "moe_renormalize": "{arch}.expert_weights_norm",
+    "num_expert_group": "{arch}.expert_group_count",
+    "topk_group": "{arch}.expert_group_used_count",
+    "rms_norm_eps": "{arch}.attention.layer_norm_rms_epsilon",
+    "activation_situ_beta": "{arch}.activation.situ_beta",
+    "activation_situ_linear_beta": "{arch}.activation.situ_linear_beta",
+}
+_GGUF_OPTIONAL = {"num_expert_group": 1, "topk_group": 1}
+GGUF_GATING_FUNC_KEY = "{arch}.expert_gating_func"
+GGUF_GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def _same(a, b) -> bool:
+    """Whether a file's value and a config's agree (floats as the file's float32)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and np.float32(a) == np.float32(b)
+    return a == b
+
+
+def gguf_config(ckpt: GGUFCheckpoint, config: Optional[dict] = None) -> Dict[str, Any]:
+    """The block's hyperparameters from a K3 GGUF file's metadata, by config.json names
+    (:data:`GGUF_KEYS`); ``config`` fills what the file lacks (a value in both that
+    differs is an error).  A required one in neither is a ``ValueError``: it is not
+    guessed."""
+    arch = ckpt.architecture
+    config = dict(config or {})
+    out: Dict[str, Any] = {}
+    for name, key in GGUF_KEYS.items():
+        key = key.format(arch=arch)
+        if key in ckpt.metadata:
+            value = ckpt.metadata[key]
+            if name in config and not _same(value, config[name]):
+                raise ValueError(f"{ckpt.root}: {key} is {value!r}, but config gives "
+                                 f"{name} = {config[name]!r}")
+            out[name] = value
+        elif name in config:
+            out[name] = config[name]
+        elif name in _GGUF_OPTIONAL:
+            out[name] = _GGUF_OPTIONAL[name]
+        else:
+            raise ValueError(f"{ckpt.root}: metadata key {key!r} is missing; pass "
+                             f"config={{{name!r}: ...}} (config.json's value) to "
+                             f"from_checkpoint")
+    gating = ckpt.metadata.get(GGUF_GATING_FUNC_KEY.format(arch=arch))
+    if gating is not None and gating != GGUF_GATING_SIGMOID:
+        raise ValueError(f"{ckpt.root}: {GGUF_GATING_FUNC_KEY.format(arch=arch)} is "
+                         f"{gating!r}; Kimi K3's router is sigmoid ({GGUF_GATING_SIGMOID})")
+    return out
+
+
+def _gguf_dense(ckpt: GGUFCheckpoint, name: str, shape: tuple, what: str) -> torch.Tensor:
+    """A dense tensor of the block: F32/F16/BF16 as a view of a mapping of just its bytes,
+    other types (Q8_0, ...) dequantized once to float32; its shape checked."""
+    if name not in ckpt:
+        raise ValueError(f"{ckpt.root}: no tensor {name!r} ({what})")
+    info = ckpt.tensor(name)
+    if info.ggml_type == MXFP4:
+        t = ckpt.dequantize(name)
+    elif len(info.shape) >= 2 or (len(info.shape) == 1 and info.type_name in (
+            "F32", "F16", "BF16", "F64")):
+        t = ckpt.get_rows(name, 0, info.shape[0])
+    else:
+        t = ckpt.get(name)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{info.path}: tensor {name!r} ({what}) is {info.type_name} "
+                         f"{list(t.shape)}, expected {list(shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{info.path}: tensor {name!r} ({what}) is {info.type_name}, "
+                         f"expected a float type")
+    return t
+
+
+def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[int] = None,
+              group=None, config: Optional[dict] = None) -> "KimiK3MoE":
+    """:meth:`KimiK3MoE.from_checkpoint` of a GGUF file (llama.cpp's ``kimi-k3``): the
+    routed experts as GGUF blocks read in place (views of a mapping of just the
+    ``expert_range``'s bytes), the dense parts (router and its bias, latent projections
+    and norm, shared experts) loaded once (:func:`_gguf_dense`), the hyperparameters from
+    the metadata (:func:`gguf_config`)."""
+    ckpt = ck.open_gguf(path)
+    naming = ck.GGUF_KIMI_K3
+    if ckpt.architecture not in naming.architectures:
+        raise ValueError(f"{ckpt.root}: general.architecture is {ckpt.architecture!r}, "
+                         f"expected {naming.architectures[0]!r} (llama.cpp's Kimi K3)")
+    cfg = gguf_config(ckpt, config)
+    n_experts = int(cfg["num_experts"])
+    e0, e1 = (0, n_experts) if expert_range is None else parse_expert_range(expert_range)
+    if not 0 <= e0 < e1 <= n_experts:
+        raise ValueError(f"expert_range: expected 0 <= e0 < e1 <= {n_experts} (the "
+                         f"file's experts), got {(e0, e1)}")
+    name = naming.tensor(layer, "down")
+    if name in ckpt and ckpt.tensor(name).shape[:1] != (n_experts,):
+        raise ValueError(f"{ckpt.root}: tensor {name!r} holds {ckpt.tensor(name).shape[0]} "
+                         f"experts, the metadata {n_experts}")
+    blocks = ck.load_gguf_experts(ckpt, layer, (e0, e1), naming=naming)
+    beta, linear_beta = situ_betas(cfg, f"{ckpt.root} (metadata or config)")
+    routed = KimiK3Experts((blocks["gate"], None), (blocks["up"], None),
+                           (blocks["down"], None), beta=beta, linear_beta=linear_beta,
+                           expert_range=(e0, e1), num_threads=num_threads, group=group)
+    latent = routed.d_latent
+    router_name = naming.router.format(layer=layer)
+    if router_name not in ckpt:
+        raise ValueError(f"{ckpt.root}: no tensor {router_name!r} (the router of layer "
+                         f"{layer})")
+    router_shape = ckpt.tensor(router_name).shape
+    if len(router_shape) != 2:
+        raise ValueError(f"{ckpt.root}: tensor {router_name!r} is {list(router_shape)}, "
+                         f"expected (n_experts, hidden)")
+    hidden = router_shape[1]
+    gate_w = _gguf_dense(ckpt, router_name, (n_experts, hidden), "the router")
+    bias = _gguf_dense(ckpt, str(naming.router_bias).format(layer=layer), (n_experts,),
+                       "the router's score-correction bias")
+    down_name, up_name, norm_name = (n.format(layer=layer) for n in naming.other)
+    down = _gguf_dense(ckpt, down_name, (latent, hidden), "the latent down projection")
+    up = _gguf_dense(ckpt, up_name, (hidden, latent), "the latent up projection")
+    norm = _gguf_dense(ckpt, norm_name, (latent,), "the latent norm") \
+        if norm_name in ckpt else None
+    shared_name = str(naming.shared)
+    sg_name = shared_name.format(layer=layer, proj="gate")
+    if sg_name not in ckpt:
+        raise ValueError(f"{ckpt.root}: no tensor {sg_name!r} (the shared experts' gate)")
+    d_shared = ckpt.tensor(sg_name).shape[0]
+    sg = _gguf_dense(ckpt, sg_name, (d_shared, hidden), "the shared experts' gate")
+    su = _gguf_dense(ckpt, shared_name.format(layer=layer, proj="up"), (d_shared, hidden),
+                     "the shared experts' up")
+    sd = _gguf_dense(ckpt, shared_name.format(layer=layer, proj="down"), (hidden, d_shared),
+                     "the shared experts' down")
+    router = KimiK3Router(gate_w, bias, top_k=int(cfg["num_experts_per_token"]),
+                          renormalize=bool(cfg["moe_renormalize"]),
+                          scaling=float(cfg["routed_scaling_factor"]),
+                          n_group=int(cfg["num_expert_group"]),
+                          topk_group=int(cfg["topk_group"]))
+    return cls(router, down, routed, norm, up, sg, su, sd, norm_eps=float(cfg["rms_norm_eps"]))
+
+
 # ---- the released model's sizes (config.json's text_config) ----------------------------
 
 K3_SIZES = dict(hidden_size=7168, routed_expert_hidden_size=3584, num_experts=896,
@@ -414,6 +597,9 @@ def expert_tensors(experts: KimiK3Experts, prefix: str, layer: int) -> dict:
     """Checkpoint name -> the tensor a :class:`KimiK3Experts` hands to the kernels (for
     ``verify``)."""
     layout, n = ck.KIMI_K3, experts.n_local
+    if experts.gate_up_scales is None or experts.down_scales is None:
+        raise ValueError("expert_tensors: the module holds GGUF blocks, not a safetensors "
+                         "checkpoint's tensors (verify a GGUF file with verify_gguf_experts)")
     out = {}
     for i, e in enumerate(experts.expert_ids):
         for role, packed, scales in (

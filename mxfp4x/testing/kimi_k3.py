@@ -1,6 +1,6 @@
 """Kimi K3 for tests and the ``layer`` job: a float64 reference of the block and random
 checkpoints in the release's layout (config.json, sharded safetensors, the index)."""
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -15,17 +15,35 @@ def _np64(t):
         np.asarray(t, dtype=np.float64)
 
 
+def decode_gguf_expert(blocks) -> np.ndarray:
+    """GGUF block_mxfp4 blocks (O, G, 17) or (O, G*17) -> the (O, 32*G) float64 matrix:
+    each block's scale byte first, element j the low nibble of byte 1 + j, element j + 16
+    its high nibble (scale byte 255 NaN, as mxfp4x's rule)."""
+    from .._format import E2M1_TABLE, e8m0_to_float64
+    b = np.asarray(blocks, dtype=np.uint8)
+    b = b.reshape(b.shape[0], -1, 17)
+    qs = b[..., 1:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+    values = E2M1_TABLE[codes] * e8m0_to_float64(b[..., 0])[..., None]
+    return values.reshape(b.shape[0], -1)
+
+
 class _Decoded(dict):
     """Expert matrices decoded to float64 on first use (a reference at model size decodes
-    only the experts its tokens select)."""
+    only the experts its tokens select); ``scales`` None: GGUF blocks."""
 
-    def __init__(self, packed: List[torch.Tensor], scales: List[torch.Tensor]):
+    def __init__(self, packed: Sequence[torch.Tensor],
+                 scales: Optional[Sequence[torch.Tensor]]):
         super().__init__()
         self.packed, self.scales = packed, scales
 
     def __missing__(self, e):
         from .._reference import decode_expert
-        p, s = self.packed[e], self.scales[e]
+        p = self.packed[e]
+        if self.scales is None:
+            self[e] = w = decode_gguf_expert(p.numpy())
+            return w
+        s = self.scales[e]
         self[e] = w = decode_expert(p.reshape(p.shape[0], -1, 16).numpy(), s.numpy())
         return w
 
@@ -38,8 +56,11 @@ def kimi_k3_reference(block: KimiK3MoE, x, selected, weights, rows=None):
     sel = block.experts.local_ids(torch.as_tensor(selected)).numpy()
     p = _np64(weights)
     ex = block.experts
-    w1 = _Decoded(ex.gate_up_packed[:ex.n_local], ex.gate_up_scales[:ex.n_local])
-    w3 = _Decoded(ex.gate_up_packed[ex.n_local:], ex.gate_up_scales[ex.n_local:])
+    gu_scales = ex.gate_up_scales
+    w1 = _Decoded(ex.gate_up_packed[:ex.n_local],
+                  None if gu_scales is None else gu_scales[:ex.n_local])
+    w3 = _Decoded(ex.gate_up_packed[ex.n_local:],
+                  None if gu_scales is None else gu_scales[ex.n_local:])
     w2 = _Decoded(ex.down_packed, ex.down_scales)
     b, bl = ex.beta, ex.linear_beta
 
