@@ -115,6 +115,8 @@ def kimi(name, rank, world):
     for role, (o, i) in (("w1", (ff, lat)), ("w3", (ff, lat)), ("w2", (lat, ff))):
         mats[role] = (torch.from_numpy(rng.integers(0, 256, (n_exp, o, i // 32, 16), np.uint8)),
                       torch.from_numpy(rng.integers(119, 126, (n_exp, o, i // 32), np.uint8)))
+        if "gguf" in name:  # the same matrices as GGUF blocks (llama.cpp's kimi-k3 files)
+            mats[role] = (torch.from_numpy(gguf_blocks_of(*mats[role])), None)
     full = nn.KimiK3Experts(mats["w1"], mats["w3"], mats["w2"])
     counts, start, n = token_counts(rank, world, 3)
     h = torch.from_numpy(rng.standard_normal((sum(counts), lat))).float()
@@ -122,7 +124,7 @@ def kimi(name, rank, world):
     w = torch.from_numpy(rng.random((sum(counts), 4))).float()
     cuts = split(n_exp, world, uneven=False)  # a module holds at least one expert
     e0, e1 = int(cuts[rank]), int(cuts[rank + 1])
-    part = nn.KimiK3Experts(*[(p[e0:e1], s[e0:e1]) for p, s in
+    part = nn.KimiK3Experts(*[(p[e0:e1], None if s is None else s[e0:e1]) for p, s in
                               (mats["w1"], mats["w3"], mats["w2"])],
                             expert_range=(e0, e1), group=dist.group.WORLD)
     mine = slice(start, start + n)
@@ -512,7 +514,7 @@ def main():
     results = {}
     for name in sys.argv[1:]:
         fn = bad_input if name.startswith("bad") else gradcheck if name == "gradcheck" \
-            else die if name == "die" else kimi if name == "kimi" \
+            else die if name == "die" else kimi if name.startswith("kimi") \
             else modules if name == "modules" else scenario
         results[name] = fn(name, rank, world)
     print(json.dumps({"rank": rank, "results": results}), flush=True)

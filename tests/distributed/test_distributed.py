@@ -18,7 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "ep_worker.py")
 SCENARIOS = ["even-f32", "uneven-f32", "even-bf16", "uneven-f64", "slots-f32-uneven",
              "perslot-f32", "list-f32-uneven", "gguf-f32-uneven", "gguf-bf16",
-             "slots-f32-gguf", "list-gguf-uneven", "kimi", "modules", "bad-id", "bad-shape"]
+             "slots-f32-gguf", "list-gguf-uneven", "kimi", "kimi-gguf", "modules", "bad-id",
+             "bad-shape"]
 
 
 def _port():
