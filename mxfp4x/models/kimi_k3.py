@@ -309,10 +309,23 @@ class KimiK3Router(torch.nn.Module):
         self.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.top_k, self.renormalize, self.scaling = int(top_k), bool(renormalize), scaling
         self.n_group, self.topk_group = int(n_group), int(topk_group)
+        self._wide: tuple = ()  # (what the weight was, the weight in the accumulation dtype)
+
+    def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """The router weight in the accumulation dtype, converted once (not per call: at
+        one token, converting the bf16 weight cost more than the product) and again only
+        when the weight is replaced or modified in place."""
+        w = self.weight
+        if w.dtype == dtype or (w.requires_grad and torch.is_grad_enabled()):
+            return w.to(dtype)
+        key = (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape), dtype)
+        if not self._wide or self._wide[0] != key:
+            self._wide = (key, w.detach().to(dtype))
+        return self._wide[1]
 
     def forward(self, x: torch.Tensor):
         acc = accumulation_dtype(x.dtype)
-        scores = torch.sigmoid(F.linear(x.to(acc), self.weight.to(acc)))
+        scores = torch.sigmoid(F.linear(x.to(acc), self._weight_in(acc)))
         choice = scores + self.bias.to(acc)
         n_tok, n_exp = choice.shape
         if self.n_group > 1 and self.n_group > self.topk_group:

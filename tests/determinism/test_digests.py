@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import mxfp4x
+from mxfp4x.testing.layers import gguf_blocks_of
 
 RECORD = os.environ.get("MXFP4X_RECORD_DIGESTS") == "1"
 
@@ -51,6 +52,12 @@ def _cases():
         grad, a[1], a[2], a[3], a[4], a[0], isa=isa)
     listed = (a[0], list(a[1].unbind(0)), list(a[2].unbind(0)), *a[3:])
     cases["list-form-float32"] = lambda isa: mxfp4x.mxfp4_experts(*listed, isa=isa)
+    for n_tokens in (1, 300):  # GGUF blocks: the gemv and the panels
+        x, packed, scales, *rest = _layer(20 + n_tokens, n_tokens, 4, 6, 100, 9,
+                                          torch.float32)
+        blocks = torch.from_numpy(gguf_blocks_of(packed.numpy(), scales.numpy()))
+        cases[f"gguf-float32-T{n_tokens}"] = (
+            lambda isa, a=(x, blocks, None, *rest): mxfp4x.mxfp4_experts(*a, isa=isa))
     return cases
 
 
@@ -81,6 +88,22 @@ EXPECTED = {
     ('scalar', 'per-slot-latents-float32'): 'be4e5da5152d4071',
     ('scalar', 'slots-float32'): '550d72d955f08427',
     ('scalar', 'transposed-float32'): 'fbdcffa295ae8548',
+    ('avx512', 'forward-float32-T1'): '5f3af7db6e5dca33',
+    ('avx512', 'forward-float32-T5'): 'd091b47252258762',
+    ('avx512', 'forward-float32-T300'): 'd73c913aff9b7cd0',
+    ('avx512', 'forward-bfloat16-T1'): 'f7ec011c493021ce',
+    ('avx512', 'forward-bfloat16-T5'): '7b8a286b5c0dcc32',
+    ('avx512', 'forward-bfloat16-T300'): 'a99b4c89fac4a3c6',
+    ('avx512', 'slots-float32'): '8508eb5e77d2a8ef',
+    ('avx512', 'per-slot-latents-float32'): '0e9df274070dacce',
+    ('avx512', 'transposed-float32'): 'dcbd9be4e84b3941',
+    ('avx512', 'list-form-float32'): '2fbcd28b2d0daa12',
+    ('avx512', 'gguf-float32-T1'): 'ecfb5938011ea21e',
+    ('avx512', 'gguf-float32-T300'): 'ccf1d7e12eb8527c',
+    ('avx2', 'gguf-float32-T1'): 'bca39c9ffd982f8d',
+    ('avx2', 'gguf-float32-T300'): '43ff966920750b3d',
+    ('scalar', 'gguf-float32-T1'): '8743ee025bddbe0b',
+    ('scalar', 'gguf-float32-T300'): '5d4c230a97563d75',
 }
 
 

@@ -216,3 +216,25 @@ def test_layer_main_job_gpt_oss(tmp_path):
                "--threads", "1", "--repeats", "1", "--dir", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "tokens/s" in out.stdout and "check: T=2" in out.stdout
+
+
+def test_router_weight_converted_once_and_again_when_it_changes():
+    from mxfp4x.models.kimi_k3 import KimiK3Router
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(12, 64, generator=g).bfloat16()
+    bias = torch.randn(12, generator=g)
+    router = KimiK3Router(w.clone(), bias, top_k=3)  # (the module shares storage)
+    x = torch.randn(4, 64, generator=g).bfloat16()
+    first = router(x)
+    wide = router._wide[1]
+    assert same(router(x), first) and router._wide[1] is wide  # not converted again
+    with torch.no_grad():
+        router.weight.mul_(-1)  # in place: the next call sees it
+    assert same(router(x), KimiK3Router(-w, bias, top_k=3)(x))
+    assert router._wide[1] is not wide
+    router.to(torch.float16)  # another dtype: converted again from it
+    assert same(router(x.half()), KimiK3Router((-w).half(), bias.half(), top_k=3)(x.half()))
