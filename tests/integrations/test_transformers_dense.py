@@ -199,3 +199,55 @@ def test_peak_memory_against_transformers_dense(tmp_path):
     assert ours["after"] - ours["before"] < theirs["after"] - theirs["before"] - \
         (theirs["experts"] - ours["experts"]) // 2
     assert ours["peak"] < theirs["peak"]
+
+
+def _module_pair(experts_cls, config, seed):
+    """A dense experts module with random weights and its MXFP4 twin (the swap the
+    quantizer makes on the meta model, filled by the quantize op), plus the dense one
+    holding the dequantized weights."""
+    torch.manual_seed(seed)
+    dense = experts_cls(config)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.normal_(0, 0.5) if p.dim() == 3 else p.uniform_(0.5, 1.5)
+    twin = experts_cls(config)
+    twin.load_state_dict(dense.state_dict())
+    weights = [w for w in ("gate_up_proj", "up_proj", "down_proj") if w in twin._parameters]
+    quantized = {w: mxfp4x.quantize(getattr(dense, w).detach()) for w in weights}
+    for w in weights:
+        del twin._parameters[w]
+        twin.register_buffer(w, quantized[w][0])
+        twin.register_buffer(w + "_scales", quantized[w][1])
+    twin._mxfp4x_weights = tuple(weights)
+    twin._mxfp4x_threads = None
+    with torch.no_grad():
+        for w in weights:
+            getattr(dense, w).copy_(mxfp4x.dequantize(*quantized[w]))
+    return dense, twin
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "muse_spark"])
+def test_ungated_and_post_norm_experts(family):
+    """The branches no causal-LM test reaches: experts without a gate (NemotronH: up_proj,
+    activation, down_proj) and with a norm after each expert (MuseSpark)."""
+    if family == "nemotron_h":
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts as cls
+        config = transformers.NemotronHConfig(hidden_size=64, moe_intermediate_size=96,
+                                              n_routed_experts=5, moe_latent_size=None)
+    else:
+        from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts as cls
+        config = transformers.MuseSparkConfig().get_text_config()
+        config.num_local_experts, config.moe_hidden_size = 5, 64
+        config.moe_intermediate_size = 96
+    dense, twin = _module_pair(cls, config, seed=3)
+    assert twin.has_gate == (family != "nemotron_h")
+    assert getattr(twin, "has_post_expert_norm", False) == (family == "muse_spark")
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(7, 64, generator=g)
+    idx = torch.randint(0, 5, (7, 2), generator=g)
+    w = torch.softmax(torch.randn(7, 2, generator=g), -1)
+    with torch.no_grad():
+        want = dense(h, idx, w)  # the module's own (eager) forward on the dequantized weights
+        got = mxt.mxfp4x_experts_forward(twin, h, idx, w)
+    assert want.abs().max() > 0
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
