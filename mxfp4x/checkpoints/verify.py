@@ -72,6 +72,62 @@ def _tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().data).hexdigest()
 
 
+class _Tally:
+    """What a verify run found: each expert tensor's file digest against the bytes
+    handed to the kernels and the manifest, then the manifest's other entries."""
+
+    def __init__(self, ckpt, manifest: Optional[Dict[str, str]]):
+        self.ckpt, self.manifest = ckpt, manifest
+        self.hashes: Dict[str, str] = {}
+        self.mismatches: List[Tuple[str, str]] = []
+        self.seen: set = set()
+        self.n_bytes = 0
+
+    def check(self, name: str, found, loaded: Dict[str, torch.Tensor],
+              refused: Optional[str] = None) -> None:
+        """``found``: ``_locate``'s answer for ``name``; ``refused``: why the kernels
+        cannot run the tensor (then it is not compared with ``loaded``)."""
+        self.seen.add(name)
+        if not isinstance(found, tuple):
+            self.mismatches.append((name, found))
+            return
+        file_path, begin, end = found
+        self.hashes[name] = digest = _file_sha256(file_path, begin, end)
+        self.n_bytes += end - begin
+        if refused is not None:
+            self.mismatches.append((name, refused))
+        elif name not in loaded:
+            self.mismatches.append((name, "not handed to the kernels"))
+        elif _tensor_sha256(loaded[name]) != digest:
+            self.mismatches.append((name, "the bytes handed to the kernels differ from the "
+                                          "file's"))
+        if self.manifest is not None and self.manifest.get(name) != digest:
+            self.mismatches.append((name, "the file's bytes differ from the manifest"
+                                    if name in self.manifest else "missing from the manifest"))
+
+    def result(self, layers: List[int]) -> dict:
+        """The manifest's entries not checked yet (hashed from the file), then the report;
+        nothing verified at all is a ``ValueError``."""
+        other = 0
+        for name, digest in sorted((self.manifest or {}).items()):
+            if name in self.seen:
+                continue
+            found = _locate(self.ckpt, name)
+            if not isinstance(found, tuple):
+                self.mismatches.append((name, "in the manifest but " + found))
+                continue
+            file_path, begin, end = found
+            other += 1
+            self.n_bytes += end - begin
+            if _file_sha256(file_path, begin, end) != digest:
+                self.mismatches.append((name, "the file's bytes differ from the manifest"))
+        if not self.hashes and not other:
+            raise ValueError(f"{self.ckpt.root}: no expert tensor of layers {layers} could be "
+                             f"read: nothing verified")
+        return {"checked": len(self.hashes), "bytes": self.n_bytes, "hashes": self.hashes,
+                "mismatches": self.mismatches, "layers": layers, "manifest_other": other}
+
+
 def verify_experts(path: Union[str, SafeTensorsCheckpoint],
                    layers: Optional[Sequence[int]] = None,
                    manifest: Optional[Dict[str, str]] = None,
@@ -110,10 +166,7 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
         example = layout.tensor(layout.prefixes[0], 1, 0, "down", layout.packed)
         raise ValueError(f"{ckpt.root}: no {layout.name} expert tensors (names like "
                          f"{example!r}): nothing to verify")
-    hashes: Dict[str, str] = {}
-    mismatches: List[Tuple[str, str]] = []
-    seen = set()
-    n_bytes = 0
+    tally = _Tally(ckpt, manifest)
     wanted = set(layers)
     for prefix, layer in sorted((k for k in held if k[1] in wanted), key=lambda k: k[::-1]):
         expected = list(iter_expert_tensors(layout, [layer], n_experts, prefix))
@@ -132,40 +185,8 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
                     loaded[layout.tensor(prefix, layer, e, role, layout.packed)] = p
                     loaded[layout.tensor(prefix, layer, e, role, layout.scale)] = s
         for name in names:
-            seen.add(name)
-            found = where[name]
-            if not isinstance(found, tuple):
-                mismatches.append((name, found))
-                continue
-            file_path, begin, end = found
-            hashes[name] = digest = _file_sha256(file_path, begin, end)
-            n_bytes += end - begin
-            if name not in loaded:
-                mismatches.append((name, "not handed to the kernels"))
-            elif _tensor_sha256(loaded[name]) != digest:
-                mismatches.append((name, "the bytes handed to the kernels differ from the "
-                                         "file's"))
-            if manifest is not None and manifest.get(name) != digest:
-                mismatches.append((name, "the file's bytes differ from the manifest"
-                                   if name in manifest else "missing from the manifest"))
-    other = 0
-    for name, digest in sorted((manifest or {}).items()):
-        if name in seen:
-            continue
-        found = _locate(ckpt, name)
-        if not isinstance(found, tuple):
-            mismatches.append((name, "in the manifest but " + found))
-            continue
-        file_path, begin, end = found
-        other += 1
-        n_bytes += end - begin
-        if _file_sha256(file_path, begin, end) != digest:
-            mismatches.append((name, "the file's bytes differ from the manifest"))
-    if not hashes and not other:
-        raise ValueError(f"{ckpt.root}: no expert tensor of layers {layers} could be read: "
-                         f"nothing verified")
-    return {"checked": len(hashes), "bytes": n_bytes, "hashes": hashes,
-            "mismatches": mismatches, "layers": layers, "manifest_other": other}
+            tally.check(name, where[name], loaded)
+    return tally.result(layers)
 
 
 def _mxfp4_stack(ckpt: GGUFCheckpoint, name: str) -> bool:
@@ -209,10 +230,7 @@ def verify_gguf_experts(path: Union[str, GGUFCheckpoint],
     if not layers:
         raise ValueError(f"{ckpt.root}: no expert tensors (names like "
                          f"'blk.0.ffn_down_exps.weight'): nothing to verify")
-    hashes: Dict[str, str] = {}
-    mismatches: List[Tuple[str, str]] = []
-    seen = set()
-    n_bytes = 0
+    tally = _Tally(ckpt, manifest)
     for layer in layers:
         roles = held[layer]
         wanted = ["gate_up", "down"] if "gate_up" in roles and not (
@@ -229,41 +247,11 @@ def verify_gguf_experts(path: Union[str, GGUFCheckpoint],
                 except ValueError:
                     pass
         for role, name in names.items():
-            seen.add(name)
             found = _locate(ckpt, name)
-            if not isinstance(found, tuple):
-                mismatches.append((name, found))
-                continue
-            file_path, begin, end = found
-            hashes[name] = digest = _file_sha256(file_path, begin, end)
-            n_bytes += end - begin
-            info = ckpt.tensor(name)
-            if role not in runnable:
-                mismatches.append((name, f"{info.type_name} {list(info.shape)}, not MXFP4 "
-                                         f"experts: the kernels cannot run it"))
-            elif name not in loaded:
-                mismatches.append((name, "not handed to the kernels"))
-            elif _tensor_sha256(loaded[name]) != digest:
-                mismatches.append((name, "the bytes handed to the kernels differ from the "
-                                         "file's"))
-            if manifest is not None and manifest.get(name) != digest:
-                mismatches.append((name, "the file's bytes differ from the manifest"
-                                   if name in manifest else "missing from the manifest"))
-    other = 0
-    for name, digest in sorted((manifest or {}).items()):
-        if name in seen:
-            continue
-        found = _locate(ckpt, name)
-        if not isinstance(found, tuple):
-            mismatches.append((name, "in the manifest but " + found))
-            continue
-        file_path, begin, end = found
-        other += 1
-        n_bytes += end - begin
-        if _file_sha256(file_path, begin, end) != digest:
-            mismatches.append((name, "the file's bytes differ from the manifest"))
-    if not hashes and not other:
-        raise ValueError(f"{ckpt.root}: no expert tensor of layers {layers} could be read: "
-                         f"nothing verified")
-    return {"checked": len(hashes), "bytes": n_bytes, "hashes": hashes,
-            "mismatches": mismatches, "layers": layers, "manifest_other": other}
+            refused = None
+            if isinstance(found, tuple) and role not in runnable:
+                info = ckpt.tensor(name)
+                refused = (f"{info.type_name} {list(info.shape)}, not MXFP4 experts: the "
+                           f"kernels cannot run it")
+            tally.check(name, found, loaded, refused)
+    return tally.result(layers)
