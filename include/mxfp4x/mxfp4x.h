@@ -119,6 +119,54 @@ MXFP4X_INLINE float mxfp4x_e8m0_f32(uint8_t s) { return mxfp4x_e8m0_table.f[s]; 
 /* float64 twin: every E8M0 value is a normal binary64 number (or NaN). */
 MXFP4X_INLINE double mxfp4x_e8m0_f64(uint8_t s) { return (double)mxfp4x_e8m0_table.f[s]; }
 
+/* The E2M1 table times every E8M0 scale, as float32 bits: mxfp4x_e2m1_scaled.u[s][c] is
+ * the bits of e2m1[c] * 2^(s - 127) rounded to float32 once, i.e. exactly what one
+ * float32 multiply of the two gives (the kernels' "table times scale"): exact while the
+ * product is a float32 (normal or subnormal: s = 0 and 0.5 give 2^-128), +-inf past
+ * FLT_MAX (s >= 253 for the larger codes: 1.5 * 2^128 and up round to inf), +-0 for the
+ * zero codes, and the quiet NaN 0x7FC00000 for every code at s = 255 (a float32 multiply
+ * by NaN returns the NaN operand).  Integer constant expressions only, so the table is
+ * built by the compiler, identical on every platform (the C checker's decode check runs
+ * every byte under every scale byte through it, bit for bit against the definition).  A
+ * kernel loads a group's scaled table in one 64-byte load instead of multiplying the
+ * table by the scale. */
+/* biased exponent of |code| c (1..7) times 2^(s - 127): |c| = 2^(e-1) (1 + f/2), e = c >> 1,
+ * f = c & 1, except c = 1 = 2^-1 (e = 0, no fraction) */
+#define MXFP4X_SC_EXP(s, c) ((int)(s) - 1 + ((c) >> 1))
+#define MXFP4X_SC_FRAC(c) ((c) == 1 ? 0u : (uint32_t)((c) & 1))
+#define MXFP4X_SC_MAG(s, c)                                                                 \
+    ((c) == 0 ? 0u                                                                          \
+     : MXFP4X_SC_EXP(s, c) >= 255 ? 0x7F800000u                                             \
+     : MXFP4X_SC_EXP(s, c) >= 1   ? ((uint32_t)MXFP4X_SC_EXP(s, c) << 23) |                  \
+                                      (MXFP4X_SC_FRAC(c) << 22)                             \
+                                  : (2u + MXFP4X_SC_FRAC(c)) << (MXFP4X_SC_EXP(s, c) + 21))
+#define MXFP4X_SC_BITS(s, code)                                                             \
+    ((s) == MXFP4X_E8M0_NAN ? 0x7FC00000u                                                   \
+                            : (((uint32_t)(code) & 8u) << 28) | MXFP4X_SC_MAG(s, (code) & 7))
+#define MXFP4X_SC_ROW(s)                                                                    \
+    {MXFP4X_SC_BITS(s, 0), MXFP4X_SC_BITS(s, 1), MXFP4X_SC_BITS(s, 2),                     \
+     MXFP4X_SC_BITS(s, 3), MXFP4X_SC_BITS(s, 4), MXFP4X_SC_BITS(s, 5),                     \
+     MXFP4X_SC_BITS(s, 6), MXFP4X_SC_BITS(s, 7), MXFP4X_SC_BITS(s, 8),                     \
+     MXFP4X_SC_BITS(s, 9), MXFP4X_SC_BITS(s, 10), MXFP4X_SC_BITS(s, 11),                   \
+     MXFP4X_SC_BITS(s, 12), MXFP4X_SC_BITS(s, 13), MXFP4X_SC_BITS(s, 14),                  \
+     MXFP4X_SC_BITS(s, 15)}
+#define MXFP4X_SC_16(b)                                                                     \
+    MXFP4X_SC_ROW((b) + 0), MXFP4X_SC_ROW((b) + 1), MXFP4X_SC_ROW((b) + 2),                \
+        MXFP4X_SC_ROW((b) + 3), MXFP4X_SC_ROW((b) + 4), MXFP4X_SC_ROW((b) + 5),            \
+        MXFP4X_SC_ROW((b) + 6), MXFP4X_SC_ROW((b) + 7), MXFP4X_SC_ROW((b) + 8),            \
+        MXFP4X_SC_ROW((b) + 9), MXFP4X_SC_ROW((b) + 10), MXFP4X_SC_ROW((b) + 11),          \
+        MXFP4X_SC_ROW((b) + 12), MXFP4X_SC_ROW((b) + 13), MXFP4X_SC_ROW((b) + 14),         \
+        MXFP4X_SC_ROW((b) + 15)
+MXFP4X_ALIGN64 static const union {
+    uint32_t u[256][16];
+    float f[256][16];
+} mxfp4x_e2m1_scaled = {{MXFP4X_SC_16(0), MXFP4X_SC_16(16), MXFP4X_SC_16(32),
+                         MXFP4X_SC_16(48), MXFP4X_SC_16(64), MXFP4X_SC_16(80),
+                         MXFP4X_SC_16(96), MXFP4X_SC_16(112), MXFP4X_SC_16(128),
+                         MXFP4X_SC_16(144), MXFP4X_SC_16(160), MXFP4X_SC_16(176),
+                         MXFP4X_SC_16(192), MXFP4X_SC_16(208), MXFP4X_SC_16(224),
+                         MXFP4X_SC_16(240)}};
+
 /* The arrangement of a group's nibbles (see the top of this file). */
 enum {
     MXFP4X_NIBBLES_PAIRS = 0,  /* byte j: elements 2j (low), 2j+1 (high): gpt-oss */
