@@ -1,6 +1,6 @@
 # cython: language_level=3
 """1:1 mirror of include/mxfp4x/dispatch.h (and the headers it includes)."""
-from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint64_t
 
 cdef extern from "mxfp4x/dispatch.h" nogil:
     # ---- mxfp4x.h: format facts
@@ -52,6 +52,10 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     ctypedef int64_t (*mxfp4x_scratch_fn)(int64_t n_rows) noexcept nogil
     ctypedef float (*mxfp4x_fma_loop_fn)(int64_t iters, float seed,
                                          int64_t *flops) noexcept nogil
+    ctypedef void (*mxfp4x_dense_bf16_fn)(const uint16_t *w, int64_t row_stride,
+                                          int64_t row_start, int64_t row_end, int64_t d_in,
+                                          const float *x, int64_t x_stride, int64_t n_tok,
+                                          float *out, int64_t out_stride) noexcept nogil
     ctypedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows,
                                              int64_t width, const float *coef,
                                              float *dst) noexcept nogil
@@ -70,6 +74,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         mxfp4x_scratch_fn panel_scratch_floats
         mxfp4x_axpy_rows_f32_fn axpy_rows_f32
         mxfp4x_fma_loop_fn fma_loop
+        mxfp4x_dense_bf16_fn dense_bf16
 
     int64_t mxfp4x_layout_pos(int64_t i, int half, int nibbles)
 

@@ -372,5 +372,95 @@ MXFP4X_AVX512_FN float mxfp4x_fma_loop_avx512(int64_t iters, float seed, int64_t
     return out[0];
 }
 
+/* ---- dense bf16 rows x float32 tokens (mxfp4x.h, mxfp4x_dense_bf16_fn) ----
+ *
+ * One 16-lane accumulator per (row, token): lane l sums w[i] x[i] over i = l (mod 16)
+ * ascending, with FMA (a bf16 weight widened by vpmovzxwd + a 16-bit shift is exact);
+ * the last d_in % 16 elements read through zero-filled copies (their zero lanes add
+ * +0); lanes reduced by mxfp4x_hsum16_avx512.  Blocks of up to 4 rows x 4 tokens: each
+ * row chunk is widened once and used for every token of the block.  At one token the
+ * 4 rows are 4 independent FMA chains and 4 sequential streams; the work per byte is
+ * far under the read time, so the rows stream at the memory's rate. */
+MXFP4X_AVX512_INLINE_ALWAYS __m512 mxfp4x_bf16x16_avx512(const uint16_t *p) {
+#ifdef MXFP4X_EMULATE_AVX512 /* the same widening, without SIMDe's 256-bit types */
+    uint32_t u[16];
+    int i;
+    for (i = 0; i < 16; i++) u[i] = (uint32_t)p[i] << 16;
+    return _mm512_castsi512_ps(_mm512_loadu_si512((const void *)u));
+#else
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#endif
+}
+
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, int64_t rs,
+                                                           int64_t d_in, const float *x,
+                                                           int64_t xs, int mr, int nt,
+                                                           float *out, int64_t os) {
+    __m512 a[4][4], xv[4], wv;
+    const int64_t body = d_in & ~(int64_t)15;
+    int64_t k;
+    int i, c;
+    for (i = 0; i < mr; i++)
+        for (c = 0; c < nt; c++) a[i][c] = _mm512_setzero_ps();
+    for (k = 0; k < body; k += 16) {
+        for (c = 0; c < nt; c++) xv[c] = _mm512_loadu_ps(x + c * xs + k);
+        for (i = 0; i < mr; i++) {
+            wv = mxfp4x_bf16x16_avx512(w + i * rs + k);
+            for (c = 0; c < nt; c++) a[i][c] = _mm512_fmadd_ps(wv, xv[c], a[i][c]);
+        }
+    }
+    if (body < d_in) {
+        const int n = (int)(d_in - body);
+        uint16_t wt[16];
+        float xt[16];
+        for (c = 0; c < nt; c++) {
+            memset(xt, 0, sizeof xt);
+            memcpy(xt, x + c * xs + body, (size_t)n * sizeof(float));
+            xv[c] = _mm512_loadu_ps(xt);
+        }
+        for (i = 0; i < mr; i++) {
+            memset(wt, 0, sizeof wt);
+            memcpy(wt, w + i * rs + body, (size_t)n * sizeof(uint16_t));
+            wv = mxfp4x_bf16x16_avx512(wt);
+            for (c = 0; c < nt; c++) a[i][c] = _mm512_fmadd_ps(wv, xv[c], a[i][c]);
+        }
+    }
+    for (i = 0; i < mr; i++)
+        for (c = 0; c < nt; c++) out[c * os + i] = mxfp4x_hsum16_avx512(a[i][c]);
+}
+
+#define MXFP4X_AVX512_DENSE_CASE(M, N)                                                     \
+    case (M) * 8 + (N):                                                                    \
+        mxfp4x_dense_block_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride, M, N,  \
+                                  o, out_stride);                                          \
+        break;
+#define MXFP4X_AVX512_DENSE_ROW(M)                                                         \
+    MXFP4X_AVX512_DENSE_CASE(M, 1) MXFP4X_AVX512_DENSE_CASE(M, 2)                          \
+    MXFP4X_AVX512_DENSE_CASE(M, 3) MXFP4X_AVX512_DENSE_CASE(M, 4)
+
+MXFP4X_AVX512_FN void mxfp4x_dense_bf16_avx512(const uint16_t *w, int64_t row_stride,
+                                               int64_t row_start, int64_t row_end,
+                                               int64_t d_in, const float *x, int64_t x_stride,
+                                               int64_t n_tok, float *out,
+                                               int64_t out_stride) {
+    int64_t t, r;
+    for (t = 0; t < n_tok; t += 4) {
+        const int nt = n_tok - t < 4 ? (int)(n_tok - t) : 4;
+        const float *xt = x + t * x_stride;
+        for (r = row_start; r < row_end; r += 4) {
+            const int mr = row_end - r < 4 ? (int)(row_end - r) : 4;
+            float *o = out + t * out_stride + (r - row_start);
+            switch (mr * 8 + nt) {
+                MXFP4X_AVX512_DENSE_ROW(4)
+                MXFP4X_AVX512_DENSE_ROW(3)
+                MXFP4X_AVX512_DENSE_ROW(2)
+                MXFP4X_AVX512_DENSE_ROW(1)
+            default: break;
+            }
+        }
+    }
+}
+
 #endif /* MXFP4X_HAVE_X86_SIMD */
 #endif /* MXFP4X_AVX512_H */

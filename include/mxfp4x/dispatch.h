@@ -28,7 +28,8 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .panel_dot_f32 = mxfp4x_panel_dot_f32_avx512,
      .panel_scratch_floats = mxfp4x_panel_scratch_f32_avx512,
      .axpy_rows_f32 = mxfp4x_axpy_rows_f32_avx512,
-     .fma_loop = mxfp4x_fma_loop_avx512},
+     .fma_loop = mxfp4x_fma_loop_avx512,
+     .dense_bf16 = mxfp4x_dense_bf16_avx512},
     {.isa = MXFP4X_ISA_AVX2,
      .name = MXFP4X_ISA_NAME_AVX2,
      .layout_half = MXFP4X_LAYOUT_4,
@@ -41,7 +42,8 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .panel_dot_f32 = mxfp4x_panel_dot_f32_avx2,
      .panel_scratch_floats = mxfp4x_panel_scratch_f32_avx2,
      .axpy_rows_f32 = mxfp4x_axpy_rows_f32_avx2,
-     .fma_loop = mxfp4x_fma_loop_avx2},
+     .fma_loop = mxfp4x_fma_loop_avx2,
+     .dense_bf16 = mxfp4x_dense_bf16_avx2},
 #endif
 #if MXFP4X_HAVE_NEON
     {.isa = MXFP4X_ISA_NEON,
@@ -56,7 +58,8 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .panel_dot_f32 = mxfp4x_panel_dot_f32_neon,
      .panel_scratch_floats = mxfp4x_panel_scratch_f32_neon,
      .axpy_rows_f32 = mxfp4x_axpy_rows_f32_neon,
-     .fma_loop = mxfp4x_fma_loop_neon},
+     .fma_loop = mxfp4x_fma_loop_neon,
+     .dense_bf16 = mxfp4x_dense_bf16_neon},
 #endif
     {.isa = MXFP4X_ISA_SCALAR,
      .name = MXFP4X_ISA_NAME_SCALAR,
@@ -70,7 +73,8 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .panel_dot_f32 = mxfp4x_panel_dot_f32_scalar,
      .panel_scratch_floats = mxfp4x_panel_scratch_f32_scalar,
      .axpy_rows_f32 = mxfp4x_axpy_rows_f32_scalar,
-     .fma_loop = mxfp4x_fma_loop_scalar},
+     .fma_loop = mxfp4x_fma_loop_scalar,
+     .dense_bf16 = mxfp4x_dense_bf16_scalar},
 };
 
 #define MXFP4X_N_KERNELS ((int)(sizeof(mxfp4x_kernel_table) / sizeof(mxfp4x_kernel_table[0])))

@@ -257,6 +257,18 @@ typedef float (*mxfp4x_fma_loop_fn)(int64_t iters, float seed, int64_t *flops);
 typedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows, int64_t width,
                                         const float *coef, float *dst);
 
+/* Dense bfloat16 rows times float32 tokens (the dense projections around the experts,
+ * which checkpoints ship in bf16): for r in [row_start, row_end), t < n_tok,
+ *   out[t * out_stride + r - row_start] = sum_i W[r][i] * x[t * x_stride + i]
+ * W[r] at w + r * row_stride (uint16 bf16 bits, d_in of them).  Each bf16 weight widens
+ * to float32 exactly (a shift); products and sums in float32, in each ISA's lanes and
+ * reduction tree, the same for every (row, token) whatever n_tok or the row range: the
+ * bits depend on neither the batch nor the thread split. */
+typedef void (*mxfp4x_dense_bf16_fn)(const uint16_t *w, int64_t row_stride, int64_t row_start,
+                                     int64_t row_end, int64_t d_in, const float *x,
+                                     int64_t x_stride, int64_t n_tok, float *out,
+                                     int64_t out_stride);
+
 /* The driver uses gemv for experts with at most gemv_max_tokens tokens in a call (a
  * per-ISA crossover, measured: see each ISA's header), and decode + panel_dot above it
  * (where the panel's store and reload pay off). */
@@ -275,6 +287,7 @@ typedef struct {
     mxfp4x_scratch_fn panel_scratch_floats; /* floats of panel_dot scratch for n_rows */
     mxfp4x_axpy_rows_f32_fn axpy_rows_f32;
     mxfp4x_fma_loop_fn fma_loop;          /* roofline only */
+    mxfp4x_dense_bf16_fn dense_bf16;      /* dense bf16 rows x float32 tokens */
 } mxfp4x_kernels;
 
 /* Where natural element i of a row sits in a kernel layout of half-size `half` for

@@ -158,6 +158,25 @@ static uint64_t mxfp4x_read_words(const uint64_t *p, int64_t n_words) {
     return a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
 }
 
+/* ---- dense bf16 rows x float32 tokens (mxfp4x.h, mxfp4x_dense_bf16_fn) ----
+ * As the MXFP4 dot product: 16 lane accumulators, lane j sums w[i] x[i] over
+ * i = j (mod 16) ascending (multiply, then add), reduced by mxfp4x_hsum16_f32. */
+static void mxfp4x_dense_bf16_scalar(const uint16_t *w, int64_t row_stride, int64_t row_start,
+                                     int64_t row_end, int64_t d_in, const float *x,
+                                     int64_t x_stride, int64_t n_tok, float *out,
+                                     int64_t out_stride) {
+    int64_t t, r, i;
+    for (t = 0; t < n_tok; t++)
+        for (r = row_start; r < row_end; r++) {
+            const uint16_t *wr = w + r * row_stride;
+            const float *xt = x + t * x_stride;
+            float acc[16] = {0};
+            for (i = 0; i < d_in; i++)
+                acc[i & 15] = acc[i & 15] + mxfp4x_bf16_to_f32(wr[i]) * xt[i];
+            out[t * out_stride + r - row_start] = mxfp4x_hsum16_f32(acc);
+        }
+}
+
 /* ---- float64 path (float64 latents): decode exactly, accumulate in binary64 ---- */
 
 static void mxfp4x_decode_f64(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,

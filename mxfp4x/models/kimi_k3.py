@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import _dense
 from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import accumulation_dtype
 from .._progress import Progress
@@ -325,7 +326,12 @@ class KimiK3Router(torch.nn.Module):
 
     def forward(self, x: torch.Tensor):
         acc = accumulation_dtype(x.dtype)
-        scores = torch.sigmoid(F.linear(x.to(acc), self._weight_in(acc)))
+        if acc == torch.float32 and _dense.takes(x, self.weight):
+            # a few tokens, bf16 weight: the product of the float32-widened weight, read
+            # as bf16 at the memory's rate (mxfp4x._dense)
+            scores = torch.sigmoid(_dense.linear(x.to(acc), self.weight))
+        else:
+            scores = torch.sigmoid(F.linear(x.to(acc), self._weight_in(acc)))
         choice = scores + self.bias.to(acc)
         n_tok, n_exp = choice.shape
         if self.n_group > 1 and self.n_group > self.topk_group:
@@ -352,7 +358,10 @@ def _rms_norm(y, weight, eps):
 
 
 def _linear(x, w):
-    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+    """F.linear with the weight in x's dtype; bf16 weights at a few tokens through the
+    compiled kernels (mxfp4x._dense: torch's bf16 matrix-vector product reads them at
+    about half the memory's rate)."""
+    return _dense.linear(x, w)
 
 
 class KimiK3MoE(torch.nn.Module):

@@ -21,6 +21,9 @@
  *                   still decodes and multiplies exactly; _exit restores the caller's
  *                   register bit for bit
  *   fma_loop        runs, counts its flops, returns a finite value
+ *   dense_bf16      dense bf16 rows x float32 tokens: against float64 within the bound;
+ *                   one-token calls, the several-token call and split row ranges bit
+ *                   for bit; widths off every lane count, zero and subnormal weights
  *   gguf_*          decode, gemv, panel_dot and batch again on llama.cpp's GGUF blocks
  *                   (17 bytes per group, the scale byte first; byte j holds elements j
  *                   and j+16), read in place: gguf_decode, gguf_gemv, gguf_panel,
@@ -419,6 +422,77 @@ static void check_axpy(const mxfp4x_kernels *k) {
     report(k->name, "axpy_rows", &d, ok, detail);
 }
 
+/* ---- dense bf16 rows x float32 tokens ----------------------------------------------- */
+
+/* Against float64 within the bound; bit-identity of every (row, token) across one-token
+ * calls, the several-token call and a split of the rows (batch and thread invariance);
+ * padded strides; widths off every lane count; zero, subnormal and large values. */
+static void check_dense(const mxfp4x_kernels *k) {
+    static const int64_t cases[][3] = {/* rows, tokens, d_in */
+                                       {1, 1, 1},   {5, 1, 7},   {4, 4, 16},  {9, 3, 17},
+                                       {7, 6, 33},  {13, 5, 100}, {3, 9, 257}, {6, 2, 0},
+                                       {11, 7, 64}, {2, 1, 1031}};
+    const int n_cases = (int)(sizeof cases / sizeof cases[0]);
+    digest d;
+    int ok = 1, ci;
+    double worst = 0;
+    char why[200] = "", detail[260];
+    digest_init(&d);
+    for (ci = 0; ci < n_cases; ci++) {
+        const int64_t n_rows = cases[ci][0], n_tok = cases[ci][1], d_in = cases[ci][2];
+        const int64_t rs = d_in + 3, xs = d_in + 5, os = n_rows + 2, split = n_rows / 2;
+        uint16_t *w = xcalloc(n_rows * rs + 1, sizeof(uint16_t));
+        float *x = xcalloc(n_tok * xs + 1, sizeof(float));
+        float *out = xcalloc(n_tok * os, sizeof(float));
+        float *one = xcalloc(n_rows, sizeof(float)), *part = xcalloc(n_tok * os, sizeof(float));
+        int64_t r, t, i;
+        seed(7000 + (uint64_t)ci);
+        for (i = 0; i < n_rows * rs; i++) {
+            const uint32_t u = f32_bits(next_float() * 8.0f);
+            const uint64_t pick = next_u64() % 16;
+            /* bf16 bits: mostly the top half of a float, some zeros, subnormals, +-0 */
+            w[i] = pick == 0 ? 0 : pick == 1 ? 0x8000 : pick == 2 ? (uint16_t)(next_u64() & 0x807F)
+                                                                    : (uint16_t)(u >> 16);
+        }
+        for (i = 0; i < n_tok * xs; i++) x[i] = next_float();
+        k->dense_bf16(w, rs, 0, n_rows, d_in, x, xs, n_tok, out, os);
+        k->dense_bf16(w, rs, 0, split, d_in, x, xs, n_tok, part, os);
+        k->dense_bf16(w, rs, split, n_rows, d_in, x, xs, n_tok, part + split, os);
+        for (t = 0; t < n_tok; t++) {
+            k->dense_bf16(w, rs, 0, n_rows, d_in, x + t * xs, xs, 1, one, n_rows);
+            for (r = 0; r < n_rows; r++) {
+                double s = 0, m = 0, err, bound;
+                const float got = out[t * os + r];
+                for (i = 0; i < d_in; i++) {
+                    const double p = (double)mxfp4x_bf16_to_f32(w[r * rs + i]) * x[t * xs + i];
+                    s += p;
+                    m += fabs(p);
+                }
+                err = fabs((double)got - s);
+                bound = error_bound(m, d_in);
+                digest_f32(&d, got);
+                if (bound > 0 && err / bound > worst) worst = err / bound;
+                if (!(err <= bound) && ok) {
+                    ok = 0;
+                    snprintf(why, sizeof why, "case %d row %lld token %lld: got %.9g want %.17g",
+                             ci, (long long)r, (long long)t, (double)got, s);
+                }
+                if ((f32_bits(one[r]) != f32_bits(got) || f32_bits(part[t * os + r]) !=
+                     f32_bits(got)) && ok) {
+                    ok = 0;
+                    snprintf(why, sizeof why, "case %d row %lld token %lld: %08x one token, "
+                             "%08x split rows, %08x in the full call", ci, (long long)r,
+                             (long long)t, (unsigned)f32_bits(one[r]),
+                             (unsigned)f32_bits(part[t * os + r]), (unsigned)f32_bits(got));
+                }
+            }
+        }
+        free(w); free(x); free(out); free(one); free(part);
+    }
+    snprintf(detail, sizeof detail, "worst err/bound %.3g%s%s", worst, *why ? " " : "", why);
+    report(k->name, "dense_bf16", &d, ok, detail);
+}
+
 /* ---- flush-to-zero -------------------------------------------------------------------- */
 
 #if MXFP4X_ARCH_X86_64
@@ -631,6 +705,7 @@ int main(int argc, char **argv) {
         check_axpy(k);
         check_fz(k);
         check_fma_loop(k);
+        check_dense(k);
         check_decode(k, MXFP4X_NIBBLES_HALVES);
         check_mv(k, MXFP4X_NIBBLES_HALVES);
     }

@@ -22,7 +22,7 @@ from kernel_checker import CHECKER, HEADERS, build, host_cc, parse
 
 X86_ISAS = {"avx2", "avx512"}
 ARM_ISAS = {"neon"}
-CHECKS = ("decode", "gemv", "panel_dot", "batch", "axpy_rows", "fz", "fma_loop",
+CHECKS = ("decode", "gemv", "panel_dot", "batch", "axpy_rows", "fz", "fma_loop", "dense_bf16",
           "gguf_decode", "gguf_gemv", "gguf_panel", "gguf_batch")
 REQUIRE_QEMU = os.environ.get("MXFP4X_REQUIRE_QEMU") == "1"
 IS_AARCH64 = platform.machine().lower() in ("aarch64", "arm64")

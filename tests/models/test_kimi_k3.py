@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import nn
+from mxfp4x import _dense, nn
 from mxfp4x.testing.kimi_k3 import k3_config, kimi_k3_reference, write_k3_checkpoint
 
 TINY = dict(hidden_size=256, routed_expert_hidden_size=128, num_experts=16,
@@ -135,7 +135,7 @@ def test_progress_bar_is_plain_off_a_terminal(ckpt, capsys):
 
 _RSS = r"""
 import sys, torch, mxfp4x
-from mxfp4x import nn
+from mxfp4x import _dense, nn
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -228,7 +228,8 @@ def test_router_weight_converted_once_and_again_when_it_changes():
     w = torch.randn(12, 64, generator=g).bfloat16()
     bias = torch.randn(12, generator=g)
     router = KimiK3Router(w.clone(), bias, top_k=3)  # (the module shares storage)
-    x = torch.randn(4, 64, generator=g).bfloat16()
+    # more tokens than the compiled dense product takes (it reads the bf16 weight itself)
+    x = torch.randn(_dense.MAX_TOKENS + 1, 64, generator=g).bfloat16()
     first = router(x)
     wide = router._wide[1]
     assert same(router(x), first) and router._wide[1] is wide  # not converted again

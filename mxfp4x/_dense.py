@@ -1,0 +1,56 @@
+"""Dense bfloat16 projections at a few tokens: ``linear(x, weight)`` is ``F.linear``
+for the dense matrices around the routed experts (Kimi K3's latent projections, shared
+experts), which checkpoints ship in bfloat16.
+
+At one to a few tokens such a product only streams the weight, and torch's CPU bfloat16
+matrix-vector product reads it at about half the machine's memory rate.  Up to
+``MAX_TOKENS`` tokens, on CPU, without autograd, a bfloat16 weight goes through the
+compiled kernels instead (mxfp4x.h, ``mxfp4x_dense_bf16_fn``): the weight widened to
+float32 exactly, products and sums in float32, the result rounded to the input's dtype
+once -- what ``F.linear`` on the float32-widened weight computes, with the kernels'
+fixed order, so a token's bits depend neither on the thread count nor on the other
+tokens of the call (up to ``MAX_TOKENS``; above it the product is torch's).  Anything
+else is ``F.linear`` itself (a float32 input upcasts the weight, as before)."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _cpu, _threads
+
+# At 4 tokens the kernel still streams the weight at the memory's rate; torch's bf16
+# matrix product overtakes it by 8 (benchmarks/bench_dense.py).
+MAX_TOKENS = 4
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, max_tokens: Optional[int] = None) -> bool:
+    """Whether :func:`linear` runs this product through the compiled kernels
+    (``max_tokens``: default ``MAX_TOKENS``)."""
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        return False
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or x.dtype not in (
+            torch.bfloat16, torch.float32):
+        return False
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1] or x.numel() == 0:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    if _cpu.default_isa() == "scalar":  # torch's own product is faster than scalar C
+        return False
+    return x.numel() // x.shape[-1] <= (MAX_TOKENS if max_tokens is None else max_tokens)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, *, num_threads: Optional[int] = None,
+           max_tokens: Optional[int] = None) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias), the weight brought to the input's dtype as
+    ``weight.to(x.dtype)`` would; bfloat16 weights at up to ``max_tokens`` tokens on CPU
+    through the compiled kernels (see the module docstring)."""
+    if not takes(x, weight, max_tokens):
+        return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
+    d_in = weight.shape[1]
+    x2 = x.reshape(-1, d_in).to(torch.float32).contiguous()
+    w = weight.contiguous()
+    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=torch.float32)
+    _cpu.dense_bf16(x2.numpy(), w.view(torch.uint16).numpy(), out.numpy(),
+                    n_threads=_threads.resolve(num_threads))
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,106 @@
+"""The dense bfloat16 product (mxfp4x._dense.linear, the kernels' dense_bf16): against a
+float64 reference within the documented bound on every runnable ISA, at widths off every
+lane count; bit-identical across thread counts, batches and row splits; torch's own
+F.linear wherever it does not apply; inputs untouched."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mxfp4x import _cpu, _dense
+from mxfp4x._reference import error_bound
+
+ISAS = _cpu.runnable_isas()
+
+
+def bf16_weight(rng, rows, cols):
+    w = torch.from_numpy(rng.standard_normal((rows, cols)) * 0.7).bfloat16()
+    w.view(-1)[::11] = 0.0                                  # zeros
+    w.view(-1)[5::17] = torch.tensor(1e-39).bfloat16()      # bf16 subnormals
+    return w
+
+
+def reference(x, w):
+    xd, wd = x.double().numpy(), w.double().numpy()
+    return xd @ wd.T, np.abs(xd) @ np.abs(wd).T
+
+
+def run(x, w, isa=None, threads=1):
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    _cpu.dense_bf16(x.numpy(), w.view(torch.uint16).numpy(), out, isa=isa, n_threads=threads)
+    return out
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows,cols,tokens", [(1, 1, 1), (5, 7, 3), (67, 100, 4),
+                                              (130, 257, 2), (9, 1031, 5), (64, 16, 1)])
+def test_against_float64(isa, rows, cols, tokens, rng):
+    w = bf16_weight(rng, rows, cols)
+    x = torch.from_numpy(rng.standard_normal((tokens, cols))).float()
+    got = run(x, w, isa)
+    ref, mag = reference(x, w)
+    bound = error_bound(mag, cols)
+    assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) / (bound + 1e-300))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bits_do_not_depend_on_threads_batch_or_rows(isa, rng):
+    w = bf16_weight(rng, 203, 333)
+    x = torch.from_numpy(rng.standard_normal((7, 333))).float()
+    full = run(x, w, isa, threads=1)
+    assert np.array_equal(run(x, w, isa, threads=2).view(np.uint32), full.view(np.uint32))
+    for t in range(7):
+        one = run(x[t:t + 1].contiguous(), w, isa)
+        assert np.array_equal(one[0].view(np.uint32), full[t].view(np.uint32))
+    top = run(x, w[:100].contiguous(), isa)       # the same rows in another split
+    assert np.array_equal(top.view(np.uint32), full[:, :100].view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_matches_f_linear_within_the_bound(dtype, rng):
+    w = bf16_weight(rng, 96, 160)
+    x = torch.from_numpy(rng.standard_normal((2, 2, 160))).to(dtype)  # leading dims kept
+    x0, w0 = x.clone(), w.clone()
+    assert _dense.takes(x, w)
+    got = _dense.linear(x, w)
+    assert got.dtype == dtype and got.shape == (2, 2, 96)
+    assert torch.equal(x, x0) and torch.equal(w, w0)
+    ref, mag = reference(x.reshape(-1, 160).float(), w)
+    u_out = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}[dtype]
+    bound = error_bound(mag, 160) + u_out * np.abs(ref) + 1e-38
+    err = np.abs(got.reshape(-1, 96).double().numpy() - ref)
+    assert np.all(err <= bound)
+    # the same tokens one at a time: the same bits
+    for t in range(2):
+        assert torch.equal(_dense.linear(x[1, t:t + 1], w)[0], got[1, t])
+
+
+def test_torch_wherever_it_does_not_apply(rng):
+    w = bf16_weight(rng, 40, 64)
+    many = torch.randn(_dense.MAX_TOKENS + 1, 64).bfloat16()
+    assert not _dense.takes(many, w)
+    assert torch.equal(_dense.linear(many, w), F.linear(many, w))
+    half = torch.randn(2, 64).half()                          # another input dtype
+    assert not _dense.takes(half, w)
+    assert torch.equal(_dense.linear(half, w), F.linear(half, w.half()))
+    wf = w.float()                                            # a float32 weight
+    x = torch.randn(1, 64)
+    assert not _dense.takes(x, wf)
+    assert torch.equal(_dense.linear(x, wf), F.linear(x, wf))
+    xg = torch.randn(1, 64, requires_grad=True)               # autograd: torch's
+    assert not _dense.takes(xg, w)
+    y = _dense.linear(xg, w)
+    y.sum().backward()
+    assert xg.grad is not None
+    with torch.no_grad():
+        assert _dense.takes(xg, w)
+
+
+def test_bad_arrays_are_refused():
+    w = np.zeros((4, 8), np.uint16)
+    with pytest.raises(ValueError, match="x"):
+        _cpu.dense_bf16(np.zeros((1, 7), np.float32), w, np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError, match="out"):
+        _cpu.dense_bf16(np.zeros((1, 8), np.float32), w, np.zeros((1, 5), np.float32))
+    with pytest.raises(ValueError, match="x, out"):
+        _cpu.dense_bf16(np.zeros((1, 8), np.int32), w, np.zeros((1, 4), np.float32))
