@@ -7,14 +7,16 @@
  * permuted into this order once per call, so the decode below needs no
  * cross-lane shuffle.
  *
- * Decode of one group (16 bytes -> 32 floats), 11 integer ops:
+ * Decode of one group (16 bytes -> 32 floats), 11 integer ops and no multiply:
  *   broadcast the 16 bytes to both 128-bit lanes; lane 0 keeps the low
  *   nibbles, lane 1 the high ones (>> 4, blend, & 0xF);
  *   two vpshufb look up byte 3 and byte 2 of the float32 value of every code
- *   (every E2M1 value has zero low 16 bits, and code 8 gives -0.0 exactly);
+ *   times the group's scale, in that scale byte's two 16-byte tables
+ *   (mxfp4x_e2m1_scaled_b3/_b2: every such value has zero low 16 bits, s = 255
+ *   gives the NaN 0x7FC00000; the same bits as the float32 multiply by the scale
+ *   that this replaced);
  *   unpack bytes to 16-bit words, then words to the high half of dwords:
  *     f0 = [lo0..lo3 | hi0..hi3] = elements 0,2,4,6,1,3,5,7  ... f3 = elements 24..31
- *   and one multiply each by the group scale (a power of two: exact).
  *
  * Order of operations: one 8-lane accumulator per (row, token); lane l sums
  * w*x over the layout positions p = l (mod 8) in increasing p with FMA; lanes
@@ -32,20 +34,12 @@
 #define MXFP4X_AVX2_FN static MXFP4X_TARGET_AVX2
 #define MXFP4X_AVX2_INLINE static inline MXFP4X_TARGET_AVX2 MXFP4X_ALWAYS_INLINE
 
-/* Byte 3 and byte 2 of the float32 bits of E2M1 code c (bytes 1, 0 are zero). */
-static const uint8_t mxfp4x_e2m1_byte3[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
-                                              0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
-static const uint8_t mxfp4x_e2m1_byte2[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
-                                              0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
-
 typedef struct {
-    __m256i byte3, byte2, low_nibble;
+    __m256i low_nibble;
 } mxfp4x_avx2_tables;
 
 MXFP4X_AVX2_INLINE mxfp4x_avx2_tables mxfp4x_avx2_load_tables(void) {
     mxfp4x_avx2_tables t;
-    t.byte3 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4x_e2m1_byte3));
-    t.byte2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4x_e2m1_byte2));
     t.low_nibble = _mm256_set1_epi8(0x0F);
     return t;
 }
@@ -63,15 +57,19 @@ MXFP4X_AVX2_INLINE void mxfp4x_decode_group_avx2(const uint8_t *b, uint8_t s,
     const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b));
     const __m256i codes = _mm256_and_si256(
         _mm256_blend_epi32(raw, _mm256_srli_epi16(raw, 4), 0xF0), t->low_nibble);
-    const __m256i b3 = _mm256_shuffle_epi8(t->byte3, codes);
-    const __m256i b2 = _mm256_shuffle_epi8(t->byte2, codes);
+    /* this scale's tables: the scaled values' bytes 3 and 2 (mxfp4x_e2m1_scaled) */
+    const __m256i b3 = _mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4x_e2m1_scaled_b3[s])),
+        codes);
+    const __m256i b2 = _mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4x_e2m1_scaled_b2[s])),
+        codes);
     const __m256i w16a = _mm256_unpacklo_epi8(b2, b3), w16b = _mm256_unpackhi_epi8(b2, b3);
     const __m256i zero = _mm256_setzero_si256();
-    const __m256 vs = _mm256_set1_ps(mxfp4x_e8m0_f32(s));
-    w[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w16a)), vs);
-    w[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w16a)), vs);
-    w[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w16b)), vs);
-    w[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w16b)), vs);
+    w[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w16a));
+    w[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w16a));
+    w[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w16b));
+    w[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w16b));
 }
 
 MXFP4X_AVX2_INLINE __m256 mxfp4x_fma_group_avx2(const __m256 *w, const float *xg, __m256 acc) {

@@ -143,29 +143,38 @@ MXFP4X_INLINE double mxfp4x_e8m0_f64(uint8_t s) { return (double)mxfp4x_e8m0_tab
 #define MXFP4X_SC_BITS(s, code)                                                             \
     ((s) == MXFP4X_E8M0_NAN ? 0x7FC00000u                                                   \
                             : (((uint32_t)(code) & 8u) << 28) | MXFP4X_SC_MAG(s, (code) & 7))
-#define MXFP4X_SC_ROW(s)                                                                    \
-    {MXFP4X_SC_BITS(s, 0), MXFP4X_SC_BITS(s, 1), MXFP4X_SC_BITS(s, 2),                     \
-     MXFP4X_SC_BITS(s, 3), MXFP4X_SC_BITS(s, 4), MXFP4X_SC_BITS(s, 5),                     \
-     MXFP4X_SC_BITS(s, 6), MXFP4X_SC_BITS(s, 7), MXFP4X_SC_BITS(s, 8),                     \
-     MXFP4X_SC_BITS(s, 9), MXFP4X_SC_BITS(s, 10), MXFP4X_SC_BITS(s, 11),                   \
-     MXFP4X_SC_BITS(s, 12), MXFP4X_SC_BITS(s, 13), MXFP4X_SC_BITS(s, 14),                  \
-     MXFP4X_SC_BITS(s, 15)}
-#define MXFP4X_SC_16(b)                                                                     \
-    MXFP4X_SC_ROW((b) + 0), MXFP4X_SC_ROW((b) + 1), MXFP4X_SC_ROW((b) + 2),                \
-        MXFP4X_SC_ROW((b) + 3), MXFP4X_SC_ROW((b) + 4), MXFP4X_SC_ROW((b) + 5),            \
-        MXFP4X_SC_ROW((b) + 6), MXFP4X_SC_ROW((b) + 7), MXFP4X_SC_ROW((b) + 8),            \
-        MXFP4X_SC_ROW((b) + 9), MXFP4X_SC_ROW((b) + 10), MXFP4X_SC_ROW((b) + 11),          \
-        MXFP4X_SC_ROW((b) + 12), MXFP4X_SC_ROW((b) + 13), MXFP4X_SC_ROW((b) + 14),         \
-        MXFP4X_SC_ROW((b) + 15)
+/* A table over (scale byte s, code c) of F(s, c): 16 codes per row, 16 rows per call. */
+#define MXFP4X_SC_ROW_OF(F, s)                                                              \
+    {F(s, 0),  F(s, 1),  F(s, 2),  F(s, 3),  F(s, 4),  F(s, 5),  F(s, 6),  F(s, 7),         \
+     F(s, 8),  F(s, 9),  F(s, 10), F(s, 11), F(s, 12), F(s, 13), F(s, 14), F(s, 15)}
+#define MXFP4X_SC_16_OF(F, b)                                                               \
+    MXFP4X_SC_ROW_OF(F, (b) + 0), MXFP4X_SC_ROW_OF(F, (b) + 1), MXFP4X_SC_ROW_OF(F, (b) + 2), \
+        MXFP4X_SC_ROW_OF(F, (b) + 3), MXFP4X_SC_ROW_OF(F, (b) + 4),                         \
+        MXFP4X_SC_ROW_OF(F, (b) + 5), MXFP4X_SC_ROW_OF(F, (b) + 6),                         \
+        MXFP4X_SC_ROW_OF(F, (b) + 7), MXFP4X_SC_ROW_OF(F, (b) + 8),                         \
+        MXFP4X_SC_ROW_OF(F, (b) + 9), MXFP4X_SC_ROW_OF(F, (b) + 10),                        \
+        MXFP4X_SC_ROW_OF(F, (b) + 11), MXFP4X_SC_ROW_OF(F, (b) + 12),                       \
+        MXFP4X_SC_ROW_OF(F, (b) + 13), MXFP4X_SC_ROW_OF(F, (b) + 14),                       \
+        MXFP4X_SC_ROW_OF(F, (b) + 15)
+#define MXFP4X_SC_ALL_OF(F)                                                                 \
+    {MXFP4X_SC_16_OF(F, 0),   MXFP4X_SC_16_OF(F, 16),  MXFP4X_SC_16_OF(F, 32),               \
+     MXFP4X_SC_16_OF(F, 48),  MXFP4X_SC_16_OF(F, 64),  MXFP4X_SC_16_OF(F, 80),               \
+     MXFP4X_SC_16_OF(F, 96),  MXFP4X_SC_16_OF(F, 112), MXFP4X_SC_16_OF(F, 128),              \
+     MXFP4X_SC_16_OF(F, 144), MXFP4X_SC_16_OF(F, 160), MXFP4X_SC_16_OF(F, 176),              \
+     MXFP4X_SC_16_OF(F, 192), MXFP4X_SC_16_OF(F, 208), MXFP4X_SC_16_OF(F, 224),              \
+     MXFP4X_SC_16_OF(F, 240)}
 MXFP4X_ALIGN64 static const union {
     uint32_t u[256][16];
     float f[256][16];
-} mxfp4x_e2m1_scaled = {{MXFP4X_SC_16(0), MXFP4X_SC_16(16), MXFP4X_SC_16(32),
-                         MXFP4X_SC_16(48), MXFP4X_SC_16(64), MXFP4X_SC_16(80),
-                         MXFP4X_SC_16(96), MXFP4X_SC_16(112), MXFP4X_SC_16(128),
-                         MXFP4X_SC_16(144), MXFP4X_SC_16(160), MXFP4X_SC_16(176),
-                         MXFP4X_SC_16(192), MXFP4X_SC_16(208), MXFP4X_SC_16(224),
-                         MXFP4X_SC_16(240)}};
+} mxfp4x_e2m1_scaled = {MXFP4X_SC_ALL_OF(MXFP4X_SC_BITS)};
+
+/* Bits 31..24 and 23..16 of the same values: every entry's low 16 bits are zero
+ * (E2M1 has one mantissa bit; the subnormals of s = 0 and 1 sit at bit 20 and up), so
+ * two 16-entry byte lookups (vpshufb, tbl) build the scaled float32 exactly. */
+#define MXFP4X_SC_B3(s, c) ((uint8_t)(MXFP4X_SC_BITS(s, c) >> 24))
+#define MXFP4X_SC_B2(s, c) ((uint8_t)((MXFP4X_SC_BITS(s, c) >> 16) & 0xFFu))
+static const uint8_t mxfp4x_e2m1_scaled_b3[256][16] = MXFP4X_SC_ALL_OF(MXFP4X_SC_B3);
+static const uint8_t mxfp4x_e2m1_scaled_b2[256][16] = MXFP4X_SC_ALL_OF(MXFP4X_SC_B2);
 
 /* The arrangement of a group's nibbles (see the top of this file). */
 enum {

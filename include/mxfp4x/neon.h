@@ -9,16 +9,16 @@
  *
  * Decode of one group (16 bytes + scale byte s -> 32 floats in 8 q registers):
  *   codes:  lo = bytes & 0x0F, hi = bytes >> 4                      and, ushr
- *   bytes:  every E2M1 value is a bfloat16 (its float32 bits have zero low 16
- *           bits), so two 16-entry byte tables give bits 31..24 and 23..16 of
- *           the float32 of each code: tbl x 2 per 16 codes            tbl x 4
+ *   bytes:  every E2M1 value times every scale 2^(s-127) has zero low 16 bits
+ *           in float32 (one mantissa bit; s = 0's subnormals sit at bit 20 and
+ *           up; s = 255 is the NaN 0x7FC00000), so the scale byte's two
+ *           16-entry byte tables (mxfp4x_e2m1_scaled_b3/_b2, built by the
+ *           compiler: the bits of the float32 multiply) give bits 31..24 and
+ *           23..16 of each scaled code: 2 ldr q, tbl x 2 per 16 codes  tbl x 4
  *   halves: zip1/zip2 of (bits 23..16, bits 31..24) -> 8 bf16 per q   zip x 4
  *   floats: shll/shll2 #16 -> 4 float32 per q (the code order kept)   shll x 8
- *   scale:  one fmul each by 2^(s-127) (a power of two: exact, also for
- *           s = 0, whose products 2^-128..1.5*2^-125 are float32 subnormals
- *           or normals with at most 2 significant bits; s = 255 is NaN)  fmul x 8
- *   => per 32 weights: 1 ldr q + 1 ld1r (scale) loads and 26 vector ops, then
- *      8 fmla per token (4 floats each).
+ *   => per 32 weights: 3 ldr q loads and 18 vector ops (the 8 fmul by the scale
+ *      that this replaced gave the same bits), then 8 fmla per token.
  * (An alternative with 2-register tbl placing the two bytes directly into float
  * lanes needs 22 vector ops; not taken: its cost per uop differs across cores.)
  *
@@ -33,12 +33,12 @@
  * Expected rates (ESTIMATES: no ARM hardware was available; counted from the code,
  * assuming 4 fully pipelined 128-bit SIMD pipes that all take fmla, tbl, zip, shll
  * and fmul, as on Apple M-class P-cores and, per Arm's guide, Neoverse V2):
- *   1 token (gemv1, 2 rows interleaved): 26 + 8 = 34 vector ops per 32 weights
- *     -> ~8.5 cycles, ~3.8 weights/cycle: ~12 G weights/s = ~24 GFLOP/s, ~6.4 GB/s of packed
- *     weights per core at 3.2 GHz (M-class P-core) and ~6-6.6 GB/s at 3.1-3.4 GHz
+ *   1 token (gemv1, 2 rows interleaved): 18 + 8 = 26 vector ops per 32 weights
+ *     -> ~6.5 cycles, ~4.9 weights/cycle: ~16 G weights/s = ~31 GFLOP/s, ~8.4 GB/s of
+ *     packed weights per core at 3.2 GHz (M-class P-core) and ~8-9 GB/s at 3.1-3.4 GHz
  *     (Neoverse V2); about one core's share of the memory bandwidth on both.
- *   4 tokens (gemv, one decode per group for all 4): 26 + 32 = 58 ops per
- *     4 x 32 weight-token products -> ~17.7 FLOP/cycle, ~55 % of the 32 FLOP/cycle
+ *   4 tokens (gemv, one decode per group for all 4): 18 + 32 = 50 ops per
+ *     4 x 32 weight-token products -> ~20.5 FLOP/cycle, ~64 % of the 32 FLOP/cycle
  *     fp32 FMA peak (102 GFLOP/s at 3.2 GHz).
  *   panel_dot (many tokens): 16 fmla per 8 q loads in the 4 x 4 register block,
  *     FMA-bound: ~80-90 % of peak if the 3 load ports keep up, the same on both.
@@ -54,44 +54,37 @@
 #define MXFP4X_NEON_FN static
 #define MXFP4X_NEON_INLINE static inline MXFP4X_ALWAYS_INLINE
 
-/* Bits 31..24 and 23..16 of the float32 of E2M1 code c (bits 15..0 are zero);
- * OCP MX v1.0 5.3.3.  Code 8 is -0.0 exactly. */
-static const uint8_t mxfp4x_neon_e2m1_b3[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
-                                                0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
-static const uint8_t mxfp4x_neon_e2m1_b2[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
-                                                0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
-
 typedef struct {
-    uint8x16_t b3, b2, low_nibble;
+    uint8x16_t low_nibble;
 } mxfp4x_neon_tables;
 
 MXFP4X_NEON_INLINE mxfp4x_neon_tables mxfp4x_neon_load_tables(void) {
     mxfp4x_neon_tables t;
-    t.b3 = vld1q_u8(mxfp4x_neon_e2m1_b3);
-    t.b2 = vld1q_u8(mxfp4x_neon_e2m1_b2);
     t.low_nibble = vdupq_n_u8(0x0F);
     return t;
 }
 
-/* 16 codes -> 16 float32 in code order, times the scale vs. */
-MXFP4X_NEON_INLINE void mxfp4x_neon_codes_f32(uint8x16_t codes, const mxfp4x_neon_tables *t,
-                                              float32x4_t vs, float32x4_t *w) {
-    const uint8x16_t b3 = vqtbl1q_u8(t->b3, codes), b2 = vqtbl1q_u8(t->b2, codes);
+/* 16 codes -> 16 float32 in code order, through one scale's byte tables t3, t2 (bits
+ * 31..24 and 23..16 of E2M1 times the scale, mxfp4x_e2m1_scaled). */
+MXFP4X_NEON_INLINE void mxfp4x_neon_codes_f32(uint8x16_t codes, uint8x16_t t3, uint8x16_t t2,
+                                              float32x4_t *w) {
+    const uint8x16_t b3 = vqtbl1q_u8(t3, codes), b2 = vqtbl1q_u8(t2, codes);
     const uint16x8_t h0 = vreinterpretq_u16_u8(vzip1q_u8(b2, b3)); /* codes 0..7 */
     const uint16x8_t h1 = vreinterpretq_u16_u8(vzip2q_u8(b2, b3)); /* codes 8..15 */
-    w[0] = vmulq_f32(vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h0), 16)), vs);
-    w[1] = vmulq_f32(vreinterpretq_f32_u32(vshll_high_n_u16(h0, 16)), vs);
-    w[2] = vmulq_f32(vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h1), 16)), vs);
-    w[3] = vmulq_f32(vreinterpretq_f32_u32(vshll_high_n_u16(h1, 16)), vs);
+    w[0] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h0), 16));
+    w[1] = vreinterpretq_f32_u32(vshll_high_n_u16(h0, 16));
+    w[2] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h1), 16));
+    w[3] = vreinterpretq_f32_u32(vshll_high_n_u16(h1, 16));
 }
 
 /* One group (16 bytes at b, scale byte s) -> w[0..7], layout-16 positions 4k..4k+3. */
 MXFP4X_NEON_INLINE void mxfp4x_decode_group_neon(const uint8_t *b, uint8_t s,
                                                  const mxfp4x_neon_tables *t, float32x4_t *w) {
     const uint8x16_t raw = vld1q_u8(b);
-    const float32x4_t vs = vld1q_dup_f32(&mxfp4x_e8m0_table.f[s]);
-    mxfp4x_neon_codes_f32(vandq_u8(raw, t->low_nibble), t, vs, w);
-    mxfp4x_neon_codes_f32(vshrq_n_u8(raw, 4), t, vs, w + 4);
+    const uint8x16_t t3 = vld1q_u8(mxfp4x_e2m1_scaled_b3[s]);
+    const uint8x16_t t2 = vld1q_u8(mxfp4x_e2m1_scaled_b2[s]);
+    mxfp4x_neon_codes_f32(vandq_u8(raw, t->low_nibble), t3, t2, w);
+    mxfp4x_neon_codes_f32(vshrq_n_u8(raw, 4), t3, t2, w + 4);
 }
 
 /* a_j = fma(w_j, x_j, a_j) for the low half, then for the high half. */
