@@ -54,11 +54,15 @@ def clean_venv_tests(wheel):
         subprocess.run(pip + ["torch==2.13.0"], check=True)
         subprocess.run(pip + [wheel + "[test]"], check=True)
         out = subprocess.run([py, "-m", "pytest", os.path.join(root, "tests"), "-q",
-                              "-p", "no:cacheprovider", "-x"], cwd=tmp, capture_output=True,
-                             text=True)
+                              "-p", "no:cacheprovider", "-x", "-rfE", "--tb=short"], cwd=tmp,
+                             capture_output=True, text=True)
         print(out.stdout[-600:])
         if out.returncode != 0:
-            sys.exit(f"tests against the wheel in a clean venv failed:\n{out.stderr[-2000:]}")
+            # the failing test's name, its short traceback and the seed, whatever their length
+            head = "\n".join(line for line in out.stdout.splitlines()[:8] if "seed=" in line)
+            failed = [line for line in out.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+            sys.exit("tests against the wheel in a clean venv failed:\n" + head + "\n"
+                     + "\n".join(failed) + "\n" + out.stdout[-6000:] + "\n" + out.stderr[-2000:])
         print("clean venv: the test suite passes against the installed wheel")
 
 
