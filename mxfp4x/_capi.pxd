@@ -13,6 +13,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int MXFP4X_ISA_AVX2
     int MXFP4X_ISA_AVX512
     int MXFP4X_ISA_NEON
+    int MXFP4X_ISA_AMX
     int MXFP4X_ISA_COUNT
     const char *mxfp4x_isa_name(int isa)
     int MXFP4X_LAYOUT_16
@@ -59,6 +60,15 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     ctypedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows,
                                              int64_t width, const float *coef,
                                              float *dst) noexcept nogil
+    ctypedef void (*mxfp4x_bf16_gather_fn)(const uint16_t *x, int64_t x_stride,
+                                           const int64_t *src, int64_t n, int64_t n_groups,
+                                           int nibbles, uint16_t *dst,
+                                           uint8_t *unsafe) noexcept nogil
+    ctypedef void (*mxfp4x_bf16_rows_fn)(const mxfp4x_rows *w, int64_t row_start,
+                                         int64_t row_end, const uint16_t *xt,
+                                         const uint8_t *unsafe, int64_t n_tok, float *out,
+                                         int64_t out_stride, void *scratch) noexcept nogil
+    ctypedef int64_t (*mxfp4x_bf16_scratch_fn)(int64_t n_groups) noexcept nogil
 
     ctypedef struct mxfp4x_kernels:
         int isa
@@ -75,6 +85,9 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         mxfp4x_axpy_rows_f32_fn axpy_rows_f32
         mxfp4x_fma_loop_fn fma_loop
         mxfp4x_dense_bf16_fn dense_bf16
+        mxfp4x_bf16_gather_fn bf16_gather
+        mxfp4x_bf16_rows_fn bf16_rows
+        mxfp4x_bf16_scratch_fn bf16_scratch_bytes
 
     int64_t mxfp4x_layout_pos(int64_t i, int half, int nibbles)
 
@@ -124,6 +137,10 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         int avx512f
         uint64_t xcr0
         int darwin_avx512
+        int avx512bw
+        int amx_tile
+        int amx_bf16
+        int amx_granted
     int mxfp4x_isa_decision(const mxfp4x_cpu_facts *f)
     int mxfp4x_cpu_isas()
     int MXFP4X_N_FEATURES

@@ -401,6 +401,9 @@ cdef struct Work:
     int64_t per_thread            # bytes per thread, whole cache lines
     char *scratch
     uint64_t *log                 # NULL, or the test hook's row of this step
+    bint bf16                     # forward, bf16 latents on the ISA's bf16 unit (amx.h):
+    const uint16_t *xt            # (bf16) every sorted pair's latents, d_in each
+    const uint8_t *unsafe         # (bf16) per sorted pair: its token takes the exact path
 
 
 # A step of whole rows: the latents into the kernel layout (prepare), dx out of it
@@ -412,6 +415,28 @@ cdef struct RowJob:
     int64_t n_rows, rows_per_task
     int half, nibbles
     uint64_t *log
+
+
+# The bf16 unit's gather (amx.h): each task gathers the latents of one active expert's
+# pairs into that expert's blocks of the call's buffer.
+cdef struct GatherJob:
+    const c.mxfp4x_call *call
+    const Routing *r
+    uint16_t *xt
+    uint8_t *unsafe
+    int nibbles
+    uint64_t *log
+
+
+cdef void _gather_task(void *ctx, int64_t task, int tid) noexcept nogil:
+    cdef const GatherJob *j = <const GatherJob *>ctx
+    cdef int64_t e = j.r.active[task]
+    cdef int64_t s = j.r.offsets[e], n = j.r.offsets[e + 1] - s
+    cdef int64_t n_groups = j.call.experts.n_groups
+    _log_thread(j.log, tid)
+    j.call.kernels.bf16_gather(<const uint16_t *>j.call.src, n_groups * c.MXFP4X_GROUP,
+                               j.r.pair_src + s, n, n_groups, j.nibbles,
+                               j.xt + s * n_groups * c.MXFP4X_GROUP, j.unsafe + s)
 
 
 cdef void *xmalloc(int64_t n_bytes, bint zero=False) except NULL:
@@ -482,6 +507,9 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
         w.dots_len = min(w.r.max_count, <int64_t>PAIR_BLOCK) * max(w.panel_rows, tile)
         if real is float:
             w.lanes_len = k.panel_scratch_floats(w.panel_rows)
+            if w.bf16:  # no float32 panel; the bf16 unit's own scratch
+                w.panel_len = 0
+                w.lanes_len = (k.bf16_scratch_bytes(call.experts.n_groups) + 3) // 4
     else:
         w.task_size = T_TILE_GROUPS
         w.n_tasks = (call.experts.n_groups + T_TILE_GROUPS - 1) // T_TILE_GROUPS
@@ -613,6 +641,12 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
             ws = (<const real *>w.r.pair_w) + s
             s += n
             if real is float:
+                if w.bf16:  # every token, at any batch size: the same path
+                    k.bf16_rows(&rows, row_start, row_end, w.xt + (s - n) * d_in,
+                                w.unsafe + (s - n), n, dots, row_end - row_start, lanes)
+                    _combine(<real *>w.out, d_out, row_start, dsts, ws, n, dots,
+                             row_end - row_start, assign)
+                    continue
                 if n <= k.gemv_max_tokens:
                     # one or a few tokens: fused decode + dot in registers, no panel
                     k.gemv_f32(&rows, row_start, row_end, <const float *>w.x, d_in, srcs, n,
@@ -762,7 +796,12 @@ cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
     cdef bint forward = call.product == c.MXFP4X_FORWARD
     cdef int half = c.MXFP4X_LAYOUT_16 if real is double else call.kernels.layout_half
     cdef int n_threads
+    cdef GatherJob gj
     w.call = call
+    w.bf16 = real is float and forward and call.kernels.bf16_rows != NULL and \
+        call.src_dtype == c.MXFP4X_DTYPE_BF16
+    w.xt = NULL
+    w.unsafe = NULL
     w.r.offsets = w.r.active = w.r.pair_src = w.r.pair_dst = NULL
     w.r.pair_w = NULL
     w.scratch = NULL
@@ -789,8 +828,14 @@ cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
         _plan(dummy, &w)
         n_threads = <int>max(1, min(<int64_t>call.n_threads, w.n_tasks))  # more would idle
         w.scratch = <char *>xmalloc(n_threads * w.per_thread)
-        # forward: the latents in the kernel layout; transposed: dx in it (zeroed)
-        layout_buf = xmalloc(n_x_rows * d_in * <int64_t>sizeof(real), not forward)
+        # forward: the latents in the kernel layout (bf16 unit: every pair's latents
+        # gathered, 64 bytes of slack for the tile loads); transposed: dx in it (zeroed)
+        if w.bf16:
+            layout_buf = xmalloc(n_pairs * d_in * 2 + n_pairs + 128)
+            w.xt = <const uint16_t *>layout_buf
+            w.unsafe = (<const uint8_t *>layout_buf) + n_pairs * d_in * 2 + 64
+        else:
+            layout_buf = xmalloc(n_x_rows * d_in * <int64_t>sizeof(real), not forward)
         if forward:
             w.x = layout_buf
             w.out = call.dst
@@ -798,7 +843,13 @@ cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
             w.x = call.src
             w.out = layout_buf
         with nogil:
-            if forward:
+            if w.bf16:
+                gj.call, gj.r, gj.xt, gj.unsafe = call, &w.r, <uint16_t *>w.xt, \
+                    <uint8_t *>w.unsafe
+                gj.nibbles = call.experts.rows[0].nibbles
+                gj.log = NULL if log == NULL else log + STEP_PREPARE * c.MXFP4X_MAX_THREADS
+                parallel_tasks(n_threads, w.r.n_active, _gather_task, &gj)
+            elif forward:
                 _row_step(call, call.src, layout_buf, n_x_rows, half, n_threads,
                           _prepare_task,
                           NULL if log == NULL else log + STEP_PREPARE * c.MXFP4X_MAX_THREADS)

@@ -41,17 +41,24 @@ def takes(x: torch.Tensor, weight: torch.Tensor, max_tokens: Optional[int] = Non
     return x.numel() // x.shape[-1] <= (MAX_TOKENS if max_tokens is None else max_tokens)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, *, num_threads: Optional[int] = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           num_threads: Optional[int] = None,
            max_tokens: Optional[int] = None) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias), the weight brought to the input's dtype as
-    ``weight.to(x.dtype)`` would; bfloat16 weights at up to ``max_tokens`` tokens on CPU
-    through the compiled kernels (see the module docstring)."""
-    if not takes(x, weight, max_tokens):
-        return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
+    """``F.linear(x, weight, bias)``, the weight (and bias) brought to the input's dtype
+    as ``.to(x.dtype)`` would; bfloat16 weights at up to ``max_tokens`` tokens on CPU
+    through the compiled kernels (see the module docstring; a bias is added in float32
+    before the one rounding)."""
+    if not takes(x, weight, max_tokens) or (bias is not None and (
+            bias.device.type != "cpu" or bias.shape != (weight.shape[0],)
+            or (torch.is_grad_enabled() and bias.requires_grad))):
+        return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype),
+                        None if bias is None or bias.dtype == x.dtype else bias.to(x.dtype))
     d_in = weight.shape[1]
     x2 = x.reshape(-1, d_in).to(torch.float32).contiguous()
     w = weight.contiguous()
     out = torch.empty((x2.shape[0], weight.shape[0]), dtype=torch.float32)
     _cpu.dense_bf16(x2.numpy(), w.view(torch.uint16).numpy(), out.numpy(),
                     n_threads=_threads.resolve(num_threads))
+    if bias is not None:
+        out += bias.to(torch.float32)
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -225,13 +225,16 @@ def decode_rows(packed, scales, *, isa=None, str compute="float32"):
 
 
 def isa_decision(*, bint osxsave, bint avx, bint fma, bint avx2, bint avx512f,
-                 unsigned long long xcr0, int darwin_avx512=-1):
+                 unsigned long long xcr0, int darwin_avx512=-1, bint avx512bw=False,
+                 bint amx_tile=False, bint amx_bf16=False, bint amx_granted=False):
     """The ISAs cpu.h would allow for these CPUID / XCR0 / macOS sysctl facts, named as
     mxfp4x.h names them (every ISA, compiled here or not), sorted."""
     cdef c.mxfp4x_cpu_facts f
     f.osxsave, f.avx, f.fma, f.avx2, f.avx512f = osxsave, avx, fma, avx2, avx512f
     f.xcr0 = xcr0
     f.darwin_avx512 = darwin_avx512
+    f.avx512bw, f.amx_tile, f.amx_bf16, f.amx_granted = avx512bw, amx_tile, amx_bf16, \
+        amx_granted
     mask = c.mxfp4x_isa_decision(&f)
     return sorted(c.mxfp4x_isa_name(b).decode() for b in range(c.MXFP4X_ISA_COUNT)
                   if (mask >> b) & 1)

@@ -32,6 +32,18 @@
 #  define MXFP4X_HAVE_X86_SIMD 0
 #endif
 
+/* AMX (amx.h): Linux on x86-64 (the kernel grants the tile state per process,
+ * arch_prctl ARCH_REQ_XCOMP_PERM), GCC >= 11 or clang >= 12 (the AMX intrinsics inside a
+ * target region); never in the SIMDe emulation build. */
+#if MXFP4X_HAVE_X86_SIMD && MXFP4X_GNUC && defined(__linux__) && \
+    !defined(MXFP4X_EMULATE_AVX512) && !defined(MXFP4X_NO_AMX) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || \
+     (!defined(__clang__) && __GNUC__ >= 11))
+#  define MXFP4X_HAVE_AMX 1
+#else
+#  define MXFP4X_HAVE_AMX 0
+#endif
+
 /* AArch64 Advanced SIMD (neon.h): part of the base architecture, so no target region
  * and no run-time check.  Little-endian only (the decode reinterprets byte lanes as
  * float lanes), GCC or clang (Apple clang included). */

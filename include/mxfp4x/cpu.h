@@ -12,6 +12,8 @@ typedef struct {
     int osxsave, avx, fma, avx2, avx512f;
     uint64_t xcr0;
     int darwin_avx512; /* macOS: sysctl hw.optional.avx512f (1/0); -1 elsewhere */
+    int avx512bw, amx_tile, amx_bf16; /* CPUID.(7,0): EBX bit 30, EDX bits 24 and 22 */
+    int amx_granted; /* Linux granted this process the tile data state (arch_prctl) */
 } mxfp4x_cpu_facts;
 
 /* Bit mask of the ISAs (1 << MXFP4X_ISA_*) a CPU and OS with these facts can run.
@@ -27,6 +29,11 @@ static int mxfp4x_isa_decision(const mxfp4x_cpu_facts *f) {
     zmm_state = f->darwin_avx512 >= 0 ? f->darwin_avx512 == 1 : (f->xcr0 & 0xE6) == 0xE6;
     if ((mask & (1 << MXFP4X_ISA_AVX2)) && f->avx512f && zmm_state)
         mask |= 1 << MXFP4X_ISA_AVX512;
+    /* AMX: AVX-512 (with BW, for the decode) and the tile state: XCR0 bits 17, 18
+     * (XTILECFG, XTILEDATA) enabled by the OS and granted to this process */
+    if ((mask & (1 << MXFP4X_ISA_AVX512)) && f->avx512bw && f->amx_tile && f->amx_bf16 &&
+        f->amx_granted && (f->xcr0 & 0x60000) == 0x60000)
+        mask |= 1 << MXFP4X_ISA_AMX;
     return mask;
 }
 
@@ -64,9 +71,21 @@ static int mxfp4x_darwin_avx512(void) {
 static int mxfp4x_darwin_avx512(void) { return -1; }
 #endif
 
+#if MXFP4X_HAVE_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+/* Ask Linux for the AMX tile data state (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA
+ * = 18): once per process, for every thread; 1 when granted. */
+static int mxfp4x_amx_request(void) {
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+#else
+static int mxfp4x_amx_request(void) { return 0; }
+#endif
+
 static int mxfp4x_detect_isas(void) {
     uint32_t r[4];
-    mxfp4x_cpu_facts f = {0, 0, 0, 0, 0, 0, -1};
+    mxfp4x_cpu_facts f = {0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0};
     mxfp4x_cpuid(0, 0, r);
     if (r[0] >= 1) {
         const uint32_t max_leaf = r[0];
@@ -78,6 +97,10 @@ static int mxfp4x_detect_isas(void) {
             mxfp4x_cpuid(7, 0, r);
             f.avx2 = (r[1] >> 5) & 1;
             f.avx512f = (r[1] >> 16) & 1;
+            f.avx512bw = (r[1] >> 30) & 1;
+            f.amx_tile = (r[3] >> 24) & 1;
+            f.amx_bf16 = (r[3] >> 22) & 1;
+            if (f.amx_tile && f.amx_bf16) f.amx_granted = mxfp4x_amx_request();
         }
         if (f.osxsave) f.xcr0 = mxfp4x_xgetbv0();
         f.darwin_avx512 = mxfp4x_darwin_avx512();

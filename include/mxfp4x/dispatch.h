@@ -11,6 +11,18 @@
 #include "avx2.h"
 #include "avx512.h"
 #include "neon.h"
+#include "amx.h"
+
+/* avx512's float32 kernels and their constants, shared by the avx512 and amx entries (all
+ * but tile_rows: amx's tiles of rows are whole blocks of 4 x 16). */
+#define MXFP4X_AVX512_FLOAT32_KERNELS                                                      \
+    .layout_half = MXFP4X_LAYOUT_16, .panel_row_block = MXFP4X_AVX512_MR,                  \
+    .gemv_max_tokens = MXFP4X_AVX512_GEMV_MAX_TOKENS,                                      \
+    .panel_bytes = MXFP4X_AVX512_PANEL_BYTES, .gemv_f32 = mxfp4x_gemv_f32_avx512,          \
+    .decode_f32 = mxfp4x_decode_f32_avx512, .panel_dot_f32 = mxfp4x_panel_dot_f32_avx512,  \
+    .panel_scratch_floats = mxfp4x_panel_scratch_f32_avx512,                               \
+    .axpy_rows_f32 = mxfp4x_axpy_rows_f32_avx512, .fma_loop = mxfp4x_fma_loop_avx512,      \
+    .dense_bf16 = mxfp4x_dense_bf16_avx512
 
 /* Fields by name (mxfp4x.h says what each means): a reordered struct cannot shift a value
  * into the wrong field. */
@@ -18,18 +30,21 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
 #if MXFP4X_HAVE_X86_SIMD
     {.isa = MXFP4X_ISA_AVX512,
      .name = MXFP4X_ISA_NAME_AVX512,
-     .layout_half = MXFP4X_LAYOUT_16,
-     .panel_row_block = MXFP4X_AVX512_MR,
-     .gemv_max_tokens = MXFP4X_AVX512_GEMV_MAX_TOKENS,
-     .tile_rows = MXFP4X_AVX512_TILE_ROWS,
-     .panel_bytes = MXFP4X_AVX512_PANEL_BYTES,
-     .gemv_f32 = mxfp4x_gemv_f32_avx512,
-     .decode_f32 = mxfp4x_decode_f32_avx512,
-     .panel_dot_f32 = mxfp4x_panel_dot_f32_avx512,
-     .panel_scratch_floats = mxfp4x_panel_scratch_f32_avx512,
-     .axpy_rows_f32 = mxfp4x_axpy_rows_f32_avx512,
-     .fma_loop = mxfp4x_fma_loop_avx512,
-     .dense_bf16 = mxfp4x_dense_bf16_avx512},
+     MXFP4X_AVX512_FLOAT32_KERNELS,
+     .tile_rows = MXFP4X_AVX512_TILE_ROWS},
+#if MXFP4X_HAVE_AMX
+    /* avx512's kernels; bf16 latents of float32 calls on AMX tiles (amx.h).  After avx512
+     * in preference, so chosen only by MXFP4X_ISA=amx: 4-5x avx512's speed from 64 tokens
+     * up, but 1.9x its time at 1-4 tokens (docs/performance.md), and a token's path may
+     * not depend on its batch. */
+    {.isa = MXFP4X_ISA_AMX,
+     .name = MXFP4X_ISA_NAME_AMX,
+     MXFP4X_AVX512_FLOAT32_KERNELS,
+     .tile_rows = MXFP4X_AMX_TILE_ROWS,
+     .bf16_gather = mxfp4x_amx_gather,
+     .bf16_rows = mxfp4x_amx_bf16_rows,
+     .bf16_scratch_bytes = mxfp4x_amx_scratch_bytes},
+#endif
     {.isa = MXFP4X_ISA_AVX2,
      .name = MXFP4X_ISA_NAME_AVX2,
      .layout_half = MXFP4X_LAYOUT_4,

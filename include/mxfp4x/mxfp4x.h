@@ -47,7 +47,8 @@ enum {
     MXFP4X_ISA_AVX2 = 1,
     MXFP4X_ISA_AVX512 = 2,
     MXFP4X_ISA_NEON = 3, /* AArch64 Advanced SIMD */
-    MXFP4X_ISA_COUNT = 4
+    MXFP4X_ISA_AMX = 4,  /* AVX-512 + AMX-BF16: avx512's kernels, bf16 latents on tiles */
+    MXFP4X_ISA_COUNT = 5
 };
 
 /* Their names: the lowercase strings of MXFP4X_ISA, backend_info(), test ids and benchmark
@@ -57,11 +58,13 @@ enum {
 #define MXFP4X_ISA_NAME_AVX2 "avx2"
 #define MXFP4X_ISA_NAME_AVX512 "avx512"
 #define MXFP4X_ISA_NAME_NEON "neon"
+#define MXFP4X_ISA_NAME_AMX "amx"
 static const char *const mxfp4x_isa_names[MXFP4X_ISA_COUNT] = {
     [MXFP4X_ISA_SCALAR] = MXFP4X_ISA_NAME_SCALAR,
     [MXFP4X_ISA_AVX2] = MXFP4X_ISA_NAME_AVX2,
     [MXFP4X_ISA_AVX512] = MXFP4X_ISA_NAME_AVX512,
     [MXFP4X_ISA_NEON] = MXFP4X_ISA_NAME_NEON,
+    [MXFP4X_ISA_AMX] = MXFP4X_ISA_NAME_AMX,
 };
 
 /* The name of ISA `isa` (an MXFP4X_ISA_* value), NULL outside the enum. */
@@ -176,6 +179,19 @@ MXFP4X_ALIGN64 static const union {
 static const uint8_t mxfp4x_e2m1_scaled_b3[256][16] = MXFP4X_SC_ALL_OF(MXFP4X_SC_B3);
 static const uint8_t mxfp4x_e2m1_scaled_b2[256][16] = MXFP4X_SC_ALL_OF(MXFP4X_SC_B2);
 
+/* The same values as bfloat16 bits (the top half of each: the low 16 bits are zero), for
+ * the AMX decode (amx.h): a bfloat16 exactly where the float32 is normal; s = 0 and 1
+ * give bf16 subnormals, which tdpbf16ps would read as zero (amx.h sends those groups to
+ * its exact path). */
+#define MXFP4X_SC_BF16(s, c) ((uint16_t)(MXFP4X_SC_BITS(s, c) >> 16))
+MXFP4X_ALIGN64 static const uint16_t mxfp4x_e2m1_scaled_bf16[256][16] =
+    MXFP4X_SC_ALL_OF(MXFP4X_SC_BF16);
+/* amx.h's conditions for tdpbf16ps to see no subnormal: scale bytes of groups with a
+ * nonzero code >= 69 (nonzero weights >= 2^-59) and nonzero finite latents >= 2^-60
+ * (bf16 exponent field >= 67). */
+#define MXFP4X_AMX_MIN_SCALE 69
+#define MXFP4X_AMX_MIN_LATENT_EXP 67
+
 /* The arrangement of a group's nibbles (see the top of this file). */
 enum {
     MXFP4X_NIBBLES_PAIRS = 0,  /* byte j: elements 2j (low), 2j+1 (high): gpt-oss */
@@ -278,6 +294,18 @@ typedef void (*mxfp4x_dense_bf16_fn)(const uint16_t *w, int64_t row_stride, int6
                                      int64_t x_stride, int64_t n_tok, float *out,
                                      int64_t out_stride);
 
+/* bfloat16 latents on a bf16 dot-product unit (amx.h): gather n pairs' latents (token
+ * rows src[i] of x, bf16 bits) into the unit's blocks at dst (n * d_in elements, 64 bytes
+ * of slack after), flagging in unsafe[i] a token the unit could not take exactly; then
+ * out[t * out_stride + r - row_start] = W[r] . x_t for the gathered tokens. */
+typedef void (*mxfp4x_bf16_gather_fn)(const uint16_t *x, int64_t x_stride, const int64_t *src,
+                                      int64_t n, int64_t n_groups, int nibbles, uint16_t *dst,
+                                      uint8_t *unsafe);
+typedef void (*mxfp4x_bf16_rows_fn)(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                                    const uint16_t *xt, const uint8_t *unsafe, int64_t n_tok,
+                                    float *out, int64_t out_stride, void *scratch);
+typedef int64_t (*mxfp4x_bf16_scratch_fn)(int64_t n_groups);
+
 /* The driver uses gemv for experts with at most gemv_max_tokens tokens in a call (a
  * per-ISA crossover, measured: see each ISA's header), and decode + panel_dot above it
  * (where the panel's store and reload pay off). */
@@ -297,6 +325,11 @@ typedef struct {
     mxfp4x_axpy_rows_f32_fn axpy_rows_f32;
     mxfp4x_fma_loop_fn fma_loop;          /* roofline only */
     mxfp4x_dense_bf16_fn dense_bf16;      /* dense bf16 rows x float32 tokens */
+    /* bf16 latents of a float32 forward call (NULL: converted to float32 for gemv_f32 /
+     * panel_dot_f32): the gather of an expert's tokens and the rows' product (amx.h) */
+    mxfp4x_bf16_gather_fn bf16_gather;
+    mxfp4x_bf16_rows_fn bf16_rows;
+    mxfp4x_bf16_scratch_fn bf16_scratch_bytes;
 } mxfp4x_kernels;
 
 /* Where natural element i of a row sits in a kernel layout of half-size `half` for

@@ -44,13 +44,14 @@ from transformers.quantizers.auto import (
 from transformers.utils import logging
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .. import _dense
 from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import GROUP, GROUP_BYTES, accumulation_dtype
 from .._quantize import SCALE_RULES, quantize
 from ..models.gpt_oss import gpt_oss_experts
 
 __all__ = ["from_pretrained", "Mxfp4xConfig", "Mxfp4xHfQuantizer", "GptOssMxfp4Experts",
-           "Mxfp4xQuantize", "mxfp4x_experts_forward"]
+           "Mxfp4xQuantize", "mxfp4x_experts_forward", "DenseLinear", "use_dense_kernels"]
 
 _LOG = logging.get_logger(__name__)
 QUANT_METHOD = "mxfp4x"
@@ -72,6 +73,9 @@ class Mxfp4xConfig(QuantizationConfigMixin):
     ``"floor"``, OCP MX v1.0; ``"ceil"``; ``"even"``).
     ``modules_to_not_convert``: modules left as they are (name patterns, as transformers
     takes them); kept from an MXFP4 checkpoint's config and written back.
+    ``dense_kernels``: the model's bfloat16 ``nn.Linear`` layers (attention projections,
+    the head) run on mxfp4x's dense kernel at up to 4 tokens (decode; see
+    :class:`DenseLinear`); ``False`` leaves them to torch.
 
     An MXFP4 checkpoint's config is written back (``to_dict``, hence ``config.json``) as
     the checkpoint format, ``quant_method: "mxfp4"``: the bytes saved are the released
@@ -79,13 +83,15 @@ class Mxfp4xConfig(QuantizationConfigMixin):
     """
 
     def __init__(self, modules_to_not_convert: Optional[list] = None,
-                 num_threads: Optional[int] = None, scale_rule: str = "floor", **kwargs):
+                 num_threads: Optional[int] = None, scale_rule: str = "floor",
+                 dense_kernels: bool = True, **kwargs):
         if scale_rule not in SCALE_RULES:
             raise ValueError(f"scale_rule: expected one of {SCALE_RULES}, got {scale_rule!r}")
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]  # not in their enum
         self.modules_to_not_convert = modules_to_not_convert
         self.num_threads = num_threads
         self.scale_rule = scale_rule
+        self.dense_kernels = bool(dense_kernels)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"quant_method": _FILE_FORMAT,
@@ -280,6 +286,35 @@ def mxfp4x_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
 ALL_EXPERTS_FUNCTIONS.register(QUANT_METHOD, mxfp4x_experts_forward)
 
 
+class DenseLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose forward, for bfloat16 weights at up to 4 tokens on CPU
+    without autograd, runs mxfp4x's dense kernel (``mxfp4x._dense.linear``: the weight
+    widened to float32 exactly, float32 products and sums, the bias added in float32,
+    one rounding; torch's bf16 matrix-vector product reads the weight at about half the
+    memory's rate).  Anything else is ``F.linear``.  Modules become this class in place
+    (:func:`use_dense_kernels`): same parameters, same state dict."""
+
+    _mxfp4x_threads: Optional[int] = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _dense.takes(input, self.weight):
+            return _dense.linear(input, self.weight, self.bias,
+                                 num_threads=self._mxfp4x_threads)
+        return torch.nn.functional.linear(input, self.weight, self.bias)
+
+
+def use_dense_kernels(model: torch.nn.Module, num_threads: Optional[int] = None) -> int:
+    """Every plain ``nn.Linear`` of ``model`` with a bfloat16 weight becomes a
+    :class:`DenseLinear` in place; returns how many."""
+    n = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16:
+            module.__class__ = DenseLinear
+            module._mxfp4x_threads = num_threads  # type: ignore[assignment]
+            n += 1
+    return n
+
+
 class Mxfp4xHfQuantizer(HfQuantizer):
     """transformers' quantizer of the ``"mxfp4x"`` method.
 
@@ -322,6 +357,11 @@ class Mxfp4xHfQuantizer(HfQuantizer):
         for name, module, _ in found:
             _swap_to_mxfp4(name, module)
             module._mxfp4x_threads = self.quantization_config.num_threads
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.quantization_config.dense_kernels:
+            use_dense_kernels(model, self.quantization_config.num_threads)
         return model
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
@@ -373,7 +413,9 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
 
     ``kwargs`` go to transformers' ``from_pretrained`` (``dtype``/``torch_dtype``,
     ``revision``, ``config``, ...); ``num_threads`` (or ``quantization_config=
-    Mxfp4xConfig(num_threads=...)``) sets the threads of each experts call.
+    Mxfp4xConfig(num_threads=...)``) sets the threads of each experts call.  The model's
+    bfloat16 linear layers run on mxfp4x's dense kernel at a few tokens
+    (``Mxfp4xConfig(dense_kernels=False)``: torch's).
     """
     qc = kwargs.pop("quantization_config", None)
     if qc is not None and not isinstance(qc, Mxfp4xConfig):
@@ -388,7 +430,8 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
     if found is None:  # dense experts: quantized at load
         dense = Mxfp4xConfig(num_threads=threads,
                              scale_rule=getattr(qc, "scale_rule", "floor"),
-                             modules_to_not_convert=getattr(qc, "modules_to_not_convert", None))
+                             modules_to_not_convert=getattr(qc, "modules_to_not_convert", None),
+                             dense_kernels=getattr(qc, "dense_kernels", True))
         return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args,
                                                     config=config, quantization_config=dense,
                                                     **kwargs)
@@ -402,6 +445,7 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
             else getattr(found, "modules_to_not_convert", None))
     # a dict, as config.json holds it: transformers dispatches on its quant_method
     config.quantization_config = {"quant_method": QUANT_METHOD, "num_threads": threads,
-                                  "modules_to_not_convert": skip}
+                                  "modules_to_not_convert": skip,
+                                  "dense_kernels": getattr(qc, "dense_kernels", True)}
     return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args,
                                                 config=config, **kwargs)

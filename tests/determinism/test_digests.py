@@ -58,6 +58,9 @@ def _cases():
         blocks = torch.from_numpy(gguf_blocks_of(packed.numpy(), scales.numpy()))
         cases[f"gguf-float32-T{n_tokens}"] = (
             lambda isa, a=(x, blocks, None, *rest): mxfp4x.mxfp4_experts(*a, isa=isa))
+        x16 = x.bfloat16()
+        cases[f"gguf-bfloat16-T{n_tokens}"] = (
+            lambda isa, a=(x16, blocks, None, *rest): mxfp4x.mxfp4_experts(*a, isa=isa))
     return cases
 
 
@@ -104,6 +107,26 @@ EXPECTED = {
     ('avx2', 'gguf-float32-T300'): '43ff966920750b3d',
     ('scalar', 'gguf-float32-T1'): '8743ee025bddbe0b',
     ('scalar', 'gguf-float32-T300'): '5d4c230a97563d75',
+    ('amx', 'forward-bfloat16-T1'): 'f7ec011c493021ce',
+    ('amx', 'forward-bfloat16-T300'): '987dc10890ec8e71',
+    ('amx', 'forward-bfloat16-T5'): '7b8a286b5c0dcc32',
+    ('amx', 'forward-float32-T1'): '5f3af7db6e5dca33',
+    ('amx', 'forward-float32-T300'): 'd73c913aff9b7cd0',
+    ('amx', 'forward-float32-T5'): 'd091b47252258762',
+    ('amx', 'gguf-bfloat16-T1'): '57384b85a89c4294',
+    ('amx', 'gguf-bfloat16-T300'): '3020d4275c683c6f',
+    ('amx', 'gguf-float32-T1'): 'ecfb5938011ea21e',
+    ('amx', 'gguf-float32-T300'): 'ccf1d7e12eb8527c',
+    ('amx', 'list-form-float32'): '2fbcd28b2d0daa12',
+    ('amx', 'per-slot-latents-float32'): '0e9df274070dacce',
+    ('amx', 'slots-float32'): '8508eb5e77d2a8ef',
+    ('amx', 'transposed-float32'): 'dcbd9be4e84b3941',
+    ('avx2', 'gguf-bfloat16-T1'): '57384b85a89c4294',
+    ('avx2', 'gguf-bfloat16-T300'): '5a572d5387a7e228',
+    ('avx512', 'gguf-bfloat16-T1'): '57384b85a89c4294',
+    ('avx512', 'gguf-bfloat16-T300'): 'ef1f5e6e19dfef2e',
+    ('scalar', 'gguf-bfloat16-T1'): '57384b85a89c4294',
+    ('scalar', 'gguf-bfloat16-T300'): 'ef1f5e6e19dfef2e',
 }
 
 

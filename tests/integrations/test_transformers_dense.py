@@ -143,6 +143,51 @@ def test_bf16_model_runs_and_plain_transformers_takes_the_config(checkpoint):
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
 
 
+def test_bf16_linear_layers_run_on_the_dense_kernel(checkpoint):
+    """bf16 nn.Linear layers (attention, head) become DenseLinear: at a few tokens
+    without autograd mxfp4x's dense kernel, within bf16's rounding of torch's; off with
+    dense_kernels=False."""
+    _, path = checkpoint
+    fast = _quiet(mxt.from_pretrained, path, dtype=torch.bfloat16, num_threads=1)
+    linears = [m for m in fast.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is mxt.DenseLinear for m in linears)
+    plain = _quiet(mxt.from_pretrained, path, dtype=torch.bfloat16,
+                   quantization_config=mxt.Mxfp4xConfig(num_threads=1, dense_kernels=False))
+    assert not any(type(m) is mxt.DenseLinear for m in plain.modules())
+    assert fast.state_dict().keys() == plain.state_dict().keys()
+    with torch.no_grad():
+        tokens = _tokens()[:, :3]
+        a, b = fast(tokens).logits.float(), plain(tokens).logits.float()
+    # each bf16 rounding of the layers (activations, outputs) is within 2^-8 relative
+    assert (a - b).abs().max() <= 0.05 * b.abs().max(), (a - b).abs().max()
+
+
+def test_dense_linear_module(rng):
+    """DenseLinear against F.linear: the kernel's path within the bound (bias included),
+    torch's exactly under autograd or past 4 tokens; copies and pickles as nn.Linear."""
+    import copy
+    import pickle
+
+    from mxfp4x._reference import error_bound
+    lin = torch.nn.Linear(72, 40).to(torch.bfloat16)
+    assert mxt.use_dense_kernels(torch.nn.Sequential(lin)) == 1
+    assert type(lin) is mxt.DenseLinear
+    x = torch.from_numpy(rng.standard_normal((3, 72))).bfloat16()
+    with torch.no_grad():
+        got = lin(x).double().numpy()
+    w, bias = lin.weight.detach().double().numpy(), lin.bias.detach().double().numpy()
+    ref = x.double().numpy() @ w.T + bias
+    mag = abs(x.double().numpy()) @ abs(w).T + abs(bias)
+    assert (abs(got - ref) <= error_bound(mag, 73) + 2.0 ** -8 * abs(ref) + 1e-38).all()
+    y = lin(x)  # autograd on: torch's own
+    assert y.requires_grad and torch.equal(y, torch.nn.functional.linear(x, lin.weight, lin.bias))
+    with torch.no_grad():
+        many = x.repeat(2, 1)
+        assert torch.equal(lin(many), torch.nn.functional.linear(many, lin.weight, lin.bias))
+        for other in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+            assert type(other) is mxt.DenseLinear and torch.equal(other(x), lin(x))
+
+
 def test_scale_rule_and_modules_to_not_convert(checkpoint):
     _, path = checkpoint
     ceil = _quiet(mxt.from_pretrained, path, quantization_config=mxt.Mxfp4xConfig(

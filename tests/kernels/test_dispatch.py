@@ -119,6 +119,7 @@ def test_isa_per_call_from_concurrent_threads(rng):
     assert mxfp4x.backend_info()["isa"] == default
 
 
+_AMX = dict(avx512bw=True, amx_tile=True, amx_bf16=True, amx_granted=True)
 _AVX2_FACTS = dict(osxsave=True, avx=True, fma=True, avx2=True)
 
 
@@ -134,8 +135,17 @@ _AVX2_FACTS = dict(osxsave=True, avx=True, fma=True, avx2=True)
     (dict(_AVX2_FACTS, avx512f=True, xcr0=0x07, darwin_avx512=1), ["avx2", "avx512", "scalar"]),
     (dict(_AVX2_FACTS, avx512f=True, xcr0=0xE7, darwin_avx512=0), ["avx2", "scalar"]),
     (dict(_AVX2_FACTS, avx512f=False, xcr0=0x07, darwin_avx512=1), ["avx2", "scalar"]),
+    # AMX: the CPUID bits, XCR0's tile state and the process's grant, all needed
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0x600E7, **_AMX), ["amx", "avx2", "avx512", "scalar"]),
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0x600E7, **dict(_AMX, amx_granted=False)),
+     ["avx2", "avx512", "scalar"]),
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0xE7, **_AMX), ["avx2", "avx512", "scalar"]),
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0x600E7, **dict(_AMX, avx512bw=False)),
+     ["avx2", "avx512", "scalar"]),
+    (dict(_AVX2_FACTS, avx512f=False, xcr0=0x60007, **_AMX), ["avx2", "scalar"]),
 ], ids=["linux-avx512", "no-zmm-state", "no-avx-state", "no-osxsave", "no-fma",
-        "macos-lazy-avx512", "macos-no-avx512", "macos-cpu-without-avx512"])
+        "macos-lazy-avx512", "macos-no-avx512", "macos-cpu-without-avx512", "linux-amx",
+        "amx-not-granted", "no-tile-state", "amx-without-avx512bw", "amx-without-avx512"])
 def test_isa_decision(facts, expected):
     assert _probes.isa_decision(**facts) == expected
 

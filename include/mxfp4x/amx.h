@@ -1,0 +1,384 @@
+/* mxfp4x/amx.h -- bfloat16 latents on AMX (Intel Sapphire Rapids and later: AMX-TILE +
+ * AMX-BF16, with AVX-512 for the decode).  The "amx" ISA is the avx512 kernel table plus
+ * mxfp4x_amx_bf16_rows, which a float32-compute forward call with bfloat16 latents uses
+ * for every token, at any batch size (so a token's path never depends on its batch).
+ *
+ * The product: C (16 rows x 16 tokens, float32) += A (16 rows x 32 bf16: one group of 16
+ * decoded rows) . B (16 pairs x 16 tokens: the same group of 16 tokens, pairs of bf16 in
+ * one dword), one tdpbf16ps per group, C accumulated over every group of the row.
+ *
+ *   A: each group decoded to bf16 with its scale folded in: e2m1[c] * 2^(s - 127) has one
+ *      mantissa bit, so it is a bfloat16 exactly while it is a normal number (s >= 2);
+ *      element pair k of a row is (word 2k, word 2k + 1), the low and high nibble of byte
+ *      k (pairs arrangement: elements 2k and 2k + 1; GGUF halves: k and k + 16).
+ *   B: the latents of an expert's tokens gathered once per call (the driver), in blocks
+ *      of up to 16 tokens: block base + ((g * 16 + k) * nb + n) dwords holds pair k of
+ *      group g of token n (nb tokens in the block; the tile's other columns read
+ *      neighbouring data and are never stored: a column of C depends only on its column
+ *      of B).
+ *
+ * Exactness.  A bf16 latent times a scaled E2M1 value is exact in float32 (8 + 2
+ * significant bits); tdpbf16ps adds the products in float32 with round-to-nearest-even,
+ * but it treats subnormal inputs as zero and flushes subnormal results, whatever MXCSR
+ * says.  Neither can happen when every nonzero weight is at least 2^-59 (every nonzero
+ * code of the row's groups has s >= MXFP4X_AMX_MIN_SCALE) and every nonzero finite latent
+ * at least 2^-60 in magnitude: then every product, hence every partial sum, is a
+ * multiple of 2^-126, zero or normal.  A token outside that (the driver flags it) and a
+ * block of 16 rows outside it (checked while decoding) take the exact path instead:
+ * products and sums in float64, elements in natural order, rounded once -- the same for
+ * that token or row whatever the batch, so results stay batch-invariant.
+ *
+ * Order: what tdpbf16ps does inside one instruction is the hardware's (measured on a
+ * Xeon: the even-element and odd-element products of the 16 pairs summed as two
+ * sequential float32 chains, then added together and to C); it is the same for every
+ * (row, token) cell, whatever the tile's position, so results do not depend on the
+ * batch or the thread count (the suite checks both bit for bit). */
+#ifndef MXFP4X_AMX_H
+#define MXFP4X_AMX_H
+
+#include "mxfp4x.h"
+
+#if MXFP4X_HAVE_AMX
+#include <immintrin.h>
+
+#define MXFP4X_TARGET_AMX MXFP4X_TARGET("avx512f,avx512bw,avx2,fma,amx-tile,amx-bf16")
+#define MXFP4X_AMX_FN static MXFP4X_TARGET_AMX
+#define MXFP4X_AMX_INLINE static inline MXFP4X_TARGET_AMX MXFP4X_ALWAYS_INLINE
+
+/* Rows and tokens of one tile; row blocks of a task's rows decoded at once (the AMX
+ * entry's tile_rows: 4 x 16 = 64). */
+#define MXFP4X_AMX_ROWS 16
+#define MXFP4X_AMX_TOKENS 16
+#define MXFP4X_AMX_ROW_BLOCKS 4
+#define MXFP4X_AMX_TILE_ROWS (MXFP4X_AMX_ROW_BLOCKS * MXFP4X_AMX_ROWS)
+
+/* The palette-1 tile configuration (64 bytes, Intel SDM vol. 1, 3.2). */
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} mxfp4x_amx_config;
+
+/* tmm0..3: C of up to 4 token blocks; tmm4: A; tmm5..7: B.  Every tile 16 x 64 bytes. */
+MXFP4X_AMX_INLINE void mxfp4x_amx_configure(void) {
+    mxfp4x_amx_config cfg;
+    int i;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (i = 0; i < 8; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One group of one row: 16 bytes -> 32 bf16 words (word 2k: low nibble of byte k, word
+ * 2k + 1: its high nibble) of the scaled table of scale byte s, stored at dst. */
+MXFP4X_AMX_INLINE void mxfp4x_amx_decode_group(const uint8_t *b, uint8_t s, uint16_t *dst) {
+    const __m512i t = _mm512_castsi256_si512(
+        _mm256_load_si256((const __m256i *)mxfp4x_e2m1_scaled_bf16[s]));
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    /* (d | d << 12) & 0x000F000F: the low nibble in word 0, the high nibble in word 1 */
+    const __m512i idx =
+        _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000F000F),
+                                  0xA8);
+    _mm512_storeu_si512((void *)dst, _mm512_permutexvar_epi16(idx, t));
+}
+
+/* Whether a group needs the exact path: a nonzero magnitude code under a scale byte too
+ * small for tdpbf16ps (its value could be or become subnormal). */
+MXFP4X_AMX_INLINE int mxfp4x_amx_group_unsafe(const uint8_t *b, uint8_t s) {
+    if (s >= MXFP4X_AMX_MIN_SCALE) return 0;
+    return !_mm_testz_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8(0x77));
+}
+
+/* The exact path of one (row, token): float64 products and sums over the natural element
+ * order (the pair order of the B layout: pair k = element lo then hi of byte k). */
+static float mxfp4x_amx_exact_dot(const mxfp4x_rows *w, int64_t r, const uint16_t *xb,
+                                  int64_t nb, int64_t n) {
+    const uint8_t *b = w->blocks + r * w->row_stride_blocks;
+    const uint8_t *s = w->scales + r * w->row_stride_scales;
+    double acc = 0.0;
+    int64_t g;
+    int k;
+    for (g = 0; g < w->n_groups; g++) {
+        const uint8_t *q = b + g * w->group_stride_blocks;
+        const double sc = mxfp4x_e8m0_f64(s[g * w->group_stride_scales]);
+        for (k = 0; k < 16; k++) {
+            const uint16_t *p = xb + 2 * ((g * 16 + k) * nb + n);
+            acc += ((double)mxfp4x_e2m1_f32[q[k] & 0xF] * sc) * (double)mxfp4x_bf16_to_f32(p[0]);
+            acc += ((double)mxfp4x_e2m1_f32[q[k] >> 4] * sc) * (double)mxfp4x_bf16_to_f32(p[1]);
+        }
+    }
+    return (float)acc;
+}
+
+/* Groups [g0, g1) of rows [r, r + mr) (mr <= 16) decoded into panel[g - g0][16][32] (rows
+ * past mr zero); returns whether any of them needs the exact path. */
+MXFP4X_AMX_INLINE int mxfp4x_amx_decode_block(const mxfp4x_rows *w, int64_t r, int mr,
+                                              int64_t g0, int64_t g1, uint16_t *panel,
+                                              const uint8_t *next) {
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
+    int64_t g;
+    int m, unsafe = 0;
+    for (m = 0; m + 4 <= mr; m += 4) { /* 4 rows at a time: 4 streams from memory */
+        const uint8_t *b = w->blocks + (r + m) * w->row_stride_blocks;
+        const uint8_t *s = w->scales + (r + m) * w->row_stride_scales;
+        const int64_t sb = w->row_stride_blocks, ss = w->row_stride_scales;
+        uint16_t *p = panel + m * MXFP4X_GROUP;
+        if (next) { /* the same rows of the next chunk into L2, one line per 4 groups */
+            const uint8_t *nb = next + m * sb;
+            for (g = g0; g < g1; g += 4) MXFP4X_PREFETCH_ROWS_L2(nb + g * gb, sb);
+        }
+        for (g = g0; g < g1; g++) {
+            const uint8_t *q = b + g * gb;
+            const uint8_t *t = s + g * gs;
+            uint16_t *d = p + (g - g0) * MXFP4X_AMX_ROWS * MXFP4X_GROUP;
+            if (t[0] < MXFP4X_AMX_MIN_SCALE || t[ss] < MXFP4X_AMX_MIN_SCALE ||
+                t[2 * ss] < MXFP4X_AMX_MIN_SCALE || t[3 * ss] < MXFP4X_AMX_MIN_SCALE)
+                unsafe |= mxfp4x_amx_group_unsafe(q, t[0]) | mxfp4x_amx_group_unsafe(q + sb, t[ss]) |
+                          mxfp4x_amx_group_unsafe(q + 2 * sb, t[2 * ss]) |
+                          mxfp4x_amx_group_unsafe(q + 3 * sb, t[3 * ss]);
+            mxfp4x_amx_decode_group(q, t[0], d);
+            mxfp4x_amx_decode_group(q + sb, t[ss], d + MXFP4X_GROUP);
+            mxfp4x_amx_decode_group(q + 2 * sb, t[2 * ss], d + 2 * MXFP4X_GROUP);
+            mxfp4x_amx_decode_group(q + 3 * sb, t[3 * ss], d + 3 * MXFP4X_GROUP);
+        }
+    }
+    for (; m < mr; m++) {
+        const uint8_t *b = w->blocks + (r + m) * w->row_stride_blocks;
+        const uint8_t *s = w->scales + (r + m) * w->row_stride_scales;
+        for (g = g0; g < g1; g++) {
+            if (mxfp4x_amx_group_unsafe(b + g * gb, s[g * gs])) unsafe = 1;
+            mxfp4x_amx_decode_group(b + g * gb, s[g * gs],
+                                    panel + ((g - g0) * MXFP4X_AMX_ROWS + m) * MXFP4X_GROUP);
+        }
+    }
+    for (; m < MXFP4X_AMX_ROWS; m++)
+        for (g = g0; g < g1; g++)
+            memset(panel + ((g - g0) * MXFP4X_AMX_ROWS + m) * MXFP4X_GROUP, 0, MXFP4X_GROUP * 2);
+    return unsafe;
+}
+
+/* The C tiles of nrb row blocks x ntb token blocks (nrb * ntb <= 4: tmm0..3) over every
+ * group: A of row block i at a[i] + g * 512 (stride 64 bytes), B of token block j at
+ * xb[j] + g * 16 * strides[j] bytes; C (i, j) stored to c + (i * ntb + j) * 256 (16 x 16).
+ * Each C accumulates its groups in order, one tdpbf16ps per group, whatever the shape:
+ * the shapes only give the tile unit independent chains (one chain ran at ~100 cycles
+ * per group, measured).  A in tmm4 / tmm6, B in tmm5 / tmm7. */
+#define MXFP4X_AMX_A(T, I) _tile_loadd(T, a[I] + (g - ga) * 512, 64);
+#define MXFP4X_AMX_B(T, J) _tile_loadd(T, (const char *)xb[J] + g * 16 * strides[J], strides[J]);
+MXFP4X_AMX_INLINE void mxfp4x_amx_zero(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+MXFP4X_AMX_INLINE void mxfp4x_amx_store(float *c) {
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    _tile_stored(2, c + 512, 64);
+    _tile_stored(3, c + 768, 64);
+}
+
+/* Groups [g0, g1) into the C tiles: A of group g at a[i] + (g - ga) * 512. */
+MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int64_t ga, int nrb,
+                                        const uint16_t *const *xb, const int64_t *strides,
+                                        int ntb, int64_t g0, int64_t g1) {
+    int64_t g;
+    switch (nrb * 8 + ntb) {
+    case 4 * 8 + 1:
+        for (g = g0; g < g1; g++) {
+            MXFP4X_AMX_B(5, 0)
+            MXFP4X_AMX_A(4, 0) _tile_dpbf16ps(0, 4, 5);
+            MXFP4X_AMX_A(6, 1) _tile_dpbf16ps(1, 6, 5);
+            MXFP4X_AMX_A(4, 2) _tile_dpbf16ps(2, 4, 5);
+            MXFP4X_AMX_A(6, 3) _tile_dpbf16ps(3, 6, 5);
+        }
+        break;
+    case 3 * 8 + 1:
+        for (g = g0; g < g1; g++) {
+            MXFP4X_AMX_B(5, 0)
+            MXFP4X_AMX_A(4, 0) _tile_dpbf16ps(0, 4, 5);
+            MXFP4X_AMX_A(6, 1) _tile_dpbf16ps(1, 6, 5);
+            MXFP4X_AMX_A(4, 2) _tile_dpbf16ps(2, 4, 5);
+        }
+        break;
+    case 2 * 8 + 1:
+        for (g = g0; g < g1; g++) {
+            MXFP4X_AMX_B(5, 0)
+            MXFP4X_AMX_A(4, 0) _tile_dpbf16ps(0, 4, 5);
+            MXFP4X_AMX_A(6, 1) _tile_dpbf16ps(1, 6, 5);
+        }
+        break;
+    case 2 * 8 + 2:
+        for (g = g0; g < g1; g++) {
+            MXFP4X_AMX_A(4, 0) MXFP4X_AMX_B(5, 0) MXFP4X_AMX_B(7, 1)
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 7);
+            MXFP4X_AMX_A(6, 1)
+            _tile_dpbf16ps(2, 6, 5);
+            _tile_dpbf16ps(3, 6, 7);
+        }
+        break;
+    case 1 * 8 + 4:
+        for (g = g0; g < g1; g++) {
+            MXFP4X_AMX_A(4, 0)
+            MXFP4X_AMX_B(5, 0) _tile_dpbf16ps(0, 4, 5);
+            MXFP4X_AMX_B(7, 1) _tile_dpbf16ps(1, 4, 7);
+            MXFP4X_AMX_B(5, 2) _tile_dpbf16ps(2, 4, 5);
+            MXFP4X_AMX_B(7, 3) _tile_dpbf16ps(3, 4, 7);
+        }
+        break;
+    case 1 * 8 + 3:
+        for (g = g0; g < g1; g++) {
+            MXFP4X_AMX_A(4, 0)
+            MXFP4X_AMX_B(5, 0) _tile_dpbf16ps(0, 4, 5);
+            MXFP4X_AMX_B(7, 1) _tile_dpbf16ps(1, 4, 7);
+            MXFP4X_AMX_B(5, 2) _tile_dpbf16ps(2, 4, 5);
+        }
+        break;
+    case 1 * 8 + 2:
+        for (g = g0; g < g1; g++) {
+            MXFP4X_AMX_A(4, 0)
+            MXFP4X_AMX_B(5, 0) _tile_dpbf16ps(0, 4, 5);
+            MXFP4X_AMX_B(7, 1) _tile_dpbf16ps(1, 4, 7);
+        }
+        break;
+    default: /* 1 x 1 */
+        for (g = g0; g < g1; g++) {
+            MXFP4X_AMX_A(4, 0) MXFP4X_AMX_B(5, 0) _tile_dpbf16ps(0, 4, 5);
+        }
+        break;
+    }
+}
+
+/* Scratch (bytes) of mxfp4x_amx_bf16_rows for n_groups groups: the 16-row bf16 panel and
+ * the C tiles. */
+static int64_t mxfp4x_amx_scratch_bytes(int64_t n_groups) {
+    return MXFP4X_AMX_ROW_BLOCKS * n_groups * MXFP4X_AMX_ROWS * MXFP4X_GROUP * 2 +
+           4 * 256 * 4 + 64;
+}
+
+/* out[t * out_stride + r - row_start] = W[r] . x_t for r in [row_start, row_end), t <
+ * n_tok: x_t's pairs in the B blocks from xt (block b at xt + 16 b d_in elements),
+ * unsafe[t] nonzero for a token on the exact path.  row_start a multiple of 16 apart
+ * from the rows' own origin (the driver's tiles are), so the 16-row blocks, hence each
+ * row's path, do not depend on the split.  `scratch`: mxfp4x_amx_scratch_bytes(G).
+ * The rows go in chunks of up to 4 blocks of 16, decoded once into the panel; the tokens
+ * in blocks of 16, 4 C tiles at a time: 4 row blocks x 1 token block for a few tokens,
+ * 2 x 2, then 1 x 4. */
+MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
+                                        int64_t row_end, const uint16_t *xt,
+                                        const uint8_t *unsafe, int64_t n_tok, float *out,
+                                        int64_t out_stride, void *scratch) {
+    const int64_t G = w->n_groups, d_in = G * MXFP4X_GROUP;
+    const int64_t blk_elems = G * MXFP4X_AMX_ROWS * MXFP4X_GROUP;
+    uint16_t *panel = (uint16_t *)scratch;
+    float *c = (float *)(panel + MXFP4X_AMX_ROW_BLOCKS * blk_elems);
+    const uint16_t *xb[4], *a[4];
+    int64_t strides[4], nb[4], tb[4], r, r0, t0, t;
+    int exact[MXFP4X_AMX_ROW_BLOCKS], mrs[MXFP4X_AMX_ROW_BLOCKS];
+    int any_unsafe = 0, n_rb, rb, i, j, nrb, ntb, rstep, tstep, m, n;
+    const int n_tb = (int)((n_tok + MXFP4X_AMX_TOKENS - 1) / MXFP4X_AMX_TOKENS);
+    for (t = 0; t < n_tok; t++) any_unsafe |= unsafe[t];
+    /* the shape of the C tiles: row blocks x token blocks */
+    rstep = n_tb >= 3 ? 1 : n_tb == 2 ? 2 : 4;
+    tstep = 4 / rstep;
+    mxfp4x_amx_configure();
+    for (r0 = row_start; r0 < row_end; r0 += MXFP4X_AMX_TILE_ROWS) {
+        n_rb = 0;
+        for (r = r0; r < row_end && n_rb < MXFP4X_AMX_ROW_BLOCKS; r += MXFP4X_AMX_ROWS) {
+            mrs[n_rb] = row_end - r < MXFP4X_AMX_ROWS ? (int)(row_end - r) : MXFP4X_AMX_ROWS;
+            exact[n_rb] = 0;
+            n_rb++;
+        }
+        for (i = 0; i < n_rb; i++) {
+            const int64_t rn = r0 + (i + MXFP4X_AMX_ROW_BLOCKS) * MXFP4X_AMX_ROWS;
+            exact[i] = mxfp4x_amx_decode_block(
+                w, r0 + i * MXFP4X_AMX_ROWS, mrs[i], 0, G, panel + i * blk_elems,
+                rn + MXFP4X_AMX_ROWS <= row_end ? w->blocks + rn * w->row_stride_blocks : NULL);
+        }
+        for (rb = 0; rb < n_rb; rb += rstep) {
+            nrb = n_rb - rb < rstep ? n_rb - rb : rstep;
+            for (t0 = 0; t0 < n_tb; t0 += tstep) {
+                ntb = n_tb - t0 < tstep ? (int)(n_tb - t0) : tstep;
+                for (i = 0; i < nrb; i++) a[i] = panel + (rb + i) * blk_elems;
+                for (j = 0; j < ntb; j++) {
+                    tb[j] = (t0 + j) * MXFP4X_AMX_TOKENS;
+                    nb[j] = n_tok - tb[j] < MXFP4X_AMX_TOKENS ? n_tok - tb[j] : MXFP4X_AMX_TOKENS;
+                    xb[j] = xt + tb[j] * d_in;
+                    strides[j] = nb[j] * 4;
+                }
+                mxfp4x_amx_zero();
+                mxfp4x_amx_tiles(a, 0, nrb, xb, strides, ntb, 0, G);
+                mxfp4x_amx_store(c);
+                for (i = 0; i < nrb; i++) {
+                    const int64_t rr = r0 + (int64_t)(rb + i) * MXFP4X_AMX_ROWS;
+                    const float *ci;
+                    for (j = 0; j < ntb; j++) {
+                        ci = c + (i * ntb + j) * 256;
+                        for (n = 0; n < nb[j]; n++) {
+                            float *o = out + (tb[j] + n) * out_stride + (rr - row_start);
+                            if (exact[rb + i] || (any_unsafe && unsafe[tb[j] + n])) {
+                                for (m = 0; m < mrs[rb + i]; m++)
+                                    o[m] = mxfp4x_amx_exact_dot(w, rr + m, xb[j], nb[j], n);
+                            } else {
+                                for (m = 0; m < mrs[rb + i]; m++) o[m] = ci[m * 16 + n];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* Gather the latents of n pairs (token rows src[0..n) of x, natural order, bf16 bits,
+ * row stride x_stride elements) into B blocks at dst (n * d_in elements), in the element
+ * order of arrangement `nibbles`; unsafe[i] = whether token i needs the exact path
+ * (a nonzero finite latent under 2^-60 in magnitude: bf16 exponent field 1..66, or a
+ * subnormal). */
+static void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const int64_t *src,
+                              int64_t n, int64_t n_groups, int nibbles, uint16_t *dst,
+                              uint8_t *unsafe) {
+    const int64_t d_in = n_groups * MXFP4X_GROUP;
+    int64_t i, g, tb;
+    int k;
+    for (i = 0; i < n; i++) {
+        const uint16_t *row = x + src[i] * x_stride;
+        uint8_t u = 0;
+        int64_t j;
+        for (j = 0; j < d_in; j++) {
+            const unsigned e = (row[j] >> 7) & 0xFFu;
+            if (e < MXFP4X_AMX_MIN_LATENT_EXP && (row[j] & 0x7FFFu)) u = 1;
+        }
+        unsafe[i] = u;
+    }
+    for (tb = 0; tb < n; tb += MXFP4X_AMX_TOKENS) {
+        const int64_t nb = n - tb < MXFP4X_AMX_TOKENS ? n - tb : MXFP4X_AMX_TOKENS;
+        uint16_t *blk = dst + tb * d_in;
+        for (i = 0; i < nb; i++) {
+            const uint16_t *row = x + src[tb + i] * x_stride;
+            for (g = 0; g < n_groups; g++) {
+                const uint16_t *xg = row + g * MXFP4X_GROUP;
+                for (k = 0; k < 16; k++) {
+                    uint16_t *p = blk + 2 * ((g * 16 + k) * nb + i);
+                    if (nibbles == MXFP4X_NIBBLES_HALVES) {
+                        p[0] = xg[k];
+                        p[1] = xg[k + 16];
+                    } else {
+                        p[0] = xg[2 * k];
+                        p[1] = xg[2 * k + 1];
+                    }
+                }
+            }
+        }
+    }
+}
+
+#endif /* MXFP4X_HAVE_AMX */
+#endif /* MXFP4X_AMX_H */

@@ -1,0 +1,119 @@
+"""The "amx" ISA: bfloat16 latents on AMX tiles (include/mxfp4x/amx.h).
+
+Every token of a bf16 call takes the tiles at any batch size; a token with a nonzero
+latent under 2^-60 and a block of 16 rows with a nonzero code under a scale byte < 69
+take the float64 exact path instead.  Checked against the float64 reference within the
+documented bound, bit for bit across batches (the tile shapes change at 16, 32 and 48
+tokens), threads and token positions, on both arrangements.  Skipped where the CPU (or
+the OS) cannot run AMX."""
+import numpy as np
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x import _cpu
+from mxfp4x._reference import error_bound, mxfp4_experts_reference
+from mxfp4x.testing.layers import gguf_blocks_of
+from mxfp4x.testing.layers import random_layer as _random_layer
+
+pytestmark = pytest.mark.skipif("amx" not in _cpu.runnable_isas(),
+                                reason="this CPU or OS cannot run AMX")
+
+
+def random_layer(*a, **k):
+    return tuple(_random_layer(*a, **k).values())
+
+
+def _check(args, got, d_in):
+    x, packed, scales, sel, mix, shared = args
+    x, mix, shared = (t.double().numpy() for t in (x, mix, shared))
+    ref = mxfp4_experts_reference(x, packed.numpy(), scales.numpy(), sel.numpy(), mix, shared)
+    mag = mxfp4_experts_reference(abs(x), packed.numpy(), scales.numpy(), sel.numpy(),
+                                  abs(mix), abs(shared), absolute=True)
+    bound = error_bound(mag, d_in + sel.shape[1] + 1, reference=ref, out="bfloat16")
+    got = got.double().numpy()
+    # where a term passes float32's range (scale bytes 253, 254), the kernels overflow as
+    # every float32 path does: only NaN in the reference is held there
+    finite = mag < 2.0 ** 127
+    assert np.isnan(got[np.isnan(ref)]).all()
+    err = np.abs(got - ref)[finite]
+    assert (err <= bound[finite]).all(), (err.max(), bound[finite].min())
+
+
+@pytest.mark.parametrize("n_tokens", [1, 15, 17, 33, 70])
+@pytest.mark.parametrize("form", ["safetensors", "gguf"])
+def test_against_the_reference(rng, n_tokens, form):
+    args = random_layer(rng, n_tokens, 3, 5, 37, 3, dtype=torch.bfloat16)
+    x, packed, scales, *rest = args
+    if form == "gguf":
+        blocks = torch.from_numpy(gguf_blocks_of(packed.numpy(), scales.numpy()))
+        got = mxfp4x.mxfp4_experts(x, blocks, None, *rest, isa="amx")
+    else:
+        got = mxfp4x.mxfp4_experts(*args, isa="amx")
+    assert got.dtype == torch.bfloat16
+    _check(args, got, 96)
+    # beside avx512's float32 FMAs: within the bound of both, a few bf16 ulps apart at most
+    other = mxfp4x.mxfp4_experts(x, packed, scales, *rest, isa="avx512").double()
+    assert ((got.double() - other).abs() <= 2.0 ** -7 * other.abs() + 1e-30).all()
+
+
+def test_bit_identical_across_batches_threads_and_positions(rng):
+    """Every token alone, in slices that cross the token blocks (16) and the tile shapes
+    (4 x 1, 2 x 2, 1 x 4 C tiles), reversed, and on 1, 2 and 3 threads: the same bits."""
+    args = random_layer(rng, 70, 4, 3, 131, 5, dtype=torch.bfloat16)
+    x, packed, scales, sel, mix, shared = args
+    full = mxfp4x.mxfp4_experts(*args, isa="amx", num_threads=2)
+    for n in (1, 3):
+        assert torch.equal(mxfp4x.mxfp4_experts(*args, isa="amx", num_threads=n), full)
+    for t0, t1 in ((0, 1), (5, 6), (69, 70), (0, 16), (3, 20), (10, 43), (7, 70)):
+        part = mxfp4x.mxfp4_experts(x[t0:t1], packed, scales, sel[t0:t1], mix[t0:t1],
+                                    shared[t0:t1], isa="amx")
+        assert torch.equal(part, full[t0:t1]), (t0, t1)
+    rev = torch.arange(69, -1, -1)
+    back = mxfp4x.mxfp4_experts(x[rev], packed, scales, sel[rev], mix[rev], shared[rev],
+                                isa="amx")
+    assert torch.equal(back, full[rev])
+
+
+def test_exact_path_for_tiny_latents_and_small_scales(rng):
+    """Tokens with bf16 subnormals or latents under 2^-60, rows whose scale bytes are 0, 1,
+    68 run the float64 exact path (255: NaN on either path): within the bound, nothing
+    flushed, and the same bits alone as in a batch."""
+    args = random_layer(rng, 40, 3, 4, 50, 4, dtype=torch.bfloat16)
+    x, packed, scales, sel, mix, shared = args
+    x = x.clone()
+    x[3, 5] = 2.0 ** -130       # a bf16 subnormal
+    x[7] = x[7] * 2.0 ** -118   # every latent tiny: products under 2^-126
+    x[11, :] = 2.0 ** -61
+    scales = scales.clone()
+    scales[0, 2, 1] = 0         # 2^-127 under nonzero codes
+    scales[1, 17, 0] = 1
+    scales[2, 33, 3] = 68
+    scales[3, 49, 2] = 160      # large, in range
+    scales[3, 20, 1] = 255
+    packed = packed.clone()
+    packed[0, 2, 1] = 0x13      # nonzero codes where the scale is 0
+    args = (x, packed, scales, sel, mix, shared)
+    # the tiny tokens alone (their outputs scaled up to where the bound is not all noise)
+    got = mxfp4x.mxfp4_experts(*args, isa="amx")
+    _check(args, got, 128)
+    for t in (3, 7, 11, 12):
+        one = mxfp4x.mxfp4_experts(x[t:t + 1], packed, scales, sel[t:t + 1], mix[t:t + 1],
+                                   shared[t:t + 1], isa="amx")
+        assert torch.equal(one.view(torch.int16), got[t:t + 1].view(torch.int16)), t
+    # a tiny token's own dot products (no shared output to hide them): not flushed
+    tiny = x[7:8]
+    dots = mxfp4x.mxfp4_experts_slots(tiny, packed, scales, sel[7:8], isa="amx").double()
+    ref = mxfp4x.mxfp4_experts_slots(tiny.double(), packed, scales, sel[7:8]).double()
+    ok = ref.isfinite()
+    assert (ref[ok] != 0).all() and (dots[ok] != 0).all()
+    assert ((dots - ref).abs()[ok] <= 2.0 ** -8 * ref.abs()[ok]).all()
+    assert torch.equal(dots.isnan(), ref.isnan())
+
+
+def test_float32_latents_run_avx512s_kernels(rng):
+    """Only bf16 latents take the tiles: float32 and float16 give avx512's bits."""
+    for dtype in (torch.float32, torch.float16):
+        args = random_layer(rng, 20, 2, 3, 40, 3, dtype=dtype)
+        assert torch.equal(mxfp4x.mxfp4_experts(*args, isa="amx"),
+                           mxfp4x.mxfp4_experts(*args, isa="avx512"))
