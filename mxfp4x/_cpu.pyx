@@ -830,10 +830,10 @@ cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
         w.scratch = <char *>xmalloc(n_threads * w.per_thread)
         # forward: the latents in the kernel layout (bf16 unit: every pair's latents
         # gathered, 64 bytes of slack for the tile loads); transposed: dx in it (zeroed)
-        if w.bf16:
-            layout_buf = xmalloc(n_pairs * d_in * 2 + n_pairs + 128)
-            w.xt = <const uint16_t *>layout_buf
-            w.unsafe = (<const uint8_t *>layout_buf) + n_pairs * d_in * 2 + 64
+        if w.bf16:  # 64-byte aligned: full tile rows are whole cache lines
+            layout_buf = xmalloc(n_pairs * d_in * 2 + n_pairs + 192)
+            w.xt = <const uint16_t *>((<uintptr_t>layout_buf + 63) & ~(<uintptr_t>63))
+            w.unsafe = (<const uint8_t *>w.xt) + n_pairs * d_in * 2 + 64
         else:
             layout_buf = xmalloc(n_x_rows * d_in * <int64_t>sizeof(real), not forward)
         if forward:

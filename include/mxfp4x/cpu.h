@@ -72,12 +72,17 @@ static int mxfp4x_darwin_avx512(void) { return -1; }
 #endif
 
 #if MXFP4X_HAVE_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-/* Ask Linux for the AMX tile data state (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA
- * = 18): once per process, for every thread; 1 when granted. */
+/* Ask Linux for the AMX tile data state: arch_prctl (x86-64 system call 158) with
+ * ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18, once per process, for every
+ * thread; 1 when granted.  The system call itself, so no libc feature macro decides
+ * whether syscall() is declared. */
 static int mxfp4x_amx_request(void) {
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    long ret;
+    __asm__ __volatile__("syscall"
+                         : "=a"(ret)
+                         : "a"(158L), "D"(0x1023L), "S"(18L)
+                         : "rcx", "r11", "memory");
+    return ret == 0;
 }
 #else
 static int mxfp4x_amx_request(void) { return 0; }

@@ -117,3 +117,35 @@ def test_float32_latents_run_avx512s_kernels(rng):
         args = random_layer(rng, 20, 2, 3, 40, 3, dtype=dtype)
         assert torch.equal(mxfp4x.mxfp4_experts(*args, isa="amx"),
                            mxfp4x.mxfp4_experts(*args, isa="avx512"))
+
+
+def test_tiles_and_exact_path_agree_where_the_sums_are_exact(rng):
+    """Small-integer latents and weights at scale 1: every partial sum is exact in float32,
+    so the tiles, the float64 exact path (the same token scaled by 2^-118, whose products
+    tdpbf16ps would flush) and the reference all give the same bits."""
+    n_tok, d_out, n_groups = 21, 40, 3
+    x = torch.from_numpy(rng.integers(-8, 9, (n_tok, 32 * n_groups)).astype(np.float32))
+    x = x.bfloat16()
+    packed = torch.from_numpy(rng.integers(0, 256, (2, d_out, n_groups, 16), dtype=np.uint8))
+    scales = torch.full((2, d_out, n_groups), 127, dtype=torch.uint8)
+    sel = torch.from_numpy(rng.integers(0, 2, (n_tok, 1)))
+    tiles = mxfp4x.mxfp4_experts_slots(x, packed, scales, sel, isa="amx")
+    exact = mxfp4x.mxfp4_experts_slots(x * 2.0 ** -118, packed, scales, sel, isa="amx")
+    ref = mxfp4x.mxfp4_experts_slots(x.double(), packed, scales, sel)
+    assert (ref.abs() < 2.0 ** 24).all() and (ref != 0).any()
+    assert torch.equal(tiles, ref.bfloat16())
+    assert torch.equal(exact, (ref * 2.0 ** -118).bfloat16())
+
+
+def test_per_slot_latents(rng):
+    """One latent row per (token, slot), as gpt-oss's down projection takes them."""
+    x, packed, scales, sel, mix, shared = random_layer(rng, 19, 3, 4, 45, 3,
+                                                       dtype=torch.bfloat16)
+    per_slot = torch.from_numpy(rng.standard_normal((19, 3, 96))).bfloat16()
+    got = mxfp4x.mxfp4_experts(per_slot, packed, scales, sel, mix, shared, isa="amx")
+    other = mxfp4x.mxfp4_experts(per_slot, packed, scales, sel, mix, shared,
+                                 isa="avx512").double()
+    assert ((got.double() - other).abs() <= 2.0 ** -7 * other.abs() + 1e-30).all()
+    one = mxfp4x.mxfp4_experts(per_slot[4:5], packed, scales, sel[4:5], mix[4:5],
+                               shared[4:5], isa="amx")
+    assert torch.equal(one, got[4:5])
