@@ -24,6 +24,16 @@ def random_layer(*a, **k):
     return tuple(_random_layer(*a, **k).values())
 
 
+def _near(got, other, x, packed, scales, sel, mix, shared):
+    """Two results of the same call, each within the documented bound of the reference:
+    within twice that bound of each other."""
+    mag = mxfp4x.mxfp4_experts(x.double().abs(), packed & 0x77, scales, sel,
+                               mix.double().abs(), shared.double().abs()).numpy()
+    other = other.double().numpy()
+    bound = error_bound(mag, x.shape[-1] + sel.shape[1] + 1, reference=other, out="bfloat16")
+    assert (np.abs(got.double().numpy() - other) <= 2 * bound).all()
+
+
 def _check(args, got, d_in):
     x, packed, scales, sel, mix, shared = args
     x, mix, shared = (t.double().numpy() for t in (x, mix, shared))
@@ -52,9 +62,9 @@ def test_against_the_reference(rng, n_tokens, form):
         got = mxfp4x.mxfp4_experts(*args, isa="amx")
     assert got.dtype == torch.bfloat16
     _check(args, got, 96)
-    # beside avx512's float32 FMAs: within the bound of both, a few bf16 ulps apart at most
-    other = mxfp4x.mxfp4_experts(x, packed, scales, *rest, isa="avx512").double()
-    assert ((got.double() - other).abs() <= 2.0 ** -7 * other.abs() + 1e-30).all()
+    # beside avx512's float32 FMAs (safetensors form)
+    other = mxfp4x.mxfp4_experts(x, packed, scales, *rest, isa="avx512")
+    _near(got, other, x, packed, scales, *rest)
 
 
 def test_bit_identical_across_batches_threads_and_positions(rng):
@@ -105,8 +115,9 @@ def test_exact_path_for_tiny_latents_and_small_scales(rng):
     tiny = x[7:8]
     dots = mxfp4x.mxfp4_experts_slots(tiny, packed, scales, sel[7:8], isa="amx").double()
     ref = mxfp4x.mxfp4_experts_slots(tiny.double(), packed, scales, sel[7:8]).double()
-    ok = ref.isfinite()
-    assert (ref[ok] != 0).all() and (dots[ok] != 0).all()
+    # where the result is a normal bf16 (a dot product can cancel to below that, rarely)
+    ok = ref.isfinite() & (ref.abs() >= 2.0 ** -126)
+    assert ok.sum() >= ref.isfinite().sum() - 3 and (dots[ok] != 0).all()
     assert ((dots - ref).abs()[ok] <= 2.0 ** -8 * ref.abs()[ok]).all()
     assert torch.equal(dots.isnan(), ref.isnan())
 
@@ -143,9 +154,8 @@ def test_per_slot_latents(rng):
                                                        dtype=torch.bfloat16)
     per_slot = torch.from_numpy(rng.standard_normal((19, 3, 96))).bfloat16()
     got = mxfp4x.mxfp4_experts(per_slot, packed, scales, sel, mix, shared, isa="amx")
-    other = mxfp4x.mxfp4_experts(per_slot, packed, scales, sel, mix, shared,
-                                 isa="avx512").double()
-    assert ((got.double() - other).abs() <= 2.0 ** -7 * other.abs() + 1e-30).all()
+    other = mxfp4x.mxfp4_experts(per_slot, packed, scales, sel, mix, shared, isa="avx512")
+    _near(got, other, per_slot, packed, scales, sel, mix, shared)
     one = mxfp4x.mxfp4_experts(per_slot[4:5], packed, scales, sel[4:5], mix[4:5],
                                shared[4:5], isa="amx")
     assert torch.equal(one, got[4:5])
