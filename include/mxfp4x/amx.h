@@ -23,8 +23,8 @@
  * says.  Neither can happen when every nonzero weight is at least 2^-59 (every nonzero
  * code of the row's groups has s >= MXFP4X_AMX_MIN_SCALE) and every nonzero finite latent
  * at least 2^-60 in magnitude: then every product, hence every partial sum, is a
- * multiple of 2^-126, zero or normal.  A token outside that (the driver flags it) and a
- * block of 16 rows outside it (checked while decoding) take the exact path instead:
+ * multiple of 2^-126, zero or normal.  A token outside that (flagged by the gather) and
+ * a block of 16 rows outside it (a scan of its scale bytes) take the exact path instead:
  * products and sums in float64, elements in natural order, rounded once -- the same for
  * that token or row whatever the batch, so results stay batch-invariant.
  *
@@ -142,10 +142,9 @@ MXFP4X_AMX_INLINE int mxfp4x_amx_rows_unsafe(const mxfp4x_rows *w, int64_t r, in
 }
 
 /* Groups [g0, g1) of rows [r, r + mr) (mr <= 16) decoded into panel[g - g0][16][32] (rows
- * past mr zero); `ahead`: bytes past a row's chunk to prefetch (the next chunk), or 0. */
+ * past mr zero). */
 MXFP4X_AMX_INLINE void mxfp4x_amx_decode_block(const mxfp4x_rows *w, int64_t r, int mr,
-                                               int64_t g0, int64_t g1, uint16_t *panel,
-                                               int64_t ahead) {
+                                               int64_t g0, int64_t g1, uint16_t *panel) {
     const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t g;
     int m;
@@ -153,10 +152,6 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_decode_block(const mxfp4x_rows *w, int64_t r, 
         const uint8_t *b = w->blocks + (r + m) * w->row_stride_blocks + g0 * gb;
         const uint8_t *s = w->scales + (r + m) * w->row_stride_scales + g0 * gs;
         uint16_t *d = panel + m * MXFP4X_GROUP;
-        if (ahead) {
-            MXFP4X_PREFETCH(b + ahead);
-            MXFP4X_PREFETCH(b + ahead + (g1 - g0) * gb - 1);
-        }
         for (g = 0; g < g1 - g0; g++)
             mxfp4x_amx_decode_group(b + g * gb, s[g * gs],
                                     d + g * MXFP4X_AMX_ROWS * MXFP4X_GROUP);
@@ -311,7 +306,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
         }
         for (i = 0; i < n_rb; i++)
             mxfp4x_amx_decode_block(w, r0 + i * MXFP4X_AMX_ROWS, mrs[i], 0, G,
-                                    panel + i * blk_elems, 0);
+                                    panel + i * blk_elems);
         for (rb = 0; rb < n_rb; rb += rstep) {
             nrb = n_rb - rb < rstep ? n_rb - rb : rstep;
             for (t0 = 0; t0 < n_tb; t0 += tstep) {
@@ -350,43 +345,40 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
 
 /* Gather the latents of n pairs (token rows src[0..n) of x, natural order, bf16 bits,
  * row stride x_stride elements) into B blocks at dst (n * d_in elements), in the element
- * order of arrangement `nibbles`; unsafe[i] = whether token i needs the exact path
- * (a nonzero finite latent under 2^-60 in magnitude: bf16 exponent field 1..66, or a
- * subnormal). */
-static void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const int64_t *src,
-                              int64_t n, int64_t n_groups, int nibbles, uint16_t *dst,
-                              uint8_t *unsafe) {
+ * order of arrangement `nibbles`; unsafe[i] = whether token i needs the exact path (a
+ * nonzero finite latent under 2^-60 in magnitude: |bits| in 1 .. 0x217F, bf16 exponent
+ * field under 67, subnormals included).  Per token and group: one 64-byte load, the
+ * check, (GGUF halves: one vpermw into pairs) and a scatter of its 16 pairs at stride
+ * nb dwords. */
+MXFP4X_AMX_FN void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const int64_t *src,
+                                     int64_t n, int64_t n_groups, int nibbles, uint16_t *dst,
+                                     uint8_t *unsafe) {
     const int64_t d_in = n_groups * MXFP4X_GROUP;
-    int64_t i, g, tb;
-    int k;
-    for (i = 0; i < n; i++) {
-        const uint16_t *row = x + src[i] * x_stride;
-        uint8_t u = 0;
-        int64_t j;
-        for (j = 0; j < d_in; j++) {
-            const unsigned e = (row[j] >> 7) & 0xFFu;
-            if (e < MXFP4X_AMX_MIN_LATENT_EXP && (row[j] & 0x7FFFu)) u = 1;
-        }
-        unsafe[i] = u;
-    }
+    const __m512i mag = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
+    const __m512i lim = _mm512_set1_epi16((short)((MXFP4X_AMX_MIN_LATENT_EXP << 7) - 1));
+    /* halves: pair k = (element k, element k + 16) */
+    const __m512i halves = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                            9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                            17, 1, 16, 0);
+    int64_t tb, i, g;
     for (tb = 0; tb < n; tb += MXFP4X_AMX_TOKENS) {
         const int64_t nb = n - tb < MXFP4X_AMX_TOKENS ? n - tb : MXFP4X_AMX_TOKENS;
+        const __m512i vidx = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32((int)nb));
         uint16_t *blk = dst + tb * d_in;
         for (i = 0; i < nb; i++) {
             const uint16_t *row = x + src[tb + i] * x_stride;
+            __mmask32 bad = 0;
             for (g = 0; g < n_groups; g++) {
-                const uint16_t *xg = row + g * MXFP4X_GROUP;
-                for (k = 0; k < 16; k++) {
-                    uint16_t *p = blk + 2 * ((g * 16 + k) * nb + i);
-                    if (nibbles == MXFP4X_NIBBLES_HALVES) {
-                        p[0] = xg[k];
-                        p[1] = xg[k + 16];
-                    } else {
-                        p[0] = xg[2 * k];
-                        p[1] = xg[2 * k + 1];
-                    }
-                }
+                __m512i v = _mm512_loadu_si512((const void *)(row + g * MXFP4X_GROUP));
+                /* |bits| - 1 < limit - 1, unsigned: nonzero and under the limit */
+                bad |= _mm512_cmplt_epu16_mask(
+                    _mm512_sub_epi16(_mm512_and_si512(v, mag), one), lim);
+                if (nibbles == MXFP4X_NIBBLES_HALVES) v = _mm512_permutexvar_epi16(halves, v);
+                _mm512_i32scatter_epi32((void *)(blk + 2 * (g * 16 * nb + i)), vidx, v, 4);
             }
+            unsafe[tb + i] = bad != 0;
         }
     }
 }
