@@ -175,6 +175,12 @@ cdef const c.mxfp4x_kernels *kernels_of(isa) except NULL:
     return c.mxfp4x_kernel_at(_default if isa is None else _resolve(isa, "isa"))
 
 
+def has_bf16_unit(isa=None):
+    """Whether a float32 call with bf16 latents on ``isa`` (None: the default) runs them
+    on a bf16 dot-product unit, which gathers every pair's latents (amx.h)."""
+    return kernels_of(isa).bf16_rows != NULL
+
+
 def build_info():
     """How this extension was compiled: the flags and what the compiler's own
     predefined macros say about fast-math and global ISA flags.  ``emulated`` names the

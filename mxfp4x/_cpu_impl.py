@@ -207,8 +207,8 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
     item = 8 if compute == torch.float64 else 4
     per_token = item * (k_in * ex.n_groups * 32 + (k_out * ex.d_out if compute != x.dtype
                                                    else 0)) + top_k * _pair_bytes(item)
-    if x.dtype == torch.bfloat16:  # a bf16 unit's gather holds every pair's latents
-        per_token += top_k * ex.n_groups * 32 * 2
+    if x.dtype == torch.bfloat16 and _cpu.has_bf16_unit(isa):
+        per_token += top_k * ex.n_groups * 32 * 2  # the unit's gather: every pair's latents
     for t0, t1 in _chunks(n_tokens, per_token):
         part = result[t0 * k_out:t1 * k_out]
         out = part if compute == x.dtype else torch.empty(part.shape, dtype=compute)

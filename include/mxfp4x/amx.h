@@ -141,24 +141,22 @@ MXFP4X_AMX_INLINE int mxfp4x_amx_rows_unsafe(const mxfp4x_rows *w, int64_t r, in
     return 0;
 }
 
-/* Groups [g0, g1) of rows [r, r + mr) (mr <= 16) decoded into panel[g - g0][16][32] (rows
- * past mr zero). */
+/* Rows [r, r + mr) (mr <= 16) decoded into panel[g][16][32] (rows past mr zero). */
 MXFP4X_AMX_INLINE void mxfp4x_amx_decode_block(const mxfp4x_rows *w, int64_t r, int mr,
-                                               int64_t g0, int64_t g1, uint16_t *panel) {
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
+                                               uint16_t *panel) {
+    const int64_t G = w->n_groups, gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t g;
     int m;
     for (m = 0; m < mr; m++) {
-        const uint8_t *b = w->blocks + (r + m) * w->row_stride_blocks + g0 * gb;
-        const uint8_t *s = w->scales + (r + m) * w->row_stride_scales + g0 * gs;
+        const uint8_t *b = w->blocks + (r + m) * w->row_stride_blocks;
+        const uint8_t *s = w->scales + (r + m) * w->row_stride_scales;
         uint16_t *d = panel + m * MXFP4X_GROUP;
-        for (g = 0; g < g1 - g0; g++)
-            mxfp4x_amx_decode_group(b + g * gb, s[g * gs],
-                                    d + g * MXFP4X_AMX_ROWS * MXFP4X_GROUP);
+        for (g = 0; g < G; g++)
+            mxfp4x_amx_decode_group(b + g * gb, s[g * gs], d + g * MXFP4X_AMX_ROWS * MXFP4X_GROUP);
     }
     for (; m < MXFP4X_AMX_ROWS; m++)
-        for (g = g0; g < g1; g++)
-            memset(panel + ((g - g0) * MXFP4X_AMX_ROWS + m) * MXFP4X_GROUP, 0, MXFP4X_GROUP * 2);
+        for (g = 0; g < G; g++)
+            memset(panel + (g * MXFP4X_AMX_ROWS + m) * MXFP4X_GROUP, 0, MXFP4X_GROUP * 2);
 }
 
 /* The C tiles of nrb row blocks x ntb token blocks (nrb * ntb <= 4: tmm0..3) over every
@@ -167,7 +165,7 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_decode_block(const mxfp4x_rows *w, int64_t r, 
  * Each C accumulates its groups in order, one tdpbf16ps per group, whatever the shape:
  * the shapes only give the tile unit independent chains (one chain ran at ~100 cycles
  * per group, measured).  A in tmm4 / tmm6, B in tmm5 / tmm7. */
-#define MXFP4X_AMX_A(T, I) _tile_loadd(T, a[I] + (g - ga) * 512, 64);
+#define MXFP4X_AMX_A(T, I) _tile_loadd(T, a[I] + g * 512, 64);
 #define MXFP4X_AMX_B(T, J) _tile_loadd(T, (const char *)xb[J] + g * 16 * strides[J], strides[J]);
 MXFP4X_AMX_INLINE void mxfp4x_amx_zero(void) {
     _tile_zero(0);
@@ -183,14 +181,13 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_store(float *c) {
     _tile_stored(3, c + 768, 64);
 }
 
-/* Groups [g0, g1) into the C tiles: A of group g at a[i] + (g - ga) * 512. */
-MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int64_t ga, int nrb,
+MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int nrb,
                                         const uint16_t *const *xb, const int64_t *strides,
-                                        int ntb, int64_t g0, int64_t g1) {
+                                        int ntb, int64_t G) {
     int64_t g;
     switch (nrb * 8 + ntb) {
     case 4 * 8 + 1:
-        for (g = g0; g < g1; g++) {
+        for (g = 0; g < G; g++) {
             MXFP4X_AMX_B(5, 0)
             MXFP4X_AMX_A(4, 0) _tile_dpbf16ps(0, 4, 5);
             MXFP4X_AMX_A(6, 1) _tile_dpbf16ps(1, 6, 5);
@@ -199,7 +196,7 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int64_t ga, in
         }
         break;
     case 3 * 8 + 1:
-        for (g = g0; g < g1; g++) {
+        for (g = 0; g < G; g++) {
             MXFP4X_AMX_B(5, 0)
             MXFP4X_AMX_A(4, 0) _tile_dpbf16ps(0, 4, 5);
             MXFP4X_AMX_A(6, 1) _tile_dpbf16ps(1, 6, 5);
@@ -207,14 +204,14 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int64_t ga, in
         }
         break;
     case 2 * 8 + 1:
-        for (g = g0; g < g1; g++) {
+        for (g = 0; g < G; g++) {
             MXFP4X_AMX_B(5, 0)
             MXFP4X_AMX_A(4, 0) _tile_dpbf16ps(0, 4, 5);
             MXFP4X_AMX_A(6, 1) _tile_dpbf16ps(1, 6, 5);
         }
         break;
     case 2 * 8 + 2:
-        for (g = g0; g < g1; g++) {
+        for (g = 0; g < G; g++) {
             MXFP4X_AMX_A(4, 0) MXFP4X_AMX_B(5, 0) MXFP4X_AMX_B(7, 1)
             _tile_dpbf16ps(0, 4, 5);
             _tile_dpbf16ps(1, 4, 7);
@@ -224,7 +221,7 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int64_t ga, in
         }
         break;
     case 1 * 8 + 4:
-        for (g = g0; g < g1; g++) {
+        for (g = 0; g < G; g++) {
             MXFP4X_AMX_A(4, 0)
             MXFP4X_AMX_B(5, 0) _tile_dpbf16ps(0, 4, 5);
             MXFP4X_AMX_B(7, 1) _tile_dpbf16ps(1, 4, 7);
@@ -233,7 +230,7 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int64_t ga, in
         }
         break;
     case 1 * 8 + 3:
-        for (g = g0; g < g1; g++) {
+        for (g = 0; g < G; g++) {
             MXFP4X_AMX_A(4, 0)
             MXFP4X_AMX_B(5, 0) _tile_dpbf16ps(0, 4, 5);
             MXFP4X_AMX_B(7, 1) _tile_dpbf16ps(1, 4, 7);
@@ -241,14 +238,14 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int64_t ga, in
         }
         break;
     case 1 * 8 + 2:
-        for (g = g0; g < g1; g++) {
+        for (g = 0; g < G; g++) {
             MXFP4X_AMX_A(4, 0)
             MXFP4X_AMX_B(5, 0) _tile_dpbf16ps(0, 4, 5);
             MXFP4X_AMX_B(7, 1) _tile_dpbf16ps(1, 4, 7);
         }
         break;
     default: /* 1 x 1 */
-        for (g = g0; g < g1; g++) {
+        for (g = 0; g < G; g++) {
             MXFP4X_AMX_A(4, 0) MXFP4X_AMX_B(5, 0) _tile_dpbf16ps(0, 4, 5);
         }
         break;
@@ -288,11 +285,10 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
     uint16_t *panel = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *c = (float *)(panel + mxfp4x_amx_panel_elems(G));
     const uint16_t *xb[4], *a[4];
-    int64_t strides[4], nb[4], tb[4], r, r0, t0, t;
+    int64_t strides[4], nb[4], tb[4], r, r0, t0;
     int exact[MXFP4X_AMX_ROW_BLOCKS], mrs[MXFP4X_AMX_ROW_BLOCKS];
-    int any_unsafe = 0, n_rb, rb, i, j, nrb, ntb, rstep, tstep, m, n;
+    int n_rb, rb, i, j, nrb, ntb, rstep, tstep, m, n;
     const int n_tb = (int)((n_tok + MXFP4X_AMX_TOKENS - 1) / MXFP4X_AMX_TOKENS);
-    for (t = 0; t < n_tok; t++) any_unsafe |= unsafe[t];
     /* the shape of the C tiles: row blocks x token blocks */
     rstep = n_tb >= 3 ? 1 : n_tb == 2 ? 2 : 4;
     tstep = 4 / rstep;
@@ -305,8 +301,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
             n_rb++;
         }
         for (i = 0; i < n_rb; i++)
-            mxfp4x_amx_decode_block(w, r0 + i * MXFP4X_AMX_ROWS, mrs[i], 0, G,
-                                    panel + i * blk_elems);
+            mxfp4x_amx_decode_block(w, r0 + i * MXFP4X_AMX_ROWS, mrs[i], panel + i * blk_elems);
         for (rb = 0; rb < n_rb; rb += rstep) {
             nrb = n_rb - rb < rstep ? n_rb - rb : rstep;
             for (t0 = 0; t0 < n_tb; t0 += tstep) {
@@ -319,7 +314,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
                     strides[j] = nb[j] * 4;
                 }
                 mxfp4x_amx_zero();
-                mxfp4x_amx_tiles(a, 0, nrb, xb, strides, ntb, 0, G);
+                mxfp4x_amx_tiles(a, nrb, xb, strides, ntb, G);
                 mxfp4x_amx_store(c);
                 for (i = 0; i < nrb; i++) {
                     const int64_t rr = r0 + (int64_t)(rb + i) * MXFP4X_AMX_ROWS;
@@ -328,7 +323,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
                         ci = c + (i * ntb + j) * 256;
                         for (n = 0; n < nb[j]; n++) {
                             float *o = out + (tb[j] + n) * out_stride + (rr - row_start);
-                            if (exact[rb + i] || (any_unsafe && unsafe[tb[j] + n])) {
+                            if (exact[rb + i] || unsafe[tb[j] + n]) {
                                 for (m = 0; m < mrs[rb + i]; m++)
                                     o[m] = mxfp4x_amx_exact_dot(w, rr + m, xb[j], nb[j], n);
                             } else {
