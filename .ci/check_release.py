@@ -60,7 +60,8 @@ def clean_venv_tests(wheel):
         if out.returncode != 0:
             # the failing test's name, its short traceback and the seed, whatever their length
             head = "\n".join(line for line in out.stdout.splitlines()[:8] if "seed=" in line)
-            failed = [line for line in out.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+            failed = [line for line in out.stdout.splitlines()
+                      if line.startswith(("FAILED", "ERROR"))]
             sys.exit("tests against the wheel in a clean venv failed:\n" + head + "\n"
                      + "\n".join(failed) + "\n" + out.stdout[-6000:] + "\n" + out.stderr[-2000:])
         print("clean venv: the test suite passes against the installed wheel")

@@ -10,6 +10,9 @@
  *   ./kernel_bench gemv_gguf ISA ROWS TOKENS GROUPS [E]  the same on GGUF block_mxfp4
  *                                                    blocks (17 bytes per group, in place)
  *
+ * gemv passes each call the next call's first rows as the driver does (mxfp4x_rows's
+ * prefetch hint); KB_NO_HINT=1 in the environment leaves it out.
+ *
  * Prints the best of several runs: time, GFLOP/s and, for gemv, ns and GB/s per
  * row-group (16 packed bytes + 1 scale byte). */
 #define _POSIX_C_SOURCE 200809L
@@ -93,11 +96,15 @@ int main(int argc, char **argv) {
             const double t0 = now();
             for (r0 = 0; r0 < rows; r0 += 48)
                 for (e = 0; e < experts; e++) {
-                    const mxfp4x_rows w =
+                    mxfp4x_rows w =
                         gguf ? mxfp4x_rows_gguf(blocks + e * rows * row_bytes, row_bytes, groups)
                              : mxfp4x_rows_split(blocks + e * rows * row_bytes,
                                                  scales + e * rows * groups, row_bytes, groups,
                                                  groups);
+                    if (e + 1 < experts && !getenv("KB_NO_HINT")) { /* the next call's rows */
+                        w.next_blocks = w.blocks + rows * row_bytes + r0 * row_bytes;
+                        w.next_scales = gguf ? NULL : w.scales + rows * groups + r0 * groups;
+                    }
                     k->gemv_f32(&w, r0, r0 + 48 < rows ? r0 + 48 : rows, x, d_in, x_rows, tokens,
                                 out, 48);
                 }

@@ -92,15 +92,14 @@ MXFP4X_AVX2_FN void mxfp4x_gemv1_f32_avx2(const mxfp4x_rows *w, int64_t row_star
     for (; r + 4 <= row_end; r += 4) {
         const uint8_t *b0 = w->blocks + r * sb;
         const uint8_t *s0 = w->scales + r * ss;
-        /* the next 4-row block of this call, fetched one line per row every 4 groups
-         * (the hardware prefetcher loses track of 4 interleaved short streams) */
-        const uint8_t *nb = r + 8 <= row_end ? b0 + 4 * sb : b0;
+        /* the next 4-row block (or the next call's first) into L2: mxfp4x.h (the
+         * hardware prefetcher loses track of 4 interleaved short streams) */
+        mxfp4x_pf_cursor pf = mxfp4x_pf_next_block(w, r, 4, row_end);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        if (r + 8 <= row_end) MXFP4X_PREFETCH_ROWS(s0 + 4 * ss, ss);
         for (g = 0; g < G; g++) {
             const float *xg = x + g * MXFP4X_GROUP;
             const int64_t ob = g * gb, os = g * gs;
-            if ((g & 3) == 0) MXFP4X_PREFETCH_ROWS(nb + ob, sb);
+            MXFP4X_PF_STEP(pf, g);
             mxfp4x_decode_group_avx2(b0 + ob, s0[os], &t, wv);
             a0 = mxfp4x_fma_group_avx2(wv, xg, a0);
             mxfp4x_decode_group_avx2(b0 + sb + ob, s0[ss + os], &t, wv);
@@ -143,20 +142,13 @@ MXFP4X_AVX2_INLINE void mxfp4x_gemv_tokens_avx2(const mxfp4x_rows *w, int64_t ro
         const int mr = r + 1 < row_end ? 2 : 1;
         const uint8_t *b = w->blocks + r * sb;
         const uint8_t *s = w->scales + r * ss;
-        const int prefetch = r + 2 * mr <= row_end;
+        mxfp4x_pf_cursor pf = mxfp4x_pf_next_block(w, r, 2, row_end);
         __m256 a[2][4];
-        if (prefetch) {
-            MXFP4X_PREFETCH(s + 2 * ss);
-            MXFP4X_PREFETCH(s + 3 * ss);
-        }
         for (i = 0; i < 2; i++)
             for (c = 0; c < 4; c++) a[i][c] = _mm256_setzero_ps();
         for (g = 0; g < G; g++) {
             const int64_t ob = g * gb;
-            if ((g & 3) == 0 && prefetch) {
-                MXFP4X_PREFETCH(b + 2 * sb + ob);
-                MXFP4X_PREFETCH(b + 3 * sb + ob);
-            }
+            MXFP4X_PF_STEP(pf, g);
             for (i = 0; i < mr; i++) {
                 mxfp4x_decode_group_avx2(b + i * sb + ob, s[i * ss + g * gs], &t, wv);
                 for (c = 0; c < 4; c++)
@@ -394,6 +386,9 @@ MXFP4X_AVX2_INLINE void mxfp4x_dense_block_avx2(const uint16_t *w, int64_t rs, i
     for (i = 0; i < mr; i++)
         for (c = 0; c < nt; c++) a[i][c] = _mm256_setzero_ps();
     for (k = 0; k < body; k += 8) {
+        if (!(k & 31)) /* one line per row, MXFP4X_DENSE_PREFETCH bytes ahead (config.h) */
+            for (i = 0; i < mr; i++)
+                MXFP4X_PREFETCH_L2((const char *)(w + i * rs + k) + MXFP4X_DENSE_PREFETCH);
         for (c = 0; c < nt; c++) xv[c] = _mm256_loadu_ps(x + c * xs + k);
         for (i = 0; i < mr; i++) {
             wv = mxfp4x_bf16x8_avx2(w + i * rs + k);

@@ -59,28 +59,19 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
                                               int64_t row_end, const float *x, float *out) {
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
     const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    /* The next rows' packed bytes into L2 (T1) when the scales are a stream of their own:
-     * streaming from DRAM (benchmarks/kernel_bench.c, 40 experts, one thread, Zen 4) T1
-     * took a row-group from 1.9-2.2 to 1.6-1.9 ns; with GGUF blocks (one stream) it was
-     * 10 % slower than T0, which they keep. */
-    const int l2 = gs == 1;
     int64_t r = row_start, g;
     __m512 lo, hi;
     for (; r + 4 <= row_end; r += 4) {
         const uint8_t *b0 = w->blocks + r * sb;
         const uint8_t *s0 = w->scales + r * ss;
-        /* the next 4-row block of this call, one line per row every 4 groups */
-        const uint8_t *nb = r + 8 <= row_end ? b0 + 4 * sb : b0;
+        /* the next 4-row block (or the next call's first) into L2: mxfp4x.h */
+        mxfp4x_pf_cursor pf = mxfp4x_pf_next_block(w, r, 4, row_end);
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        if (r + 8 <= row_end) MXFP4X_PREFETCH_ROWS(s0 + 4 * ss, ss);
         for (g = 0; g < G; g++) {
             const __m512 xe = _mm512_loadu_ps(x + g * MXFP4X_GROUP);
             const __m512 xo = _mm512_loadu_ps(x + g * MXFP4X_GROUP + 16);
             const int64_t ob = g * gb, os = g * gs;
-            if ((g & 3) == 0) {
-                if (l2) MXFP4X_PREFETCH_ROWS_L2(nb + ob, sb);
-                else MXFP4X_PREFETCH_ROWS(nb + ob, sb);
-            }
+            MXFP4X_PF_STEP(pf, g);
             mxfp4x_decode_group_avx512(b0 + ob, s0[os], &lo, &hi);
             a0 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a0));
             mxfp4x_decode_group_avx512(b0 + sb + ob, s0[ss + os], &lo, &hi);
@@ -126,13 +117,13 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
  * 64 tokens, 1 thread): the panel size does not matter within L2; 384 KiB keeps it in
  * any L2 of 1 MiB or more. */
 #define MXFP4X_AVX512_PANEL_BYTES (384 * 1024)
-/* One block of mr <= 4 rows (from row r) x nt <= 4 tokens over every group; `next`: the
- * next block's first row, prefetched one line per row every 4 groups (NULL: none). */
+/* One block of mr <= 4 rows (from row r) x nt <= 4 tokens over every group, the next
+ * block of the call's rows (up to row_end) or the next call's prefetched meanwhile. */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, int64_t r,
                                                           const float *const *xs, int mr,
                                                           int nt, float *out,
                                                           int64_t out_stride,
-                                                          const uint8_t *next) {
+                                                          int64_t row_end) {
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
     const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     const uint8_t *b[4], *sc[4];
@@ -144,11 +135,11 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
         sc[i] = w->scales + (r + i) * ss;
         for (c = 0; c < nt; c++) a[i][c] = _mm512_setzero_ps();
     }
-    if (next) MXFP4X_PREFETCH_ROWS(sc[0] + 4 * ss, ss);
+    mxfp4x_pf_cursor pf = mxfp4x_pf_next_block(w, r, 4, row_end);
     for (g = 0; g < G; g++) {
         const int64_t ob = g * gb, os = g * gs;
         __m512 xe[MXFP4X_AVX512_NT], xo[MXFP4X_AVX512_NT];
-        if ((g & 3) == 0 && next) MXFP4X_PREFETCH_ROWS(next + ob, sb);
+        MXFP4X_PF_STEP(pf, g);
         for (c = 0; c < nt; c++) {
             xe[c] = _mm512_loadu_ps(xs[c] + g * MXFP4X_GROUP);
             xo[c] = _mm512_loadu_ps(xs[c] + g * MXFP4X_GROUP + 16);
@@ -170,8 +161,8 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
 #define MXFP4X_AVX512_GEMV_FULL(N)                                                         \
     MXFP4X_AVX512_NOINLINE void mxfp4x_gemv_full##N##_avx512(                             \
         const mxfp4x_rows *w, int64_t r, const float *const *xs, float *out,              \
-        int64_t out_stride, const uint8_t *next) {                                        \
-        mxfp4x_gemv_block_avx512(w, r, xs, 4, N, out, out_stride, next);                  \
+        int64_t out_stride, int64_t row_end) {                                            \
+        mxfp4x_gemv_block_avx512(w, r, xs, 4, N, out, out_stride, row_end);               \
     }
 MXFP4X_AVX512_GEMV_FULL(2)
 MXFP4X_AVX512_GEMV_FULL(3)
@@ -179,7 +170,7 @@ MXFP4X_AVX512_GEMV_FULL(4)
 
 #define MXFP4X_AVX512_GEMV_EDGE(M, N)                                                      \
     case (M) * 8 + (N):                                                                    \
-        mxfp4x_gemv_block_avx512(w, r, xs, M, N, o, out_stride, NULL);                     \
+        mxfp4x_gemv_block_avx512(w, r, xs, M, N, o, out_stride, row_end);                  \
         break;
 
 /* One token: gemv1 (4 rows interleaved, the next rows prefetched); more: blocks of up to
@@ -205,12 +196,10 @@ MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_s
         for (r = row_start; r < row_end; r += 4) {
             float *o = out + t * out_stride + (r - row_start);
             const int mr = row_end - r < 4 ? (int)(row_end - r) : 4;
-            const uint8_t *next =
-                r + 8 <= row_end ? w->blocks + (r + 4) * w->row_stride_blocks : NULL;
             if (mr == 4) {
-                if (nt == 4) mxfp4x_gemv_full4_avx512(w, r, xs, o, out_stride, next);
-                else if (nt == 3) mxfp4x_gemv_full3_avx512(w, r, xs, o, out_stride, next);
-                else mxfp4x_gemv_full2_avx512(w, r, xs, o, out_stride, next);
+                if (nt == 4) mxfp4x_gemv_full4_avx512(w, r, xs, o, out_stride, row_end);
+                else if (nt == 3) mxfp4x_gemv_full3_avx512(w, r, xs, o, out_stride, row_end);
+                else mxfp4x_gemv_full2_avx512(w, r, xs, o, out_stride, row_end);
                 continue;
             }
             switch (mr * 8 + nt) { /* the last rows of the range */
@@ -412,6 +401,9 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
     for (i = 0; i < mr; i++)
         for (c = 0; c < nt; c++) a[i][c] = _mm512_setzero_ps();
     for (k = 0; k < body; k += 16) {
+        if (!(k & 31)) /* one line per row, MXFP4X_DENSE_PREFETCH bytes ahead (config.h) */
+            for (i = 0; i < mr; i++)
+                MXFP4X_PREFETCH_L2((const char *)(w + i * rs + k) + MXFP4X_DENSE_PREFETCH);
         for (c = 0; c < nt; c++) xv[c] = _mm512_loadu_ps(x + c * xs + k);
         for (i = 0; i < mr; i++) {
             wv = mxfp4x_bf16x16_avx512(w + i * rs + k);

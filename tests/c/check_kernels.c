@@ -271,7 +271,7 @@ static void run_mv_case(const mxfp4x_kernels *k, int case_no, int nibbles, mv_re
     float *out_panel = xcalloc(n_tok * out_stride, sizeof(float));
     float *panel = xcalloc(n_out * d_in, sizeof(float));
     float *scratch = xcalloc((size_t)k->panel_scratch_floats(n_out) + 1, sizeof(float));
-    mxfp4x_rows rows;
+    mxfp4x_rows rows, hinted;
     int64_t r, t, i;
     const int64_t mid = row_start + n_out / 2 + (n_out > 2 ? 1 : 0);
 
@@ -320,9 +320,13 @@ static void run_mv_case(const mxfp4x_kernels *k, int case_no, int nibbles, mv_re
     for (t = 0; t < n_tok; t++)
         k->gemv_f32(&rows, row_start, row_end, x, x_stride, x_rows + t, 1,
                     out_one + t * out_stride, out_stride);
-    k->gemv_f32(&rows, row_start, mid, x, x_stride, x_rows, n_tok, out_split, out_stride);
-    k->gemv_f32(&rows, mid, row_end, x, x_stride, x_rows, n_tok, out_split + (mid - row_start),
-                out_stride);
+    /* ... each with a prefetch hint (mxfp4x_rows.next_*), which must change no bit */
+    hinted = rows;
+    hinted.next_blocks = rows.blocks + (n_rows - 1) * sb;
+    hinted.next_scales = rows.scales + (n_rows - 1) * ss;
+    k->gemv_f32(&hinted, row_start, mid, x, x_stride, x_rows, n_tok, out_split, out_stride);
+    k->gemv_f32(&hinted, mid, row_end, x, x_stride, x_rows, n_tok,
+                out_split + (mid - row_start), out_stride);
     /* decode + panel_dot */
     k->decode_f32(&rows, row_start, row_end, panel);
     k->panel_dot_f32(panel, n_out, G, x, x_stride, x_rows, n_tok, out_panel, out_stride,
