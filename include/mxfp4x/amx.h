@@ -32,7 +32,9 @@
  * Xeon: the even-element and odd-element products of the 16 pairs summed as two
  * sequential float32 chains, then added together and to C); it is the same for every
  * (row, token) cell, whatever the tile's position, so results do not depend on the
- * batch or the thread count (the suite checks both bit for bit). */
+ * batch or the thread count (the suite checks both bit for bit).  Up to
+ * MXFP4X_AMX_GEMV_MAX_TOKENS tokens a register gemv replays that arithmetic with FMAs
+ * (mxfp4x_amx_gemv below): the same bits without the tiles. */
 #ifndef MXFP4X_AMX_H
 #define MXFP4X_AMX_H
 
@@ -41,7 +43,7 @@
 #if MXFP4X_HAVE_AMX
 #include <immintrin.h>
 
-#define MXFP4X_TARGET_AMX MXFP4X_TARGET("avx512f,avx512bw,avx2,fma,amx-tile,amx-bf16")
+#define MXFP4X_TARGET_AMX MXFP4X_TARGET("avx512f,avx512bw,avx512vl,avx2,fma,amx-tile,amx-bf16")
 #define MXFP4X_AMX_FN static MXFP4X_TARGET_AMX
 #define MXFP4X_AMX_INLINE static inline MXFP4X_TARGET_AMX MXFP4X_ALWAYS_INLINE
 
@@ -114,12 +116,14 @@ static float mxfp4x_amx_exact_dot(const mxfp4x_rows *w, int64_t r, const uint16_
     return (float)acc;
 }
 
-/* Whether rows [r, r + mr) need the exact path: a group with a nonzero magnitude code
- * under a scale byte < MXFP4X_AMX_MIN_SCALE.  The scale bytes are scanned first (64 at a
- * time where they are contiguous), the groups' bytes only under a small scale. */
+/* Whether rows [r, r + mr) need the exact path: a scale byte >= MXFP4X_AMX_MAX_SCALE,
+ * or a group with a nonzero magnitude code under a scale byte < MXFP4X_AMX_MIN_SCALE.
+ * The scale bytes are scanned first (64 at a time where they are contiguous), the
+ * groups' bytes only under a small scale. */
 MXFP4X_AMX_INLINE int mxfp4x_amx_rows_unsafe(const mxfp4x_rows *w, int64_t r, int mr) {
     const int64_t G = w->n_groups, gb = w->group_stride_blocks, gs = w->group_stride_scales;
     const __m512i lim = _mm512_set1_epi8((char)MXFP4X_AMX_MIN_SCALE);
+    const __m512i big = _mm512_set1_epi8((char)(MXFP4X_AMX_MAX_SCALE - 1));
     int64_t g;
     int m;
     for (m = 0; m < mr; m++) {
@@ -127,12 +131,17 @@ MXFP4X_AMX_INLINE int mxfp4x_amx_rows_unsafe(const mxfp4x_rows *w, int64_t r, in
         const uint8_t *s = w->scales + (r + m) * w->row_stride_scales;
         int small = 0;
         if (gs == 1) {
-            for (g = 0; g < G && !small; g += 64) {
+            for (g = 0; g < G; g += 64) {
                 const __mmask64 k = G - g >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (G - g)) - 1);
-                small = _mm512_mask_cmplt_epu8_mask(k, _mm512_maskz_loadu_epi8(k, s + g), lim) != 0;
+                const __m512i v = _mm512_maskz_loadu_epi8(k, s + g);
+                if (_mm512_mask_cmpgt_epu8_mask(k, v, big)) return 1;
+                small |= _mm512_mask_cmplt_epu8_mask(k, v, lim) != 0;
             }
         } else {
-            for (g = 0; g < G; g++) small |= s[g * gs] < MXFP4X_AMX_MIN_SCALE;
+            for (g = 0; g < G; g++) {
+                if (s[g * gs] >= MXFP4X_AMX_MAX_SCALE) return 1;
+                small |= s[g * gs] < MXFP4X_AMX_MIN_SCALE;
+            }
         }
         if (small)
             for (g = 0; g < G; g++)
@@ -252,6 +261,206 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int nrb,
     }
 }
 
+/* ---- a few tokens: tdpbf16ps's arithmetic in AVX-512 FMAs ----
+ *
+ * At a few tokens per expert the tiles lose to a register gemv: decoding to a bf16 panel
+ * and loading it back costs more than the products (MXFP4X_AMX_GEMV_MAX_TOKENS below).
+ * This gemv gives the tiles' bits.  tdpbf16ps computes, per cell and group (measured on
+ * a Xeon, bit for bit on 10^6 cells of random operands):
+ *
+ *     E = sum over pairs k = 0..15 of a[2k] b[2k], O = the same of a[2k+1] b[2k+1], each
+ *     a float32 round-to-nearest-even chain in k from 0;  C = C + (E + O).
+ *
+ * Here the 16 lanes of a vector are 16 rows (a group's bytes transposed), so each chain
+ * is one FMA per pair with the token's latent broadcast: every product is exact in
+ * float32, and an FMA rounds the sum once, as the unit does.  The scale is taken out of
+ * the chains: E and O are summed on the unscaled E2M1 values, and C += 2^(s-127) (E + O)
+ * by one FMA.  Multiplying by a power of two commutes with each rounding while the values
+ * stay normal and finite, which the exact-path conditions ensure (mxfp4x.h: unscaled
+ * products are at least 2^-61 and under 2^67, scaled ones multiples of 2^-126 under
+ * 2^104), so every step equals the tile's. */
+/* Streaming gpt-oss-20b gate/up rows from DRAM (one thread, Xeon): the gemv ran at 2.4,
+ * 2.7 and 3.8 ns per row-group for 1, 2 and 4 tokens, 7.1 for 8; the tiles at 4.2-4.6
+ * for 1 to 16 tokens. */
+#ifndef MXFP4X_AMX_GEMV_MAX_TOKENS
+#define MXFP4X_AMX_GEMV_MAX_TOKENS 4
+#endif
+
+/* 16 bytes of 16 rows (b[i] + off: row i's) transposed: r[j] lane i = bytes 4j .. 4j + 3
+ * of row i (only the first n bytes read when n < 16, the others zero). */
+#define MXFP4X_AMX_LOAD16(p, n)                                                           \
+    ((n) >= 16 ? _mm_loadu_si128((const __m128i *)(p))                                     \
+               : _mm_maskz_loadu_epi8((__mmask16)((1u << (n)) - 1), (const void *)(p)))
+MXFP4X_AMX_INLINE void mxfp4x_amx_transpose16(const uint8_t *const *b, int64_t off, __m512i *r,
+                                              int n) {
+    __m512i z[4], t0, t1, t2, t3;
+    int a;
+    for (a = 0; a < 4; a++) {
+        z[a] = _mm512_castsi128_si512(MXFP4X_AMX_LOAD16(b[a] + off, n));
+        z[a] = _mm512_inserti32x4(z[a], MXFP4X_AMX_LOAD16(b[a + 4] + off, n), 1);
+        z[a] = _mm512_inserti32x4(z[a], MXFP4X_AMX_LOAD16(b[a + 8] + off, n), 2);
+        z[a] = _mm512_inserti32x4(z[a], MXFP4X_AMX_LOAD16(b[a + 12] + off, n), 3);
+    }
+    t0 = _mm512_unpacklo_epi32(z[0], z[1]);
+    t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    t2 = _mm512_unpacklo_epi32(z[2], z[3]);
+    t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    r[0] = _mm512_unpacklo_epi64(t0, t2);
+    r[1] = _mm512_unpackhi_epi64(t0, t2);
+    r[2] = _mm512_unpacklo_epi64(t1, t3);
+    r[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* 16 rows (b[i], scale floats sf[g * 16 + i] = 2^(s - 127), or 0 for s = 0) x nt tokens
+ * (xf[t]: token t's latents as float32, the low and high words of pair k of group g at
+ * g * 32 + k and g * 32 + 16 + k): c[t] lane i = row i . token t. */
+MXFP4X_AMX_INLINE void mxfp4x_amx_gemv_block(const uint8_t *const *b, int64_t gb, int64_t G,
+                                             const float *sf, const float *const *xf, int nt,
+                                             __m512 *c, mxfp4x_pf_cursor pf) {
+    const __m512 tab = _mm512_loadu_ps(mxfp4x_e2m1_f32);
+    __m512 e[4], o[4];
+    __m512i r[4];
+    int64_t g;
+    int j, q, t;
+    for (t = 0; t < nt; t++) c[t] = _mm512_setzero_ps();
+    for (g = 0; g < G; g++) {
+        /* the next 16 rows: 4 lines per group (4.5 with the extra steps: GGUF's 4.25) */
+        MXFP4X_PF_STEP(pf, g);
+        MXFP4X_PF_STEP(pf, g);
+        MXFP4X_PF_STEP(pf, g);
+        MXFP4X_PF_STEP(pf, g);
+        mxfp4x_amx_transpose16(b, g * gb, r, 16);
+        for (t = 0; t < nt; t++) e[t] = o[t] = _mm512_setzero_ps();
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC unroll 4
+#endif
+        for (j = 0; j < 4; j++)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC unroll 4
+#endif
+            for (q = 0; q < 4; q++) {
+                const int k = 4 * j + q;
+                const __m512i lo = q ? _mm512_srli_epi32(r[j], 8 * q) : r[j];
+                const __m512 vlo = _mm512_permutexvar_ps(lo, tab);
+                const __m512 vhi = _mm512_permutexvar_ps(_mm512_srli_epi32(r[j], 8 * q + 4), tab);
+                for (t = 0; t < nt; t++) {
+                    e[t] = _mm512_fmadd_ps(vlo, _mm512_set1_ps(xf[t][g * 32 + k]), e[t]);
+                    o[t] = _mm512_fmadd_ps(vhi, _mm512_set1_ps(xf[t][g * 32 + 16 + k]), o[t]);
+                }
+            }
+        {
+            const __m512 sc = _mm512_loadu_ps(sf + g * 16);
+            for (t = 0; t < nt; t++) c[t] = _mm512_fmadd_ps(sc, _mm512_add_ps(e[t], o[t]), c[t]);
+        }
+    }
+}
+
+/* The full-width cases compiled apart, their accumulators in registers. */
+#define MXFP4X_AMX_GEMV_BLOCK(N)                                                           \
+    static MXFP4X_TARGET_AMX __attribute__((noinline)) void mxfp4x_amx_gemv_block##N(     \
+        const uint8_t *const *b, int64_t gb, int64_t G, const float *sf,                  \
+        const float *const *xf, __m512 *c, mxfp4x_pf_cursor pf) {                         \
+        mxfp4x_amx_gemv_block(b, gb, G, sf, xf, N, c, pf);                                \
+    }
+MXFP4X_AMX_GEMV_BLOCK(1)
+MXFP4X_AMX_GEMV_BLOCK(2)
+MXFP4X_AMX_GEMV_BLOCK(3)
+MXFP4X_AMX_GEMV_BLOCK(4)
+
+/* Scratch floats of mxfp4x_amx_gemv: the latents of MXFP4X_AMX_GEMV_MAX_TOKENS tokens
+ * and one block's scale floats. */
+static int64_t mxfp4x_amx_gemv_floats(int64_t n_groups) {
+    return (MXFP4X_AMX_GEMV_MAX_TOKENS * MXFP4X_GROUP + MXFP4X_AMX_ROWS) * n_groups + 16;
+}
+
+/* mxfp4x_amx_bf16_rows for n_tok <= MXFP4X_AMX_GEMV_MAX_TOKENS (one block of tokens in
+ * xt): the same bits, without tiles. */
+MXFP4X_AMX_FN void mxfp4x_amx_gemv(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                                   const uint16_t *xt, const uint8_t *unsafe, int64_t n_tok,
+                                   float *out, int64_t out_stride, float *scratch) {
+    const int64_t G = w->n_groups, d_in = G * MXFP4X_GROUP;
+    const int64_t sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
+    float *sf = scratch + MXFP4X_AMX_GEMV_MAX_TOKENS * d_in;
+    const float *xf[MXFP4X_AMX_GEMV_MAX_TOKENS];
+    const uint8_t *b[MXFP4X_AMX_ROWS], *sp[MXFP4X_AMX_ROWS];
+    __m512 c[4];
+    int64_t r, g, t, t0;
+    int i, m, mr, nt, exact;
+    /* the tokens' pairs as float32: token t's pair k of group g is dword (g * 16 + k) *
+     * n_tok + t of the block */
+    for (t = 0; t < n_tok; t++) {
+        float *x = scratch + t * d_in;
+        const __m512i idx = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32((int)n_tok));
+        for (g = 0; g < G; g++) {
+            const __m512i p = _mm512_i32gather_epi32(
+                idx, (const void *)(xt + 2 * (g * 16 * n_tok + t)), 4);
+            /* pair k = (lo, hi) words: lo << 16 and hi & 0xFFFF0000 are the floats */
+            _mm512_storeu_si512((void *)(x + g * 32), _mm512_slli_epi32(p, 16));
+            _mm512_storeu_si512((void *)(x + g * 32 + 16),
+                                _mm512_and_si512(p, _mm512_set1_epi32((int)0xFFFF0000u)));
+        }
+        xf[t] = x;
+    }
+    for (r = row_start; r < row_end; r += MXFP4X_AMX_ROWS) {
+        mr = row_end - r < MXFP4X_AMX_ROWS ? (int)(row_end - r) : MXFP4X_AMX_ROWS;
+        exact = mxfp4x_amx_rows_unsafe(w, r, mr);
+        for (i = 0; i < MXFP4X_AMX_ROWS; i++) { /* rows past mr: row r again, never stored */
+            b[i] = w->blocks + (r + (i < mr ? i : 0)) * sb;
+            sp[i] = w->scales + (r + (i < mr ? i : 0)) * ss;
+        }
+        /* the scale floats, 2^(s - 127) = s << 23 (0 for s = 0: only zero codes there) */
+        if (gs == 1) { /* 16 groups' scale bytes of the 16 rows at a time, transposed */
+            for (g = 0; g < G; g += 16) {
+                const int n = G - g < 16 ? (int)(G - g) : 16;
+                __m512i v[4];
+                mxfp4x_amx_transpose16(sp, g, v, n);
+                for (i = 0; i < n; i++)
+                    _mm512_storeu_si512(
+                        (void *)(sf + (g + i) * 16),
+                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v[i / 4], 8 * (i % 4)),
+                                                           _mm512_set1_epi32(0xFF)), 23));
+            }
+        } else { /* GGUF: each scale byte heads its 17-byte block: 4 bytes in bounds */
+            const __m512i ro = _mm512_mullo_epi32(
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                _mm512_set1_epi32((int)ss));
+            const __m512i off = mr < MXFP4X_AMX_ROWS
+                ? _mm512_mask_blend_epi32((__mmask16)(0xFFFFu << mr), ro, _mm512_setzero_si512())
+                : ro;
+            for (g = 0; g < G; g++)
+                _mm512_storeu_si512(
+                    (void *)(sf + g * 16),
+                    _mm512_slli_epi32(_mm512_and_si512(_mm512_i32gather_epi32(
+                                          off, (const void *)(w->scales + r * ss + g * gs), 1),
+                                                       _mm512_set1_epi32(0xFF)), 23));
+        }
+        for (t0 = 0; t0 < n_tok; t0 += 4) {
+            /* the next block of rows (or the next call's), fetched during the first pass */
+            mxfp4x_pf_cursor pf = {NULL, NULL};
+            if (t0 == 0) pf = mxfp4x_pf_next_block(w, r, MXFP4X_AMX_ROWS, row_end);
+            nt = n_tok - t0 < 4 ? (int)(n_tok - t0) : 4;
+            switch (nt) {
+            case 4: mxfp4x_amx_gemv_block4(b, gb, G, sf, xf + t0, c, pf); break;
+            case 3: mxfp4x_amx_gemv_block3(b, gb, G, sf, xf + t0, c, pf); break;
+            case 2: mxfp4x_amx_gemv_block2(b, gb, G, sf, xf + t0, c, pf); break;
+            default: mxfp4x_amx_gemv_block1(b, gb, G, sf, xf + t0, c, pf); break;
+            }
+            for (t = 0; t < nt; t++) {
+                float *o = out + (t0 + t) * out_stride + (r - row_start);
+                if (exact || unsafe[t0 + t]) {
+                    for (m = 0; m < mr; m++)
+                        o[m] = mxfp4x_amx_exact_dot(w, r + m, xt, n_tok, t0 + t);
+                } else {
+                    _mm512_mask_storeu_ps(o, (__mmask16)((1u << mr) - 1), c[t]);
+                }
+            }
+        }
+    }
+}
+
 /* Panel elements of mxfp4x_amx_bf16_rows for n_groups groups: 4 blocks of 16 rows of
  * every group.  (Decoding in chunks of groups that stay in L1, each multiplied at once,
  * measured no faster at one token and slower at 8: 91 against 68 ms, gpt-oss-20b gate/up,
@@ -289,6 +498,11 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
     int exact[MXFP4X_AMX_ROW_BLOCKS], mrs[MXFP4X_AMX_ROW_BLOCKS];
     int n_rb, rb, i, j, nrb, ntb, rstep, tstep, m, n;
     const int n_tb = (int)((n_tok + MXFP4X_AMX_TOKENS - 1) / MXFP4X_AMX_TOKENS);
+    if (n_tok <= MXFP4X_AMX_GEMV_MAX_TOKENS) { /* the same bits without the tiles */
+        mxfp4x_amx_gemv(w, row_start, row_end, xt, unsafe, n_tok, out, out_stride,
+                        (float *)panel);
+        return;
+    }
     /* the shape of the C tiles: row blocks x token blocks */
     rstep = n_tb >= 3 ? 1 : n_tb == 2 ? 2 : 4;
     tstep = 4 / rstep;
@@ -342,7 +556,8 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
  * row stride x_stride elements) into B blocks at dst (n * d_in elements), in the element
  * order of arrangement `nibbles`; unsafe[i] = whether token i needs the exact path (a
  * nonzero finite latent under 2^-60 in magnitude: |bits| in 1 .. 0x217F, bf16 exponent
- * field under 67, subnormals included).  Per token and group: one 64-byte load, the
+ * field under 67, subnormals included; or one of at least 2^64, infinities and NaNs
+ * included: exponent field 191 or more).  Per token and group: one 64-byte load, the
  * check, (GGUF halves: one vpermw into pairs) and a scatter of its 16 pairs at stride
  * nb dwords. */
 MXFP4X_AMX_FN void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const int64_t *src,
@@ -351,6 +566,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const 
     const int64_t d_in = n_groups * MXFP4X_GROUP;
     const __m512i mag = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
     const __m512i lim = _mm512_set1_epi16((short)((MXFP4X_AMX_MIN_LATENT_EXP << 7) - 1));
+    const __m512i huge = _mm512_set1_epi16((short)((MXFP4X_AMX_MAX_LATENT_EXP << 7) - 1));
     /* halves: pair k = (element k, element k + 16) */
     const __m512i halves = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
                                             9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
@@ -370,6 +586,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const 
                 /* |bits| - 1 < limit - 1, unsigned: nonzero and under the limit */
                 bad |= _mm512_cmplt_epu16_mask(
                     _mm512_sub_epi16(_mm512_and_si512(v, mag), one), lim);
+                bad |= _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, mag), huge);
                 if (nibbles == MXFP4X_NIBBLES_HALVES) v = _mm512_permutexvar_epi16(halves, v);
                 _mm512_i32scatter_epi32((void *)(blk + 2 * (g * 16 * nb + i)), vidx, v, 4);
             }

@@ -188,9 +188,14 @@ MXFP4X_ALIGN64 static const uint16_t mxfp4x_e2m1_scaled_bf16[256][16] =
     MXFP4X_SC_ALL_OF(MXFP4X_SC_BF16);
 /* amx.h's conditions for tdpbf16ps to see no subnormal: scale bytes of groups with a
  * nonzero code >= 69 (nonzero weights >= 2^-59) and nonzero finite latents >= 2^-60
- * (bf16 exponent field >= 67). */
+ * (bf16 exponent field >= 67); and for nothing to overflow (so that its few-token
+ * emulation, which takes the scale out of each group's sums, gives its bits): every
+ * scale byte < 160 (weights < 2^35; 255 is NaN) and every latent < 2^64 in magnitude
+ * (exponent field < 191: infinities and NaNs included). */
 #define MXFP4X_AMX_MIN_SCALE 69
 #define MXFP4X_AMX_MIN_LATENT_EXP 67
+#define MXFP4X_AMX_MAX_SCALE 160
+#define MXFP4X_AMX_MAX_LATENT_EXP 191
 
 /* The arrangement of a group's nibbles (see the top of this file). */
 enum {

@@ -1,11 +1,13 @@
 """The "amx" ISA: bfloat16 latents on AMX tiles (include/mxfp4x/amx.h).
 
-Every token of a bf16 call takes the tiles at any batch size; a token with a nonzero
-latent under 2^-60 and a block of 16 rows with a nonzero code under a scale byte < 69
-take the float64 exact path instead.  Checked against the float64 reference within the
-documented bound, bit for bit across batches (the tile shapes change at 16, 32 and 48
-tokens), threads and token positions, on both arrangements.  Skipped where the CPU (or
-the OS) cannot run AMX."""
+Every token of a bf16 call takes the tiles' arithmetic at any batch size (up to 4 tokens
+per expert a register gemv that replays it, bit for bit); a token with a nonzero latent
+under 2^-60 or one of 2^64 or more, and a block of 16 rows with a nonzero code under a
+scale byte < 69 or any scale byte >= 160, take the float64 exact path instead.  Checked
+against the float64 reference within the documented bound, bit for bit across batches
+(the gemv gives way to the tiles above 4 tokens, whose shapes change at 16, 32 and 48),
+in float32 before the result's rounding, across threads and token positions, on both
+arrangements.  Skipped where the CPU (or the OS) cannot run AMX."""
 import numpy as np
 import pytest
 import torch
@@ -159,3 +161,48 @@ def test_per_slot_latents(rng):
     one = mxfp4x.mxfp4_experts(per_slot[4:5], packed, scales, sel[4:5], mix[4:5],
                                shared[4:5], isa="amx")
     assert torch.equal(one, got[4:5])
+
+
+def _dots_f32(x, packed, scales, sel, n_threads=1):
+    """The float32 dot products of every (token, slot) before any rounding to bf16: the
+    driver called as the op calls it, its result left in float32."""
+    from mxfp4x import _cpu_impl
+    ex = _cpu_impl.experts_of(packed, scales)
+    out = np.full((sel.numel(), ex.d_out), np.nan, dtype=np.float32)
+    _cpu.Call(ex, product="forward", compute="float32", selected=sel.to(torch.int64).numpy(),
+              mix=None, src=x.view(torch.int16).numpy(), src_dtype="bfloat16",
+              src_rows="token", dst=out, dst_rows="slot", isa="amx",
+              n_threads=n_threads).run()
+    return out.view(np.uint32)
+
+
+@pytest.mark.parametrize("form", ["safetensors", "gguf"])
+def test_gemv_gives_the_tiles_float32_bits(rng, form):
+    """Up to MXFP4X_AMX_GEMV_MAX_TOKENS (4) tokens per expert take a register gemv that
+    replays tdpbf16ps's arithmetic; more take the tiles.  In float32, before the result's
+    one rounding: every token alone (the gemv) gives the bits it gets among 30 tokens of
+    one expert (the tiles), for both arrangements, tiny and huge latents (the exact path)
+    included; rows past a multiple of 16 included (d_out 45)."""
+    n_tok, n_exp, d_out, n_groups = 30, 3, 45, 5
+    x = torch.from_numpy(rng.standard_normal((n_tok, 32 * n_groups))).bfloat16()
+    x[4] *= 2.0 ** -100          # tiny: the exact path on both
+    x[9, 3] = 2.0 ** 70          # huge: the exact path on both
+    packed = torch.from_numpy(rng.integers(0, 256, (n_exp, d_out, n_groups, 16),
+                                           dtype=np.uint8))
+    scales = torch.from_numpy(rng.integers(110, 135, (n_exp, d_out, n_groups), dtype=np.uint8))
+    scales[1, 17, 2] = 200       # a large scale: its 16-row block takes the exact path
+    # expert 0 gets 24 tokens (tiles), experts 1 and 2 a few each (the gemv)
+    sel = torch.zeros((n_tok, 2), dtype=torch.int64)
+    sel[:, 1] = torch.from_numpy(rng.integers(1, 3, n_tok))
+    if form == "gguf":
+        packed = torch.from_numpy(gguf_blocks_of(packed.numpy(), scales.numpy()))
+        scales = None
+    full = _dots_f32(x, packed, scales, sel, n_threads=2)
+    assert not np.isnan(full.view(np.float32)).any()
+    for t in range(n_tok):
+        one = _dots_f32(x[t:t + 1], packed, scales, sel[t:t + 1])
+        assert np.array_equal(one, full[2 * t:2 * t + 2]), t
+    # and 2 to 5 tokens at once (the gemv's blocks of 2, 3, 4 tokens, then tiles)
+    for n in (2, 3, 4, 5):
+        part = _dots_f32(x[10:10 + n], packed, scales, sel[10:10 + n])
+        assert np.array_equal(part, full[20:20 + 2 * n]), n
