@@ -56,11 +56,6 @@ cdef enum:
 # and the blocks are combined in the pair order, so the bits do not change.
 cdef enum:
     PAIR_BLOCK = 512
-# Forward tasks per thread (a task is a run of consecutive tiles): enough to balance
-# threads that a VM or the OS slows now and then.  The split never changes a bit: every
-# output row is computed alone.
-cdef enum:
-    TASKS_PER_THREAD = 8
 
 # The layout copies of a call and :func:`combine` run in tasks of whole rows of at least
 # ROW_TASK_ELEMS elements: a pthreads build starts its threads per parallel step, and
@@ -406,7 +401,6 @@ cdef struct Work:
     void *out           # forward: call.dst; transposed: dx in the kernel layout
     int64_t n_tasks
     int64_t task_size   # forward: rows of W per task; transposed: groups per task
-    int64_t tile        # forward: rows per tile (a task is a run of whole tiles)
     int64_t panel_rows
     int64_t panel_len, dots_len   # elements of the compute dtype per thread
     int64_t lanes_len             # floats of panel_dot scratch per thread
@@ -498,20 +492,15 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
     """Task split and per-thread scratch of the call's product."""
     cdef const c.mxfp4x_call *call = w.call
     cdef int64_t d_in = call.experts.n_groups * c.MXFP4X_GROUP, block, n_chunks, rows
-    cdef int64_t tile, panel_bytes, n_tiles
+    cdef int64_t tile, panel_bytes
     cdef const c.mxfp4x_kernels *k = call.kernels
     w.lanes_len = 0
     w.dots_len = 0
     if call.product == c.MXFP4X_FORWARD:
         tile = c.MXFP4X_SCALAR_TILE_ROWS if real is double else k.tile_rows
         panel_bytes = c.MXFP4X_SCALAR_PANEL_BYTES if real is double else k.panel_bytes
-        # a task: a run of consecutive tiles, at least TASKS_PER_THREAD per thread, so a
-        # thread's next rows are known (the gemv kernels' prefetch hint) and the tasks
-        # still balance
-        w.tile = tile
-        n_tiles = (call.experts.d_out + tile - 1) // tile
-        w.task_size = tile * max(1, n_tiles // (TASKS_PER_THREAD * max(1, call.n_threads)))
-        w.n_tasks = (call.experts.d_out + w.task_size - 1) // w.task_size
+        w.task_size = tile
+        w.n_tasks = (call.experts.d_out + tile - 1) // tile
         # a tile's rows in equal panels of at most panel_bytes, whole register blocks
         block = 1 if real is double else k.panel_row_block
         rows = max(1, (panel_bytes // <int64_t>sizeof(real)) // max(d_in, 1))
@@ -628,26 +617,15 @@ def combine(out, dots, selected, mix, *, int n_threads=1, thread_log=None):
 
 
 cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noexcept nogil:
-    """A run of consecutive tiles, in order."""
-    cdef int64_t d_out = w.call.experts.d_out
-    cdef int64_t r0 = task * w.task_size
-    cdef int64_t r1 = min(d_out, r0 + w.task_size)
-    cdef int64_t t = r0
-    while t < r1:
-        _forward_tile(dummy, w, t, min(r1, t + w.tile), t + w.tile < r1, mine)
-        t += w.tile
-
-
-cdef void _forward_tile(real dummy, const Work *w, int64_t row_start, int64_t row_end,
-                        bint more, char *mine) noexcept nogil:
     """Output rows [row_start, row_end) for every pair: each active expert's rows are
-    decoded once (in registers for a few tokens on float32, into panels otherwise).
-    ``more``: the task goes on with the tile from row_end."""
+    decoded once (in registers for a few tokens on float32, into panels otherwise)."""
     cdef const c.mxfp4x_call *call = w.call
     cdef const c.mxfp4x_kernels *k = call.kernels
     cdef int64_t d_out = call.experts.d_out, n_groups = call.experts.n_groups
     cdef int64_t d_in = n_groups * c.MXFP4X_GROUP
-    cdef int64_t a, e, s, n, c0, c1, next_row
+    cdef int64_t row_start = task * w.task_size
+    cdef int64_t row_end = min(d_out, row_start + w.task_size)
+    cdef int64_t a, e, s, n, c0, c1
     cdef bint assign = call.mix == NULL
     cdef c.mxfp4x_rows rows
     cdef const c.mxfp4x_rows *after
@@ -661,14 +639,13 @@ cdef void _forward_tile(real dummy, const Work *w, int64_t row_start, int64_t ro
     for a in range(w.r.n_active):
         e = w.r.active[a]
         rows = call.experts.rows[e]
-        # where this thread reads next (the next expert's rows here, or the first one's
-        # in the task's next tile): a prefetch hint for the gemv kernels (mxfp4x.h)
+        # where this task reads next, the next expert's rows of the tile: a prefetch hint
+        # for the gemv kernels (mxfp4x.h)
         rows.next_blocks = rows.next_scales = NULL
-        if a + 1 < w.r.n_active or more:
-            after = &call.experts.rows[w.r.active[a + 1 if a + 1 < w.r.n_active else 0]]
-            next_row = row_start if a + 1 < w.r.n_active else row_end
-            rows.next_blocks = after.blocks + next_row * after.row_stride_blocks
-            rows.next_scales = after.scales + next_row * after.row_stride_scales
+        if a + 1 < w.r.n_active:
+            after = &call.experts.rows[w.r.active[a + 1]]
+            rows.next_blocks = after.blocks + row_start * after.row_stride_blocks
+            rows.next_scales = after.scales + row_start * after.row_stride_scales
         b_end = w.r.offsets[e + 1]
         s = w.r.offsets[e]
         while s < b_end:  # the expert's pairs in blocks, in order
