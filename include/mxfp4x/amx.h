@@ -23,8 +23,10 @@
  * says.  Neither can happen when every nonzero weight is at least 2^-59 (every nonzero
  * code of the row's groups has s >= MXFP4X_AMX_MIN_SCALE) and every nonzero finite latent
  * at least 2^-60 in magnitude: then every product, hence every partial sum, is a
- * multiple of 2^-126, zero or normal.  A token outside that (flagged by the gather) and
- * a block of 16 rows outside it (a scan of its scale bytes) take the exact path instead:
+ * multiple of 2^-126, zero or normal.  Nor can anything overflow when every latent is
+ * under 2^64 and every scale byte under MXFP4X_AMX_MAX_SCALE (160; 255 is NaN).  A token
+ * outside these (flagged by the gather) and a block of 16 rows outside them (a scan of
+ * its scale bytes) take the exact path instead:
  * products and sums in float64, elements in natural order, rounded once -- the same for
  * that token or row whatever the batch, so results stay batch-invariant.
  *
@@ -43,7 +45,7 @@
 #if MXFP4X_HAVE_AMX
 #include <immintrin.h>
 
-#define MXFP4X_TARGET_AMX MXFP4X_TARGET("avx512f,avx512bw,avx512vl,avx2,fma,amx-tile,amx-bf16")
+#define MXFP4X_TARGET_AMX MXFP4X_TARGET("avx512f,avx512bw,avx2,fma,amx-tile,amx-bf16")
 #define MXFP4X_AMX_FN static MXFP4X_TARGET_AMX
 #define MXFP4X_AMX_INLINE static inline MXFP4X_TARGET_AMX MXFP4X_ALWAYS_INLINE
 
@@ -285,12 +287,18 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int nrb,
 #ifndef MXFP4X_AMX_GEMV_MAX_TOKENS
 #define MXFP4X_AMX_GEMV_MAX_TOKENS 4
 #endif
+/* the gemv reads its tokens as one B block (at most 16) */
+MXFP4X_STATIC_ASSERT(MXFP4X_AMX_GEMV_MAX_TOKENS >= 0 && MXFP4X_AMX_GEMV_MAX_TOKENS <= 16,
+                     "amx gemv: at most one block of tokens");
+/* Round to nearest even whatever MXCSR says, as the tile unit does. */
+#define MXFP4X_AMX_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 /* 16 bytes of 16 rows (b[i] + off: row i's) transposed: r[j] lane i = bytes 4j .. 4j + 3
  * of row i (only the first n bytes read when n < 16, the others zero). */
 #define MXFP4X_AMX_LOAD16(p, n)                                                           \
     ((n) >= 16 ? _mm_loadu_si128((const __m128i *)(p))                                     \
-               : _mm_maskz_loadu_epi8((__mmask16)((1u << (n)) - 1), (const void *)(p)))
+               : _mm512_castsi512_si128(                                                   \
+                     _mm512_maskz_loadu_epi8((__mmask64)((1ull << (n)) - 1), (const void *)(p))))
 MXFP4X_AMX_INLINE void mxfp4x_amx_transpose16(const uint8_t *const *b, int64_t off, __m512i *r,
                                               int n) {
     __m512i z[4], t0, t1, t2, t3;
@@ -344,13 +352,17 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_gemv_block(const uint8_t *const *b, int64_t gb
                 const __m512 vlo = _mm512_permutexvar_ps(lo, tab);
                 const __m512 vhi = _mm512_permutexvar_ps(_mm512_srli_epi32(r[j], 8 * q + 4), tab);
                 for (t = 0; t < nt; t++) {
-                    e[t] = _mm512_fmadd_ps(vlo, _mm512_set1_ps(xf[t][g * 32 + k]), e[t]);
-                    o[t] = _mm512_fmadd_ps(vhi, _mm512_set1_ps(xf[t][g * 32 + 16 + k]), o[t]);
+                    e[t] = _mm512_fmadd_round_ps(vlo, _mm512_set1_ps(xf[t][g * 32 + k]), e[t],
+                                                 MXFP4X_AMX_RNE);
+                    o[t] = _mm512_fmadd_round_ps(vhi, _mm512_set1_ps(xf[t][g * 32 + 16 + k]),
+                                                 o[t], MXFP4X_AMX_RNE);
                 }
             }
         {
             const __m512 sc = _mm512_loadu_ps(sf + g * 16);
-            for (t = 0; t < nt; t++) c[t] = _mm512_fmadd_ps(sc, _mm512_add_ps(e[t], o[t]), c[t]);
+            for (t = 0; t < nt; t++)
+                c[t] = _mm512_fmadd_round_ps(sc, _mm512_add_round_ps(e[t], o[t], MXFP4X_AMX_RNE),
+                                             c[t], MXFP4X_AMX_RNE);
         }
     }
 }
@@ -423,7 +435,8 @@ MXFP4X_AMX_FN void mxfp4x_amx_gemv(const mxfp4x_rows *w, int64_t row_start, int6
                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(v[i / 4], 8 * (i % 4)),
                                                            _mm512_set1_epi32(0xFF)), 23));
             }
-        } else { /* GGUF: each scale byte heads its 17-byte block: 4 bytes in bounds */
+        } else if (w->nibbles == MXFP4X_NIBBLES_HALVES && 15 * ss <= INT32_MAX) {
+            /* GGUF: each scale byte heads its 17-byte block, so 4 bytes are in bounds */
             const __m512i ro = _mm512_mullo_epi32(
                 _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                 _mm512_set1_epi32((int)ss));
@@ -436,6 +449,12 @@ MXFP4X_AMX_FN void mxfp4x_amx_gemv(const mxfp4x_rows *w, int64_t row_start, int6
                     _mm512_slli_epi32(_mm512_and_si512(_mm512_i32gather_epi32(
                                           off, (const void *)(w->scales + r * ss + g * gs), 1),
                                                        _mm512_set1_epi32(0xFF)), 23));
+        } else { /* other strides: byte by byte */
+            for (i = 0; i < MXFP4X_AMX_ROWS; i++)
+                for (g = 0; g < G; g++) {
+                    const uint32_t u = (uint32_t)sp[i][g * gs] << 23;
+                    memcpy(sf + g * 16 + i, &u, 4);
+                }
         }
         for (t0 = 0; t0 < n_tok; t0 += 4) {
             /* the next block of rows (or the next call's), fetched during the first pass */
@@ -469,9 +488,11 @@ static int64_t mxfp4x_amx_panel_elems(int64_t n_groups) {
     return MXFP4X_AMX_ROW_BLOCKS * n_groups * MXFP4X_AMX_ROWS * MXFP4X_GROUP;
 }
 
-/* Scratch (bytes) of mxfp4x_amx_bf16_rows: the panel and the 4 C tiles. */
+/* Scratch (bytes) of mxfp4x_amx_bf16_rows: the panel and the 4 C tiles, or the gemv's. */
 static int64_t mxfp4x_amx_scratch_bytes(int64_t n_groups) {
-    return mxfp4x_amx_panel_elems(n_groups) * 2 + 4 * 256 * 4 + 64;
+    const int64_t tiles = mxfp4x_amx_panel_elems(n_groups) * 2 + 4 * 256 * 4;
+    const int64_t gemv = mxfp4x_amx_gemv_floats(n_groups) * 4;
+    return (tiles > gemv ? tiles : gemv) + 64;
 }
 
 /* out[t * out_stride + r - row_start] = W[r] . x_t for r in [row_start, row_end), t <

@@ -106,15 +106,16 @@
 #else
 #define MXFP4X_PREFETCH(p) ((void)(p))
 #endif
-/* The same into L2 only (T1): see avx512.h's gemv1 for where it measured faster. */
+/* The same into L2 only (T1): the gemv kernels' next row block (mxfp4x.h). */
 #if MXFP4X_ARCH_X86_64
 #define MXFP4X_PREFETCH_L2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 #else
 #define MXFP4X_PREFETCH_L2(p) ((void)(p))
 #endif
 /* The dense bf16 kernels' prefetch distance along each row: at one token (4 rows of
- * Kimi K3's 7168 x 3584 weights, one thread, Intel Xeon with AVX-512) 1024 bytes took the
- * stream from 10.6-11.0 to 11.9-12.1 GB/s; 512 and 2048 were in between. */
+ * Kimi K3's 7168 x 3584 weights, one thread, Intel Xeon with AVX-512, the kernel alone
+ * in C) 1024 bytes took the stream from 10.6-11.0 to 11.9-12.1 GB/s; 512 and 2048 were in
+ * between. */
 #ifndef MXFP4X_DENSE_PREFETCH
 #define MXFP4X_DENSE_PREFETCH 1024
 #endif
@@ -135,20 +136,23 @@
 
 /* Floating-point environment of a kernel thread: flush-to-zero off (a process may
  * have turned it on, e.g. torch.set_flush_denormal(True); it would flush the 2^-127
- * scale and subnormal latents), restored on exit.
- *   x86-64:  MXCSR.FTZ (bit 15) and MXCSR.DAZ (bit 6);
+ * scale and subnormal latents) and rounding to nearest even (a thread may have set
+ * another mode with fesetround; the pool's threads would then round differently from
+ * the caller's, and the bits would depend on the thread count), restored on exit.
+ *   x86-64:  MXCSR.FTZ (bit 15), MXCSR.DAZ (bit 6) and MXCSR.RC (bits 13-14);
  *   AArch64: FPCR.FZ (bit 24; Arm ARM, FPCR) and FPCR.FIZ (bit 0, FEAT_AFP: flushes
  *            inputs even with FZ = 0; RES0 where FEAT_AFP is absent, so clearing it is
  *            always allowed) -- FZ16 (bit 19) only affects half-precision arithmetic,
- *            which the kernels never do. */
+ *            which the kernels never do -- and FPCR.RMode (bits 22-23). */
 #define MXFP4X_MXCSR_FTZ 0x8000u
 #define MXFP4X_MXCSR_DAZ 0x0040u
-#define MXFP4X_FPCR_FZ ((1ull << 24) | 1ull)
+#define MXFP4X_MXCSR_RC 0x6000u
+#define MXFP4X_FPCR_CLEAR ((1ull << 24) | 1ull | (3ull << 22))
 #if MXFP4X_ARCH_X86_64
 typedef unsigned int mxfp4x_fpenv;
 static mxfp4x_fpenv mxfp4x_fpenv_enter(void) {
     const unsigned int saved = _mm_getcsr();
-    _mm_setcsr(saved & ~(MXFP4X_MXCSR_FTZ | MXFP4X_MXCSR_DAZ));
+    _mm_setcsr(saved & ~(MXFP4X_MXCSR_FTZ | MXFP4X_MXCSR_DAZ | MXFP4X_MXCSR_RC));
     return saved;
 }
 static void mxfp4x_fpenv_exit(mxfp4x_fpenv saved) { _mm_setcsr(saved); }
@@ -157,8 +161,8 @@ typedef unsigned long long mxfp4x_fpenv;
 static mxfp4x_fpenv mxfp4x_fpenv_enter(void) {
     unsigned long long saved;
     __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved) : : "memory");
-    if (saved & MXFP4X_FPCR_FZ) {
-        const unsigned long long cleared = saved & ~MXFP4X_FPCR_FZ;
+    if (saved & MXFP4X_FPCR_CLEAR) {
+        const unsigned long long cleared = saved & ~MXFP4X_FPCR_CLEAR;
         __asm__ __volatile__("msr fpcr, %0" : : "r"(cleared) : "memory");
     }
     return saved;
@@ -171,7 +175,7 @@ static void mxfp4x_fpenv_exit(mxfp4x_fpenv saved) {
 typedef unsigned long long mxfp4x_fpenv;
 static mxfp4x_fpenv mxfp4x_fpenv_enter(void) {
     const unsigned long long saved = (unsigned long long)_ReadStatusReg(ARM64_FPCR);
-    _WriteStatusReg(ARM64_FPCR, (__int64)(saved & ~MXFP4X_FPCR_FZ));
+    _WriteStatusReg(ARM64_FPCR, (__int64)(saved & ~MXFP4X_FPCR_CLEAR));
     return saved;
 }
 static void mxfp4x_fpenv_exit(mxfp4x_fpenv saved) { _WriteStatusReg(ARM64_FPCR, (__int64)saved); }

@@ -213,9 +213,10 @@ enum {
  * pass 2^31 bytes.
  *
  * next_blocks / next_scales: a prefetch hint, NULL when unknown -- where the caller's next
- * kernel call starts reading (its first row block, rows of the same strides).  The gemv
- * kernels fetch it during their last row block, so the call after this one does not start
- * on a cold stream; nothing ever reads through it, and no result depends on it. */
+ * kernel call starts reading (its first row block, fetched with this call's strides).  The
+ * gemv kernels fetch it during their last row block, so the call after this one does not
+ * start on a cold stream; prefetches never fault, nothing ever reads through the hint,
+ * and no result depends on it. */
 typedef struct {
     const uint8_t *blocks;
     const uint8_t *scales;

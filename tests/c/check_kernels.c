@@ -508,7 +508,7 @@ static void fz_write(unsigned long long v) { _mm_setcsr((unsigned int)v); }
 #define HAVE_FZ 1
 #elif (defined(__aarch64__) || defined(__arm64__)) && MXFP4X_GNUC
 #define FZ_NAME "FPCR"
-#define FZ_BITS MXFP4X_FPCR_FZ
+#define FZ_BITS ((1ull << 24) | 1ull) /* FZ and FIZ */
 #define FZ_MUST (1ull << 24) /* FZ; FIZ (bit 0) reads back 0 without FEAT_AFP (QEMU 7.2) */
 static unsigned long long fz_read(void) {
     unsigned long long v;

@@ -203,6 +203,40 @@ def test_subnormal_scale_survives_flush_denormal_and_bf16(isa):
         torch.set_flush_denormal(False)
 
 
+def _libm_rounding():
+    """(fesetround, fegetround, FE_UPWARD) of the C library, or None where unknown."""
+    import ctypes
+    import ctypes.util
+    import platform
+    upward = {"x86_64": 0x800, "AMD64": 0x800, "aarch64": 0x400000, "arm64": 0x400000}
+    name = ctypes.util.find_library("m") or ctypes.util.find_library("c")
+    if name is None or platform.machine() not in upward:
+        return None
+    lib = ctypes.CDLL(name)
+    return lib.fesetround, lib.fegetround, upward[platform.machine()]
+
+
+def test_callers_rounding_mode_changes_no_bit(isa, rng):
+    """A caller that rounds upward (fesetround) gets the bits of round-to-nearest, on one
+    thread (the caller's own) and on two (a pool thread beside it): the kernels set the
+    rounding mode of their threads, as they do flush-to-zero."""
+    fe = _libm_rounding()
+    if fe is None:
+        pytest.skip("no C library rounding control known here")
+    setround, getround, upward = fe
+    args = random_layer(rng, 9, 3, 4, 70, 5, dtype=torch.float32)
+    want = mxfp4x.mxfp4_experts(**args, backend="cpu", num_threads=1, isa=isa)
+    old = getround()
+    assert setround(upward) == 0
+    try:
+        got = [mxfp4x.mxfp4_experts(**args, backend="cpu", num_threads=n, isa=isa)
+               for n in (1, 2)]
+    finally:
+        setround(old)
+    for g in got:
+        assert torch.equal(g, want)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_overflow_follows_ieee(isa, backend):
     x = torch.zeros(2, 32)

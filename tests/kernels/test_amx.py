@@ -182,8 +182,9 @@ def test_gemv_gives_the_tiles_float32_bits(rng, form):
     replays tdpbf16ps's arithmetic; more take the tiles.  In float32, before the result's
     one rounding: every token alone (the gemv) gives the bits it gets among 30 tokens of
     one expert (the tiles), for both arrangements, tiny and huge latents (the exact path)
-    included; rows past a multiple of 16 included (d_out 45)."""
-    n_tok, n_exp, d_out, n_groups = 30, 3, 45, 5
+    included; rows past a multiple of 16 included (d_out 45); 37 groups (the scale bytes
+    read 16 groups at a time, then 5)."""
+    n_tok, n_exp, d_out, n_groups = 30, 3, 45, 37
     x = torch.from_numpy(rng.standard_normal((n_tok, 32 * n_groups))).bfloat16()
     x[4] *= 2.0 ** -100          # tiny: the exact path on both
     x[9, 3] = 2.0 ** 70          # huge: the exact path on both
@@ -191,7 +192,7 @@ def test_gemv_gives_the_tiles_float32_bits(rng, form):
                                            dtype=np.uint8))
     scales = torch.from_numpy(rng.integers(110, 135, (n_exp, d_out, n_groups), dtype=np.uint8))
     scales[1, 17, 2] = 200       # a large scale: its 16-row block takes the exact path
-    # expert 0 gets 24 tokens (tiles), experts 1 and 2 a few each (the gemv)
+    # expert 0 gets all 30 tokens and experts 1 and 2 about 15 each: the tiles
     sel = torch.zeros((n_tok, 2), dtype=torch.int64)
     sel[:, 1] = torch.from_numpy(rng.integers(1, 3, n_tok))
     if form == "gguf":
