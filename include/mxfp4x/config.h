@@ -98,8 +98,8 @@
        typedef char MXFP4X_CAT(mxfp4x_static_assert_, __LINE__)[(cond) ? 1 : -1]
 #endif
 
-/* Prefetch one cache line in each of 4 rows `stride` bytes apart (a hint: never
- * faults, so a line past a row's end is harmless). */
+/* Prefetch one cache line (a hint: never faults, so a line past a row's end is
+ * harmless). */
 #if MXFP4X_ARCH_X86_64
 #include <xmmintrin.h>
 #define MXFP4X_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
@@ -119,20 +119,6 @@
 #ifndef MXFP4X_DENSE_PREFETCH
 #define MXFP4X_DENSE_PREFETCH 1024
 #endif
-#define MXFP4X_PREFETCH_ROWS_L2(p, stride)                                                 \
-    do {                                                                                   \
-        MXFP4X_PREFETCH_L2(p);                                                             \
-        MXFP4X_PREFETCH_L2((p) + (stride));                                                \
-        MXFP4X_PREFETCH_L2((p) + 2 * (stride));                                            \
-        MXFP4X_PREFETCH_L2((p) + 3 * (stride));                                            \
-    } while (0)
-#define MXFP4X_PREFETCH_ROWS(p, stride)                                                    \
-    do {                                                                                   \
-        MXFP4X_PREFETCH(p);                                                                \
-        MXFP4X_PREFETCH((p) + (stride));                                                   \
-        MXFP4X_PREFETCH((p) + 2 * (stride));                                               \
-        MXFP4X_PREFETCH((p) + 3 * (stride));                                               \
-    } while (0)
 
 /* Floating-point environment of a kernel thread: flush-to-zero off (a process may
  * have turned it on, e.g. torch.set_flush_denormal(True); it would flush the 2^-127
