@@ -104,12 +104,13 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
  * Per (row, token) the operations are gemv1's: a = fma(hi, xo, fma(lo, xe, a)) per
  * group, then the same reduction tree, so the bits do not depend on the batch. */
 #define MXFP4X_AVX512_NT 4
-/* The gemv/panel crossover: with 4 tokens per decode this gemv ran at 145-165 GFLOP/s at
- * 16-64 tokens per expert (gpt-oss-20b gate/up, 2 threads, Xeon with AVX-512), where
- * decode + panel_dot ran at 100-130: it takes every expert up to 64 tokens. */
-#define MXFP4X_AVX512_GEMV_MAX_TOKENS 64
-/* Re-measured after the 4x6 panel_dot (below): a crossover at 16 tokens instead of 64 was
- * indistinguishable (gpt-oss-20b gate/up, T = 64..512, alternating runs within +-10 %). */
+/* The gemv/panel crossover.  With 4 tokens per decode the gemv computes about 100 GFLOP/s
+ * per thread at any token count; decode + panel_dot starts slower (the decode writes 128
+ * bytes of panel per 17 read, ~3.5 ns per row-group) and passes it near 32 tokens.
+ * Measured with 64-byte aligned scratch and wide tiles (gpt-oss-20b gate/up, 2 threads,
+ * Xeon with AVX-512, two alternated runs): T = 128 / 256 / 512 took 101-102 / 200-207 /
+ * 367-373 ms at 64, 103 / 192-197 / 344-350 at 32, 104-108 / 190-194 / 331-347 at 16. */
+#define MXFP4X_AVX512_GEMV_MAX_TOKENS 32
 /* Output rows per forward task: 48 = 12 gemv row blocks, 12 panel_dot row blocks; every
  * model shape still has >= 60 tasks for 2..N threads to balance (d_out >= 2880). */
 #define MXFP4X_AVX512_TILE_ROWS 48
@@ -239,6 +240,9 @@ MXFP4X_AVX512_FN void mxfp4x_decode_f32_avx512(const mxfp4x_rows *w, int64_t row
  * 72 tokens, I = 2880, rows and latents in L2): 4x4 121 GFLOP/s, 4x6 139, 6x4 135, 3x8 85,
  * 8x3 88 (spills); k-blocking the 4x6 block with parked accumulators (256..1024 floats)
  * gained nothing (103..141): rows and tokens already stream from L2 fast enough, so none.
+ * The loads want 64-byte aligned rows and latents (the driver's scratch is): from glibc's
+ * large blocks, 16 bytes past a page, every load spanned two lines and the same block ran
+ * at 86 instead of 130 GFLOP/s (48 rows x 72 tokens, I = 2880, benchmarks/kernel_bench.c).
  * Edges (fewer rows or tokens) run the same loop with smaller constant blocks.  Per (row,
  * token) the operations are gemv's: one 16-lane accumulator, elements ascending, then the
  * same reduction tree. */

@@ -234,3 +234,22 @@ def test_pthreads_build_runs_on_its_own_threads():
         assert max(_probes.threads_used(2) for _ in range(3)) == 2
     # threads.h caps what it starts at MXFP4X_MAX_THREADS, whatever a caller asks
     assert _probes.threads_used(_threads.MAX_THREADS, n_tasks=4) <= 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_wide_tiles_keep_the_bits(isa, rng, dtype):
+    # experts with many tokens (the panel path) run in wider row tiles when the rows allow
+    # it for the threads asked: 1 thread gets 4x tiles here, 4 threads 1x; one token alone
+    # takes the gemv path.  Same bits everywhere, and the reference's values
+    from mxfp4x.testing.layers import assert_matches_reference
+    layer = random_layer(rng, 90, 2, 3, 1545, 3, dtype=dtype)
+    wide = mxfp4x.mxfp4_experts(**layer, num_threads=1, isa=isa)
+    for n in (2, 4):
+        y = mxfp4x.mxfp4_experts(**layer, num_threads=n, isa=isa)
+        assert torch.equal(y.view(torch.uint8), wide.view(torch.uint8)), n
+    for t in (0, 45, 89):
+        alone = mxfp4x.mxfp4_experts(**{k: v if k in ("packed_weights", "scale_bytes")
+                                        else v[t:t + 1] for k, v in layer.items()}, isa=isa)
+        assert torch.equal(alone[0].view(torch.uint8), wide[t].view(torch.uint8)), t
+    assert_matches_reference(wide[:4], {k: v if k in ("packed_weights", "scale_bytes")
+                                        else v[:4] for k, v in layer.items()})
