@@ -4,8 +4,8 @@ from typing import Any, Dict, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import _cpu, _threads
-from ._ops import experts_op, slots_op
+from . import _cpu, _cpu_impl, _threads
+from ._ops import experts_op, runs_direct, slots_op
 from ._torch_impl import mxfp4_experts_torch, slots_torch
 from ._validation import check_inputs, check_isa, check_num_threads
 from ._version import __version__
@@ -68,9 +68,11 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike,
     if backend == "torch":  # plain PyTorch ops (differentiable; data-dependent routing, so
         # torch.compile(fullgraph=True) needs the default backend, which goes through the op)
         return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, x.dtype)
+    sel = sel.to(torch.int64)
+    if runs_direct((x, sel, mix, shared), (packed, scales)):  # what the op would run
+        return _cpu_impl.experts(x, packed, scales, sel, mix, shared, threads, isa=isa or None)
     # the custom op: compiled kernels for CPU tensors, the PyTorch path elsewhere
-    return experts_op(packed)(x, packed, scales, sel.to(torch.int64), mix, shared, threads,
-                              isa or "")
+    return experts_op(packed)(x, packed, scales, sel, mix, shared, threads, isa or "")
 
 
 def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
@@ -89,7 +91,11 @@ def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
     _check_device(backend, x)
     if backend == "torch":
         return slots_torch(x, packed, scales, sel)
-    return slots_op(packed)(x, packed, scales, sel.to(torch.int64), threads, isa or "")
+    sel = sel.to(torch.int64)
+    if runs_direct((x, sel), (packed, scales)):  # what the op would run
+        return _cpu_impl.experts(x, packed, scales, sel, None, None, threads,
+                                 per_slot_outputs=True, isa=isa or None)
+    return slots_op(packed)(x, packed, scales, sel, threads, isa or "")
 
 
 def backend_info() -> Dict[str, Any]:

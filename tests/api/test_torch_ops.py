@@ -198,3 +198,40 @@ def test_mixture_weight_gradient_keeps_float32_precision_for_bf16(rng):
             want[t, k] = g[t].bfloat16().double().numpy() @ (w @ x[t])
     err = np.abs(mix.grad.double().numpy() - want) / np.abs(want).max()
     assert err.max() < 1e-5, err.max()  # rounding W x to bf16 first would give ~1e-2
+
+
+def test_eager_calls_skip_the_dispatcher_only_when_the_op_would_add_nothing(rng, monkeypatch):
+    """A plain eager CPU call runs the kernel directly (the same bits as the op); a call
+    that needs autograd, or under a dispatch mode, goes through the op, which the mode
+    then sees."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    layer = random_layer(rng, 5, 2, 3, 24, 2)
+    via_op = []
+    real = _ops.experts_op
+    monkeypatch.setattr(mxfp4x._api, "experts_op",
+                        lambda packed: via_op.append(1) or real(packed))
+    plain = mxfp4x.mxfp4_experts(**layer)
+    assert not via_op
+    assert torch.equal(plain, torch.ops.mxfp4x.mxfp4_experts(*_op_args(layer)))
+    slots = mxfp4x.mxfp4_experts_slots(layer["latent_tokens"], layer["packed_weights"],
+                                       layer["scale_bytes"], layer["selected_experts"])
+    assert torch.equal(slots, torch.ops.mxfp4x.mxfp4_experts_slots(*_op_args(layer)[:4]))
+
+    x = layer["latent_tokens"].clone().requires_grad_()
+    y = mxfp4x.mxfp4_experts(**{**layer, "latent_tokens": x})
+    assert via_op and y.grad_fn is not None and torch.equal(y.detach(), plain)
+    with torch.no_grad():  # nothing to record: direct again
+        via_op.clear()
+        assert torch.equal(mxfp4x.mxfp4_experts(**{**layer, "latent_tokens": x}), plain)
+        assert not via_op
+
+    seen = []
+
+    class Names(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Names():
+        assert torch.equal(mxfp4x.mxfp4_experts(**layer), plain)
+    assert any("mxfp4x.mxfp4_experts" in name for name in seen), seen
