@@ -184,6 +184,12 @@ cdef const c.mxfp4x_kernels *kernels_of(isa) except NULL:
     return c.mxfp4x_kernel_at(_default if isa is None else _resolve(isa, "isa"))
 
 
+def gemv_max_tokens(isa=None):
+    """The most tokens per expert that the float32 gemv path takes on ``isa`` (None: the
+    default); an expert with more takes the panel path (tests of the switch point)."""
+    return kernels_of(isa).gemv_max_tokens
+
+
 def has_bf16_unit(isa=None):
     """Whether a float32 call with bf16 latents on ``isa`` (None: the default) runs them
     on a bf16 dot-product unit, which gathers every pair's latents (amx.h)."""

@@ -253,3 +253,18 @@ def test_wide_tiles_keep_the_bits(isa, rng, dtype):
         assert torch.equal(alone[0].view(torch.uint8), wide[t].view(torch.uint8)), t
     assert_matches_reference(wide[:4], {k: v if k in ("packed_weights", "scale_bytes")
                                         else v[:4] for k, v in layer.items()})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_batch_invariance_at_the_gemv_panel_switch(isa, rng, dtype):
+    # expert 0 gets exactly the gemv path's most tokens, expert 1 one more (the panel
+    # path), expert 2 one token: every token's row is the one it gets alone
+    m = _cpu.gemv_max_tokens(isa)
+    n = 2 * m + 2
+    layer = random_layer(rng, n, 1, 3, 61, 3, dtype=dtype)
+    layer["selected_experts"][:, 0] = torch.tensor([0] * m + [1] * (m + 1) + [2])
+    full = mxfp4x.mxfp4_experts(**layer, isa=isa)
+    for t in (0, m - 1, m, n - 2, n - 1):
+        alone = mxfp4x.mxfp4_experts(**{k: v if k in ("packed_weights", "scale_bytes")
+                                        else v[t:t + 1] for k, v in layer.items()}, isa=isa)
+        assert torch.equal(alone[0].view(torch.uint8), full[t].view(torch.uint8)), t
