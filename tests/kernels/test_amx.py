@@ -124,6 +124,32 @@ def test_exact_path_for_tiny_latents_and_small_scales(rng):
     assert torch.equal(dots.isnan(), ref.isnan())
 
 
+@pytest.mark.parametrize("latent,scale", [(2.0 ** 120, 134), (2.0 ** 60, 200)],
+                         ids=["latent-2^120", "scale-200"])
+def test_huge_latents_and_scales_take_the_exact_path(rng, latent, scale):
+    """+6 and -6 under one scale times the same huge latent: the tiles (scale folded into
+    the weights) would overflow each product to inf and give inf - inf = NaN, the gemv
+    (scale taken out of the group's sums) 0.  A token with a latent of 2^64 or more and a
+    block with a scale byte of 160 or more take the exact path: the same bits alone (the
+    gemv) as among 19 others (the tiles), and the reference's value."""
+    n_tok, d_out, n_groups = 20, 16, 2
+    x = torch.from_numpy(rng.standard_normal((n_tok, 32 * n_groups))).bfloat16()
+    packed = torch.from_numpy(rng.integers(0, 256, (1, d_out, n_groups, 16), dtype=np.uint8))
+    scales = torch.from_numpy(rng.integers(120, 135, (1, d_out, n_groups), dtype=np.uint8))
+    x[5] = 0
+    x[5, 0] = x[5, 2] = latent  # elements 0 and 2 (the low nibbles of bytes 0 and 1)
+    packed[0, 3, 0, :2] = torch.tensor([0x07, 0x0F], dtype=torch.uint8)  # +6, -6
+    scales[0, 3, 0] = scale
+    sel = torch.zeros((n_tok, 1), dtype=torch.int64)
+    batch = mxfp4x.mxfp4_experts_slots(x, packed, scales, sel, isa="amx")
+    alone = mxfp4x.mxfp4_experts_slots(x[5:6], packed, scales, sel[5:6], isa="amx")
+    assert torch.equal(alone.view(torch.int16), batch[5:6].view(torch.int16))
+    ref = mxfp4x.mxfp4_experts_slots(x[5:6].double(), packed, scales, sel[5:6])
+    assert ref[0, 0, 3] == 0 and batch[5, 0, 3] == 0
+    finite = ref.abs() < 2.0 ** 127
+    assert ((alone.double() - ref).abs()[finite] <= 2.0 ** -8 * ref.abs()[finite]).all()
+
+
 def test_float32_latents_run_avx512s_kernels(rng):
     """Only bf16 latents take the tiles: float32 and float16 give avx512's bits."""
     for dtype in (torch.float32, torch.float16):
