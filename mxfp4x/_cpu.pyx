@@ -50,7 +50,7 @@ cdef enum:
     T_TILE_GROUPS = 8
     T_PANEL_ROWS = 32
 # A forward task takes an expert's pairs in blocks of at most PAIR_BLOCK, so a thread's
-# dot-product scratch is bounded (PAIR_BLOCK x its tile rows) however many pairs one expert
+# dot-product scratch is bounded (PAIR_BLOCK x its task's rows) however many pairs one expert
 # gets: 100000 tokens all routed to one expert need the same scratch as 512.  A token's
 # dots do not depend on the pairs beside it (the gemv and panel paths give the same bits),
 # and the blocks are combined in the pair order, so the bits do not change.
@@ -59,9 +59,9 @@ cdef enum:
 # Forward tiles grow (up to WIDE_TILES x the ISA's tile rows) when some expert takes the
 # panel path, while every thread keeps >= TASKS_PER_THREAD tasks to balance: an expert's
 # latents (64 tokens of gpt-oss-20b: 737 KB) are then read from L3 once per wide tile
-# instead of once per tile, and the panel dot ran 6-8 % faster (T = 512, gpt-oss-20b
-# gate/up, 1 thread, Xeon with AVX-512: 790 -> 747 ms at 3x).  A tile's size changes no
-# bit: each dot is the kernels', each element combined in the pairs' order.
+# instead of once per tile, and the call ran 5-6 % faster (T = 512, gpt-oss-20b gate/up,
+# 1 thread, Xeon with AVX-512: 790-800 ms at 1x, 745-750 at 3x, 745-757 at 6x).  A tile's
+# size changes no bit: each dot is the kernels', each element combined in the pairs' order.
 cdef enum:
     WIDE_TILES = 4
     TASKS_PER_THREAD = 8

@@ -31,17 +31,24 @@ from . import _cpu_impl, _torch_impl
 _TAIL = 'int num_threads=0, str isa="") -> Tensor'
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses (FakeTensor, DTensor, ...) take the op
+
+
 def _plain_cpu(t, grad):
-    return type(t) is torch.Tensor and t.device.type == "cpu" and not (grad and t.requires_grad)
+    return type(t) in _PLAIN and t.device.type == "cpu" and not (grad and t.requires_grad)
 
 
 def runs_direct(tensors, weights) -> bool:
     """Whether calling the CPU kernel directly is exactly what the op would run: eager
-    mode (not traced), no torch function or dispatch mode and no functorch transform to
-    hand the call to, plain CPU tensors, and no gradient to record.  The dispatcher's
-    own cost is then skipped (about 70 of a call's 150 microseconds, Xeon); in every
-    other case the op runs.  ``weights``: packed and scales (tensors or lists)."""
-    if torch.compiler.is_compiling():
+    mode (not traced by dynamo or torch.jit), no torch function or dispatch mode, no
+    functorch transform and no forward-mode AD level to hand the call to, plain CPU
+    tensors (or parameters), and no gradient to record.  The dispatcher's own cost is then
+    skipped (tens of microseconds of a small call's 150); in every other case the op
+    runs.  ``weights``: packed and scales (tensors or lists of them, uint8: no gradient,
+    devices checked by the facade; a list's entries are checked for their type only)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    if getattr(torch.autograd.forward_ad, "_current_level", 0) >= 0:  # dual tensors
         return False
     c, functorch = torch._C, getattr(torch._C, "_functorch", None)
     try:
@@ -55,7 +62,7 @@ def runs_direct(tensors, weights) -> bool:
         return False
     for w in weights:
         if w is not None and not (_plain_cpu(w, grad) if isinstance(w, torch.Tensor) else
-                                  all(_plain_cpu(t, grad) for t in w)):
+                                  all(type(t) in _PLAIN for t in w)):
             return False
     return True
 

@@ -219,7 +219,8 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_sta
 #define MXFP4X_AVX2_KC 512
 /* The gemv/panel crossover (tuned on AMD Zen 3): panels from 9 tokens per expert on. */
 #define MXFP4X_AVX2_GEMV_MAX_TOKENS 8
-/* Tuned on Zen 3 with the driver (measured): 48-row tasks; panels of at most
+/* Tuned on Zen 3 with the driver (measured): 48-row tasks (the driver widens them with
+ * panel work, _cpu.pyx's WIDE_TILES); panels of at most
  * 384 KiB (Zen 3 L2: 512 KiB).  On the Xeon: panels of 12, 24, 48 rows ran at 95, 93,
  * 91 GFLOP/s (I = 3584, 64 tokens, 1 thread). */
 #define MXFP4X_AVX2_TILE_ROWS 48

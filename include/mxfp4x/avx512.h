@@ -112,7 +112,9 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
  * 367-373 ms at 64, 103 / 192-197 / 344-350 at 32, 104-108 / 190-194 / 331-347 at 16. */
 #define MXFP4X_AVX512_GEMV_MAX_TOKENS 32
 /* Output rows per forward task: 48 = 12 gemv row blocks, 12 panel_dot row blocks; every
- * model shape still has >= 60 tasks for 2..N threads to balance (d_out >= 2880). */
+ * model shape still has >= 60 tasks for 2..N threads to balance (d_out >= 2880).  The
+ * driver widens tasks up to 4x when an expert takes the panel path and every thread still
+ * gets 8 (_cpu.pyx, WIDE_TILES). */
 #define MXFP4X_AVX512_TILE_ROWS 48
 /* panel_dot ran at 139, 139, 134, 136 GFLOP/s for panels of 12, 24, 36, 48 rows (I = 2880,
  * 64 tokens, 1 thread): the panel size does not matter within L2; 384 KiB keeps it in

@@ -377,7 +377,8 @@ typedef struct {
     int layout_half;     /* element order inside a group, see mxfp4x_layout_pos */
     int panel_row_block; /* panel_dot's rows per register block: panels hold a multiple */
     int gemv_max_tokens; /* gemv up to this many tokens per expert, panels above */
-    int tile_rows;       /* output rows of W per forward task (a multiple of the blocks) */
+    int tile_rows;       /* output rows of W per forward task (a multiple of the blocks;
+                            the driver may take up to 4 tiles per task, _cpu.pyx) */
     int64_t panel_bytes; /* decoded rows a thread holds at once (float32 panel) */
     mxfp4x_gemv_f32_fn gemv_f32;
     mxfp4x_decode_f32_fn decode_f32;

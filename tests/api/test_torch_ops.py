@@ -207,15 +207,22 @@ def test_eager_calls_skip_the_dispatcher_only_when_the_op_would_add_nothing(rng,
     from torch.utils._python_dispatch import TorchDispatchMode
     layer = random_layer(rng, 5, 2, 3, 24, 2)
     via_op = []
-    real = _ops.experts_op
-    monkeypatch.setattr(mxfp4x._api, "experts_op",
-                        lambda packed: via_op.append(1) or real(packed))
+    for name in ("experts_op", "slots_op"):
+        real = getattr(_ops, name)
+        monkeypatch.setattr(mxfp4x._api, name,
+                            lambda packed, real=real: via_op.append(1) or real(packed))
     plain = mxfp4x.mxfp4_experts(**layer)
     assert not via_op
     assert torch.equal(plain, torch.ops.mxfp4x.mxfp4_experts(*_op_args(layer)))
     slots = mxfp4x.mxfp4_experts_slots(layer["latent_tokens"], layer["packed_weights"],
                                        layer["scale_bytes"], layer["selected_experts"])
+    assert not via_op
     assert torch.equal(slots, torch.ops.mxfp4x.mxfp4_experts_slots(*_op_args(layer)[:4]))
+    listed = [layer["packed_weights"][e] for e in range(3)], \
+        [torch.nn.Parameter(layer["scale_bytes"][e], requires_grad=False) for e in range(3)]
+    assert torch.equal(mxfp4x.mxfp4_experts(**{**layer, "packed_weights": listed[0],
+                                               "scale_bytes": listed[1]}), plain)
+    assert not via_op
 
     x = layer["latent_tokens"].clone().requires_grad_()
     y = mxfp4x.mxfp4_experts(**{**layer, "latent_tokens": x})
@@ -235,3 +242,16 @@ def test_eager_calls_skip_the_dispatcher_only_when_the_op_would_add_nothing(rng,
     with Names():
         assert torch.equal(mxfp4x.mxfp4_experts(**layer), plain)
     assert any("mxfp4x.mxfp4_experts" in name for name in seen), seen
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_a_jit_trace_records_the_op(rng):
+    """torch.jit.trace sees no mode and no dynamo: the call must still go through the op,
+    or the trace would keep only the shared output's copy."""
+    layer = random_layer(rng, 5, 2, 3, 24, 2)
+    rest = {k: v for k, v in layer.items() if k != "latent_tokens"}
+    traced = torch.jit.trace(lambda x: mxfp4x.mxfp4_experts(x, **rest),
+                             (layer["latent_tokens"],), check_trace=False)
+    assert "mxfp4x::mxfp4_experts" in str(traced.graph)
+    other = torch.from_numpy(rng.standard_normal(layer["latent_tokens"].shape)).float()
+    assert torch.equal(traced(other), mxfp4x.mxfp4_experts(other, **rest))
