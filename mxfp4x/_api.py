@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from . import _cpu, _cpu_impl, _threads
-from ._ops import experts_op, runs_direct, slots_op
+from ._ops import experts_op, forward_ad_in_use, runs_direct, slots_op
 from ._torch_impl import mxfp4_experts_torch, slots_torch
 from ._validation import check_inputs, check_isa, check_num_threads
 from ._version import __version__
@@ -19,6 +19,14 @@ def _check_backend(backend, isa):
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     check_isa(isa)  # plain Python: torch.compile traces it
+
+
+def _check_forward_ad(backend, tensors, name):
+    if backend != "torch" and forward_ad_in_use(tensors):
+        raise NotImplementedError(
+            f"mxfp4x.{name}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is "
+            f"not implemented for the compiled kernels; pass backend='torch' (PyTorch ops, "
+            f"differentiable in both modes)")
 
 
 def _check_device(backend, x):
@@ -65,6 +73,7 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike,
         latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
         shared_output)
     _check_device(backend, x)
+    _check_forward_ad(backend, (x, mix, shared), "mxfp4_experts")
     if backend == "torch":  # plain PyTorch ops (differentiable; data-dependent routing, so
         # torch.compile(fullgraph=True) needs the default backend, which goes through the op)
         return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, x.dtype)
@@ -89,6 +98,7 @@ def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
     x, packed, scales, sel, _, _ = check_inputs(latent_tokens, packed_weights, scale_bytes,
                                                 selected_experts)
     _check_device(backend, x)
+    _check_forward_ad(backend, (x,), "mxfp4_experts_slots")
     if backend == "torch":
         return slots_torch(x, packed, scales, sel)
     sel = sel.to(torch.int64)

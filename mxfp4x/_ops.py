@@ -38,6 +38,28 @@ def _plain_cpu(t, grad):
     return type(t) in _PLAIN and t.device.type == "cpu" and not (grad and t.requires_grad)
 
 
+def forward_ad_in_use(tensors) -> bool:
+    """Whether the call runs under forward-mode AD with a tangent to carry: a
+    ``torch.func.jvp`` transform, or a ``torch.autograd.forward_ad`` level with a dual
+    tensor among ``tensors``.  The ops have no forward-mode formula (torch would carry a
+    zero or no tangent, silently), so the facade refuses such a call."""
+    if torch.compiler.is_compiling():
+        return False
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is not None:
+        try:
+            stack = functorch.get_interpreter_stack()
+            if stack and any(i.key() == functorch.TransformType.Jvp for i in stack):
+                return True
+        except AttributeError:  # a torch without these
+            pass
+    if getattr(torch.autograd.forward_ad, "_current_level", -1) < 0:
+        return False
+    unpack = torch.autograd.forward_ad.unpack_dual
+    return any(isinstance(t, torch.Tensor) and unpack(t).tangent is not None
+               for t in tensors)
+
+
 def runs_direct(tensors, weights) -> bool:
     """Whether calling the CPU kernel directly is exactly what the op would run: eager
     mode (not traced by dynamo or torch.jit), no torch function or dispatch mode, no

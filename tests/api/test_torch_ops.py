@@ -255,3 +255,27 @@ def test_a_jit_trace_records_the_op(rng):
     assert "mxfp4x::mxfp4_experts" in str(traced.graph)
     other = torch.from_numpy(rng.standard_normal(layer["latent_tokens"].shape)).float()
     assert torch.equal(traced(other), mxfp4x.mxfp4_experts(other, **rest))
+
+
+def test_forward_mode_ad_is_refused_not_silently_zero(rng):
+    """The ops carry no forward-mode formula: torch.func.jvp would give a zero tangent and
+    forward_ad none at all.  Such a call is a clear error; the torch backend does it."""
+    import torch.autograd.forward_ad as fwAD
+    layer = random_layer(rng, 5, 2, 3, 24, 2)
+    rest = {k: v for k, v in layer.items() if k != "latent_tokens"}
+    x, v = layer["latent_tokens"], torch.from_numpy(rng.standard_normal((5, 64))).float()
+    with pytest.raises(NotImplementedError, match="backend='torch'"):
+        torch.func.jvp(lambda t: mxfp4x.mxfp4_experts(t, **rest), (x,), (v,))
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            mxfp4x.mxfp4_experts(fwAD.make_dual(x, v), **rest)
+        with pytest.raises(NotImplementedError, match="mxfp4_experts_slots"):
+            mxfp4x.mxfp4_experts_slots(fwAD.make_dual(x, v), layer["packed_weights"],
+                                       layer["scale_bytes"], layer["selected_experts"])
+        plain = mxfp4x.mxfp4_experts(x, **rest)  # no dual among the inputs: no tangent
+    assert torch.equal(plain, mxfp4x.mxfp4_experts(**layer))
+    _, tangent = torch.func.jvp(lambda t: mxfp4x.mxfp4_experts(t, **rest, backend="torch"),
+                                (x,), (v,))
+    zero = torch.zeros_like(layer["shared_output"])
+    want = mxfp4x.mxfp4_experts(v, **{**rest, "shared_output": zero}, backend="torch")
+    torch.testing.assert_close(tangent, want)
