@@ -31,7 +31,11 @@ def roofs():
     from mxfp4x.testing import roofline as _roofline
     small = os.environ.get("MXFP4X_BENCH_SMALL") == "1"
     threads = sorted({1, min(2, os.cpu_count() or 1)})
-    return _roofline.measure(threads=threads, quick=small)
+    _ROOFS.update(_roofline.measure(threads=threads, quick=small))
+    return _ROOFS
+
+
+_ROOFS: dict = {}  # this session's roofs, for the summary below
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -46,6 +50,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     w = terminalreporter.write_line
     w("")
     w(f"mxfp4x targets, isa {rows[0]['isa']}: time / floor from this run's roofs")
+    if _ROOFS:
+        isa = rows[0]["isa"]
+        cpu = _ROOFS['cpu']
+        name = cpu.get('model', cpu) if isinstance(cpu, dict) else cpu
+        w(f"roofs ({name}), by threads " + "; ".join(
+            f"{th}: read {_ROOFS['read_gbps'][th]:.1f} GB/s, FMA {isa} "
+            f"{_ROOFS['fma_gflops'][th].get(isa, float('nan')):.0f} GFLOP/s, torch.matmul "
+            f"float32 {_ROOFS['matmul_gflops'][th]['float32']:.0f}" for th in _ROOFS["threads"]))
     w(f"{'shape':22s} {'T':>4s} {'dtype':8s} {'thr':>3s} {'ms':>9s} {'GFLOP/s':>8s} "
       f"{'xread':>6s} {'xfloor':>6s} {'xmatmul':>7s} {'FMA%':>5s}  target")
     for r in rows:
