@@ -14,6 +14,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int MXFP4X_ISA_AVX512
     int MXFP4X_ISA_NEON
     int MXFP4X_ISA_AMX
+    int MXFP4X_ISA_AVX512BF16
     int MXFP4X_ISA_COUNT
     const char *mxfp4x_isa_name(int isa)
     int MXFP4X_LAYOUT_16
@@ -90,6 +91,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         mxfp4x_bf16_gather_fn bf16_gather
         mxfp4x_bf16_rows_fn bf16_rows
         mxfp4x_bf16_scratch_fn bf16_scratch_bytes
+        int bf16_gemv_max_tokens
 
     int64_t mxfp4x_layout_pos(int64_t i, int half, int nibbles)
 
@@ -143,6 +145,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         int amx_tile
         int amx_bf16
         int amx_granted
+        int avx512_bf16
     int mxfp4x_isa_decision(const mxfp4x_cpu_facts *f)
     int mxfp4x_cpu_isas()
     int MXFP4X_N_FEATURES

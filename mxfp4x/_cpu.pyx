@@ -184,10 +184,14 @@ cdef const c.mxfp4x_kernels *kernels_of(isa) except NULL:
     return c.mxfp4x_kernel_at(_default if isa is None else _resolve(isa, "isa"))
 
 
-def gemv_max_tokens(isa=None):
+def gemv_max_tokens(isa=None, bint bf16=False):
     """The most tokens per expert that the float32 gemv path takes on ``isa`` (None: the
-    default); an expert with more takes the panel path (tests of the switch point)."""
-    return kernels_of(isa).gemv_max_tokens
+    default); an expert with more takes the panel path (tests of the switch point).  With
+    ``bf16``: the same switch of bf16 latents on the ISA's bf16 unit, where it has one."""
+    cdef const c.mxfp4x_kernels *k = kernels_of(isa)
+    if bf16 and k.bf16_rows != NULL:
+        return k.bf16_gemv_max_tokens
+    return k.gemv_max_tokens
 
 
 def has_bf16_unit(isa=None):

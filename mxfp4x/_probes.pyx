@@ -226,7 +226,8 @@ def decode_rows(packed, scales, *, isa=None, str compute="float32"):
 
 def isa_decision(*, bint osxsave, bint avx, bint fma, bint avx2, bint avx512f,
                  unsigned long long xcr0, int darwin_avx512=-1, bint avx512bw=False,
-                 bint amx_tile=False, bint amx_bf16=False, bint amx_granted=False):
+                 bint amx_tile=False, bint amx_bf16=False, bint amx_granted=False,
+                 bint avx512_bf16=False):
     """The ISAs cpu.h would allow for these CPUID / XCR0 / macOS sysctl facts, named as
     mxfp4x.h names them (every ISA, compiled here or not), sorted."""
     cdef c.mxfp4x_cpu_facts f
@@ -235,6 +236,7 @@ def isa_decision(*, bint osxsave, bint avx, bint fma, bint avx2, bint avx512f,
     f.darwin_avx512 = darwin_avx512
     f.avx512bw, f.amx_tile, f.amx_bf16, f.amx_granted = avx512bw, amx_tile, amx_bf16, \
         amx_granted
+    f.avx512_bf16 = avx512_bf16
     mask = c.mxfp4x_isa_decision(&f)
     return sorted(c.mxfp4x_isa_name(b).decode() for b in range(c.MXFP4X_ISA_COUNT)
                   if (mask >> b) & 1)

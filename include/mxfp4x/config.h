@@ -44,6 +44,16 @@
 #  define MXFP4X_HAVE_AMX 0
 #endif
 
+/* AVX512-BF16 (avx512bf16.h): GCC >= 10 or clang >= 9 (vdpbf16ps inside a target region);
+ * never in the SIMDe emulation build. */
+#if MXFP4X_HAVE_X86_SIMD && MXFP4X_GNUC && !defined(MXFP4X_EMULATE_AVX512) && \
+    !defined(MXFP4X_NO_AVX512BF16) && \
+    ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10))
+#  define MXFP4X_HAVE_AVX512BF16 1
+#else
+#  define MXFP4X_HAVE_AVX512BF16 0
+#endif
+
 /* AArch64 Advanced SIMD (neon.h): part of the base architecture, so no target region
  * and no run-time check.  Little-endian only (the decode reinterprets byte lanes as
  * float lanes), GCC or clang (Apple clang included). */

@@ -14,6 +14,7 @@ typedef struct {
     int darwin_avx512; /* macOS: sysctl hw.optional.avx512f (1/0); -1 elsewhere */
     int avx512bw, amx_tile, amx_bf16; /* CPUID.(7,0): EBX bit 30, EDX bits 24 and 22 */
     int amx_granted; /* Linux granted this process the tile data state (arch_prctl) */
+    int avx512_bf16; /* CPUID.(7,1): EAX bit 5 */
 } mxfp4x_cpu_facts;
 
 /* Bit mask of the ISAs (1 << MXFP4X_ISA_*) a CPU and OS with these facts can run.
@@ -34,6 +35,10 @@ static int mxfp4x_isa_decision(const mxfp4x_cpu_facts *f) {
     if ((mask & (1 << MXFP4X_ISA_AVX512)) && f->avx512bw && f->amx_tile && f->amx_bf16 &&
         f->amx_granted && (f->xcr0 & 0x60000) == 0x60000)
         mask |= 1 << MXFP4X_ISA_AMX;
+    /* AVX512-BF16: AVX-512 with BW (the decode's word permutes) and vdpbf16ps; no state
+     * beyond the ZMM registers' */
+    if ((mask & (1 << MXFP4X_ISA_AVX512)) && f->avx512bw && f->avx512_bf16)
+        mask |= 1 << MXFP4X_ISA_AVX512BF16;
     return mask;
 }
 
@@ -90,7 +95,7 @@ static int mxfp4x_amx_request(void) { return 0; }
 
 static int mxfp4x_detect_isas(void) {
     uint32_t r[4];
-    mxfp4x_cpu_facts f = {0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0};
+    mxfp4x_cpu_facts f = {0, 0, 0, 0, 0, 0, -1, 0, 0, 0, 0, 0};
     mxfp4x_cpuid(0, 0, r);
     if (r[0] >= 1) {
         const uint32_t max_leaf = r[0];
@@ -106,6 +111,10 @@ static int mxfp4x_detect_isas(void) {
             f.amx_tile = (r[3] >> 24) & 1;
             f.amx_bf16 = (r[3] >> 22) & 1;
             if (f.amx_tile && f.amx_bf16) f.amx_granted = mxfp4x_amx_request();
+            if (r[0] >= 1) { /* sub-leaf 1 exists */
+                mxfp4x_cpuid(7, 1, r);
+                f.avx512_bf16 = (r[0] >> 5) & 1;
+            }
         }
         if (f.osxsave) f.xcr0 = mxfp4x_xgetbv0();
         f.darwin_avx512 = mxfp4x_darwin_avx512();

@@ -12,6 +12,7 @@
 #include "avx512.h"
 #include "neon.h"
 #include "amx.h"
+#include "avx512bf16.h"
 
 /* avx512's float32 kernels and their constants, shared by the avx512 and amx entries (all
  * but tile_rows: amx's tiles of rows are whole blocks of 4 x 16). */
@@ -43,7 +44,22 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .tile_rows = MXFP4X_AMX_TILE_ROWS,
      .bf16_gather = mxfp4x_amx_gather,
      .bf16_rows = mxfp4x_amx_bf16_rows,
-     .bf16_scratch_bytes = mxfp4x_amx_scratch_bytes},
+     .bf16_scratch_bytes = mxfp4x_amx_scratch_bytes,
+     .bf16_gemv_max_tokens = MXFP4X_AMX_GEMV_MAX_TOKENS},
+#endif
+#if MXFP4X_HAVE_AVX512BF16
+    /* avx512's kernels; bf16 latents of float32 calls on vdpbf16ps (avx512bf16.h).  After
+     * avx512 in preference, so chosen only by MXFP4X_ISA=avx512bf16: on an Intel Xeon
+     * vdpbf16ps runs at a quarter of the FMA's instruction rate (half its multiply-adds),
+     * where AMD Zen 4 runs it at the FMA's (twice its multiply-adds). */
+    {.isa = MXFP4X_ISA_AVX512BF16,
+     .name = MXFP4X_ISA_NAME_AVX512BF16,
+     MXFP4X_AVX512_FLOAT32_KERNELS,
+     .tile_rows = MXFP4X_BF16DP_TILE_ROWS,
+     .bf16_gather = mxfp4x_bf16dp_gather,
+     .bf16_rows = mxfp4x_bf16dp_rows,
+     .bf16_scratch_bytes = mxfp4x_bf16dp_scratch_bytes,
+     .bf16_gemv_max_tokens = MXFP4X_BF16DP_GEMV_MAX_TOKENS},
 #endif
     {.isa = MXFP4X_ISA_AVX2,
      .name = MXFP4X_ISA_NAME_AVX2,

@@ -48,7 +48,8 @@ enum {
     MXFP4X_ISA_AVX512 = 2,
     MXFP4X_ISA_NEON = 3, /* AArch64 Advanced SIMD */
     MXFP4X_ISA_AMX = 4,  /* AVX-512 + AMX-BF16: avx512's kernels, bf16 latents on tiles */
-    MXFP4X_ISA_COUNT = 5
+    MXFP4X_ISA_AVX512BF16 = 5, /* AVX-512 + AVX512-BF16: avx512's, bf16 latents on vdpbf16ps */
+    MXFP4X_ISA_COUNT = 6
 };
 
 /* Their names: the lowercase strings of MXFP4X_ISA, backend_info(), test ids and benchmark
@@ -59,12 +60,14 @@ enum {
 #define MXFP4X_ISA_NAME_AVX512 "avx512"
 #define MXFP4X_ISA_NAME_NEON "neon"
 #define MXFP4X_ISA_NAME_AMX "amx"
+#define MXFP4X_ISA_NAME_AVX512BF16 "avx512bf16"
 static const char *const mxfp4x_isa_names[MXFP4X_ISA_COUNT] = {
     [MXFP4X_ISA_SCALAR] = MXFP4X_ISA_NAME_SCALAR,
     [MXFP4X_ISA_AVX2] = MXFP4X_ISA_NAME_AVX2,
     [MXFP4X_ISA_AVX512] = MXFP4X_ISA_NAME_AVX512,
     [MXFP4X_ISA_NEON] = MXFP4X_ISA_NAME_NEON,
     [MXFP4X_ISA_AMX] = MXFP4X_ISA_NAME_AMX,
+    [MXFP4X_ISA_AVX512BF16] = MXFP4X_ISA_NAME_AVX512BF16,
 };
 
 /* The name of ISA `isa` (an MXFP4X_ISA_* value), NULL outside the enum. */
@@ -392,6 +395,7 @@ typedef struct {
     mxfp4x_bf16_gather_fn bf16_gather;
     mxfp4x_bf16_rows_fn bf16_rows;
     mxfp4x_bf16_scratch_fn bf16_scratch_bytes;
+    int bf16_gemv_max_tokens; /* bf16_rows' own switch: registers up to this many tokens */
 } mxfp4x_kernels;
 
 /* Where natural element i of a row sits in a kernel layout of half-size `half` for

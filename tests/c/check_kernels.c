@@ -24,6 +24,12 @@
  *   dense_bf16      dense bf16 rows x float32 tokens: against float64 within the bound;
  *                   one-token calls, the several-token call and split row ranges bit
  *                   for bit; widths off every lane count, zero and subnormal weights
+ *   bf16            (entries with a bf16 unit: amx, avx512bf16) bf16 latents gathered
+ *                   and multiplied by bf16_rows: against float64 within the bound, with
+ *                   subnormal, tiny and huge latents and scale bytes 0, 1, 68, 69, 159,
+ *                   160, 254, 255 among the rows (the exact path); every token alone,
+ *                   the whole batch, counts each side of the unit's switch, and
+ *                   tile-aligned split row ranges, bit for bit (gguf_bf16: GGUF blocks)
  *   gguf_*          decode, gemv, panel_dot and batch again on llama.cpp's GGUF blocks
  *                   (17 bytes per group, the scale byte first; byte j holds elements j
  *                   and j+16), read in place: gguf_decode, gguf_gemv, gguf_panel,
@@ -648,6 +654,132 @@ static void check_fma_loop(const mxfp4x_kernels *k) {
     report(k->name, "fma_loop", &d, flops > 0 && v == v && fabsf(v) < 1e30f, detail);
 }
 
+/* ---- bf16 latents on the entry's bf16 unit ---------------------------------------- */
+
+static uint16_t bf16_of(float f) { /* truncated: any bf16 will do */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)(u >> 16);
+}
+
+/* out (n_tok x n_rows) = rows [0, n_rows) . the tokens src[0..n_tok) of x, through the
+ * gather and bf16_rows in tile-aligned row ranges from row r_split on (0: one call). */
+static void bf16_run(const mxfp4x_kernels *k, const mxfp4x_rows *w, int64_t n_rows,
+                     const uint16_t *x, int64_t d_in, const int64_t *src, int64_t n_tok,
+                     int64_t r_split, float *out) {
+    const int64_t G = w->n_groups;
+    uint16_t *xt = (uint16_t *)aligned_alloc(64, (size_t)((n_tok * d_in * 2 + 64 + 63) / 64 * 64));
+    uint8_t *unsafe = (uint8_t *)xcalloc((size_t)n_tok + 1, 1);
+    void *scratch = xcalloc((size_t)k->bf16_scratch_bytes(G), 1);
+    float *part = (float *)xcalloc((size_t)(n_tok * n_rows), sizeof(float));
+    int64_t r0, r1, t, r;
+    if (!xt) exit(2);
+    k->bf16_gather(x, d_in, src, n_tok, G, w->nibbles, xt, unsafe);
+    for (r0 = 0; r0 < n_rows; r0 = r1) {
+        r1 = r_split > 0 && r0 + r_split < n_rows ? r0 + r_split : n_rows;
+        k->bf16_rows(w, r0, r1, xt, unsafe, n_tok, part, r1 - r0, scratch);
+        for (t = 0; t < n_tok; t++)
+            for (r = r0; r < r1; r++) out[t * n_rows + r] = part[t * (r1 - r0) + r - r0];
+    }
+    free(xt);
+    free(unsafe);
+    free(scratch);
+    free(part);
+}
+
+static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
+    static const uint8_t special[] = {0, 1, 68, 69, 159, 160, 254, 255};
+    const int64_t n_rows = 45, G = 37, d_in = G * MXFP4X_GROUP, n_x = 40;
+    const int64_t m = k->bf16_gemv_max_tokens, counts[] = {1, 2, 3, 5, m, m + 1, 21};
+    const int halves = nibbles == MXFP4X_NIBBLES_HALVES;
+    const int64_t row_bytes = G * (halves ? MXFP4X_GGUF_BLOCK_BYTES : MXFP4X_GROUP_BYTES);
+    uint8_t *blocks = (uint8_t *)xcalloc((size_t)(n_rows * row_bytes + 64), 1);
+    uint8_t *scales = (uint8_t *)xcalloc((size_t)(n_rows * G), 1);
+    uint16_t *x = (uint16_t *)xcalloc((size_t)(n_x * d_in), 2);
+    int64_t src[40], i, r, t, c, g;
+    float *full, *one, *other;
+    double worst = 0.0;
+    int ok = 1;
+    digest d;
+    char detail[160];
+    mxfp4x_rows w;
+    if (!k->bf16_rows) return;
+    seed(7000 + (uint64_t)nibbles);
+    digest_init(&d);
+    for (i = 0; i < n_rows * G; i++) scales[i] = (uint8_t)(118 + next_u64() % 18);
+    for (i = 0; i < (int64_t)sizeof special; i++) /* one special scale per row 3i + 1 */
+        scales[(3 * i + 1) * G + (i * 5) % G] = special[i];
+    for (g = 0; g < G; g++) scales[(n_rows - 1) * G + g] = 1; /* a row of 2^-126-scale weights */
+    if (halves) {
+        for (r = 0; r < n_rows; r++)
+            for (g = 0; g < G; g++) {
+                uint8_t *blk = blocks + r * row_bytes + g * MXFP4X_GGUF_BLOCK_BYTES;
+                blk[0] = scales[r * G + g];
+                for (i = 1; i < MXFP4X_GGUF_BLOCK_BYTES; i++) blk[i] = (uint8_t)next_u64();
+            }
+        w = mxfp4x_rows_gguf(blocks, row_bytes, G);
+    } else {
+        for (i = 0; i < n_rows * row_bytes; i++) blocks[i] = (uint8_t)next_u64();
+        w = mxfp4x_rows_split(blocks, scales, row_bytes, G, G);
+    }
+    for (i = 0; i < n_x * d_in; i++) x[i] = bf16_of(next_float());
+    x[3 * d_in + 5] = 0x0001;                             /* a bf16 subnormal */
+    for (i = 0; i < d_in; i++) /* every latent near 2^-125: products under 2^-126 */
+        x[7 * d_in + i] = (uint16_t)((x[7 * d_in + i] & 0x807F) | 0x0100);
+    for (i = 0; i < d_in; i++) /* every latent a bf16 subnormal (vdpbf16ps reads 0) */
+        x[8 * d_in + i] = (uint16_t)((x[8 * d_in + i] & 0x807F) | 0x0001);
+    x[11 * d_in + 40] = 0x5F80;                           /* 2^64 */
+    x[13 * d_in + 2] = 0x7F80;                            /* inf */
+    for (t = 0; t < n_x; t++) src[t] = (t * 17 + 3) % n_x; /* scattered, as routed */
+    full = (float *)xcalloc((size_t)(n_x * n_rows), sizeof(float));
+    one = (float *)xcalloc((size_t)n_rows, sizeof(float));
+    other = (float *)xcalloc((size_t)(n_x * n_rows), sizeof(float));
+    bf16_run(k, &w, n_rows, x, d_in, src, n_x, 0, full);
+    /* against float64 (NaN where the reference is; rows whose terms pass float32's range
+     * overflow as every float32 path does: not compared) */
+    for (t = 0; t < n_x; t++)
+        for (r = 0; r < n_rows; r++) {
+            double s = 0.0, mag = 0.0, err;
+            const float got = full[t * n_rows + r];
+            for (i = 0; i < d_in; i++) { /* natural order, as the latents are given */
+                const double p =
+                    weight_ref(&w, r, i) * (double)mxfp4x_bf16_to_f32(x[src[t] * d_in + i]);
+                s += p;
+                mag += fabs(p);
+            }
+            digest_f32(&d, got);
+            if (s != s) {
+                if (got == got) ok = 0;
+                continue;
+            }
+            if (mag >= ldexp(1.0, 127)) continue;
+            err = fabs((double)got - s);
+            if (err > error_bound(mag, d_in) || got != got) ok = 0;
+            if (mag > 0 && err / mag > worst) worst = err / mag;
+        }
+    /* every token alone, and runs of each count, bit for bit */
+    for (t = 0; t < n_x; t++) {
+        bf16_run(k, &w, n_rows, x, d_in, src + t, 1, 0, one);
+        if (memcmp(one, full + t * n_rows, (size_t)n_rows * sizeof(float))) ok = 0;
+    }
+    for (c = 0; c < (int64_t)(sizeof counts / sizeof counts[0]); c++) {
+        const int64_t n = counts[c], t0 = (c * 7) % (n_x - n + 1);
+        bf16_run(k, &w, n_rows, x, d_in, src + t0, n, 0, other);
+        if (memcmp(other, full + t0 * n_rows, (size_t)(n * n_rows) * sizeof(float))) ok = 0;
+    }
+    /* tile-aligned split row ranges (as the driver's tasks) */
+    bf16_run(k, &w, n_rows, x, d_in, src, n_x, k->tile_rows < n_rows ? k->tile_rows : 16, other);
+    if (memcmp(other, full, (size_t)(n_x * n_rows) * sizeof(float))) ok = 0;
+    snprintf(detail, sizeof detail, "max_rel_err=%.3g switch=%lld", worst, (long long)m);
+    report(k->name, named("bf16", "gguf_bf16", nibbles), &d, ok, detail);
+    free(blocks);
+    free(scales);
+    free(x);
+    free(full);
+    free(one);
+    free(other);
+}
+
 /* ---- main ---------------------------------------------------------------------------- */
 
 static const char *arch_name(void) {
@@ -710,8 +842,10 @@ int main(int argc, char **argv) {
         check_fz(k);
         check_fma_loop(k);
         check_dense(k);
+        check_bf16(k, MXFP4X_NIBBLES_PAIRS);
         check_decode(k, MXFP4X_NIBBLES_HALVES);
         check_mv(k, MXFP4X_NIBBLES_HALVES);
+        check_bf16(k, MXFP4X_NIBBLES_HALVES);
     }
     printf("# %s\n", failures ? "FAILED" : "all ok");
     return failures ? 1 : 0;

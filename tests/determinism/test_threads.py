@@ -262,9 +262,9 @@ def test_wide_tiles_keep_the_bits(isa, rng, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_batch_invariance_at_the_gemv_panel_switch(isa, rng, dtype):
     # expert 0 gets exactly the gemv path's most tokens, expert 1 one more (the panel
-    # path, or on a bf16 unit its tiles: amx.h's MXFP4X_AMX_GEMV_MAX_TOKENS, 4), expert 2
-    # one token: every token's row is the one it gets alone
-    m = 4 if dtype == torch.bfloat16 and _cpu.has_bf16_unit(isa) else _cpu.gemv_max_tokens(isa)
+    # path, or on a bf16 unit its own: amx's tiles above 4, avx512bf16's panel above 8),
+    # expert 2 one token: every token's row is the one it gets alone
+    m = _cpu.gemv_max_tokens(isa, bf16=dtype == torch.bfloat16)
     n = 2 * m + 2
     layer = random_layer(rng, n, 1, 3, 61, 3, dtype=dtype)
     layer["selected_experts"][:, 0] = torch.tensor([0] * m + [1] * (m + 1) + [2])

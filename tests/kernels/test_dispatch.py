@@ -143,9 +143,19 @@ _AVX2_FACTS = dict(osxsave=True, avx=True, fma=True, avx2=True)
     (dict(_AVX2_FACTS, avx512f=True, xcr0=0x600E7, **dict(_AMX, avx512bw=False)),
      ["avx2", "avx512", "scalar"]),
     (dict(_AVX2_FACTS, avx512f=False, xcr0=0x60007, **_AMX), ["avx2", "scalar"]),
+    # AVX512-BF16: the CPUID bit on top of AVX-512 with BW; no state of its own
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0xE7, avx512bw=True, avx512_bf16=True),
+     ["avx2", "avx512", "avx512bf16", "scalar"]),
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0xE7, avx512_bf16=True), ["avx2", "avx512", "scalar"]),
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0x07, avx512bw=True, avx512_bf16=True),
+     ["avx2", "scalar"]),
+    (dict(_AVX2_FACTS, avx512f=True, xcr0=0x600E7, avx512_bf16=True, **_AMX),
+     ["amx", "avx2", "avx512", "avx512bf16", "scalar"]),
 ], ids=["linux-avx512", "no-zmm-state", "no-avx-state", "no-osxsave", "no-fma",
         "macos-lazy-avx512", "macos-no-avx512", "macos-cpu-without-avx512", "linux-amx",
-        "amx-not-granted", "no-tile-state", "amx-without-avx512bw", "amx-without-avx512"])
+        "amx-not-granted", "no-tile-state", "amx-without-avx512bw", "amx-without-avx512",
+        "avx512bf16", "avx512bf16-without-avx512bw", "avx512bf16-without-zmm-state",
+        "amx-and-avx512bf16"])
 def test_isa_decision(facts, expected):
     assert _probes.isa_decision(**facts) == expected
 

@@ -1,13 +1,17 @@
-"""The "amx" ISA: bfloat16 latents on AMX tiles (include/mxfp4x/amx.h).
+"""The ISAs with a bf16 dot-product unit: bfloat16 latents on AMX tiles ("amx",
+include/mxfp4x/amx.h) and on AVX512-BF16's vdpbf16ps ("avx512bf16", avx512bf16.h).
 
-Every token of a bf16 call takes the tiles' arithmetic at any batch size (up to 4 tokens
-per expert a register gemv that replays it, bit for bit); a token with a nonzero latent
-under 2^-60 or one of 2^64 or more, and a block of 16 rows with a nonzero code under a
-scale byte < 69 or any scale byte >= 160, take the float64 exact path instead.  Checked
-against the float64 reference within the documented bound, bit for bit across batches
-(the gemv gives way to the tiles above 4 tokens, whose shapes change at 16, 32 and 48),
-in float32 before the result's rounding, across threads and token positions, on both
-arrangements.  Skipped where the CPU (or the OS) cannot run AMX."""
+Every token of a bf16 call takes the unit's arithmetic at any batch size (amx: up to 4
+tokens per expert a register gemv that replays the tiles, bit for bit; avx512bf16: up to 8
+a fused gemv, then a decoded panel, the same instructions on the same operands); a token
+with a nonzero latent under 2^-60 or one of 2^64 or more, and rows with a nonzero code
+under a scale byte < 69 or any scale byte >= 160 (amx: their block of 16), take the
+float64 exact path instead.  Checked against the float64 reference within the documented
+bound, bit for bit across batches (amx: the gemv gives way to the tiles above 4 tokens,
+whose shapes change at 16, 32 and 48; avx512bf16: fused blocks of 4 tokens, the panel
+above 8 in blocks of 6), in float32 before the result's rounding, across threads and token
+positions, on both arrangements.  Each ISA skipped where the CPU (or the OS) cannot run
+it."""
 import numpy as np
 import pytest
 import torch
@@ -18,8 +22,20 @@ from mxfp4x._reference import error_bound, mxfp4_experts_reference
 from mxfp4x.testing.layers import gguf_blocks_of
 from mxfp4x.testing.layers import random_layer as _random_layer
 
-pytestmark = pytest.mark.skipif("amx" not in _cpu.runnable_isas(),
-                                reason="this CPU or OS cannot run AMX")
+UNITS = ("amx", "avx512bf16")
+
+
+@pytest.fixture(params=[pytest.param(u, marks=pytest.mark.skipif(
+    u not in _cpu.runnable_isas(), reason=f"this CPU or OS cannot run {u}")) for u in UNITS])
+def unit(request):
+    """Each ISA with a bf16 unit that this CPU can run."""
+    return request.param
+
+
+def test_each_unit_takes_bf16_latents():
+    for u in set(UNITS) & set(_cpu.runnable_isas()):
+        assert _cpu.has_bf16_unit(u)
+    assert not _cpu.has_bf16_unit("avx512")
 
 
 def random_layer(*a, **k):
@@ -54,14 +70,14 @@ def _check(args, got, d_in):
 
 @pytest.mark.parametrize("n_tokens", [1, 15, 17, 33, 70])
 @pytest.mark.parametrize("form", ["safetensors", "gguf"])
-def test_against_the_reference(rng, n_tokens, form):
+def test_against_the_reference(unit, rng, n_tokens, form):
     args = random_layer(rng, n_tokens, 3, 5, 37, 3, dtype=torch.bfloat16)
     x, packed, scales, *rest = args
     if form == "gguf":
         blocks = torch.from_numpy(gguf_blocks_of(packed.numpy(), scales.numpy()))
-        got = mxfp4x.mxfp4_experts(x, blocks, None, *rest, isa="amx")
+        got = mxfp4x.mxfp4_experts(x, blocks, None, *rest, isa=unit)
     else:
-        got = mxfp4x.mxfp4_experts(*args, isa="amx")
+        got = mxfp4x.mxfp4_experts(*args, isa=unit)
     assert got.dtype == torch.bfloat16
     _check(args, got, 96)
     # beside avx512's float32 FMAs (safetensors form)
@@ -69,25 +85,25 @@ def test_against_the_reference(rng, n_tokens, form):
     _near(got, other, x, packed, scales, *rest)
 
 
-def test_bit_identical_across_batches_threads_and_positions(rng):
+def test_bit_identical_across_batches_threads_and_positions(unit, rng):
     """Every token alone, in slices that cross the token blocks (16) and the tile shapes
     (4 x 1, 2 x 2, 1 x 4 C tiles), reversed, and on 1, 2 and 3 threads: the same bits."""
     args = random_layer(rng, 70, 4, 3, 131, 5, dtype=torch.bfloat16)
     x, packed, scales, sel, mix, shared = args
-    full = mxfp4x.mxfp4_experts(*args, isa="amx", num_threads=2)
+    full = mxfp4x.mxfp4_experts(*args, isa=unit, num_threads=2)
     for n in (1, 3):
-        assert torch.equal(mxfp4x.mxfp4_experts(*args, isa="amx", num_threads=n), full)
+        assert torch.equal(mxfp4x.mxfp4_experts(*args, isa=unit, num_threads=n), full)
     for t0, t1 in ((0, 1), (5, 6), (69, 70), (0, 16), (3, 20), (10, 43), (7, 70)):
         part = mxfp4x.mxfp4_experts(x[t0:t1], packed, scales, sel[t0:t1], mix[t0:t1],
-                                    shared[t0:t1], isa="amx")
+                                    shared[t0:t1], isa=unit)
         assert torch.equal(part, full[t0:t1]), (t0, t1)
     rev = torch.arange(69, -1, -1)
     back = mxfp4x.mxfp4_experts(x[rev], packed, scales, sel[rev], mix[rev], shared[rev],
-                                isa="amx")
+                                isa=unit)
     assert torch.equal(back, full[rev])
 
 
-def test_exact_path_for_tiny_latents_and_small_scales(rng):
+def test_exact_path_for_tiny_latents_and_small_scales(unit, rng):
     """Tokens with bf16 subnormals or latents under 2^-60, rows whose scale bytes are 0, 1,
     68 run the float64 exact path (255: NaN on either path): within the bound, nothing
     flushed, and the same bits alone as in a batch."""
@@ -107,15 +123,15 @@ def test_exact_path_for_tiny_latents_and_small_scales(rng):
     packed[0, 2, 1] = 0x13      # nonzero codes where the scale is 0
     args = (x, packed, scales, sel, mix, shared)
     # the tiny tokens alone (their outputs scaled up to where the bound is not all noise)
-    got = mxfp4x.mxfp4_experts(*args, isa="amx")
+    got = mxfp4x.mxfp4_experts(*args, isa=unit)
     _check(args, got, 128)
     for t in (3, 7, 11, 12):
         one = mxfp4x.mxfp4_experts(x[t:t + 1], packed, scales, sel[t:t + 1], mix[t:t + 1],
-                                   shared[t:t + 1], isa="amx")
+                                   shared[t:t + 1], isa=unit)
         assert torch.equal(one.view(torch.int16), got[t:t + 1].view(torch.int16)), t
     # a tiny token's own dot products (no shared output to hide them): not flushed
     tiny = x[7:8]
-    dots = mxfp4x.mxfp4_experts_slots(tiny, packed, scales, sel[7:8], isa="amx").double()
+    dots = mxfp4x.mxfp4_experts_slots(tiny, packed, scales, sel[7:8], isa=unit).double()
     ref = mxfp4x.mxfp4_experts_slots(tiny.double(), packed, scales, sel[7:8]).double()
     # where the result is a normal bf16 (a dot product can cancel to below that, rarely)
     ok = ref.isfinite() & (ref.abs() >= 2.0 ** -126)
@@ -126,7 +142,7 @@ def test_exact_path_for_tiny_latents_and_small_scales(rng):
 
 @pytest.mark.parametrize("latent,scale", [(2.0 ** 120, 134), (2.0 ** 60, 200)],
                          ids=["latent-2^120", "scale-200"])
-def test_huge_latents_and_scales_take_the_exact_path(rng, latent, scale):
+def test_huge_latents_and_scales_take_the_exact_path(unit, rng, latent, scale):
     """+6 and -6 under one scale times the same huge latent: the tiles (scale folded into
     the weights) would overflow each product to inf and give inf - inf = NaN, the gemv
     (scale taken out of the group's sums) 0.  A token with a latent of 2^64 or more and a
@@ -141,8 +157,8 @@ def test_huge_latents_and_scales_take_the_exact_path(rng, latent, scale):
     packed[0, 3, 0, :2] = torch.tensor([0x07, 0x0F], dtype=torch.uint8)  # +6, -6
     scales[0, 3, 0] = scale
     sel = torch.zeros((n_tok, 1), dtype=torch.int64)
-    batch = mxfp4x.mxfp4_experts_slots(x, packed, scales, sel, isa="amx")
-    alone = mxfp4x.mxfp4_experts_slots(x[5:6], packed, scales, sel[5:6], isa="amx")
+    batch = mxfp4x.mxfp4_experts_slots(x, packed, scales, sel, isa=unit)
+    alone = mxfp4x.mxfp4_experts_slots(x[5:6], packed, scales, sel[5:6], isa=unit)
     assert torch.equal(alone.view(torch.int16), batch[5:6].view(torch.int16))
     ref = mxfp4x.mxfp4_experts_slots(x[5:6].double(), packed, scales, sel[5:6])
     assert ref[0, 0, 3] == 0 and batch[5, 0, 3] == 0
@@ -150,15 +166,15 @@ def test_huge_latents_and_scales_take_the_exact_path(rng, latent, scale):
     assert ((alone.double() - ref).abs()[finite] <= 2.0 ** -8 * ref.abs()[finite]).all()
 
 
-def test_float32_latents_run_avx512s_kernels(rng):
+def test_float32_latents_run_avx512s_kernels(unit, rng):
     """Only bf16 latents take the tiles: float32 and float16 give avx512's bits."""
     for dtype in (torch.float32, torch.float16):
         args = random_layer(rng, 20, 2, 3, 40, 3, dtype=dtype)
-        assert torch.equal(mxfp4x.mxfp4_experts(*args, isa="amx"),
+        assert torch.equal(mxfp4x.mxfp4_experts(*args, isa=unit),
                            mxfp4x.mxfp4_experts(*args, isa="avx512"))
 
 
-def test_tiles_and_exact_path_agree_where_the_sums_are_exact(rng):
+def test_tiles_and_exact_path_agree_where_the_sums_are_exact(unit, rng):
     """Small-integer latents and weights at scale 1: every partial sum is exact in float32,
     so the tiles, the float64 exact path (the same token scaled by 2^-118, whose products
     tdpbf16ps would flush) and the reference all give the same bits."""
@@ -168,28 +184,28 @@ def test_tiles_and_exact_path_agree_where_the_sums_are_exact(rng):
     packed = torch.from_numpy(rng.integers(0, 256, (2, d_out, n_groups, 16), dtype=np.uint8))
     scales = torch.full((2, d_out, n_groups), 127, dtype=torch.uint8)
     sel = torch.from_numpy(rng.integers(0, 2, (n_tok, 1)))
-    tiles = mxfp4x.mxfp4_experts_slots(x, packed, scales, sel, isa="amx")
-    exact = mxfp4x.mxfp4_experts_slots(x * 2.0 ** -118, packed, scales, sel, isa="amx")
+    tiles = mxfp4x.mxfp4_experts_slots(x, packed, scales, sel, isa=unit)
+    exact = mxfp4x.mxfp4_experts_slots(x * 2.0 ** -118, packed, scales, sel, isa=unit)
     ref = mxfp4x.mxfp4_experts_slots(x.double(), packed, scales, sel)
     assert (ref.abs() < 2.0 ** 24).all() and (ref != 0).any()
     assert torch.equal(tiles, ref.bfloat16())
     assert torch.equal(exact, (ref * 2.0 ** -118).bfloat16())
 
 
-def test_per_slot_latents(rng):
+def test_per_slot_latents(unit, rng):
     """One latent row per (token, slot), as gpt-oss's down projection takes them."""
     x, packed, scales, sel, mix, shared = random_layer(rng, 19, 3, 4, 45, 3,
                                                        dtype=torch.bfloat16)
     per_slot = torch.from_numpy(rng.standard_normal((19, 3, 96))).bfloat16()
-    got = mxfp4x.mxfp4_experts(per_slot, packed, scales, sel, mix, shared, isa="amx")
+    got = mxfp4x.mxfp4_experts(per_slot, packed, scales, sel, mix, shared, isa=unit)
     other = mxfp4x.mxfp4_experts(per_slot, packed, scales, sel, mix, shared, isa="avx512")
     _near(got, other, per_slot, packed, scales, sel, mix, shared)
     one = mxfp4x.mxfp4_experts(per_slot[4:5], packed, scales, sel[4:5], mix[4:5],
-                               shared[4:5], isa="amx")
+                               shared[4:5], isa=unit)
     assert torch.equal(one, got[4:5])
 
 
-def _dots_f32(x, packed, scales, sel, n_threads=1):
+def _dots_f32(unit, x, packed, scales, sel, n_threads=1):
     """The float32 dot products of every (token, slot) before any rounding to bf16: the
     driver called as the op calls it, its result left in float32."""
     from mxfp4x import _cpu_impl
@@ -197,13 +213,13 @@ def _dots_f32(x, packed, scales, sel, n_threads=1):
     out = np.full((sel.numel(), ex.d_out), np.nan, dtype=np.float32)
     _cpu.Call(ex, product="forward", compute="float32", selected=sel.to(torch.int64).numpy(),
               mix=None, src=x.view(torch.int16).numpy(), src_dtype="bfloat16",
-              src_rows="token", dst=out, dst_rows="slot", isa="amx",
+              src_rows="token", dst=out, dst_rows="slot", isa=unit,
               n_threads=n_threads).run()
     return out.view(np.uint32)
 
 
 @pytest.mark.parametrize("form", ["safetensors", "gguf"])
-def test_gemv_gives_the_tiles_float32_bits(rng, form):
+def test_gemv_gives_the_tiles_float32_bits(unit, rng, form):
     """Up to MXFP4X_AMX_GEMV_MAX_TOKENS (4) tokens per expert take a register gemv that
     replays tdpbf16ps's arithmetic; more take the tiles.  In float32, before the result's
     one rounding: every token alone (the gemv) gives the bits it gets among 30 tokens of
@@ -224,12 +240,14 @@ def test_gemv_gives_the_tiles_float32_bits(rng, form):
     if form == "gguf":
         packed = torch.from_numpy(gguf_blocks_of(packed.numpy(), scales.numpy()))
         scales = None
-    full = _dots_f32(x, packed, scales, sel, n_threads=2)
+    full = _dots_f32(unit, x, packed, scales, sel, n_threads=2)
     assert not np.isnan(full.view(np.float32)).any()
     for t in range(n_tok):
-        one = _dots_f32(x[t:t + 1], packed, scales, sel[t:t + 1])
+        one = _dots_f32(unit, x[t:t + 1], packed, scales, sel[t:t + 1])
         assert np.array_equal(one, full[2 * t:2 * t + 2]), t
-    # and 2 to 5 tokens at once (the gemv's blocks of 2, 3, 4 tokens, then tiles)
-    for n in (2, 3, 4, 5):
-        part = _dots_f32(x[10:10 + n], packed, scales, sel[10:10 + n])
+    # and 2 to 5 tokens at once (the gemv's blocks of 2, 3, 4 tokens, then amx's tiles),
+    # and each side of the unit's own switch (avx512bf16: 8 fused, 9 on the panel)
+    m = _cpu.gemv_max_tokens(unit, bf16=True)
+    for n in sorted({2, 3, 4, 5, m, m + 1}):
+        part = _dots_f32(unit, x[10:10 + n], packed, scales, sel[10:10 + n])
         assert np.array_equal(part, full[20:20 + 2 * n]), n

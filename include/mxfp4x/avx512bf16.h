@@ -1,0 +1,328 @@
+/* mxfp4x/avx512bf16.h -- bfloat16 latents on AVX512-BF16's vdpbf16ps (AMD Zen 4 and later,
+ * Intel Cooper Lake, Sapphire Rapids and later).  The "avx512bf16" ISA is the avx512 kernel
+ * table plus mxfp4x_bf16dp_rows, which a float32-compute forward call with bfloat16
+ * latents uses for every token, at any batch size.
+ *
+ * The product: per (row, token) 16 float32 lanes, lane k accumulating pairs k of every
+ * group in order, one vdpbf16ps per group:
+ *
+ *     acc = vdpbf16ps(acc, W_g, X_g)   for g = 0 .. G-1;   W . x = hsum16(acc)
+ *
+ *   W_g: group g of the row decoded to 32 bf16 with its scale folded in (word 2k, 2k + 1:
+ *        the low and high nibble of byte k: elements 2k and 2k + 1 for the pairs
+ *        arrangement, k and k + 16 for GGUF's halves);
+ *   X_g: the token's 32 latents of group g in the same pairing (mxfp4x_bf16dp_gather).
+ *
+ * Few tokens per expert run it fused (the group decoded in a register, applied to each
+ * token); more decode the rows into a bf16 panel first and run a 4-row x 6-token register
+ * block over it.  Both issue the same vdpbf16ps on the same operands in the same order,
+ * and reduce by the same tree, so a token's result does not depend on its batch whatever
+ * the instruction does inside (its pair order and roundings are the hardware's; on an
+ * Intel Xeon it matched acc + odd product, then + even product, each rounded, on 3.2e6
+ * random cells).
+ *
+ * Exactness.  A bf16 latent times a scaled E2M1 value is exact in float32, and vdpbf16ps
+ * rounds to nearest even, but it reads subnormal inputs as zero and flushes subnormal
+ * results.  Neither can happen under amx.h's conditions (mxfp4x.h: nonzero weights at
+ * least 2^-59, nonzero finite latents at least 2^-60, so every product and partial sum is
+ * a multiple of 2^-126; scale bytes under 160 and latents under 2^64, so nothing
+ * overflows).  A token outside them (flagged by the gather) and a row outside them (a
+ * scan of its scale bytes) take the exact path: float64 products and sums in natural
+ * element order, rounded once -- the same for that token or row whatever the batch. */
+#ifndef MXFP4X_AVX512BF16_H
+#define MXFP4X_AVX512BF16_H
+
+#include "mxfp4x.h"
+
+#if MXFP4X_HAVE_AVX512BF16
+#include <immintrin.h>
+
+#define MXFP4X_TARGET_BF16DP MXFP4X_TARGET("avx512f,avx512bw,avx512bf16,avx2,fma")
+#define MXFP4X_BF16DP_FN static MXFP4X_TARGET_BF16DP
+#define MXFP4X_BF16DP_INLINE static inline MXFP4X_TARGET_BF16DP MXFP4X_ALWAYS_INLINE
+#define MXFP4X_BF16DP_NOINLINE static MXFP4X_TARGET_BF16DP __attribute__((noinline))
+
+/* Output rows per forward task, and the decoded panel's rows (a multiple of the 4-row
+ * blocks: a row's block, hence its code path, does not depend on the split). */
+#define MXFP4X_BF16DP_TILE_ROWS 48
+#define MXFP4X_BF16DP_MR 4
+#define MXFP4X_BF16DP_NT 4  /* tokens per fused block */
+#define MXFP4X_BF16DP_PNT 6 /* tokens per panel block */
+/* Fused up to this many tokens per expert, decoded panel above.  Streaming gpt-oss-20b
+ * gate/up rows from DRAM (one thread, Intel Xeon, benchmarks/kernel_bench.c gemv_bf16):
+ * fused 2.1 / 3.8 / 7.7 / 11.3 ns per row-group at 1 / 4 / 8 / 12 tokens, the panel 4.5 /
+ * 6.5 / 9.5 / 11.0. */
+#ifndef MXFP4X_BF16DP_GEMV_MAX_TOKENS
+#define MXFP4X_BF16DP_GEMV_MAX_TOKENS 8
+#endif
+MXFP4X_STATIC_ASSERT(MXFP4X_BF16DP_TILE_ROWS % MXFP4X_BF16DP_MR == 0,
+                     "avx512bf16: tasks of whole row blocks");
+
+/* Group g's 16 bytes -> 32 bf16 words of the scaled table of scale byte s (word 2k: low
+ * nibble of byte k, word 2k + 1: its high nibble). */
+MXFP4X_BF16DP_INLINE __m512i mxfp4x_bf16dp_decode(const uint8_t *b, uint8_t s) {
+    const __m512i t = _mm512_castsi256_si512(
+        _mm256_load_si256((const __m256i *)mxfp4x_e2m1_scaled_bf16[s]));
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    /* (d | d << 12) & 0x000F000F: the low nibble in word 0, the high nibble in word 1 */
+    const __m512i idx =
+        _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000F000F),
+                                  0xA8);
+    return _mm512_permutexvar_epi16(idx, t);
+}
+
+/* Whether row r needs the exact path: a scale byte >= MXFP4X_AMX_MAX_SCALE, or a group
+ * with a nonzero magnitude code under a scale byte < MXFP4X_AMX_MIN_SCALE (its weights
+ * could be or become subnormal).  The scale bytes 64 at a time where contiguous, the
+ * groups' bytes only under a small scale. */
+MXFP4X_BF16DP_INLINE int mxfp4x_bf16dp_row_unsafe(const mxfp4x_rows *w, int64_t r) {
+    const int64_t G = w->n_groups, gb = w->group_stride_blocks, gs = w->group_stride_scales;
+    const uint8_t *b = w->blocks + r * w->row_stride_blocks;
+    const uint8_t *s = w->scales + r * w->row_stride_scales;
+    int small = 0;
+    int64_t g;
+    if (gs == 1) {
+        const __m512i lim = _mm512_set1_epi8((char)MXFP4X_AMX_MIN_SCALE);
+        const __m512i big = _mm512_set1_epi8((char)(MXFP4X_AMX_MAX_SCALE - 1));
+        for (g = 0; g < G; g += 64) {
+            const __mmask64 k = G - g >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (G - g)) - 1);
+            const __m512i v = _mm512_maskz_loadu_epi8(k, s + g);
+            if (_mm512_mask_cmpgt_epu8_mask(k, v, big)) return 1;
+            small |= _mm512_mask_cmplt_epu8_mask(k, v, lim) != 0;
+        }
+    } else {
+        for (g = 0; g < G; g++) {
+            if (s[g * gs] >= MXFP4X_AMX_MAX_SCALE) return 1;
+            small |= s[g * gs] < MXFP4X_AMX_MIN_SCALE;
+        }
+    }
+    if (small)
+        for (g = 0; g < G; g++)
+            if (s[g * gs] < MXFP4X_AMX_MIN_SCALE &&
+                !_mm_testz_si128(_mm_loadu_si128((const __m128i *)(b + g * gb)),
+                                 _mm_set1_epi8(0x77)))
+                return 1;
+    return 0;
+}
+
+/* The exact path of row r and one token (x: its latents in the pairing, d_in words). */
+static float mxfp4x_bf16dp_exact_dot(const mxfp4x_rows *w, int64_t r, const uint16_t *x) {
+    const uint8_t *b = w->blocks + r * w->row_stride_blocks;
+    const uint8_t *s = w->scales + r * w->row_stride_scales;
+    double acc = 0.0;
+    int64_t g;
+    int k;
+    for (g = 0; g < w->n_groups; g++) {
+        const uint8_t *q = b + g * w->group_stride_blocks;
+        const double sc = mxfp4x_e8m0_f64(s[g * w->group_stride_scales]);
+        const uint16_t *p = x + g * MXFP4X_GROUP;
+        for (k = 0; k < 16; k++) {
+            acc += ((double)mxfp4x_e2m1_f32[q[k] & 0xF] * sc) * (double)mxfp4x_bf16_to_f32(p[2 * k]);
+            acc += ((double)mxfp4x_e2m1_f32[q[k] >> 4] * sc) *
+                   (double)mxfp4x_bf16_to_f32(p[2 * k + 1]);
+        }
+    }
+    return (float)acc;
+}
+
+MXFP4X_BF16DP_INLINE float mxfp4x_bf16dp_hsum(__m512 v) {
+    /* mxfp4x_hsum16_avx512's tree */
+    const __m256 lo = _mm512_castps512_ps256(v);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    return _mm_cvtss_f32(s1);
+}
+
+/* ---- few tokens: each group decoded once in a register, applied to every token ---- */
+
+/* mr <= 4 rows from r x nt <= 4 tokens (xs[t]: d_in words each) over every group:
+ * out[t * out_stride + i] = row r + i . token t; the next rows prefetched meanwhile. */
+MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_gemv_block(const mxfp4x_rows *w, int64_t r,
+                                                   const uint16_t *const *xs, int mr, int nt,
+                                                   float *out, int64_t out_stride,
+                                                   int64_t row_end) {
+    const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
+    const uint8_t *b[MXFP4X_BF16DP_MR], *sc[MXFP4X_BF16DP_MR];
+    __m512 a[MXFP4X_BF16DP_MR][MXFP4X_BF16DP_NT];
+    int64_t g;
+    int i, t;
+    for (i = 0; i < mr; i++) {
+        b[i] = w->blocks + (r + i) * sb;
+        sc[i] = w->scales + (r + i) * ss;
+        for (t = 0; t < nt; t++) a[i][t] = _mm512_setzero_ps();
+    }
+    mxfp4x_pf_cursor pf = mxfp4x_pf_next_block(w, r, MXFP4X_BF16DP_MR, row_end);
+    for (g = 0; g < G; g++) {
+        __m512bh x[MXFP4X_BF16DP_NT];
+        MXFP4X_PF_STEP(pf, g);
+        for (t = 0; t < nt; t++)
+            x[t] = (__m512bh)_mm512_loadu_si512((const void *)(xs[t] + g * MXFP4X_GROUP));
+        for (i = 0; i < mr; i++) {
+            const __m512bh wv = (__m512bh)mxfp4x_bf16dp_decode(b[i] + g * gb, sc[i][g * gs]);
+            for (t = 0; t < nt; t++) a[i][t] = _mm512_dpbf16_ps(a[i][t], wv, x[t]);
+        }
+    }
+    for (i = 0; i < mr; i++)
+        for (t = 0; t < nt; t++) out[t * out_stride + i] = mxfp4x_bf16dp_hsum(a[i][t]);
+}
+
+/* Full blocks compiled apart, their accumulators in registers. */
+#define MXFP4X_BF16DP_GEMV_FULL(N)                                                         \
+    MXFP4X_BF16DP_NOINLINE void mxfp4x_bf16dp_gemv_full##N(                               \
+        const mxfp4x_rows *w, int64_t r, const uint16_t *const *xs, float *out,           \
+        int64_t out_stride, int64_t row_end) {                                            \
+        mxfp4x_bf16dp_gemv_block(w, r, xs, MXFP4X_BF16DP_MR, N, out, out_stride, row_end); \
+    }
+MXFP4X_BF16DP_GEMV_FULL(1)
+MXFP4X_BF16DP_GEMV_FULL(2)
+MXFP4X_BF16DP_GEMV_FULL(3)
+MXFP4X_BF16DP_GEMV_FULL(4)
+
+/* ---- many tokens: rows decoded into a bf16 panel, then a register block over it ---- */
+
+/* Rows [r, r + n) decoded into panel (row i at i * d_in words). */
+MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_decode_rows(const mxfp4x_rows *w, int64_t r, int64_t n,
+                                                    uint16_t *panel) {
+    const int64_t G = w->n_groups, d_in = G * MXFP4X_GROUP;
+    const int64_t sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
+    int64_t i, g;
+    for (i = 0; i < n; i++) {
+        const uint8_t *b = w->blocks + (r + i) * sb;
+        const uint8_t *s = w->scales + (r + i) * ss;
+        uint16_t *d = panel + i * d_in;
+        for (g = 0; g < G; g++)
+            _mm512_store_si512((void *)(d + g * MXFP4X_GROUP),
+                               mxfp4x_bf16dp_decode(b + g * gb, s[g * gs]));
+    }
+}
+
+/* mr <= 4 panel rows (p0, stride d_in words) x nt <= 6 tokens over every group. */
+MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_panel_block(const uint16_t *p0, int64_t d_in,
+                                                    int64_t G, const uint16_t *const *xs,
+                                                    int mr, int nt, float *out,
+                                                    int64_t out_stride) {
+    __m512 a[MXFP4X_BF16DP_MR][MXFP4X_BF16DP_PNT];
+    int64_t g;
+    int i, t;
+    for (i = 0; i < mr; i++)
+        for (t = 0; t < nt; t++) a[i][t] = _mm512_setzero_ps();
+    for (g = 0; g < G; g++) {
+        __m512bh wv[MXFP4X_BF16DP_MR];
+        for (i = 0; i < mr; i++)
+            wv[i] = (__m512bh)_mm512_load_si512((const void *)(p0 + i * d_in + g * MXFP4X_GROUP));
+        for (t = 0; t < nt; t++) {
+            const __m512bh x =
+                (__m512bh)_mm512_loadu_si512((const void *)(xs[t] + g * MXFP4X_GROUP));
+            for (i = 0; i < mr; i++) a[i][t] = _mm512_dpbf16_ps(a[i][t], wv[i], x);
+        }
+    }
+    for (i = 0; i < mr; i++)
+        for (t = 0; t < nt; t++) out[t * out_stride + i] = mxfp4x_bf16dp_hsum(a[i][t]);
+}
+
+MXFP4X_BF16DP_NOINLINE void mxfp4x_bf16dp_panel_full(const uint16_t *p0, int64_t d_in, int64_t G,
+                                                     const uint16_t *const *xs, float *out,
+                                                     int64_t out_stride) {
+    mxfp4x_bf16dp_panel_block(p0, d_in, G, xs, MXFP4X_BF16DP_MR, MXFP4X_BF16DP_PNT, out,
+                              out_stride);
+}
+
+/* Scratch bytes of mxfp4x_bf16dp_rows: a panel of one task's rows (64-byte aligned). */
+static int64_t mxfp4x_bf16dp_scratch_bytes(int64_t n_groups) {
+    return MXFP4X_BF16DP_TILE_ROWS * n_groups * MXFP4X_GROUP * 2 + 64;
+}
+
+/* out[t * out_stride + r - row_start] = W[r] . x_t for r in [row_start, row_end), t <
+ * n_tok (x_t at xt + t * d_in, in the pairing), unsafe[t] nonzero for a token on the exact
+ * path.  row_start a multiple of 4 apart from the rows' origin (the driver's tasks are),
+ * so the 4-row blocks do not depend on the split; at most MXFP4X_BF16DP_TILE_ROWS rows
+ * per call through the panel.  `scratch`: mxfp4x_bf16dp_scratch_bytes(G) bytes. */
+MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start,
+                                         int64_t row_end, const uint16_t *xt,
+                                         const uint8_t *unsafe, int64_t n_tok, float *out,
+                                         int64_t out_stride, void *scratch) {
+    const int64_t G = w->n_groups, d_in = G * MXFP4X_GROUP;
+    uint16_t *panel = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    const uint16_t *xs[MXFP4X_BF16DP_PNT];
+    const int fused = n_tok <= MXFP4X_BF16DP_GEMV_MAX_TOKENS;
+    const int step = fused ? MXFP4X_BF16DP_NT : MXFP4X_BF16DP_PNT;
+    int64_t r0, r1, r, t, i;
+    int nt, mr;
+    for (r0 = row_start; r0 < row_end; r0 = r1) {
+        r1 = row_end - r0 < MXFP4X_BF16DP_TILE_ROWS ? row_end : r0 + MXFP4X_BF16DP_TILE_ROWS;
+        if (!fused) mxfp4x_bf16dp_decode_rows(w, r0, r1 - r0, panel);
+        for (t = 0; t < n_tok; t += step) {
+            nt = n_tok - t < step ? (int)(n_tok - t) : step;
+            for (i = 0; i < nt; i++) xs[i] = xt + (t + i) * d_in;
+            for (r = r0; r < r1; r += MXFP4X_BF16DP_MR) {
+                float *o = out + t * out_stride + (r - row_start);
+                mr = r1 - r < MXFP4X_BF16DP_MR ? (int)(r1 - r) : MXFP4X_BF16DP_MR;
+                if (fused && mr == MXFP4X_BF16DP_MR) {
+                    switch (nt) {
+                    case 4: mxfp4x_bf16dp_gemv_full4(w, r, xs, o, out_stride, row_end); break;
+                    case 3: mxfp4x_bf16dp_gemv_full3(w, r, xs, o, out_stride, row_end); break;
+                    case 2: mxfp4x_bf16dp_gemv_full2(w, r, xs, o, out_stride, row_end); break;
+                    default: mxfp4x_bf16dp_gemv_full1(w, r, xs, o, out_stride, row_end); break;
+                    }
+                } else if (fused) {
+                    mxfp4x_bf16dp_gemv_block(w, r, xs, mr, nt, o, out_stride, row_end);
+                } else if (mr == MXFP4X_BF16DP_MR && nt == MXFP4X_BF16DP_PNT) {
+                    mxfp4x_bf16dp_panel_full(panel + (r - r0) * d_in, d_in, G, xs, o, out_stride);
+                } else {
+                    mxfp4x_bf16dp_panel_block(panel + (r - r0) * d_in, d_in, G, xs, mr, nt, o,
+                                              out_stride);
+                }
+            }
+        }
+        /* the exact path: rows outside the conditions, for every token; tokens outside
+         * them, for every row */
+        for (r = r0; r < r1; r++) {
+            const int row_bad = mxfp4x_bf16dp_row_unsafe(w, r);
+            for (t = 0; t < n_tok; t++)
+                if (row_bad || unsafe[t])
+                    out[t * out_stride + (r - row_start)] =
+                        mxfp4x_bf16dp_exact_dot(w, r, xt + t * d_in);
+        }
+    }
+}
+
+/* Gather the latents of n pairs (token rows src[0..n) of x, natural order, bf16 bits,
+ * row stride x_stride elements) to dst (pair i at i * d_in words) in the pairing of
+ * arrangement `nibbles`; unsafe[i] = whether token i needs the exact path (amx.h's test:
+ * a nonzero finite latent under 2^-60 in magnitude, or one of at least 2^64, infinities
+ * and NaNs included). */
+MXFP4X_BF16DP_FN void mxfp4x_bf16dp_gather(const uint16_t *x, int64_t x_stride,
+                                           const int64_t *src, int64_t n, int64_t n_groups,
+                                           int nibbles, uint16_t *dst, uint8_t *unsafe) {
+    const int64_t d_in = n_groups * MXFP4X_GROUP;
+    const __m512i mag = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
+    const __m512i lim = _mm512_set1_epi16((short)((MXFP4X_AMX_MIN_LATENT_EXP << 7) - 1));
+    const __m512i huge = _mm512_set1_epi16((short)((MXFP4X_AMX_MAX_LATENT_EXP << 7) - 1));
+    /* halves: pair k = (element k, element k + 16) */
+    const __m512i halves = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                            9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                            17, 1, 16, 0);
+    int64_t i, g;
+    for (i = 0; i < n; i++) {
+        const uint16_t *row = x + src[i] * x_stride;
+        uint16_t *d = dst + i * d_in;
+        __mmask32 bad = 0;
+        for (g = 0; g < n_groups; g++) {
+            __m512i v = _mm512_loadu_si512((const void *)(row + g * MXFP4X_GROUP));
+            /* |bits| - 1 < limit - 1, unsigned: nonzero and under the limit */
+            bad |= _mm512_cmplt_epu16_mask(_mm512_sub_epi16(_mm512_and_si512(v, mag), one), lim);
+            bad |= _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, mag), huge);
+            if (nibbles == MXFP4X_NIBBLES_HALVES) v = _mm512_permutexvar_epi16(halves, v);
+            _mm512_storeu_si512((void *)(d + g * MXFP4X_GROUP), v);
+        }
+        unsafe[i] = bad != 0;
+    }
+}
+
+#endif /* MXFP4X_HAVE_AVX512BF16 */
+#endif /* MXFP4X_AVX512BF16_H */
