@@ -9,7 +9,9 @@ Each case reports in ``extra_info``:
 * the floors, from the roofs measured once per session (``python -m mxfp4x
   roofline``): ``read_floor_s`` = B / read bandwidth, ``fma_floor_s`` = F / the FMA peak
   of the ISA in use, ``floor_s`` the larger; ``vs_read_floor``, ``vs_floor`` = time /
-  floor and ``fma_share`` = fma_floor_s / time;
+  floor and ``fma_share`` = fma_floor_s / time; ``read_floor_torch_s`` and
+  ``vs_read_floor_torch``: the same against the read bandwidth of torch's memory (4 KiB
+  pages where Linux gives huge pages only on request), where these weights sit;
 * ``matmul_s``: ``torch.matmul`` of the same K products on already decoded
   weights of the latents' dtype, and ``vs_matmul`` = time / matmul_s;
 * ``torch_backend_s`` is in the ``impl=torch`` rows (dequantize-then-matmul);
@@ -93,6 +95,7 @@ def _case(benchmark, roofs, shape, n_tokens, dtype, threads, impl, form="stacked
     target, met = _bench.verdict(n_tokens, info["dtype"], t, fl, mm, isa)
     info.update(time_s=t, gbps=n_bytes / t / 1e9, gflops=n_flops / t / 1e9, **fl,
                 vs_read_floor=t / fl["read_floor_s"], vs_floor=t / fl["floor_s"],
+                vs_read_floor_torch=t / fl.get("read_floor_torch_s", float("nan")),
                 fma_share=fl["fma_floor_s"] / t, matmul_s=mm, vs_matmul=t / mm,
                 target=target, met=met)
     if impl == "cpu" and form == "stacked":

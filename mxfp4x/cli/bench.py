@@ -103,6 +103,7 @@ def _measure(args, calls, packed, scales, th, case, roofs, isa):
                 gbps=n_bytes / t_cpu / 1e9, gflops=n_flops / t_cpu / 1e9,
                 read_floor_ms=fl["read_floor_s"] * 1e3, floor_ms=fl["floor_s"] * 1e3,
                 matmul_ms=t_mm * 1e3, vs_read=t_cpu / fl["read_floor_s"],
+                vs_read_torch=t_cpu / fl.get("read_floor_torch_s", float("nan")),
                 vs_floor=t_cpu / fl["floor_s"], vs_matmul=t_cpu / t_mm)
 
 
@@ -113,7 +114,9 @@ def run(args):
     isa = mxfp4x.backend_info()["isa"]
     roofs = _roofline.measure(threads=sorted(set(threads)))
     print("roofs: read " + ", ".join(f"{roofs['read_gbps'][th]:.1f}" for th in threads) +
-          " GB/s; FMA " + ", ".join(f"{roofs['fma_gflops'][th][isa]:.0f}" for th in threads) +
+          " GB/s (torch's memory " +
+          ", ".join(f"{roofs['read_gbps_torch'][th]:.1f}" for th in threads) +
+          "); FMA " + ", ".join(f"{roofs['fma_gflops'][th][isa]:.0f}" for th in threads) +
           f" GFLOP/s ({isa}; threads {', '.join(map(str, threads))})")
     t0 = time.perf_counter()
     packed, scales = _bench.make_experts(n_experts, d_out, d_in)
@@ -136,7 +139,8 @@ def run(args):
             print(f"T={n_tokens:<5d} threads={th}  cpu {r['cpu_ms']:9.2f} ms "
                   f"({r['gbps']:6.2f} GB/s, {r['gflops']:7.1f} GFLOP/s)  torch backend "
                   f"{r['torch_ms']:9.2f} ms  | floor {r['floor_ms']:8.2f} ms "
-                  f"(x{r['vs_floor']:.2f}; read floor x{r['vs_read']:.2f})  decoded-matmul "
+                  f"(x{r['vs_floor']:.2f}; read floor x{r['vs_read']:.2f}, on torch's memory "
+                  f"x{r['vs_read_torch']:.2f})  decoded-matmul "
                   f"{r['matmul_ms']:8.2f} ms (x{r['vs_matmul']:.2f})", flush=True)
     print("check: a slice of every T matches the float64 reference within the float32 bound")
     if args.json:

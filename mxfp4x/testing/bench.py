@@ -118,10 +118,16 @@ def matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=torch.float32, repe
 
 def floors(n_bytes, n_flops, roofs, threads, isa):
     """The two floors of a case from ``_roofline.measure`` figures: B / read bandwidth
-    and F / the ISA's FMA peak, both with ``threads`` threads; ``floor_s`` is the larger."""
+    and F / the ISA's FMA peak, both with ``threads`` threads; ``floor_s`` is the larger.
+    ``read_floor_torch_s``: B / the read bandwidth of torch's memory, where the weights of
+    a torch tensor sit (informational: the targets use the machine's best read)."""
     read_s = n_bytes / (roofs["read_gbps"][threads] * 1e9)
     fma_s = n_flops / (roofs["fma_gflops"][threads][isa] * 1e9)
-    return {"read_floor_s": read_s, "fma_floor_s": fma_s, "floor_s": max(read_s, fma_s)}
+    out = {"read_floor_s": read_s, "fma_floor_s": fma_s, "floor_s": max(read_s, fma_s)}
+    torch_gbps = roofs.get("read_gbps_torch", {}).get(threads)
+    if torch_gbps:
+        out["read_floor_torch_s"] = n_bytes / (torch_gbps * 1e9)
+    return out
 
 
 # The targets, by the host's best ISA: T = 1 against the read floor, T = 2..256

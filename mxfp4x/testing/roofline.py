@@ -1,5 +1,6 @@
 """The roofs of the machine this runs on, measured in-process (``python -m mxfp4x
-roofline``): memory read bandwidth over more than 1 GiB, the float32 multiply-add peak of
+roofline``): memory read bandwidth over more than 1 GiB (numpy's memory, on huge pages where
+Linux gives them, and torch's, as tensors get it), the float32 multiply-add peak of
 every ISA the build can run here (a register-resident loop compiled for that ISA), and
 ``torch.matmul`` in float32 and bfloat16 at a large square size; with the CPU model and
 the flags that matter."""
@@ -62,6 +63,18 @@ def read_bandwidth(threads: int, n_bytes: int = 5 << 28, repeats: int = 3) -> fl
         torch.set_num_threads(old)
 
 
+def read_bandwidth_torch(threads: int, n_bytes: int = 5 << 28, repeats: int = 3) -> float:
+    """The same read loop over a buffer from torch's allocator, where torch tensors (and
+    so most expert weights) live.  ``read_bandwidth``'s buffer is numpy's, which asks Linux
+    for transparent huge pages; torch's allocator does not, and where THP is only given on
+    request (``madvise``, the common default) its memory is in 4 KiB pages, which stream
+    slower (an Intel Xeon under KVM: 10.4-10.7 against 14.0 GB/s on one thread, 20.6-21.0
+    against 28.1 on two)."""
+    buf = torch.empty(n_bytes, dtype=torch.uint8)
+    buf.fill_(1)
+    return _probes.read_peak(buf.numpy(), threads, repeats)
+
+
 def matmul_rate(threads: int, dtype, n: int = 2048, repeats: int = 3) -> float:
     """FLOP/s of torch.matmul of two n x n matrices of ``dtype``."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
@@ -81,9 +94,11 @@ def measure(threads: Optional[List[int]] = None, quick: bool = False) -> Dict[st
     n_bytes = (1 << 24) if quick else (5 << 28)
     out: Dict[str, object] = {"cpu": cpu_model(), "threads": threads,
                               "isas": _cpu.runnable_isas(), "read_gbps": {},
-                              "fma_gflops": {}, "matmul_gflops": {}}
+                              "read_gbps_torch": {}, "fma_gflops": {}, "matmul_gflops": {}}
     for th in threads:
         out["read_gbps"][th] = read_bandwidth(th, n_bytes) / 1e9  # type: ignore[index]
+        out["read_gbps_torch"][th] = (  # type: ignore[index]
+            read_bandwidth_torch(th, n_bytes) / 1e9)
         out["fma_gflops"][th] = {  # type: ignore[index]
             isa: _probes.fma_peak(isa, th, 0.02 if quick else 0.2) / 1e9
             for isa in _cpu.runnable_isas()}

@@ -72,7 +72,7 @@ def test_roofline_json(cli_run):
     assert out.returncode == 0, out.stderr
     roofs = json.loads(out.stdout)
     assert roofs["isas"] == mxfp4x.backend_info()["isas"]
-    assert roofs["read_gbps"]["1"] > 0
+    assert roofs["read_gbps"]["1"] > 0 and roofs["read_gbps_torch"]["1"] > 0
     peaks = roofs["fma_gflops"]["1"]
     assert set(peaks) == set(roofs["isas"]) and all(v > 0 for v in peaks.values())
     assert roofs["matmul_gflops"]["1"]["float32"] > 0 and roofs["cpu"]["model"]
