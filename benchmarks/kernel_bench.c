@@ -74,7 +74,9 @@ int main(int argc, char **argv) {
     experts = argc > 6 ? atoll(argv[6]) : 1;
     d_in = groups * MXFP4X_GROUP;
     x = (float *)xmalloc((size_t)(tokens * d_in) * sizeof(float));
-    out = (float *)xmalloc((size_t)(tokens * rows) * sizeof(float));
+    /* rows of a task (48, or the bf16 unit's tile_rows) even when fewer are asked for */
+    out = (float *)xmalloc((size_t)(tokens * (rows > k->tile_rows ? rows : k->tile_rows) +
+                                    tokens * 64) * sizeof(float));
     x_rows = (int64_t *)xmalloc((size_t)tokens * sizeof(int64_t));
     for (i = 0; i < tokens * d_in; i++) x[i] = (float)((i * 104729) % 997) / 997.0f - 0.5f;
     for (t = 0; t < tokens; t++) x_rows[t] = (t * 37) % tokens; /* scattered, as routed */

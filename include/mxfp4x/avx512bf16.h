@@ -27,8 +27,9 @@
  * least 2^-59, nonzero finite latents at least 2^-60, so every product and partial sum is
  * a multiple of 2^-126; scale bytes under 160 and latents under 2^64, so nothing
  * overflows).  A token outside them (flagged by the gather) and a row outside them (a
- * scan of its scale bytes) take the exact path: float64 products and sums in natural
- * element order, rounded once -- the same for that token or row whatever the batch. */
+ * scan of its scale bytes) take the exact path: float64 products and sums in pair order
+ * (elements 2k, 2k + 1; GGUF: k, k + 16), rounded once -- the same for that token or row
+ * whatever the batch. */
 #ifndef MXFP4X_AVX512BF16_H
 #define MXFP4X_AVX512BF16_H
 
@@ -105,7 +106,8 @@ MXFP4X_BF16DP_INLINE int mxfp4x_bf16dp_row_unsafe(const mxfp4x_rows *w, int64_t 
     return 0;
 }
 
-/* The exact path of row r and one token (x: its latents in the pairing, d_in words). */
+/* The exact path of row r and one token (x: its latents in the pairing, d_in words),
+ * summed in pair order. */
 static float mxfp4x_bf16dp_exact_dot(const mxfp4x_rows *w, int64_t r, const uint16_t *x) {
     const uint8_t *b = w->blocks + r * w->row_stride_blocks;
     const uint8_t *s = w->scales + r * w->row_stride_scales;
@@ -240,8 +242,8 @@ static int64_t mxfp4x_bf16dp_scratch_bytes(int64_t n_groups) {
 /* out[t * out_stride + r - row_start] = W[r] . x_t for r in [row_start, row_end), t <
  * n_tok (x_t at xt + t * d_in, in the pairing), unsafe[t] nonzero for a token on the exact
  * path.  row_start a multiple of 4 apart from the rows' origin (the driver's tasks are),
- * so the 4-row blocks do not depend on the split; at most MXFP4X_BF16DP_TILE_ROWS rows
- * per call through the panel.  `scratch`: mxfp4x_bf16dp_scratch_bytes(G) bytes. */
+ * so the 4-row blocks do not depend on the split; the rows go through the panel in
+ * chunks of MXFP4X_BF16DP_TILE_ROWS.  `scratch`: mxfp4x_bf16dp_scratch_bytes(G) bytes. */
 MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start,
                                          int64_t row_end, const uint16_t *xt,
                                          const uint8_t *unsafe, int64_t n_tok, float *out,

@@ -140,7 +140,7 @@ BIG_T = 512
 def verdict(tokens, dtype, time_s, fl, matmul_s, isa):
     """(target text, met) of one case; met is None where the case is judged across cases
     by the callers (bfloat16 against float32, 2 threads against 1)."""
-    tg = TARGETS["avx512" if isa in ("avx512", "amx") else "other"]
+    tg = TARGETS["avx512" if isa in ("avx512", "amx", "avx512bf16") else "other"]
     if tokens == 1:
         return f"<= {tg['t1_vs_read']} x read floor", time_s <= tg["t1_vs_read"] * fl[
             "read_floor_s"]

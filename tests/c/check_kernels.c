@@ -689,7 +689,9 @@ static void bf16_run(const mxfp4x_kernels *k, const mxfp4x_rows *w, int64_t n_ro
 
 static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
     static const uint8_t special[] = {0, 1, 68, 69, 159, 160, 254, 255};
-    const int64_t n_rows = 45, G = 37, d_in = G * MXFP4X_GROUP, n_x = 40;
+    /* rows: two full 48-row panels and a partial one (a call over all of them), 16-row
+     * blocks and a last one of 5 (amx) */
+    const int64_t n_rows = 101, G = 37, d_in = G * MXFP4X_GROUP, n_x = 40;
     const int64_t m = k->bf16_gemv_max_tokens, counts[] = {1, 2, 3, 5, m, m + 1, 21};
     const int halves = nibbles == MXFP4X_NIBBLES_HALVES;
     const int64_t row_bytes = G * (halves ? MXFP4X_GGUF_BLOCK_BYTES : MXFP4X_GROUP_BYTES);
@@ -768,7 +770,7 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
         if (memcmp(other, full + t0 * n_rows, (size_t)(n * n_rows) * sizeof(float))) ok = 0;
     }
     /* tile-aligned split row ranges (as the driver's tasks) */
-    bf16_run(k, &w, n_rows, x, d_in, src, n_x, k->tile_rows < n_rows ? k->tile_rows : 16, other);
+    bf16_run(k, &w, n_rows, x, d_in, src, n_x, k->tile_rows, other);
     if (memcmp(other, full, (size_t)(n_x * n_rows) * sizeof(float))) ok = 0;
     snprintf(detail, sizeof detail, "max_rel_err=%.3g switch=%lld", worst, (long long)m);
     report(k->name, named("bf16", "gguf_bf16", nibbles), &d, ok, detail);

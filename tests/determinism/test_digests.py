@@ -148,8 +148,20 @@ def _digest(t):
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
+def _cpu_vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":")[1].strip() for line in f
+                         if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_results_keep_their_bits(isa, case):
+    if isa == "avx512bf16" and "bfloat16" in case and _cpu_vendor() != "GenuineIntel":
+        # vdpbf16ps's pair order and roundings are the hardware's: recorded on Intel
+        pytest.skip("avx512bf16's bf16 digests are recorded on Intel CPUs only")
     got = _digest(CASES[case](isa))
     key = ("any" if "float64" in case else isa, case)
     if RECORD:

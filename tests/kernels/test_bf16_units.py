@@ -220,8 +220,9 @@ def _dots_f32(unit, x, packed, scales, sel, n_threads=1):
 
 @pytest.mark.parametrize("form", ["safetensors", "gguf"])
 def test_gemv_gives_the_tiles_float32_bits(unit, rng, form):
-    """Up to MXFP4X_AMX_GEMV_MAX_TOKENS (4) tokens per expert take a register gemv that
-    replays tdpbf16ps's arithmetic; more take the tiles.  In float32, before the result's
+    """amx: up to MXFP4X_AMX_GEMV_MAX_TOKENS (4) tokens per expert take a register gemv
+    that replays tdpbf16ps's arithmetic, more take the tiles; avx512bf16: up to 8 the
+    fused gemv, more the panel.  In float32, before the result's
     one rounding: every token alone (the gemv) gives the bits it gets among 30 tokens of
     one expert (the tiles), for both arrangements, tiny and huge latents (the exact path)
     included; rows past a multiple of 16 included (d_out 45); 37 groups (the scale bytes
@@ -233,7 +234,7 @@ def test_gemv_gives_the_tiles_float32_bits(unit, rng, form):
     packed = torch.from_numpy(rng.integers(0, 256, (n_exp, d_out, n_groups, 16),
                                            dtype=np.uint8))
     scales = torch.from_numpy(rng.integers(110, 135, (n_exp, d_out, n_groups), dtype=np.uint8))
-    scales[1, 17, 2] = 200       # a large scale: its 16-row block takes the exact path
+    scales[1, 17, 2] = 200       # a large scale: the exact path (amx: its 16-row block)
     # expert 0 gets all 30 tokens and experts 1 and 2 about 15 each: the tiles
     sel = torch.zeros((n_tok, 2), dtype=torch.int64)
     sel[:, 1] = torch.from_numpy(rng.integers(1, 3, n_tok))

@@ -20,10 +20,12 @@ import subprocess
 import pytest
 from kernel_checker import CHECKER, HEADERS, build, host_cc, parse
 
-X86_ISAS = {"avx2", "avx512"}
+X86_ISAS = {"avx2", "avx512", "amx", "avx512bf16"}
 ARM_ISAS = {"neon"}
 CHECKS = ("decode", "gemv", "panel_dot", "batch", "axpy_rows", "fz", "fma_loop", "dense_bf16",
           "gguf_decode", "gguf_gemv", "gguf_panel", "gguf_batch")
+BF16_UNITS = {"amx", "avx512bf16"}  # entries with bf16_rows: their bf16 checks too
+BF16_CHECKS = ("bf16", "gguf_bf16")
 REQUIRE_QEMU = os.environ.get("MXFP4X_REQUIRE_QEMU") == "1"
 IS_AARCH64 = platform.machine().lower() in ("aarch64", "arm64")
 
@@ -82,7 +84,7 @@ def _check_all_ok(cmd, expect_isas):
     runnable = {name for name, state in listed.items() if state == "runnable"}
     assert expect_isas <= runnable, (listed, res.stdout)
     for isa in runnable:
-        for check in CHECKS:
+        for check in CHECKS + (BF16_CHECKS if isa in BF16_UNITS else ()):
             assert (isa, check) in got, f"{isa} {check} missing:\n{res.stdout}"
             assert got[(isa, check)][1], f"{isa} {check} failed:\n{res.stdout}"
     return got, res.stdout
