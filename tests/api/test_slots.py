@@ -52,7 +52,15 @@ def test_per_slot_latents_combined_against_reference(isa, rng, backend):
                        layer["selected_experts"])
     ref = layer["shared_output"].double().numpy() + (
         layer["mixture_weights"].double().numpy()[..., None] * slots).sum(1)
-    np.testing.assert_allclose(y.double().numpy(), ref, rtol=1e-5, atol=1e-3)
+    # the documented bound (a fixed tolerance failed on a cancelling row: 16.7 out of
+    # terms up to 6000, off by 1.6e-3 on the torch backend)
+    mag = layer["shared_output"].double().abs().numpy() + (
+        layer["mixture_weights"].double().abs().numpy()[..., None]
+        * _ref_slots(x.abs(), layer["packed_weights"] & 0x77, layer["scale_bytes"],
+                     layer["selected_experts"])).sum(1)
+    bound = error_bound(mag, x.shape[-1] + layer["selected_experts"].shape[1] + 1, "float32",
+                        reference=ref, out="float32")
+    assert np.all(np.abs(y.double().numpy() - ref) <= bound)
 
 
 def test_per_slot_shape_errors(rng):
