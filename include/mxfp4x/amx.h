@@ -41,6 +41,7 @@
 #define MXFP4X_AMX_H
 
 #include "mxfp4x.h"
+#include "bf16_unit.h"
 
 #if MXFP4X_HAVE_AMX
 #include <immintrin.h>
@@ -90,13 +91,6 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_decode_group(const uint8_t *b, uint8_t s, uint
     _mm512_storeu_si512((void *)dst, _mm512_permutexvar_epi16(idx, t));
 }
 
-/* Whether a group needs the exact path: a nonzero magnitude code under a scale byte too
- * small for tdpbf16ps (its value could be or become subnormal). */
-MXFP4X_AMX_INLINE int mxfp4x_amx_group_unsafe(const uint8_t *b, uint8_t s) {
-    if (s >= MXFP4X_AMX_MIN_SCALE) return 0;
-    return !_mm_testz_si128(_mm_loadu_si128((const __m128i *)b), _mm_set1_epi8(0x77));
-}
-
 /* The exact path of one (row, token): float64 products and sums over the natural element
  * order (the pair order of the B layout: pair k = element lo then hi of byte k). */
 static float mxfp4x_amx_exact_dot(const mxfp4x_rows *w, int64_t r, const uint16_t *xb,
@@ -118,37 +112,11 @@ static float mxfp4x_amx_exact_dot(const mxfp4x_rows *w, int64_t r, const uint16_
     return (float)acc;
 }
 
-/* Whether rows [r, r + mr) need the exact path: a scale byte >= MXFP4X_AMX_MAX_SCALE,
- * or a group with a nonzero magnitude code under a scale byte < MXFP4X_AMX_MIN_SCALE.
- * The scale bytes are scanned first (64 at a time where they are contiguous), the
- * groups' bytes only under a small scale. */
+/* Whether rows [r, r + mr) need the exact path (bf16_unit.h, row by row). */
 MXFP4X_AMX_INLINE int mxfp4x_amx_rows_unsafe(const mxfp4x_rows *w, int64_t r, int mr) {
-    const int64_t G = w->n_groups, gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    const __m512i lim = _mm512_set1_epi8((char)MXFP4X_AMX_MIN_SCALE);
-    const __m512i big = _mm512_set1_epi8((char)(MXFP4X_AMX_MAX_SCALE - 1));
-    int64_t g;
     int m;
-    for (m = 0; m < mr; m++) {
-        const uint8_t *b = w->blocks + (r + m) * w->row_stride_blocks;
-        const uint8_t *s = w->scales + (r + m) * w->row_stride_scales;
-        int small = 0;
-        if (gs == 1) {
-            for (g = 0; g < G; g += 64) {
-                const __mmask64 k = G - g >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (G - g)) - 1);
-                const __m512i v = _mm512_maskz_loadu_epi8(k, s + g);
-                if (_mm512_mask_cmpgt_epu8_mask(k, v, big)) return 1;
-                small |= _mm512_mask_cmplt_epu8_mask(k, v, lim) != 0;
-            }
-        } else {
-            for (g = 0; g < G; g++) {
-                if (s[g * gs] >= MXFP4X_AMX_MAX_SCALE) return 1;
-                small |= s[g * gs] < MXFP4X_AMX_MIN_SCALE;
-            }
-        }
-        if (small)
-            for (g = 0; g < G; g++)
-                if (mxfp4x_amx_group_unsafe(b + g * gb, s[g * gs])) return 1;
-    }
+    for (m = 0; m < mr; m++)
+        if (mxfp4x_bf16_row_unsafe(w, r + m)) return 1;
     return 0;
 }
 
@@ -585,9 +553,6 @@ MXFP4X_AMX_FN void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const 
                                      int64_t n, int64_t n_groups, int nibbles, uint16_t *dst,
                                      uint8_t *unsafe) {
     const int64_t d_in = n_groups * MXFP4X_GROUP;
-    const __m512i mag = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
-    const __m512i lim = _mm512_set1_epi16((short)((MXFP4X_AMX_MIN_LATENT_EXP << 7) - 1));
-    const __m512i huge = _mm512_set1_epi16((short)((MXFP4X_AMX_MAX_LATENT_EXP << 7) - 1));
     /* halves: pair k = (element k, element k + 16) */
     const __m512i halves = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
                                             9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
@@ -604,10 +569,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const 
             __mmask32 bad = 0;
             for (g = 0; g < n_groups; g++) {
                 __m512i v = _mm512_loadu_si512((const void *)(row + g * MXFP4X_GROUP));
-                /* |bits| - 1 < limit - 1, unsigned: nonzero and under the limit */
-                bad |= _mm512_cmplt_epu16_mask(
-                    _mm512_sub_epi16(_mm512_and_si512(v, mag), one), lim);
-                bad |= _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, mag), huge);
+                bad |= mxfp4x_bf16_latents_unsafe(v);
                 if (nibbles == MXFP4X_NIBBLES_HALVES) v = _mm512_permutexvar_epi16(halves, v);
                 _mm512_i32scatter_epi32((void *)(blk + 2 * (g * 16 * nb + i)), vidx, v, 4);
             }

@@ -34,6 +34,8 @@
 #define MXFP4X_AVX512BF16_H
 
 #include "mxfp4x.h"
+#include "avx512.h"
+#include "bf16_unit.h"
 
 #if MXFP4X_HAVE_AVX512BF16
 #include <immintrin.h>
@@ -72,40 +74,6 @@ MXFP4X_BF16DP_INLINE __m512i mxfp4x_bf16dp_decode(const uint8_t *b, uint8_t s) {
     return _mm512_permutexvar_epi16(idx, t);
 }
 
-/* Whether row r needs the exact path: a scale byte >= MXFP4X_AMX_MAX_SCALE, or a group
- * with a nonzero magnitude code under a scale byte < MXFP4X_AMX_MIN_SCALE (its weights
- * could be or become subnormal).  The scale bytes 64 at a time where contiguous, the
- * groups' bytes only under a small scale. */
-MXFP4X_BF16DP_INLINE int mxfp4x_bf16dp_row_unsafe(const mxfp4x_rows *w, int64_t r) {
-    const int64_t G = w->n_groups, gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    const uint8_t *b = w->blocks + r * w->row_stride_blocks;
-    const uint8_t *s = w->scales + r * w->row_stride_scales;
-    int small = 0;
-    int64_t g;
-    if (gs == 1) {
-        const __m512i lim = _mm512_set1_epi8((char)MXFP4X_AMX_MIN_SCALE);
-        const __m512i big = _mm512_set1_epi8((char)(MXFP4X_AMX_MAX_SCALE - 1));
-        for (g = 0; g < G; g += 64) {
-            const __mmask64 k = G - g >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (G - g)) - 1);
-            const __m512i v = _mm512_maskz_loadu_epi8(k, s + g);
-            if (_mm512_mask_cmpgt_epu8_mask(k, v, big)) return 1;
-            small |= _mm512_mask_cmplt_epu8_mask(k, v, lim) != 0;
-        }
-    } else {
-        for (g = 0; g < G; g++) {
-            if (s[g * gs] >= MXFP4X_AMX_MAX_SCALE) return 1;
-            small |= s[g * gs] < MXFP4X_AMX_MIN_SCALE;
-        }
-    }
-    if (small)
-        for (g = 0; g < G; g++)
-            if (s[g * gs] < MXFP4X_AMX_MIN_SCALE &&
-                !_mm_testz_si128(_mm_loadu_si128((const __m128i *)(b + g * gb)),
-                                 _mm_set1_epi8(0x77)))
-                return 1;
-    return 0;
-}
-
 /* The exact path of row r and one token (x: its latents in the pairing, d_in words),
  * summed in pair order. */
 static float mxfp4x_bf16dp_exact_dot(const mxfp4x_rows *w, int64_t r, const uint16_t *x) {
@@ -125,17 +93,6 @@ static float mxfp4x_bf16dp_exact_dot(const mxfp4x_rows *w, int64_t r, const uint
         }
     }
     return (float)acc;
-}
-
-MXFP4X_BF16DP_INLINE float mxfp4x_bf16dp_hsum(__m512 v) {
-    /* mxfp4x_hsum16_avx512's tree */
-    const __m256 lo = _mm512_castps512_ps256(v);
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    const __m256 s8 = _mm256_add_ps(lo, hi);
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-    return _mm_cvtss_f32(s1);
 }
 
 /* ---- few tokens: each group decoded once in a register, applied to every token ---- */
@@ -169,7 +126,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_gemv_block(const mxfp4x_rows *w, int64_t
         }
     }
     for (i = 0; i < mr; i++)
-        for (t = 0; t < nt; t++) out[t * out_stride + i] = mxfp4x_bf16dp_hsum(a[i][t]);
+        for (t = 0; t < nt; t++) out[t * out_stride + i] = mxfp4x_hsum16_avx512(a[i][t]);
 }
 
 /* Full blocks compiled apart, their accumulators in registers. */
@@ -224,7 +181,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_panel_block(const uint16_t *p0, int64_t 
         }
     }
     for (i = 0; i < mr; i++)
-        for (t = 0; t < nt; t++) out[t * out_stride + i] = mxfp4x_bf16dp_hsum(a[i][t]);
+        for (t = 0; t < nt; t++) out[t * out_stride + i] = mxfp4x_hsum16_avx512(a[i][t]);
 }
 
 MXFP4X_BF16DP_NOINLINE void mxfp4x_bf16dp_panel_full(const uint16_t *p0, int64_t d_in, int64_t G,
@@ -284,7 +241,7 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
         /* the exact path: rows outside the conditions, for every token; tokens outside
          * them, for every row */
         for (r = r0; r < r1; r++) {
-            const int row_bad = mxfp4x_bf16dp_row_unsafe(w, r);
+            const int row_bad = mxfp4x_bf16_row_unsafe(w, r);
             for (t = 0; t < n_tok; t++)
                 if (row_bad || unsafe[t])
                     out[t * out_stride + (r - row_start)] =
@@ -302,9 +259,6 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_gather(const uint16_t *x, int64_t x_stride,
                                            const int64_t *src, int64_t n, int64_t n_groups,
                                            int nibbles, uint16_t *dst, uint8_t *unsafe) {
     const int64_t d_in = n_groups * MXFP4X_GROUP;
-    const __m512i mag = _mm512_set1_epi16(0x7FFF), one = _mm512_set1_epi16(1);
-    const __m512i lim = _mm512_set1_epi16((short)((MXFP4X_AMX_MIN_LATENT_EXP << 7) - 1));
-    const __m512i huge = _mm512_set1_epi16((short)((MXFP4X_AMX_MAX_LATENT_EXP << 7) - 1));
     /* halves: pair k = (element k, element k + 16) */
     const __m512i halves = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
                                             9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
@@ -316,9 +270,7 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_gather(const uint16_t *x, int64_t x_stride,
         __mmask32 bad = 0;
         for (g = 0; g < n_groups; g++) {
             __m512i v = _mm512_loadu_si512((const void *)(row + g * MXFP4X_GROUP));
-            /* |bits| - 1 < limit - 1, unsigned: nonzero and under the limit */
-            bad |= _mm512_cmplt_epu16_mask(_mm512_sub_epi16(_mm512_and_si512(v, mag), one), lim);
-            bad |= _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, mag), huge);
+            bad |= mxfp4x_bf16_latents_unsafe(v);
             if (nibbles == MXFP4X_NIBBLES_HALVES) v = _mm512_permutexvar_epi16(halves, v);
             _mm512_storeu_si512((void *)(d + g * MXFP4X_GROUP), v);
         }

@@ -1,0 +1,64 @@
+/* mxfp4x/bf16_unit.h -- the exact-path tests shared by the bf16 dot-product units (amx.h's
+ * tdpbf16ps, avx512bf16.h's vdpbf16ps), which both read subnormal inputs as zero and flush
+ * subnormal results: mxfp4x.h's MXFP4X_AMX_* bounds decide, per row and per token, what
+ * the unit may take.  AVX-512F + BW, inlined into each unit's own target region. */
+#ifndef MXFP4X_BF16_UNIT_H
+#define MXFP4X_BF16_UNIT_H
+
+#include "mxfp4x.h"
+
+#if MXFP4X_HAVE_AMX || MXFP4X_HAVE_AVX512BF16
+#include <immintrin.h>
+
+#define MXFP4X_BF16_UNIT_INLINE \
+    static inline MXFP4X_TARGET("avx512f,avx512bw,avx2") MXFP4X_ALWAYS_INLINE
+
+/* Whether row r needs the exact path: a scale byte >= MXFP4X_AMX_MAX_SCALE, or a group
+ * with a nonzero magnitude code under a scale byte < MXFP4X_AMX_MIN_SCALE (its weights
+ * could be or become subnormal).  The scale bytes are scanned first (64 at a time where
+ * they are contiguous), the groups' bytes only under a small scale. */
+MXFP4X_BF16_UNIT_INLINE int mxfp4x_bf16_row_unsafe(const mxfp4x_rows *w, int64_t r) {
+    const int64_t G = w->n_groups, gb = w->group_stride_blocks, gs = w->group_stride_scales;
+    const uint8_t *b = w->blocks + r * w->row_stride_blocks;
+    const uint8_t *s = w->scales + r * w->row_stride_scales;
+    int small = 0;
+    int64_t g;
+    if (gs == 1) {
+        const __m512i lim = _mm512_set1_epi8((char)MXFP4X_AMX_MIN_SCALE);
+        const __m512i big = _mm512_set1_epi8((char)(MXFP4X_AMX_MAX_SCALE - 1));
+        for (g = 0; g < G; g += 64) {
+            const __mmask64 k = G - g >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (G - g)) - 1);
+            const __m512i v = _mm512_maskz_loadu_epi8(k, s + g);
+            if (_mm512_mask_cmpgt_epu8_mask(k, v, big)) return 1;
+            small |= _mm512_mask_cmplt_epu8_mask(k, v, lim) != 0;
+        }
+    } else {
+        for (g = 0; g < G; g++) {
+            if (s[g * gs] >= MXFP4X_AMX_MAX_SCALE) return 1;
+            small |= s[g * gs] < MXFP4X_AMX_MIN_SCALE;
+        }
+    }
+    if (small)
+        for (g = 0; g < G; g++)
+            if (s[g * gs] < MXFP4X_AMX_MIN_SCALE &&
+                !_mm_testz_si128(_mm_loadu_si128((const __m128i *)(b + g * gb)),
+                                 _mm_set1_epi8(0x77)))
+                return 1;
+    return 0;
+}
+
+/* The lanes of 32 bf16 latents (bits) that send their token to the exact path: nonzero
+ * finite ones under 2^-60 in magnitude (|bits| in 1 .. 0x217F, bf16 exponent field under
+ * 67, subnormals included) and ones of at least 2^64 (exponent field 191 or more,
+ * infinities and NaNs included). */
+MXFP4X_BF16_UNIT_INLINE __mmask32 mxfp4x_bf16_latents_unsafe(__m512i v) {
+    const __m512i a = _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF));
+    const __m512i lim = _mm512_set1_epi16((short)((MXFP4X_AMX_MIN_LATENT_EXP << 7) - 1));
+    const __m512i huge = _mm512_set1_epi16((short)((MXFP4X_AMX_MAX_LATENT_EXP << 7) - 1));
+    /* |bits| - 1 < limit - 1, unsigned: nonzero and under the limit */
+    return _mm512_cmplt_epu16_mask(_mm512_sub_epi16(a, _mm512_set1_epi16(1)), lim) |
+           _mm512_cmpgt_epu16_mask(a, huge);
+}
+
+#endif /* MXFP4X_HAVE_AMX || MXFP4X_HAVE_AVX512BF16 */
+#endif /* MXFP4X_BF16_UNIT_H */
