@@ -90,7 +90,7 @@ def _case(benchmark, roofs, shape, n_tokens, dtype, threads, impl, form="stacked
         return
     t = benchmark.stats.stats.min
     isa = info["isa"]
-    fl = _bench.floors(n_bytes, n_flops, roofs, threads, isa)
+    fl = _bench.floors(n_bytes, n_flops, roofs, threads, isa, info["dtype"])
     mm = _bench.matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=dtype, repeats=2)
     target, met = _bench.verdict(n_tokens, info["dtype"], t, fl, mm, isa)
     info.update(time_s=t, gbps=n_bytes / t / 1e9, gflops=n_flops / t / 1e9, **fl,

@@ -8,7 +8,8 @@ five measurements in a row, four seconds apart (a busy neighbour on a shared mac
 passes; a real regression, like the scalar kernels' 6x at T = 1, does not).
 
 Baselines are keyed by ISA and thread count ("avx512-2"): a host is compared only with
-ratios measured on the same kind of kernels.  On a host whose key has no baseline the
+ratios measured on the same kind of kernels (amx and avx512bf16, which run avx512's float32
+kernels, with avx512's).  On a host whose key has no baseline the
 gate records one (in gate_baseline.json) and skips the comparison, saying so.
 
     python benchmarks/gate.py                      # check (CI runs this)
@@ -23,7 +24,7 @@ import sys
 import time
 
 import mxfp4x
-from mxfp4x import _threads
+from mxfp4x import _cpu, _threads
 from mxfp4x._io import atomic_write
 from mxfp4x.testing import bench as _bench
 
@@ -76,7 +77,8 @@ def main(argv=None):
     n_experts, _, d_out, d_in = _bench.SHAPES[SHAPE]
     packed, scales = _bench.make_experts(n_experts, d_out, d_in)
     isa = mxfp4x.backend_info()["isa"]
-    key = f"{args.against or isa}-{threads}"
+    # float32 latents: amx and avx512bf16 run avx512's kernels, and share its baselines
+    key = f"{_cpu.float32_isa(args.against or isa)}-{threads}"
     baselines = _load()
     if args.update or key not in baselines:
         if key not in baselines and args.expect_fail:

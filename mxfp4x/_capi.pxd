@@ -92,6 +92,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         mxfp4x_bf16_rows_fn bf16_rows
         mxfp4x_bf16_scratch_fn bf16_scratch_bytes
         int bf16_gemv_max_tokens
+        mxfp4x_fma_loop_fn bf16_dot_loop
 
     int64_t mxfp4x_layout_pos(int64_t i, int half, int nibbles)
 
@@ -147,6 +148,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         int amx_granted
         int avx512_bf16
     int mxfp4x_isa_decision(const mxfp4x_cpu_facts *f)
+    int mxfp4x_isa_default_mask(int vendor_amd, int runnable)
     int mxfp4x_cpu_isas()
     int MXFP4X_N_FEATURES
     int mxfp4x_cpu_features()
@@ -156,6 +158,8 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int mxfp4x_n_kernels()
     const mxfp4x_kernels *mxfp4x_kernel_at(int i)
     int mxfp4x_kernel_runnable(int i)
+    int mxfp4x_kernel_default_in(int mask)
+    int mxfp4x_kernel_default()
     int MXFP4X_SCALAR_TILE_ROWS
     int64_t MXFP4X_SCALAR_PANEL_BYTES
 

@@ -90,12 +90,13 @@ DTYPES = tuple(_DTYPES)
 # ---- ISAs ---------------------------------------------------------------------------
 
 def compiled_isas():
-    """ISA names compiled into this build, in order of preference."""
+    """ISA names compiled into this build, in order of preference (dispatch.h: the entries
+    with bf16 units first, each the default only where cpu.h's rule allows)."""
     return [c.mxfp4x_kernel_at(i).name.decode() for i in range(c.mxfp4x_n_kernels())]
 
 
 def runnable_isas():
-    """ISA names this build can run on this CPU, in order of preference."""
+    """ISA names this build can run on this CPU, in the order of compiled_isas()."""
     return [c.mxfp4x_kernel_at(i).name.decode() for i in range(c.mxfp4x_n_kernels())
             if c.mxfp4x_kernel_runnable(i)]
 
@@ -166,10 +167,11 @@ def _default_kernel():
     forced = os.environ.get("MXFP4X_ISA", "").strip().lower()
     if forced:
         return _resolve(forced, "MXFP4X_ISA")
-    return next(i for i in range(c.mxfp4x_n_kernels()) if c.mxfp4x_kernel_runnable(i))
+    return c.mxfp4x_kernel_default()
 
 
-# The process default, fixed at import (MXFP4X_ISA or the best runnable ISA); a
+# The process default, fixed at import (MXFP4X_ISA, or the first runnable ISA that cpu.h's
+# rule on CPUID facts allows by default: never amx, avx512bf16 on AMD only); a
 # call chooses its own ISA through its description, never by changing this.
 cdef int _default = _default_kernel()
 
@@ -192,6 +194,19 @@ def gemv_max_tokens(isa=None, bint bf16=False):
     if bf16 and k.bf16_rows != NULL:
         return k.bf16_gemv_max_tokens
     return k.gemv_max_tokens
+
+
+def float32_isa(isa=None):
+    """The ISA whose kernels a float32 call on ``isa`` (None: the default) runs: ``isa``
+    itself, or for an entry that only adds a bf16 unit (amx, avx512bf16), the entry whose
+    float32 kernels it shares (avx512)."""
+    cdef const c.mxfp4x_kernels *k = kernels_of(isa)
+    cdef const c.mxfp4x_kernels *o
+    for i in range(c.mxfp4x_n_kernels()):
+        o = c.mxfp4x_kernel_at(i)
+        if o.bf16_rows == NULL and o.gemv_f32 == k.gemv_f32:
+            return o.name.decode()
+    return k.name.decode()
 
 
 def has_bf16_unit(isa=None):

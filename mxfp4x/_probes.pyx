@@ -2,7 +2,7 @@
 # cython: initializedcheck=False, nonecheck=False
 """Probes of the CPU driver, kept out of its module (mxfp4x/_cpu.pyx): the roofline's
 loops (``fma_peak``, ``read_peak``) and the test hooks (``threads_used``,
-``step_threads``, ``decode_rows``, ``isa_decision``).
+``step_threads``, ``decode_rows``, ``isa_decision``, ``default_decision``).
 
 Everything parallel here runs through the driver's own mechanism
 (``mxfp4x._cpu.parallel_tasks``: prange under OpenMP, threads.h's workers otherwise), and
@@ -40,10 +40,22 @@ def fma_peak(isa=None, int n_threads=1, double seconds=0.2):
     register-resident loop compiled for that ISA (the roofline's compute floor): one task
     per thread, each its own loop of about ``seconds``, all of their FLOPs over the time
     from the first start to the last end."""
+    return _loop_peak(driver.kernels_of(isa).fma_loop, n_threads, seconds)
+
+
+def bf16_dot_peak(isa=None, int n_threads=1, double seconds=0.2):
+    """As ``fma_peak``, for the ISA's bf16 dot-product unit (bf16 products, float32 sums:
+    the compute floor of bf16 latents there); None where the ISA measures none."""
+    cdef c.mxfp4x_fma_loop_fn loop = driver.kernels_of(isa).bf16_dot_loop
+    driver.checked_threads(n_threads)
+    return None if loop == NULL else _loop_peak(loop, n_threads, seconds)
+
+
+cdef double _loop_peak(c.mxfp4x_fma_loop_fn loop, int n_threads, double seconds) except -1:
     cdef FmaJob job
     cdef int nt = driver.checked_threads(n_threads)
     cdef int64_t calib = 1 << 16, flops = 0, i
-    job.loop = driver.kernels_of(isa).fma_loop
+    job.loop = loop
     job.flops = <int64_t *>driver.xmalloc(nt * 8, True)
     try:
         # calibrate one thread's rounds to about `seconds`
@@ -240,3 +252,15 @@ def isa_decision(*, bint osxsave, bint avx, bint fma, bint avx2, bint avx512f,
     mask = c.mxfp4x_isa_decision(&f)
     return sorted(c.mxfp4x_isa_name(b).decode() for b in range(c.MXFP4X_ISA_COUNT)
                   if (mask >> b) & 1)
+
+
+def default_decision(isas, *, bint vendor_amd):
+    """The ISA this build's table would run by default (cpu.h's rule, dispatch.h's order)
+    on a CPU that can run ``isas`` (names, as isa_decision gives them), made by AMD or
+    not; None when this build compiles none of them."""
+    names = {c.mxfp4x_isa_name(b).decode(): b for b in range(c.MXFP4X_ISA_COUNT)}
+    cdef int mask = 0
+    for name in isas:
+        mask |= 1 << names[name]
+    i = c.mxfp4x_kernel_default_in(c.mxfp4x_isa_default_mask(vendor_amd, mask))
+    return None if i < 0 else c.mxfp4x_kernel_at(i).name.decode()

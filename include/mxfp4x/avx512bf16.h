@@ -278,5 +278,25 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_gather(const uint16_t *x, int64_t x_stride,
     }
 }
 
+/* The roofline's bf16 compute peak (mxfp4x_fma_loop_fn): 12 independent vdpbf16ps chains,
+ * each instruction 16 lanes x 2 products x 2 FLOPs.  The operands are normal bf16 (1 and
+ * seed x 2^-24 rounded), so no flush or overflow changes the instruction's timing. */
+MXFP4X_BF16DP_FN float mxfp4x_bf16dp_loop(int64_t iters, float seed, int64_t *flops) {
+    __m512 a[12];
+    const __m512bh one = (__m512bh)_mm512_set1_epi16((short)0x3F80);
+    const __m512bh tiny = _mm512_cvtne2ps_pbh(_mm512_set1_ps(seed * 0x1p-24f),
+                                              _mm512_set1_ps(seed * 0x1p-24f));
+    int64_t i;
+    int j;
+    float out[16];
+    for (j = 0; j < 12; j++) a[j] = _mm512_set1_ps(seed + (float)j);
+    for (i = 0; i < iters; i++)
+        for (j = 0; j < 12; j++) a[j] = _mm512_dpbf16_ps(a[j], one, tiny);
+    for (j = 1; j < 12; j++) a[0] = _mm512_add_ps(a[0], a[j]);
+    _mm512_storeu_ps(out, a[0]);
+    *flops = iters * 12 * 16 * 4;
+    return out[0];
+}
+
 #endif /* MXFP4X_HAVE_AVX512BF16 */
 #endif /* MXFP4X_AVX512BF16_H */

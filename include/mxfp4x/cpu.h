@@ -42,6 +42,20 @@ static int mxfp4x_isa_decision(const mxfp4x_cpu_facts *f) {
     return mask;
 }
 
+/* Bit mask of the runnable ISAs (a mask from mxfp4x_isa_decision) that a call may run when
+ * it names none: the default is the first of them in the kernel table (dispatch.h).  A
+ * rule on CPUID facts, never a timing, so a host's default (and its bits) is known
+ * before it runs:
+ *   amx         never: 1.2x avx512's time at 1-4 tokens per expert (docs/platforms.md);
+ *   avx512bf16  on AMD only (CPUID.0 vendor "AuthenticAMD": Zen 4 and later): there
+ *               vdpbf16ps issues at the FMA's instruction rate, twice its multiply-adds;
+ *               Intel issues it at half that, slower than avx512's float32 FMAs. */
+static int mxfp4x_isa_default_mask(int vendor_amd, int runnable) {
+    int mask = runnable & ~(1 << MXFP4X_ISA_AMX);
+    if (!vendor_amd) mask &= ~(1 << MXFP4X_ISA_AVX512BF16);
+    return mask;
+}
+
 #if MXFP4X_HAVE_X86_SIMD
 #if defined(_MSC_VER) && !defined(__clang__)
 #include <intrin.h>
@@ -121,12 +135,21 @@ static int mxfp4x_detect_isas(void) {
     }
     return mxfp4x_isa_decision(&f);
 }
+
+/* CPUID.0's vendor string (EBX, EDX, ECX) is "AuthenticAMD". */
+static int mxfp4x_detect_vendor_amd(void) {
+    uint32_t r[4];
+    mxfp4x_cpuid(0, 0, r);
+    return r[1] == 0x68747541u && r[3] == 0x69746e65u && r[2] == 0x444d4163u;
+}
 #elif MXFP4X_HAVE_NEON
 /* AArch64: Advanced SIMD is in the base architecture (and its registers are always
  * saved by the OS), so every aarch64 CPU runs the NEON kernels. */
 static int mxfp4x_detect_isas(void) { return (1 << MXFP4X_ISA_SCALAR) | (1 << MXFP4X_ISA_NEON); }
+static int mxfp4x_detect_vendor_amd(void) { return 0; }
 #else
 static int mxfp4x_detect_isas(void) { return 1 << MXFP4X_ISA_SCALAR; }
+static int mxfp4x_detect_vendor_amd(void) { return 0; }
 #endif
 
 /* Optional CPU features no kernel uses yet (reported by backend_info()["cpu_features"]
@@ -198,6 +221,18 @@ static int mxfp4x_cpu_isas(void) {
 #if MXFP4X_HAVE_X86_SIMD && MXFP4X_EMULATED_AVX512
         v |= 1 << MXFP4X_ISA_AVX512; /* SIMDe-emulated: x86-64 baseline code, runs anywhere */
 #endif
+        cached = v;
+    }
+    return v;
+}
+
+/* The ISAs a call may run by default on this CPU (mxfp4x_isa_default_mask); cached like
+ * mxfp4x_cpu_isas. */
+static int mxfp4x_cpu_default_isas(void) {
+    static volatile int cached = -1;
+    int v = cached;
+    if (v < 0) {
+        v = mxfp4x_isa_default_mask(mxfp4x_detect_vendor_amd(), mxfp4x_cpu_isas());
         cached = v;
     }
     return v;

@@ -1,4 +1,6 @@
-/* mxfp4x/dispatch.h -- the kernel table, in order of preference.  The driver
+/* mxfp4x/dispatch.h -- the kernel table, in order of preference: a call that names no ISA
+ * runs the first entry this CPU may run by default (cpu.h's mxfp4x_isa_default_mask: the
+ * entries with bf16 units come first and are the default only where that rule says).  The driver
  * (mxfp4x/_cpu.pyx) owns the table: it picks one entry per call, outside its parallel
  * region, and calls through its pointers; the probes (mxfp4x/_probes.pyx) take their
  * entries from the driver (kernels_of in _cpu.pxd), so they run the driver's own kernels. */
@@ -29,15 +31,10 @@
  * into the wrong field. */
 static const mxfp4x_kernels mxfp4x_kernel_table[] = {
 #if MXFP4X_HAVE_X86_SIMD
-    {.isa = MXFP4X_ISA_AVX512,
-     .name = MXFP4X_ISA_NAME_AVX512,
-     MXFP4X_AVX512_FLOAT32_KERNELS,
-     .tile_rows = MXFP4X_AVX512_TILE_ROWS},
 #if MXFP4X_HAVE_AMX
-    /* avx512's kernels; bf16 latents of float32 calls on AMX tiles (amx.h).  After avx512
-     * in preference, so chosen only by MXFP4X_ISA=amx: 4-5x avx512's speed from 64 tokens
-     * up, but 1.9x its time at 1-4 tokens (docs/performance.md), and a token's path may
-     * not depend on its batch. */
+    /* avx512's kernels; bf16 latents of float32 calls on AMX tiles (amx.h).  Never the
+     * default (cpu.h), so chosen only by MXFP4X_ISA=amx or isa="amx": 3-4.5x avx512's
+     * speed from 8 tokens per expert up, but 1.2x its time at 1-4 (docs/platforms.md). */
     {.isa = MXFP4X_ISA_AMX,
      .name = MXFP4X_ISA_NAME_AMX,
      MXFP4X_AVX512_FLOAT32_KERNELS,
@@ -48,10 +45,9 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .bf16_gemv_max_tokens = MXFP4X_AMX_GEMV_MAX_TOKENS},
 #endif
 #if MXFP4X_HAVE_AVX512BF16
-    /* avx512's kernels; bf16 latents of float32 calls on vdpbf16ps (avx512bf16.h).  After
-     * avx512 in preference, so chosen only by MXFP4X_ISA=avx512bf16: on an Intel Xeon
-     * vdpbf16ps runs at a quarter of the FMA's instruction rate (half its multiply-adds),
-     * where AMD Zen 4 runs it at the FMA's (twice its multiply-adds). */
+    /* avx512's kernels; bf16 latents of float32 calls on vdpbf16ps (avx512bf16.h).  The
+     * default on AMD CPUs only (cpu.h): Zen 4 runs vdpbf16ps at the FMA's instruction rate
+     * (twice its multiply-adds), an Intel Xeon at half that (its multiply-adds only). */
     {.isa = MXFP4X_ISA_AVX512BF16,
      .name = MXFP4X_ISA_NAME_AVX512BF16,
      MXFP4X_AVX512_FLOAT32_KERNELS,
@@ -59,8 +55,13 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .bf16_gather = mxfp4x_bf16dp_gather,
      .bf16_rows = mxfp4x_bf16dp_rows,
      .bf16_scratch_bytes = mxfp4x_bf16dp_scratch_bytes,
-     .bf16_gemv_max_tokens = MXFP4X_BF16DP_GEMV_MAX_TOKENS},
+     .bf16_gemv_max_tokens = MXFP4X_BF16DP_GEMV_MAX_TOKENS,
+     .bf16_dot_loop = mxfp4x_bf16dp_loop},
 #endif
+    {.isa = MXFP4X_ISA_AVX512,
+     .name = MXFP4X_ISA_NAME_AVX512,
+     MXFP4X_AVX512_FLOAT32_KERNELS,
+     .tile_rows = MXFP4X_AVX512_TILE_ROWS},
     {.isa = MXFP4X_ISA_AVX2,
      .name = MXFP4X_ISA_NAME_AVX2,
      .layout_half = MXFP4X_LAYOUT_4,
@@ -121,6 +122,17 @@ static int mxfp4x_kernel_runnable(int i) {
     const mxfp4x_kernels *k = mxfp4x_kernel_at(i);
     return k != NULL && ((mxfp4x_cpu_isas() >> k->isa) & 1);
 }
+
+/* The entry that runs when a call names no ISA: the first one the default rule allows
+ * among ISAs `mask` (mxfp4x_isa_default_mask); -1 if none (never with a scalar entry). */
+static int mxfp4x_kernel_default_in(int mask) {
+    int i;
+    for (i = 0; i < MXFP4X_N_KERNELS; i++)
+        if ((mask >> mxfp4x_kernel_table[i].isa) & 1) return i;
+    return -1;
+}
+
+static int mxfp4x_kernel_default(void) { return mxfp4x_kernel_default_in(mxfp4x_cpu_default_isas()); }
 
 #include "threads.h" /* how the driver's tasks run: OpenMP, POSIX threads started per call, or serial */
 

@@ -396,6 +396,9 @@ typedef struct {
     mxfp4x_bf16_rows_fn bf16_rows;
     mxfp4x_bf16_scratch_fn bf16_scratch_bytes;
     int bf16_gemv_max_tokens; /* bf16_rows' own switch: registers up to this many tokens */
+    /* roofline only: the bf16 unit's multiply-add peak, as fma_loop (NULL: not measured;
+     * the float32 peak stands in) */
+    mxfp4x_fma_loop_fn bf16_dot_loop;
 } mxfp4x_kernels;
 
 /* Where natural element i of a row sits in a kernel layout of half-size `half` for

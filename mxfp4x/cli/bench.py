@@ -97,8 +97,10 @@ def _measure(args, calls, packed, scales, th, case, roofs, isa):
                    if not args.no_torch else float("nan"))
     n_bytes = _bench.streamed_bytes(packed, scales, calls[0][1])
     n_flops = _bench.flops(n_tokens, top_k, d_out, d_in)
-    fl = _bench.floors(n_bytes, n_flops, roofs, th, isa)
-    t_mm = _bench.matmul_roof(n_tokens, top_k, d_out, d_in, th, repeats=2)
+    fl = _bench.floors(n_bytes, n_flops, roofs, th, isa, args.dtype)
+    # the peer: torch.matmul of the latents' dtype on weights decoded to it
+    t_mm = _bench.matmul_roof(n_tokens, top_k, d_out, d_in, th, getattr(torch, args.dtype),
+                              repeats=2)
     return dict(tokens=n_tokens, threads=th, cpu_ms=t_cpu * 1e3, torch_ms=t_torch * 1e3,
                 gbps=n_bytes / t_cpu / 1e9, gflops=n_flops / t_cpu / 1e9,
                 read_floor_ms=fl["read_floor_s"] * 1e3, floor_ms=fl["floor_s"] * 1e3,
@@ -117,6 +119,8 @@ def run(args):
           " GB/s (torch's memory " +
           ", ".join(f"{roofs['read_gbps_torch'][th]:.1f}" for th in threads) +
           "); FMA " + ", ".join(f"{roofs['fma_gflops'][th][isa]:.0f}" for th in threads) +
+          "".join(f", bf16 unit {roofs['bf16_dot_gflops'][th][isa]:.0f}" for th in threads
+                  if args.dtype == "bfloat16" and isa in roofs["bf16_dot_gflops"][th]) +
           f" GFLOP/s ({isa}; threads {', '.join(map(str, threads))})")
     t0 = time.perf_counter()
     packed, scales = _bench.make_experts(n_experts, d_out, d_in)

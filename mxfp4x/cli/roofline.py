@@ -26,9 +26,11 @@ def run(args):
           f"{' '.join(cpu['flags']) or '-'}); mxfp4x ISAs here: {roofs['isas']}")
     for th in roofs["threads"]:
         fma = ", ".join(f"{isa} {v:.0f}" for isa, v in roofs["fma_gflops"][th].items())
+        bf16 = "".join(f"; bf16 unit {isa} {v:.0f}"
+                       for isa, v in roofs["bf16_dot_gflops"][th].items())
         mm = roofs["matmul_gflops"][th]
         print(f"threads={th}: memory read {roofs['read_gbps'][th]:.1f} GB/s (torch's memory "
               f"{roofs['read_gbps_torch'][th]:.1f}); FMA peak "
-              f"(GFLOP/s, float32) {fma}; torch.matmul 2048^2 float32 {mm['float32']:.0f}, "
-              f"bfloat16 {mm['bfloat16']:.0f} GFLOP/s")
+              f"(GFLOP/s, float32) {fma}{bf16}; torch.matmul 2048^2 float32 "
+              f"{mm['float32']:.0f}, bfloat16 {mm['bfloat16']:.0f} GFLOP/s")
     return 0

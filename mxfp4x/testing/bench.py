@@ -116,13 +116,18 @@ def matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=torch.float32, repe
         torch.set_num_threads(old)
 
 
-def floors(n_bytes, n_flops, roofs, threads, isa):
+def floors(n_bytes, n_flops, roofs, threads, isa, dtype="float32"):
     """The two floors of a case from ``_roofline.measure`` figures: B / read bandwidth
     and F / the ISA's FMA peak, both with ``threads`` threads; ``floor_s`` is the larger.
+    bfloat16 latents on an ISA whose bf16 unit has a measured peak (``bf16_dot_gflops``)
+    take that peak instead: their products run there.
     ``read_floor_torch_s``: B / the read bandwidth of torch's memory, where the weights of
     a torch tensor sit (informational: the targets use the machine's best read)."""
     read_s = n_bytes / (roofs["read_gbps"][threads] * 1e9)
-    fma_s = n_flops / (roofs["fma_gflops"][threads][isa] * 1e9)
+    peak = roofs["fma_gflops"][threads][isa]
+    if str(dtype).replace("torch.", "") == "bfloat16":
+        peak = roofs.get("bf16_dot_gflops", {}).get(threads, {}).get(isa, peak)
+    fma_s = n_flops / (peak * 1e9)
     out = {"read_floor_s": read_s, "fma_floor_s": fma_s, "floor_s": max(read_s, fma_s)}
     torch_gbps = roofs.get("read_gbps_torch", {}).get(threads)
     if torch_gbps:

@@ -94,7 +94,8 @@ def measure(threads: Optional[List[int]] = None, quick: bool = False) -> Dict[st
     n_bytes = (1 << 24) if quick else (5 << 28)
     out: Dict[str, object] = {"cpu": cpu_model(), "threads": threads,
                               "isas": _cpu.runnable_isas(), "read_gbps": {},
-                              "read_gbps_torch": {}, "fma_gflops": {}, "matmul_gflops": {}}
+                              "read_gbps_torch": {}, "fma_gflops": {}, "bf16_dot_gflops": {},
+                              "matmul_gflops": {}}
     for th in threads:
         out["read_gbps"][th] = read_bandwidth(th, n_bytes) / 1e9  # type: ignore[index]
         out["read_gbps_torch"][th] = (  # type: ignore[index]
@@ -102,6 +103,10 @@ def measure(threads: Optional[List[int]] = None, quick: bool = False) -> Dict[st
         out["fma_gflops"][th] = {  # type: ignore[index]
             isa: _probes.fma_peak(isa, th, 0.02 if quick else 0.2) / 1e9
             for isa in _cpu.runnable_isas()}
+        bf16 = {isa: _probes.bf16_dot_peak(isa, th, 0.02 if quick else 0.2)
+                for isa in _cpu.runnable_isas() if _cpu.has_bf16_unit(isa)}
+        out["bf16_dot_gflops"][th] = {  # type: ignore[index]
+            isa: v / 1e9 for isa, v in bf16.items() if v is not None}
         out["matmul_gflops"][th] = {  # type: ignore[index]
             "float32": matmul_rate(th, torch.float32, 256 if quick else 2048) / 1e9,
             "bfloat16": matmul_rate(th, torch.bfloat16, 256 if quick else 2048) / 1e9}

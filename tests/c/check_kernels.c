@@ -20,7 +20,8 @@
  *                   on AArch64): under mxfp4x_fpenv_enter the scale byte 0 (2^-127)
  *                   still decodes and multiplies exactly; _exit restores the caller's
  *                   register bit for bit
- *   fma_loop        runs, counts its flops, returns a finite value
+ *   fma_loop        runs, counts its flops, returns a finite value (so does
+ *                   bf16_dot_loop, where the entry has one)
  *   dense_bf16      dense bf16 rows x float32 tokens: against float64 within the bound;
  *                   one-token calls, the several-token call and split row ranges bit
  *                   for bit; widths off every lane count, zero and subnormal weights
@@ -652,6 +653,13 @@ static void check_fma_loop(const mxfp4x_kernels *k) {
     digest_f32(&d, v);
     snprintf(detail, sizeof detail, "flops=%lld", (long long)flops);
     report(k->name, "fma_loop", &d, flops > 0 && v == v && fabsf(v) < 1e30f, detail);
+    if (k->bf16_dot_loop != NULL) { /* the bf16 unit's peak loop, where the entry has one */
+        const float u = k->bf16_dot_loop(1000, 1.0f, &flops);
+        digest_init(&d);
+        digest_f32(&d, u);
+        snprintf(detail, sizeof detail, "flops=%lld", (long long)flops);
+        report(k->name, "bf16_dot_loop", &d, flops > 0 && u == u && fabsf(u) < 1e30f, detail);
+    }
 }
 
 /* ---- bf16 latents on the entry's bf16 unit ---------------------------------------- */
@@ -806,7 +814,12 @@ int main(int argc, char **argv) {
     for (i = 0; i < mxfp4x_n_kernels(); i++)
         printf("%s%s%s", i ? "," : "", mxfp4x_kernel_at(i)->name,
                mxfp4x_kernel_runnable(i) ? "" : "(not runnable)");
-    printf(" cpu_features=");
+    i = mxfp4x_kernel_default();
+    printf(" default=%s cpu_features=", i >= 0 ? mxfp4x_kernel_at(i)->name : "(none)");
+    if (i < 0 || !mxfp4x_kernel_runnable(i)) {
+        printf("\nFAIL: the default kernel is not a runnable entry\n");
+        return 1;
+    }
     for (i = 0, a = 0; i < MXFP4X_N_FEATURES; i++)
         if ((feats >> i) & 1) printf("%s%s", a++ ? "," : "", mxfp4x_feature_name(i));
     printf("\n");

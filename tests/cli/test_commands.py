@@ -11,6 +11,7 @@ import torch
 import mxfp4x
 from mxfp4x import cli
 from mxfp4x.checkpoints.safetensors import SafeTensorsFile, save_file
+from mxfp4x.testing import bench as _bench
 
 NAMES = ["info", "bench", "check", "quantize", "verify", "layer", "roofline", "ep-bench"]
 
@@ -75,6 +76,10 @@ def test_roofline_json(cli_run):
     assert roofs["read_gbps"]["1"] > 0 and roofs["read_gbps_torch"]["1"] > 0
     peaks = roofs["fma_gflops"]["1"]
     assert set(peaks) == set(roofs["isas"]) and all(v > 0 for v in peaks.values())
+    # the bf16 units' own peak where the entry measures one (avx512bf16's vdpbf16ps loop)
+    bf16 = roofs["bf16_dot_gflops"]["1"]
+    assert set(bf16) == {isa for isa in roofs["isas"] if isa == "avx512bf16"}, bf16
+    assert all(v > 0 for v in bf16.values())
     assert roofs["matmul_gflops"]["1"]["float32"] > 0 and roofs["cpu"]["model"]
 
 
@@ -87,3 +92,17 @@ def test_ep_bench_takes_the_shapes_of_its_checkpoint(tmp_path, k3, cli_run):
     (row,) = json.loads((tmp_path / "ep.json").read_text())
     assert row["tokens"] == 3 and row["experts"] == 16
     assert os.listdir(tmp_path) == ["ep.json"]
+
+
+def test_bf16_latents_take_the_bf16_units_floor():
+    """bench's compute floor for bfloat16 latents is the bf16 unit's peak where the ISA
+    has one measured, the float32 FMA peak otherwise (and for every other dtype)."""
+    roofs = {"read_gbps": {1: 10.0}, "fma_gflops": {1: {"avx512": 100.0, "avx512bf16": 100.0}},
+             "bf16_dot_gflops": {1: {"avx512bf16": 400.0}}}
+    def floor(isa, dtype, r=roofs):
+        return _bench.floors(1, 4e9, r, 1, isa, dtype)["fma_floor_s"]
+    # 4 GFLOP: 40 ms at 100 GFLOP/s, 10 ms at 400
+    assert floor("avx512bf16", "bfloat16") == pytest.approx(0.01)
+    assert floor("avx512bf16", "float32") == pytest.approx(0.04)
+    assert floor("avx512", "bfloat16") == pytest.approx(0.04)
+    assert floor("avx512bf16", "bfloat16", dict(roofs, bf16_dot_gflops={})) == pytest.approx(0.04)

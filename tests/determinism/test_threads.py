@@ -154,6 +154,8 @@ def test_driver_boundary_takes_only_resolved_thread_counts():
             _cpu.combine(out, *args, n_threads=bad)
         with pytest.raises(ValueError, match="n_threads"):
             _probes.fma_peak(n_threads=bad, seconds=0.001)
+        with pytest.raises(ValueError, match="n_threads"):
+            _probes.bf16_dot_peak(n_threads=bad, seconds=0.001)
 
 
 def test_one_parallel_mechanism_in_the_sources():

@@ -1,6 +1,7 @@
 """Run-time ISA choice: backend_info, MXFP4X_ISA in a fresh process, OpenMP."""
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -47,7 +48,21 @@ def test_best_isa_is_default():
                          capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == _cpu.runnable_isas()[0]
+    assert out.stdout.strip() == _probes.default_decision(_cpu.runnable_isas(),
+                                                          vendor_amd=_cpu_vendor_amd())
+    assert out.stdout.strip() in ("avx512bf16", "avx512", "avx2", "neon", "scalar")
+    # the best float32 kernels this build can run here (amx and avx512bf16 run avx512's)
+    best = next(i for i in _cpu.runnable_isas() if i not in ("amx", "avx512bf16"))
+    assert out.stdout.strip() in (best, "avx512bf16" if best == "avx512" else best)
+
+
+def _cpu_vendor_amd():
+    """/proc/cpuinfo's word (or, elsewhere, platform's) on whether AMD made this CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
+    except OSError:
+        return "AuthenticAMD" in platform.processor()  # Windows names the vendor there
 
 
 def test_forced_isa_is_the_one_that_ran(isa):
@@ -158,6 +173,30 @@ _AVX2_FACTS = dict(osxsave=True, avx=True, fma=True, avx2=True)
         "amx-and-avx512bf16"])
 def test_isa_decision(facts, expected):
     assert _probes.isa_decision(**facts) == expected
+
+
+_BF16 = "avx512bf16" in _cpu.compiled_isas()  # not in the SIMDe build or with NO_AVX512BF16
+_X86 = "avx512" in _cpu.compiled_isas()
+
+
+@pytest.mark.skipif(not _X86, reason="the x86-64 kernel table is not compiled here")
+@pytest.mark.parametrize("isas,vendor_amd,expected", [
+    # a rule on CPUID facts: avx512bf16 by default on AMD (Zen 4 and later) only ...
+    (["avx2", "avx512", "avx512bf16", "scalar"], True, "avx512bf16" if _BF16 else "avx512"),
+    (["avx2", "avx512", "avx512bf16", "scalar"], False, "avx512"),
+    # ... amx never (an Intel Xeon with both units, and a made-up AMD one)
+    (["amx", "avx2", "avx512", "avx512bf16", "scalar"], False, "avx512"),
+    (["amx", "avx2", "avx512", "avx512bf16", "scalar"], True,
+     "avx512bf16" if _BF16 else "avx512"),
+    (["amx", "avx2", "avx512", "scalar"], False, "avx512"),
+    (["avx2", "avx512", "scalar"], True, "avx512"),  # Zen 3 with AVX-512 off, or Zen 4's VM
+    (["avx2", "scalar"], True, "avx2"),  # Zen 3
+    (["avx2", "scalar"], False, "avx2"),
+    (["scalar"], True, "scalar"),
+], ids=["zen4", "intel-avx512bf16", "intel-amx", "amd-amx", "intel-amx-only", "amd-avx512",
+        "zen3", "intel-avx2", "amd-scalar"])
+def test_default_decision(isas, vendor_amd, expected):
+    assert _probes.default_decision(isas, vendor_amd=vendor_amd) == expected
 
 
 def test_openmp_as_expected():
