@@ -286,7 +286,8 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
     const int fused = n_tok <= MXFP4X_BF16DP_GEMV_MAX_TOKENS;
     const int step = fused ? MXFP4X_BF16DP_NT : MXFP4X_BF16DP_PNT;
     int64_t r0, r1, r, t, i;
-    int nt, mr;
+    int nt, mr, any_unsafe = 0;
+    for (t = 0; t < n_tok; t++) any_unsafe |= unsafe[t];
     for (r0 = row_start; r0 < row_end; r0 = r1) {
         r1 = row_end - r0 < MXFP4X_BF16DP_TILE_ROWS ? row_end : r0 + MXFP4X_BF16DP_TILE_ROWS;
         if (!fused) mxfp4x_bf16dp_decode_rows(w, r0, r1 - r0, panel);
@@ -317,6 +318,7 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
          * them, for every row */
         for (r = r0; r < r1; r++) {
             const int row_bad = mxfp4x_bf16_row_unsafe(w, r);
+            if (!row_bad && !any_unsafe) continue; /* the common case: no loop over tokens */
             for (t = 0; t < n_tok; t++)
                 if (row_bad || unsafe[t])
                     out[t * out_stride + (r - row_start)] =
