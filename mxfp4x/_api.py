@@ -65,7 +65,7 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike,
     backend: "auto" (CPU tensors -> compiled CPU kernels, other devices -> PyTorch),
     "cpu" or "torch".  num_threads: CPU threads (None: torch.get_num_threads()).
     isa: the CPU instruction set for this call, one of ``backend_info()["isas"]`` (None:
-    ``backend_info()["isa"]``, the best one or ``MXFP4X_ISA``).
+    ``backend_info()["isa"]``: ``MXFP4X_ISA``, or the default the CPU's facts choose).
     """
     _check_backend(backend, isa)
     threads = check_num_threads(num_threads)

@@ -197,11 +197,16 @@ def gemv_max_tokens(isa=None, bint bf16=False):
 
 
 def float32_isa(isa=None):
-    """The ISA whose kernels a float32 call on ``isa`` (None: the default) runs: ``isa``
-    itself, or for an entry that only adds a bf16 unit (amx, avx512bf16), the entry whose
-    float32 kernels it shares (avx512)."""
-    cdef const c.mxfp4x_kernels *k = kernels_of(isa)
+    """The ISA whose kernels a float32 call on ``isa`` (None: the default; any compiled
+    name) runs: ``isa`` itself, or for an entry that only adds a bf16 unit (amx,
+    avx512bf16), the entry whose float32 kernels it shares (avx512)."""
+    cdef int j = _default if isa is None else (_find(isa) if isinstance(isa, str) else -1)
+    cdef const c.mxfp4x_kernels *k
     cdef const c.mxfp4x_kernels *o
+    if j < 0:  # a compiled entry's name (this CPU need not run it: the gate's --against)
+        raise ValueError(f"isa={isa!r} is not an ISA of mxfp4x; choose one of "
+                         f"{compiled_isas()}")
+    k = c.mxfp4x_kernel_at(j)
     for i in range(c.mxfp4x_n_kernels()):
         o = c.mxfp4x_kernel_at(i)
         if o.bf16_rows == NULL and o.gemv_f32 == k.gemv_f32:

@@ -234,3 +234,15 @@ def test_single_openmp_runtime():
         libs = {line.split()[-1] for line in f if "libgomp" in line or "libomp" in line}
     names = {os.path.realpath(p) for p in libs}
     assert len(names) <= 1, names
+
+
+def test_float32_isa_names_the_entry_whose_float32_kernels_run():
+    """amx and avx512bf16 only add a bf16 unit to avx512's kernels: a float32 call on them
+    runs avx512's, so the regression gate compares them with avx512's baselines.  Any
+    compiled name is looked up, runnable here or not (the gate's --against)."""
+    for name in _cpu.compiled_isas():
+        want = "avx512" if name in ("amx", "avx512bf16") else name
+        assert _cpu.float32_isa(name) == want, name
+    assert _cpu.float32_isa() == _cpu.float32_isa(mxfp4x.backend_info()["isa"])
+    with pytest.raises(ValueError, match="not an ISA"):
+        _cpu.float32_isa("avx1024")
