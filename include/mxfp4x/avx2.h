@@ -371,7 +371,7 @@ MXFP4X_AVX2_FN float mxfp4x_fma_loop_avx2(int64_t iters, float seed, int64_t *fl
  * One 8-lane accumulator per (row, token): lane l sums w[i] x[i] over i = l (mod 8)
  * ascending, with FMA (bf16 widened exactly: vpmovzxwd + a 16-bit shift); the last
  * d_in % 8 elements through zero-filled copies; lanes reduced by mxfp4x_hsum8_avx2.
- * Blocks of up to 4 rows x 4 tokens, as avx512.h's. */
+ * Blocks of up to 4 rows x 4 tokens (8 rows at one token), as avx512.h's. */
 MXFP4X_AVX2_INLINE __m256 mxfp4x_bf16x8_avx2(const uint16_t *p) {
     return _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -380,7 +380,7 @@ MXFP4X_AVX2_INLINE __m256 mxfp4x_bf16x8_avx2(const uint16_t *p) {
 MXFP4X_AVX2_INLINE void mxfp4x_dense_block_avx2(const uint16_t *w, int64_t rs, int64_t d_in,
                                                 const float *x, int64_t xs, int mr, int nt,
                                                 float *out, int64_t os) {
-    __m256 a[4][4], xv[4], wv;
+    __m256 a[8][4], xv[4], wv; /* up to 8 rows x 1 token or 4 x 4 */
     const int64_t body = d_in & ~(int64_t)7;
     int64_t k;
     int i, c;
@@ -416,45 +416,6 @@ MXFP4X_AVX2_INLINE void mxfp4x_dense_block_avx2(const uint16_t *w, int64_t rs, i
         for (c = 0; c < nt; c++) out[c * os + i] = mxfp4x_hsum8_avx2(a[i][c]);
 }
 
-/* One token, up to 8 rows: the block's operations for each row (the same bits), over twice
- * its rows: eight row streams in flight (avx512.h's mxfp4x_dense_rows8_avx512; on an AMD
- * EPYC Zen 4 thread 19.5 instead of 15.8 GB/s, 7168 x 3584). */
-MXFP4X_AVX2_INLINE void mxfp4x_dense_rows8_avx2(const uint16_t *w, int64_t rs, int64_t d_in,
-                                                const float *x, int mr, float *out) {
-    __m256 a[8], xv;
-    const int64_t body = d_in & ~(int64_t)7;
-    int64_t k;
-    int i;
-    for (i = 0; i < mr; i++) a[i] = _mm256_setzero_ps();
-    for (k = 0; k < body; k += 8) {
-        if (!(k & 31))
-            for (i = 0; i < mr; i++)
-                MXFP4X_PREFETCH_L2((const char *)(w + i * rs + k) + MXFP4X_DENSE_PREFETCH);
-        xv = _mm256_loadu_ps(x + k);
-        for (i = 0; i < mr; i++)
-            a[i] = _mm256_fmadd_ps(mxfp4x_bf16x8_avx2(w + i * rs + k), xv, a[i]);
-    }
-    if (body < d_in) {
-        const int n = (int)(d_in - body);
-        uint16_t wt[8];
-        float xt[8];
-        memset(xt, 0, sizeof xt);
-        memcpy(xt, x + body, (size_t)n * sizeof(float));
-        xv = _mm256_loadu_ps(xt);
-        for (i = 0; i < mr; i++) {
-            memset(wt, 0, sizeof wt);
-            memcpy(wt, w + i * rs + body, (size_t)n * sizeof(uint16_t));
-            a[i] = _mm256_fmadd_ps(mxfp4x_bf16x8_avx2(wt), xv, a[i]);
-        }
-    }
-    for (i = 0; i < mr; i++) out[i] = mxfp4x_hsum8_avx2(a[i]);
-}
-
-MXFP4X_AVX2_FN void mxfp4x_dense_rows8_full_avx2(const uint16_t *w, int64_t rs, int64_t d_in,
-                                                 const float *x, float *out) {
-    mxfp4x_dense_rows8_avx2(w, rs, d_in, x, 8, out);
-}
-
 #define MXFP4X_AVX2_DENSE_CASE(M, N)                                                       \
     case (M) * 8 + (N):                                                                    \
         mxfp4x_dense_block_avx2(w + r * row_stride, row_stride, d_in, xt, x_stride, M, N, o, \
@@ -472,14 +433,18 @@ MXFP4X_AVX2_FN void mxfp4x_dense_bf16_avx2(const uint16_t *w, int64_t row_stride
     for (t = 0; t < n_tok; t += 4) {
         const int nt = n_tok - t < 4 ? (int)(n_tok - t) : 4;
         const float *xt = x + t * x_stride;
-        if (nt == 1) { /* one token: blocks of 8 rows (the same bits as of 4) */
+        if (nt == 1) { /* one token: blocks of up to 8 rows, eight row streams in flight
+                          * (the same chain per row, so the same bits as blocks of 4) */
             for (r = row_start; r < row_end; r += 8) {
                 const int mr = row_end - r < 8 ? (int)(row_end - r) : 8;
                 float *o = out + t * out_stride + (r - row_start);
-                if (mr == 8)
-                    mxfp4x_dense_rows8_full_avx2(w + r * row_stride, row_stride, d_in, xt, o);
-                else
-                    mxfp4x_dense_rows8_avx2(w + r * row_stride, row_stride, d_in, xt, mr, o);
+                switch (mr * 8 + 1) {
+                    MXFP4X_AVX2_DENSE_CASE(8, 1) MXFP4X_AVX2_DENSE_CASE(7, 1)
+                    MXFP4X_AVX2_DENSE_CASE(6, 1) MXFP4X_AVX2_DENSE_CASE(5, 1)
+                    MXFP4X_AVX2_DENSE_CASE(4, 1) MXFP4X_AVX2_DENSE_CASE(3, 1)
+                    MXFP4X_AVX2_DENSE_CASE(2, 1) MXFP4X_AVX2_DENSE_CASE(1, 1)
+                default: break;
+                }
             }
             continue;
         }

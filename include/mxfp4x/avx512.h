@@ -380,8 +380,8 @@ MXFP4X_AVX512_FN float mxfp4x_fma_loop_avx512(int64_t iters, float seed, int64_t
  * One 16-lane accumulator per (row, token): lane l sums w[i] x[i] over i = l (mod 16)
  * ascending, with FMA (a bf16 weight widened by vpmovzxwd + a 16-bit shift is exact);
  * the last d_in % 16 elements read through zero-filled copies (their zero lanes add
- * +0); lanes reduced by mxfp4x_hsum16_avx512.  Blocks of up to 4 rows x 4 tokens: each
- * row chunk is widened once and used for every token of the block.  At one token the
+ * +0); lanes reduced by mxfp4x_hsum16_avx512.  Blocks of up to 4 rows x 4 tokens (8 rows
+ * at one token): each row chunk is widened once and used for every token of the block.  At one token the
  * 4 rows are 4 independent FMA chains and 4 sequential streams; the work per byte is
  * far under the read time, so the rows stream at the memory's rate. */
 MXFP4X_AVX512_INLINE_ALWAYS __m512 mxfp4x_bf16x16_avx512(const uint16_t *p) {
@@ -400,7 +400,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
                                                            int64_t d_in, const float *x,
                                                            int64_t xs, int mr, int nt,
                                                            float *out, int64_t os) {
-    __m512 a[4][4], xv[4], wv;
+    __m512 a[8][4], xv[4], wv; /* up to 8 rows x 1 token or 4 x 4 */
     const int64_t body = d_in & ~(int64_t)15;
     int64_t k;
     int i, c;
@@ -436,48 +436,6 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
         for (c = 0; c < nt; c++) out[c * os + i] = mxfp4x_hsum16_avx512(a[i][c]);
 }
 
-/* One token, up to 8 rows: mxfp4x_dense_block_avx512's operations for each row (the same
- * chain, hence the same bits), over twice its rows.  Eight row streams keep more lines in
- * flight than four: 7168 x 3584 bf16 at one token read 21 GB/s on one AMD EPYC Zen 4
- * thread against 17 (a plain read of the same 4 KiB pages: 19-23). */
-MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_rows8_avx512(const uint16_t *w, int64_t rs,
-                                                           int64_t d_in, const float *x,
-                                                           int mr, float *out) {
-    __m512 a[8], xv;
-    const int64_t body = d_in & ~(int64_t)15;
-    int64_t k;
-    int i;
-    for (i = 0; i < mr; i++) a[i] = _mm512_setzero_ps();
-    for (k = 0; k < body; k += 16) {
-        if (!(k & 31))
-            for (i = 0; i < mr; i++)
-                MXFP4X_PREFETCH_L2((const char *)(w + i * rs + k) + MXFP4X_DENSE_PREFETCH);
-        xv = _mm512_loadu_ps(x + k);
-        for (i = 0; i < mr; i++)
-            a[i] = _mm512_fmadd_ps(mxfp4x_bf16x16_avx512(w + i * rs + k), xv, a[i]);
-    }
-    if (body < d_in) {
-        const int n = (int)(d_in - body);
-        uint16_t wt[16];
-        float xt[16];
-        memset(xt, 0, sizeof xt);
-        memcpy(xt, x + body, (size_t)n * sizeof(float));
-        xv = _mm512_loadu_ps(xt);
-        for (i = 0; i < mr; i++) {
-            memset(wt, 0, sizeof wt);
-            memcpy(wt, w + i * rs + body, (size_t)n * sizeof(uint16_t));
-            a[i] = _mm512_fmadd_ps(mxfp4x_bf16x16_avx512(wt), xv, a[i]);
-        }
-    }
-    for (i = 0; i < mr; i++) out[i] = mxfp4x_hsum16_avx512(a[i]);
-}
-
-MXFP4X_AVX512_NOINLINE void mxfp4x_dense_rows8_full_avx512(const uint16_t *w, int64_t rs,
-                                                          int64_t d_in, const float *x,
-                                                          float *out) {
-    mxfp4x_dense_rows8_avx512(w, rs, d_in, x, 8, out);
-}
-
 #define MXFP4X_AVX512_DENSE_CASE(M, N)                                                     \
     case (M) * 8 + (N):                                                                    \
         mxfp4x_dense_block_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride, M, N,  \
@@ -496,14 +454,18 @@ MXFP4X_AVX512_FN void mxfp4x_dense_bf16_avx512(const uint16_t *w, int64_t row_st
     for (t = 0; t < n_tok; t += 4) {
         const int nt = n_tok - t < 4 ? (int)(n_tok - t) : 4;
         const float *xt = x + t * x_stride;
-        if (nt == 1) { /* one token: blocks of 8 rows (the same bits as of 4) */
+        if (nt == 1) { /* one token: blocks of up to 8 rows, eight row streams in flight
+                          * (the same chain per row, so the same bits as blocks of 4) */
             for (r = row_start; r < row_end; r += 8) {
                 const int mr = row_end - r < 8 ? (int)(row_end - r) : 8;
                 float *o = out + t * out_stride + (r - row_start);
-                if (mr == 8)
-                    mxfp4x_dense_rows8_full_avx512(w + r * row_stride, row_stride, d_in, xt, o);
-                else
-                    mxfp4x_dense_rows8_avx512(w + r * row_stride, row_stride, d_in, xt, mr, o);
+                switch (mr * 8 + 1) {
+                    MXFP4X_AVX512_DENSE_CASE(8, 1) MXFP4X_AVX512_DENSE_CASE(7, 1)
+                    MXFP4X_AVX512_DENSE_CASE(6, 1) MXFP4X_AVX512_DENSE_CASE(5, 1)
+                    MXFP4X_AVX512_DENSE_CASE(4, 1) MXFP4X_AVX512_DENSE_CASE(3, 1)
+                    MXFP4X_AVX512_DENSE_CASE(2, 1) MXFP4X_AVX512_DENSE_CASE(1, 1)
+                default: break;
+                }
             }
             continue;
         }
