@@ -42,7 +42,8 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .bf16_gather = mxfp4x_amx_gather,
      .bf16_rows = mxfp4x_amx_bf16_rows,
      .bf16_scratch_bytes = mxfp4x_amx_scratch_bytes,
-     .bf16_gemv_max_tokens = MXFP4X_AMX_GEMV_MAX_TOKENS},
+     .bf16_gemv_max_tokens = MXFP4X_AMX_GEMV_MAX_TOKENS,
+     .bf16_dot_loop = mxfp4x_amx_loop},
 #endif
 #if MXFP4X_HAVE_AVX512BF16
     /* avx512's kernels; bf16 latents of float32 calls on vdpbf16ps (avx512bf16.h).  The

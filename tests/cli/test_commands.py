@@ -76,9 +76,10 @@ def test_roofline_json(cli_run):
     assert roofs["read_gbps"]["1"] > 0 and roofs["read_gbps_torch"]["1"] > 0
     peaks = roofs["fma_gflops"]["1"]
     assert set(peaks) == set(roofs["isas"]) and all(v > 0 for v in peaks.values())
-    # the bf16 units' own peak where the entry measures one (avx512bf16's vdpbf16ps loop)
+    # the bf16 units' own peak where the entry measures one (avx512bf16's vdpbf16ps loop,
+    # amx's tdpbf16ps loop)
     bf16 = roofs["bf16_dot_gflops"]["1"]
-    assert set(bf16) == {isa for isa in roofs["isas"] if isa == "avx512bf16"}, bf16
+    assert set(bf16) == {isa for isa in roofs["isas"] if isa in ("avx512bf16", "amx")}, bf16
     assert all(v > 0 for v in bf16.values())
     assert roofs["matmul_gflops"]["1"]["float32"] > 0 and roofs["cpu"]["model"]
 
