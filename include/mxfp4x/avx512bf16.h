@@ -235,17 +235,24 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_decode_rows(const mxfp4x_rows *w, int64_
     }
 }
 
-/* mr <= 4 panel rows (p0, stride d_in words) x nt <= 6 tokens over every group. */
+/* Chunks [c0, c1) of mr <= 4 panel rows (p0, stride d_in words) x nt <= 6 tokens.  The
+ * accumulators start at zero (c0 == 0) or from `acc` (the previous chunks' partials, 24
+ * vectors, [i][t]); they end reduced into out (c1 == G) or stored back to `acc`.  A float32
+ * vector through memory is the same vector, so a row's chain of vdpbf16ps over c = 0 .. G-1
+ * runs the same operations on the same operands whatever the split. */
 MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_panel_block(const uint16_t *p0, int64_t d_in,
-                                                    int64_t G, const uint16_t *const *xs,
-                                                    int mr, int nt, float *out,
+                                                    int64_t G, int64_t c0, int64_t c1,
+                                                    const uint16_t *const *xs, int mr, int nt,
+                                                    float *acc, float *out,
                                                     int64_t out_stride) {
     __m512 a[MXFP4X_BF16DP_MR][MXFP4X_BF16DP_PNT];
     int64_t g;
     int i, t;
     for (i = 0; i < mr; i++)
-        for (t = 0; t < nt; t++) a[i][t] = _mm512_setzero_ps();
-    for (g = 0; g < G; g++) {
+        for (t = 0; t < nt; t++)
+            a[i][t] = c0 == 0 ? _mm512_setzero_ps()
+                              : _mm512_load_ps(acc + (i * MXFP4X_BF16DP_PNT + t) * 16);
+    for (g = c0; g < c1; g++) {
         __m512bh wv[MXFP4X_BF16DP_MR];
         for (i = 0; i < mr; i++)
             wv[i] = (__m512bh)_mm512_load_si512((const void *)(p0 + i * d_in + g * MXFP4X_GROUP));
@@ -255,20 +262,95 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_panel_block(const uint16_t *p0, int64_t 
             for (i = 0; i < mr; i++) a[i][t] = _mm512_dpbf16_ps(a[i][t], wv[i], x);
         }
     }
-    for (i = 0; i < mr; i++)
-        for (t = 0; t < nt; t++) out[t * out_stride + i] = mxfp4x_hsum16_avx512(a[i][t]);
+    if (c1 == G) {
+        for (i = 0; i < mr; i++)
+            for (t = 0; t < nt; t++) out[t * out_stride + i] = mxfp4x_hsum16_avx512(a[i][t]);
+    } else {
+        for (i = 0; i < mr; i++)
+            for (t = 0; t < nt; t++)
+                _mm512_store_ps(acc + (i * MXFP4X_BF16DP_PNT + t) * 16, a[i][t]);
+    }
 }
 
-MXFP4X_BF16DP_NOINLINE void mxfp4x_bf16dp_panel_full(const uint16_t *p0, int64_t d_in, int64_t G,
-                                                     const uint16_t *const *xs, float *out,
-                                                     int64_t out_stride) {
-    mxfp4x_bf16dp_panel_block(p0, d_in, G, xs, MXFP4X_BF16DP_MR, MXFP4X_BF16DP_PNT, out,
-                              out_stride);
-}
+/* Blocks of 4 rows compiled apart, one per token count (1..6), their accumulators in
+ * registers: a batch's last block of tokens (n_tok % 6 of them) through the inlined form
+ * with a variable token count kept its accumulators on the stack. */
+#define MXFP4X_BF16DP_PANEL_FULL(N)                                                         \
+    MXFP4X_BF16DP_NOINLINE void mxfp4x_bf16dp_panel_full##N(                               \
+        const uint16_t *p0, int64_t d_in, int64_t G, int64_t c0, int64_t c1,               \
+        const uint16_t *const *xs, float *acc, float *out, int64_t out_stride) {           \
+        mxfp4x_bf16dp_panel_block(p0, d_in, G, c0, c1, xs, MXFP4X_BF16DP_MR, N, acc, out,  \
+                                  out_stride);                                             \
+    }
+MXFP4X_BF16DP_PANEL_FULL(1)
+MXFP4X_BF16DP_PANEL_FULL(2)
+MXFP4X_BF16DP_PANEL_FULL(3)
+MXFP4X_BF16DP_PANEL_FULL(4)
+MXFP4X_BF16DP_PANEL_FULL(5)
+MXFP4X_BF16DP_PANEL_FULL(6)
 
-/* Scratch bytes of mxfp4x_bf16dp_rows: a panel of one task's rows (64-byte aligned). */
+typedef void (*mxfp4x_bf16dp_panel_fn)(const uint16_t *, int64_t, int64_t, int64_t, int64_t,
+                                       const uint16_t *const *, float *, float *, int64_t);
+static const mxfp4x_bf16dp_panel_fn mxfp4x_bf16dp_panel_full[MXFP4X_BF16DP_PNT + 1] = {
+    NULL,
+    mxfp4x_bf16dp_panel_full1,
+    mxfp4x_bf16dp_panel_full2,
+    mxfp4x_bf16dp_panel_full3,
+    mxfp4x_bf16dp_panel_full4,
+    mxfp4x_bf16dp_panel_full5,
+    mxfp4x_bf16dp_panel_full6};
+
+/* The panel path walks a row's chunks in slices of at most this many (KC), each slice over
+ * every 4-row block of the tile before the next, for one block of 6 tokens: the slice of
+ * the 6 tokens' latents (6 x KC x 64 bytes) stays in L1 while the rows' slices stream from
+ * L2.  Whole rows at once, 4 rows and 6 tokens of gpt-oss's 2880 latents were 58 KB: over
+ * a 48 KB L1, and the latents came from L2 again for every row block. */
+#ifndef MXFP4X_BF16DP_KC
+#define MXFP4X_BF16DP_KC 64
+#endif
+
+/* Float32 partials of the tile's row blocks between slices (64-byte aligned vectors). */
+#define MXFP4X_BF16DP_ACC_FLOATS                                                            \
+    ((MXFP4X_BF16DP_TILE_ROWS / MXFP4X_BF16DP_MR) * MXFP4X_BF16DP_MR * MXFP4X_BF16DP_PNT * 16)
+
+/* Scratch bytes of mxfp4x_bf16dp_rows: a panel of one task's rows and the partials (both
+ * 64-byte aligned). */
 static int64_t mxfp4x_bf16dp_scratch_bytes(int64_t n_groups) {
-    return MXFP4X_BF16DP_TILE_ROWS * n_groups * MXFP4X_GROUP * 2 + 64;
+    return MXFP4X_BF16DP_TILE_ROWS * n_groups * MXFP4X_GROUP * 2 +
+           MXFP4X_BF16DP_ACC_FLOATS * 4 + 64;
+}
+
+/* The next tile's lines, prefetched into L2 a few at a time: its packed bytes, then its
+ * scale bytes (where they are apart).  The next tile is rows [r1, r1 + TILE_ROWS) of this
+ * call, or where the caller's next call starts (the hint, mxfp4x_rows).  Prefetches never
+ * fault and no result depends on them. */
+typedef struct {
+    const char *p, *end, *ps, *pe;
+} mxfp4x_bf16dp_pf;
+
+static inline mxfp4x_bf16dp_pf mxfp4x_bf16dp_pf_tile(const mxfp4x_rows *w, int64_t r1,
+                                                     int64_t row_end) {
+    mxfp4x_bf16dp_pf c;
+    const int here = r1 < row_end;
+    const int64_t n = here ? (row_end - r1 < MXFP4X_BF16DP_TILE_ROWS ? row_end - r1
+                                                                      : MXFP4X_BF16DP_TILE_ROWS)
+                           : MXFP4X_BF16DP_TILE_ROWS;
+    const uint8_t *b = here ? w->blocks + r1 * w->row_stride_blocks : w->next_blocks;
+    const uint8_t *s = here ? w->scales + r1 * w->row_stride_scales : w->next_scales;
+    c.p = (const char *)b;
+    c.end = b ? c.p + n * w->row_stride_blocks : c.p;
+    c.ps = (const char *)s;
+    c.pe = s && w->group_stride_scales == 1 ? c.ps + n * w->row_stride_scales : c.ps;
+    return c;
+}
+
+static inline int64_t mxfp4x_bf16dp_pf_count(const mxfp4x_bf16dp_pf *c) {
+    return (int64_t)((c->end - c->p) + (c->pe - c->ps) + 127) / 64;
+}
+
+static inline void mxfp4x_bf16dp_pf_lines(mxfp4x_bf16dp_pf *c, int64_t n) {
+    for (; n > 0 && c->p < c->end; n--, c->p += 64) MXFP4X_PREFETCH_L2(c->p);
+    for (; n > 0 && c->ps < c->pe; n--, c->ps += 64) MXFP4X_PREFETCH_L2(c->ps);
 }
 
 /* out[t * out_stride + r - row_start] = W[r] . x_t for r in [row_start, row_end), t <
@@ -282,35 +364,61 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
                                          int64_t out_stride, void *scratch) {
     const int64_t G = w->n_groups, d_in = G * MXFP4X_GROUP;
     uint16_t *panel = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *acc = (float *)(panel + MXFP4X_BF16DP_TILE_ROWS * d_in); /* 64-byte aligned */
     const uint16_t *xs[MXFP4X_BF16DP_PNT];
     const int fused = n_tok <= MXFP4X_BF16DP_GEMV_MAX_TOKENS;
     const int step = fused ? MXFP4X_BF16DP_NT : MXFP4X_BF16DP_PNT;
-    int64_t r0, r1, r, t, i;
+    /* the panel's slices: as few as KC allows, of equal length but the last */
+    const int64_t n_slices = (G + MXFP4X_BF16DP_KC - 1) / MXFP4X_BF16DP_KC;
+    const int64_t kc = (G + n_slices - 1) / n_slices;
+    int64_t r0, r1, r, t, i, c0, c1, pf_per_call = 0;
     int nt, mr, any_unsafe = 0;
+    mxfp4x_bf16dp_pf pf = {NULL, NULL, NULL, NULL};
     for (t = 0; t < n_tok; t++) any_unsafe |= unsafe[t];
     for (r0 = row_start; r0 < row_end; r0 = r1) {
         r1 = row_end - r0 < MXFP4X_BF16DP_TILE_ROWS ? row_end : r0 + MXFP4X_BF16DP_TILE_ROWS;
-        if (!fused) mxfp4x_bf16dp_decode_rows(w, r0, r1 - r0, panel);
+        if (!fused) {
+            /* the next tile's bytes and scales stream into L2 while this one is computed:
+             * its decode found them in DRAM and waited on every line */
+            const int64_t n_calls = ((n_tok + step - 1) / step) * n_slices *
+                                    ((r1 - r0 + MXFP4X_BF16DP_MR - 1) / MXFP4X_BF16DP_MR);
+            mxfp4x_bf16dp_decode_rows(w, r0, r1 - r0, panel);
+            pf = mxfp4x_bf16dp_pf_tile(w, r1, row_end);
+            pf_per_call = (mxfp4x_bf16dp_pf_count(&pf) + n_calls - 1) / n_calls;
+        }
         for (t = 0; t < n_tok; t += step) {
             nt = n_tok - t < step ? (int)(n_tok - t) : step;
             for (i = 0; i < nt; i++) xs[i] = xt + (t + i) * d_in;
-            for (r = r0; r < r1; r += MXFP4X_BF16DP_MR) {
-                float *o = out + t * out_stride + (r - row_start);
-                mr = r1 - r < MXFP4X_BF16DP_MR ? (int)(r1 - r) : MXFP4X_BF16DP_MR;
-                if (fused && mr == MXFP4X_BF16DP_MR) {
-                    switch (nt) {
-                    case 4: mxfp4x_bf16dp_gemv_full4(w, r, xs, o, out_stride, row_end); break;
-                    case 3: mxfp4x_bf16dp_gemv_full3(w, r, xs, o, out_stride, row_end); break;
-                    case 2: mxfp4x_bf16dp_gemv_full2(w, r, xs, o, out_stride, row_end); break;
-                    default: mxfp4x_bf16dp_gemv_full1(w, r, xs, o, out_stride, row_end); break;
+            if (fused) {
+                for (r = r0; r < r1; r += MXFP4X_BF16DP_MR) {
+                    float *o = out + t * out_stride + (r - row_start);
+                    mr = r1 - r < MXFP4X_BF16DP_MR ? (int)(r1 - r) : MXFP4X_BF16DP_MR;
+                    if (mr == MXFP4X_BF16DP_MR) {
+                        switch (nt) {
+                        case 4: mxfp4x_bf16dp_gemv_full4(w, r, xs, o, out_stride, row_end); break;
+                        case 3: mxfp4x_bf16dp_gemv_full3(w, r, xs, o, out_stride, row_end); break;
+                        case 2: mxfp4x_bf16dp_gemv_full2(w, r, xs, o, out_stride, row_end); break;
+                        default: mxfp4x_bf16dp_gemv_full1(w, r, xs, o, out_stride, row_end); break;
+                        }
+                    } else {
+                        mxfp4x_bf16dp_gemv_block(w, r, xs, mr, nt, o, out_stride, row_end);
                     }
-                } else if (fused) {
-                    mxfp4x_bf16dp_gemv_block(w, r, xs, mr, nt, o, out_stride, row_end);
-                } else if (mr == MXFP4X_BF16DP_MR && nt == MXFP4X_BF16DP_PNT) {
-                    mxfp4x_bf16dp_panel_full(panel + (r - r0) * d_in, d_in, G, xs, o, out_stride);
-                } else {
-                    mxfp4x_bf16dp_panel_block(panel + (r - r0) * d_in, d_in, G, xs, mr, nt, o,
-                                              out_stride);
+                }
+                continue;
+            }
+            for (c0 = 0; c0 < G; c0 = c1) {
+                c1 = G - c0 < kc ? G : c0 + kc;
+                for (r = r0; r < r1; r += MXFP4X_BF16DP_MR) {
+                    float *o = out + t * out_stride + (r - row_start);
+                    float *ra = acc + (r - r0) * MXFP4X_BF16DP_PNT * 16; /* row block's partials */
+                    mr = r1 - r < MXFP4X_BF16DP_MR ? (int)(r1 - r) : MXFP4X_BF16DP_MR;
+                    mxfp4x_bf16dp_pf_lines(&pf, pf_per_call);
+                    if (mr == MXFP4X_BF16DP_MR)
+                        mxfp4x_bf16dp_panel_full[nt](panel + (r - r0) * d_in, d_in, G, c0, c1,
+                                                     xs, ra, o, out_stride);
+                    else
+                        mxfp4x_bf16dp_panel_block(panel + (r - r0) * d_in, d_in, G, c0, c1, xs,
+                                                  mr, nt, ra, o, out_stride);
                 }
             }
         }

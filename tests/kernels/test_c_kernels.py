@@ -149,3 +149,22 @@ def test_bits_agree_across_builds(native, emulated_aarch64):
     if ("avx512", "gemv") in a:
         same = [c for c in CHECKS if a[("avx512", c)][0] == b[("neon", c)][0]]
         print(f"neon digests equal to avx512's for: {same}")
+
+
+def test_bf16_panel_slices_give_the_same_bits(native, tmp_path):
+    """avx512bf16's panel path walks a row's chunks in slices of at most MXFP4X_BF16DP_KC
+    (the partials kept in memory between slices).  The checker's rows have 37 groups, one
+    slice at the default length; built with slices of 8 (five slices, the last of 5) every
+    bf16 check must pass and give the default build's digests."""
+    from mxfp4x import _cpu
+
+    if "avx512bf16" not in _cpu.runnable_isas():
+        pytest.skip("this CPU cannot run avx512bf16")
+    sliced = [str(build(host_cc(), tmp_path / "check_kc8", ["-DMXFP4X_BF16DP_KC=8"]))]
+    a = parse(_run(native, "avx512bf16").stdout)
+    res = _run(sliced, "avx512bf16")
+    assert res.returncode == 0, res.stdout + res.stderr
+    b = parse(res.stdout)
+    for check in BF16_CHECKS:
+        assert b[("avx512bf16", check)][1], f"{check} failed with 8-chunk slices:\n{res.stdout}"
+        assert a[("avx512bf16", check)][0] == b[("avx512bf16", check)][0], check
