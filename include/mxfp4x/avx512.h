@@ -64,7 +64,7 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
     for (; r + 4 <= row_end; r += 4) {
         const uint8_t *b0 = w->blocks + r * sb;
         const uint8_t *s0 = w->scales + r * ss;
-        /* the next 4-row block (or the next call's first) into L2: mxfp4x.h */
+        /* a 4-row block ahead (or the next call's) into L2: mxfp4x.h */
         mxfp4x_pf_cursor pf = mxfp4x_pf_next_block(w, r, 4, row_end);
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (g = 0; g < G; g++) {
