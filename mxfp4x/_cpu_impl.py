@@ -172,8 +172,9 @@ def _operand_rows(t, per_slot):
 # call (batch invariance), so chunking never changes a bit; the weights are read once
 # per chunk.  _CHUNK_BYTES bounds one chunk's layout copy of the latents plus its
 # compute-dtype result rows when the result has another dtype, plus its pairs' working
-# bytes; a chunk holds at least _MIN_CHUNK_TOKENS tokens.  Kimi K3 w1 (I = 3584,
-# O = 3072, K = 16), bfloat16: 923 tokens (16 per expert on average), 13 + 11 + 0.6 MiB.
+# bytes, but never below _MIN_CHUNK_TOKENS tokens; the chunks are then made equal
+# (_chunks).  Kimi K3 w1 (I = 3584, O = 3072, K = 16), bfloat16: 923 tokens (16 per
+# expert on average), 13 + 11 + 0.6 MiB.
 _CHUNK_BYTES = 24 << 20
 _MIN_CHUNK_TOKENS = 256
 
@@ -192,7 +193,12 @@ def _pairs(sel, mix, compute, t0, t1):
 
 
 def _chunks(n_tokens, bytes_per_token):
+    """Token ranges of at most the bound's tokens, as few as it allows, of equal length but
+    the last: 512 tokens under a bound of 435 run as 256 + 256, not 435 + 77 (a small last
+    chunk read every selected expert again for a few tokens each)."""
     step = max(_MIN_CHUNK_TOKENS, _CHUNK_BYTES // max(1, bytes_per_token))
+    n_chunks = max(1, -(-n_tokens // step))
+    step = -(-n_tokens // n_chunks) if n_tokens else step
     return [(t0, min(n_tokens, t0 + step)) for t0 in range(0, n_tokens, step)] or [(0, 0)]
 
 
