@@ -238,6 +238,60 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_decode_rows(const mxfp4x_rows *w, int64_
     }
 }
 
+/* hsum16's tree (avx512.h: lanes (j, j + 8), then (j, j + 4), (j, j + 2), (0, 1)) run on
+ * many vectors at once: each level adds, for two vectors, the halves hsum16 would add, two
+ * vectors' halves side by side in one register, so every sum is hsum16's own, operands in
+ * the same order (the lower lanes first), rounded the same: the same bits in 3 operations
+ * per pair of vectors per level instead of 4 per vector per level.
+ *   level 1 (A, B):  [A0-7 + A8-15 | B0-7 + B8-15]
+ *   level 2 (P, Q):  quarter k: vector k's four partials (P: k = 0, 1; Q: k = 2, 3)
+ *   level 3 (P, Q):  quarter k: two partials of P's quarter k, two of Q's
+ *   level 4 (P, Q):  quarter k: one sum of each of the four
+ * From v[0..15] this leaves lane 4k + j = hsum16(v[4j + k]). */
+MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l1(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l2(__m512 p, __m512 q) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
+}
+MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l3(__m512 p, __m512 q) {
+    const __m512d pd = _mm512_castps_pd(p), qd = _mm512_castps_pd(q);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(pd, qd)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(pd, qd)));
+}
+MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l4(__m512 p, __m512 q) {
+    return _mm512_add_ps(_mm512_shuffle_ps(p, q, 0x88), _mm512_shuffle_ps(p, q, 0xDD));
+}
+/* levels 1-3 of 8 vectors: quarter k = [two partials of v[k], two of v[4 + k]] */
+MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_8(const __m512 *v) {
+    return mxfp4x_bf16dp_hsum_l3(
+        mxfp4x_bf16dp_hsum_l2(mxfp4x_bf16dp_hsum_l1(v[0], v[1]), mxfp4x_bf16dp_hsum_l1(v[2], v[3])),
+        mxfp4x_bf16dp_hsum_l2(mxfp4x_bf16dp_hsum_l1(v[4], v[5]), mxfp4x_bf16dp_hsum_l1(v[6], v[7])));
+}
+
+/* The 4 rows x 6 tokens block's sums into out[t * out_stride + i] (= hsum16(a[i][t])). */
+MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_reduce_4x6(__m512 a[MXFP4X_BF16DP_MR][MXFP4X_BF16DP_PNT],
+                                                   float *out, int64_t out_stride) {
+    /* tokens 0-3: v[4j + k] = a[j][k], so quarter k is token k's rows 0-3 */
+    const __m512 v[16] = {a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3],
+                          a[2][0], a[2][1], a[2][2], a[2][3], a[3][0], a[3][1], a[3][2], a[3][3]};
+    /* tokens 4, 5: u[4j + k] = a[k][4 + j]: quarter k's lanes 0-1 row k of token 4, 2-3 of
+     * token 5 (level 4 pairs it with itself) */
+    const __m512 u[8] = {a[0][4], a[1][4], a[2][4], a[3][4], a[0][5], a[1][5], a[2][5], a[3][5]};
+    const __m512 r = mxfp4x_bf16dp_hsum_l4(mxfp4x_bf16dp_hsum_8(v), mxfp4x_bf16dp_hsum_8(v + 8));
+    const __m512 h = mxfp4x_bf16dp_hsum_8(u);
+    const __m512 s = mxfp4x_bf16dp_hsum_l4(h, h); /* quarter k: row k of tokens 4, 5, 4, 5 */
+    /* lanes 0-3: tokens 4's rows 0-3 (lane 4k), lanes 4-7: token 5's (lane 4k + 1) */
+    const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 13, 9, 5, 1, 12, 8, 4, 0);
+    const __m512 s45 = _mm512_permutexvar_ps(idx, s);
+    _mm_storeu_ps(out, _mm512_castps512_ps128(r));
+    _mm_storeu_ps(out + out_stride, _mm512_extractf32x4_ps(r, 1));
+    _mm_storeu_ps(out + 2 * out_stride, _mm512_extractf32x4_ps(r, 2));
+    _mm_storeu_ps(out + 3 * out_stride, _mm512_extractf32x4_ps(r, 3));
+    _mm_storeu_ps(out + 4 * out_stride, _mm512_castps512_ps128(s45));
+    _mm_storeu_ps(out + 5 * out_stride, _mm512_extractf32x4_ps(s45, 1));
+}
+
 /* Chunks [c0, c1) of mr <= 4 panel rows (p0, stride d_in words) x nt <= 6 tokens.  The
  * accumulators start at zero (c0 == 0) or from `acc` (the previous chunks' partials, 24
  * vectors, [i][t]); they end reduced into out (c1 == G) or stored back to `acc`.  A float32
@@ -265,7 +319,9 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_panel_block(const uint16_t *p0, int64_t 
             for (i = 0; i < mr; i++) a[i][t] = _mm512_dpbf16_ps(a[i][t], wv[i], x);
         }
     }
-    if (c1 == G) {
+    if (c1 == G && mr == MXFP4X_BF16DP_MR && nt == MXFP4X_BF16DP_PNT) {
+        mxfp4x_bf16dp_reduce_4x6(a, out, out_stride);
+    } else if (c1 == G) {
         for (i = 0; i < mr; i++)
             for (t = 0; t < nt; t++) out[t * out_stride + i] = mxfp4x_hsum16_avx512(a[i][t]);
     } else {
