@@ -75,6 +75,24 @@ def test_long_batches_run_in_token_chunks_with_the_same_bits(isa, rng, monkeypat
         assert torch.equal(chunked.view(torch.uint8), whole[name].view(torch.uint8)), name
 
 
+def test_token_chunks_are_as_few_and_as_equal_as_the_bound_allows(monkeypatch):
+    """The chunks cover [0, T) in order, each within the bound's token count, as few as it
+    allows, and of equal length but the last (512 tokens under a bound of 435: 256 + 256,
+    not 435 + 77)."""
+    from mxfp4x import _cpu_impl
+    monkeypatch.setattr(_cpu_impl, "_CHUNK_BYTES", 435)
+    monkeypatch.setattr(_cpu_impl, "_MIN_CHUNK_TOKENS", 3)
+    assert _cpu_impl._chunks(512, 1) == [(0, 256), (256, 512)]
+    assert _cpu_impl._chunks(0, 1) == [(0, 0)]
+    for n in (1, 2, 434, 435, 436, 870, 871, 1000, 4321):
+        chunks = _cpu_impl._chunks(n, 1)
+        assert chunks[0][0] == 0 and chunks[-1][1] == n, (n, chunks)
+        assert all(chunks[i][1] == chunks[i + 1][0] for i in range(len(chunks) - 1)), chunks
+        sizes = [t1 - t0 for t0, t1 in chunks]
+        assert max(sizes) <= 435 and len(chunks) == -(-n // 435), (n, sizes)
+        assert all(sz == sizes[0] for sz in sizes[:-1]) and sizes[0] - sizes[-1] < len(sizes)
+
+
 # ---- the steps around the product: many row tasks, the same bits ---------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
