@@ -146,6 +146,64 @@ static float mxfp4x_bf16dp_exact_dot(const mxfp4x_rows *w, int64_t r, const uint
     return (float)acc;
 }
 
+/* hsum16's tree (avx512.h: lanes (j, j + 8), then (j, j + 4), (j, j + 2), (0, 1)) run on
+ * many vectors at once: each level adds, for two vectors, the halves hsum16 would add, two
+ * vectors' halves side by side in one register, so every sum is hsum16's own, operands in
+ * the same order (the lower lanes first), rounded the same: the same bits in 3 operations
+ * per pair of vectors per level instead of 4 per vector per level.
+ *   level 1 (A, B):  [A0-7 + A8-15 | B0-7 + B8-15]
+ *   level 2 (P, Q):  quarter k: vector k's four partials (P: k = 0, 1; Q: k = 2, 3)
+ *   level 3 (P, Q):  quarter k: two partials of P's quarter k, two of Q's
+ *   level 4 (P, Q):  quarter k: one sum of each of the four
+ * From v[0..15] this leaves lane 4k + j = hsum16(v[4j + k]). */
+MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l1(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l2(__m512 p, __m512 q) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
+}
+MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l3(__m512 p, __m512 q) {
+    const __m512d pd = _mm512_castps_pd(p), qd = _mm512_castps_pd(q);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(pd, qd)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(pd, qd)));
+}
+MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l4(__m512 p, __m512 q) {
+    return _mm512_add_ps(_mm512_shuffle_ps(p, q, 0x88), _mm512_shuffle_ps(p, q, 0xDD));
+}
+/* levels 1-3 of 8 vectors: quarter k = [two partials of v[k], two of v[4 + k]] */
+MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_8(const __m512 *v) {
+    return mxfp4x_bf16dp_hsum_l3(
+        mxfp4x_bf16dp_hsum_l2(mxfp4x_bf16dp_hsum_l1(v[0], v[1]), mxfp4x_bf16dp_hsum_l1(v[2], v[3])),
+        mxfp4x_bf16dp_hsum_l2(mxfp4x_bf16dp_hsum_l1(v[4], v[5]), mxfp4x_bf16dp_hsum_l1(v[6], v[7])));
+}
+
+/* A 4-row x nt-token block's sums into out[t * out_stride + i] (= hsum16(a[i][t])):
+ * nt = 1 pairs the 4 vectors through levels 1-2 and then each result with itself (quarter
+ * k: row k's sum 4 times); 2-4 run 16 vectors (v[4j + k] = a[j][k], absent tokens
+ * replaced by token 0) so quarter k is token k's 4 rows. */
+MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_reduce_4xn(__m512 a[MXFP4X_BF16DP_MR][MXFP4X_BF16DP_NT],
+                                                   int nt, float *out, int64_t out_stride) {
+    if (nt == 1) {
+        const __m512 q = mxfp4x_bf16dp_hsum_l2(mxfp4x_bf16dp_hsum_l1(a[0][0], a[1][0]),
+                                               mxfp4x_bf16dp_hsum_l1(a[2][0], a[3][0]));
+        const __m512 h = mxfp4x_bf16dp_hsum_l3(q, q);
+        const __m512 r = mxfp4x_bf16dp_hsum_l4(h, h);
+        const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+        _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(idx, r)));
+    } else {
+        const int t1 = nt > 1, t2 = nt > 2 ? 2 : 0, t3 = nt > 3 ? 3 : 0;
+        const __m512 v[16] = {a[0][0], a[0][t1], a[0][t2], a[0][t3], a[1][0], a[1][t1],
+                              a[1][t2], a[1][t3], a[2][0], a[2][t1], a[2][t2], a[2][t3],
+                              a[3][0], a[3][t1], a[3][t2], a[3][t3]};
+        const __m512 r =
+            mxfp4x_bf16dp_hsum_l4(mxfp4x_bf16dp_hsum_8(v), mxfp4x_bf16dp_hsum_8(v + 8));
+        _mm_storeu_ps(out, _mm512_castps512_ps128(r));
+        _mm_storeu_ps(out + out_stride, _mm512_extractf32x4_ps(r, 1));
+        if (nt > 2) _mm_storeu_ps(out + 2 * out_stride, _mm512_extractf32x4_ps(r, 2));
+        if (nt > 3) _mm_storeu_ps(out + 3 * out_stride, _mm512_extractf32x4_ps(r, 3));
+    }
+}
+
 /* ---- few tokens: each group decoded once in a register, applied to every token ---- */
 
 /* mr <= 4 rows from r x nt <= 4 tokens (xs[t]: d_in words each) over every group:
@@ -195,6 +253,10 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_gemv_block(const mxfp4x_rows *w, int64_t
             for (t = 0; t < nt; t++) a[i][t] = _mm512_dpbf16_ps(a[i][t], wv, x[t]);
         }
     }
+    if (mr == MXFP4X_BF16DP_MR) {
+        mxfp4x_bf16dp_reduce_4xn(a, nt, out, out_stride);
+        return;
+    }
     for (i = 0; i < mr; i++)
         for (t = 0; t < nt; t++) out[t * out_stride + i] = mxfp4x_hsum16_avx512(a[i][t]);
 }
@@ -236,37 +298,6 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_decode_rows(const mxfp4x_rows *w, int64_
             _mm512_store_si512((void *)(d + g * MXFP4X_GROUP),
                                mxfp4x_bf16dp_decode(b + g * gb, s[g * gs]));
     }
-}
-
-/* hsum16's tree (avx512.h: lanes (j, j + 8), then (j, j + 4), (j, j + 2), (0, 1)) run on
- * many vectors at once: each level adds, for two vectors, the halves hsum16 would add, two
- * vectors' halves side by side in one register, so every sum is hsum16's own, operands in
- * the same order (the lower lanes first), rounded the same: the same bits in 3 operations
- * per pair of vectors per level instead of 4 per vector per level.
- *   level 1 (A, B):  [A0-7 + A8-15 | B0-7 + B8-15]
- *   level 2 (P, Q):  quarter k: vector k's four partials (P: k = 0, 1; Q: k = 2, 3)
- *   level 3 (P, Q):  quarter k: two partials of P's quarter k, two of Q's
- *   level 4 (P, Q):  quarter k: one sum of each of the four
- * From v[0..15] this leaves lane 4k + j = hsum16(v[4j + k]). */
-MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l1(__m512 a, __m512 b) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-}
-MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l2(__m512 p, __m512 q) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
-}
-MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l3(__m512 p, __m512 q) {
-    const __m512d pd = _mm512_castps_pd(p), qd = _mm512_castps_pd(q);
-    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(pd, qd)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(pd, qd)));
-}
-MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_l4(__m512 p, __m512 q) {
-    return _mm512_add_ps(_mm512_shuffle_ps(p, q, 0x88), _mm512_shuffle_ps(p, q, 0xDD));
-}
-/* levels 1-3 of 8 vectors: quarter k = [two partials of v[k], two of v[4 + k]] */
-MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_8(const __m512 *v) {
-    return mxfp4x_bf16dp_hsum_l3(
-        mxfp4x_bf16dp_hsum_l2(mxfp4x_bf16dp_hsum_l1(v[0], v[1]), mxfp4x_bf16dp_hsum_l1(v[2], v[3])),
-        mxfp4x_bf16dp_hsum_l2(mxfp4x_bf16dp_hsum_l1(v[4], v[5]), mxfp4x_bf16dp_hsum_l1(v[6], v[7])));
 }
 
 /* The 4 rows x 6 tokens block's sums into out[t * out_stride + i] (= hsum16(a[i][t])). */
