@@ -177,6 +177,17 @@ MXFP4X_BF16DP_INLINE __m512 mxfp4x_bf16dp_hsum_8(const __m512 *v) {
         mxfp4x_bf16dp_hsum_l2(mxfp4x_bf16dp_hsum_l1(v[4], v[5]), mxfp4x_bf16dp_hsum_l1(v[6], v[7])));
 }
 
+/* 16 vectors v[4j + k] reduced, quarter k (lane 4k + j = hsum16(v[4j + k])) stored at
+ * out + k * out_stride for k < n. */
+MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_reduce_16(const __m512 *v, int n, float *out,
+                                                  int64_t out_stride) {
+    const __m512 r = mxfp4x_bf16dp_hsum_l4(mxfp4x_bf16dp_hsum_8(v), mxfp4x_bf16dp_hsum_8(v + 8));
+    _mm_storeu_ps(out, _mm512_castps512_ps128(r));
+    if (n > 1) _mm_storeu_ps(out + out_stride, _mm512_extractf32x4_ps(r, 1));
+    if (n > 2) _mm_storeu_ps(out + 2 * out_stride, _mm512_extractf32x4_ps(r, 2));
+    if (n > 3) _mm_storeu_ps(out + 3 * out_stride, _mm512_extractf32x4_ps(r, 3));
+}
+
 /* A 4-row x nt-token block's sums into out[t * out_stride + i] (= hsum16(a[i][t])):
  * nt = 1 pairs the 4 vectors through levels 1-2 and then each result with itself (quarter
  * k: row k's sum 4 times); 2-4 run 16 vectors (v[4j + k] = a[j][k], absent tokens
@@ -195,12 +206,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_reduce_4xn(__m512 a[MXFP4X_BF16DP_MR][MX
         const __m512 v[16] = {a[0][0], a[0][t1], a[0][t2], a[0][t3], a[1][0], a[1][t1],
                               a[1][t2], a[1][t3], a[2][0], a[2][t1], a[2][t2], a[2][t3],
                               a[3][0], a[3][t1], a[3][t2], a[3][t3]};
-        const __m512 r =
-            mxfp4x_bf16dp_hsum_l4(mxfp4x_bf16dp_hsum_8(v), mxfp4x_bf16dp_hsum_8(v + 8));
-        _mm_storeu_ps(out, _mm512_castps512_ps128(r));
-        _mm_storeu_ps(out + out_stride, _mm512_extractf32x4_ps(r, 1));
-        if (nt > 2) _mm_storeu_ps(out + 2 * out_stride, _mm512_extractf32x4_ps(r, 2));
-        if (nt > 3) _mm_storeu_ps(out + 3 * out_stride, _mm512_extractf32x4_ps(r, 3));
+        mxfp4x_bf16dp_reduce_16(v, nt, out, out_stride);
     }
 }
 
@@ -309,16 +315,12 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_reduce_4x6(__m512 a[MXFP4X_BF16DP_MR][MX
     /* tokens 4, 5: u[4j + k] = a[k][4 + j]: quarter k's lanes 0-1 row k of token 4, 2-3 of
      * token 5 (level 4 pairs it with itself) */
     const __m512 u[8] = {a[0][4], a[1][4], a[2][4], a[3][4], a[0][5], a[1][5], a[2][5], a[3][5]};
-    const __m512 r = mxfp4x_bf16dp_hsum_l4(mxfp4x_bf16dp_hsum_8(v), mxfp4x_bf16dp_hsum_8(v + 8));
     const __m512 h = mxfp4x_bf16dp_hsum_8(u);
     const __m512 s = mxfp4x_bf16dp_hsum_l4(h, h); /* quarter k: row k of tokens 4, 5, 4, 5 */
     /* lanes 0-3: tokens 4's rows 0-3 (lane 4k), lanes 4-7: token 5's (lane 4k + 1) */
     const __m512i idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 13, 9, 5, 1, 12, 8, 4, 0);
     const __m512 s45 = _mm512_permutexvar_ps(idx, s);
-    _mm_storeu_ps(out, _mm512_castps512_ps128(r));
-    _mm_storeu_ps(out + out_stride, _mm512_extractf32x4_ps(r, 1));
-    _mm_storeu_ps(out + 2 * out_stride, _mm512_extractf32x4_ps(r, 2));
-    _mm_storeu_ps(out + 3 * out_stride, _mm512_extractf32x4_ps(r, 3));
+    mxfp4x_bf16dp_reduce_16(v, 4, out, out_stride);
     _mm_storeu_ps(out + 4 * out_stride, _mm512_castps512_ps128(s45));
     _mm_storeu_ps(out + 5 * out_stride, _mm512_extractf32x4_ps(s45, 1));
 }
