@@ -460,9 +460,10 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
     const uint16_t *xs[MXFP4X_BF16DP_PNT];
     const int fused = n_tok <= MXFP4X_BF16DP_GEMV_MAX_TOKENS;
     const int step = fused ? MXFP4X_BF16DP_NT : MXFP4X_BF16DP_PNT;
-    /* the panel's slices: as few as KC allows, of equal length but the last */
-    const int64_t n_slices = (G + MXFP4X_BF16DP_KC - 1) / MXFP4X_BF16DP_KC;
-    const int64_t kc = (G + n_slices - 1) / n_slices;
+    /* the panel's slices: as few as KC allows, of equal length but the last; one (empty)
+     * slice for rows of no groups, so their sums (zero) are still written */
+    const int64_t n_slices = G > MXFP4X_BF16DP_KC ? (G + MXFP4X_BF16DP_KC - 1) / MXFP4X_BF16DP_KC : 1;
+    const int64_t kc = G > 0 ? (G + n_slices - 1) / n_slices : 1;
     int64_t r0, r1, r, t, i, c0, c1, pf_per_call = 0;
     int nt, mr, any_unsafe = 0;
     mxfp4x_bf16dp_pf pf = {NULL, NULL, NULL, NULL};
@@ -498,7 +499,8 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
                 }
                 continue;
             }
-            for (c0 = 0; c0 < G; c0 = c1) {
+            c0 = 0;
+            do {
                 c1 = G - c0 < kc ? G : c0 + kc;
                 for (r = r0; r < r1; r += MXFP4X_BF16DP_MR) {
                     float *o = out + t * out_stride + (r - row_start);
@@ -512,7 +514,8 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
                         mxfp4x_bf16dp_panel_block(panel + (r - r0) * d_in, d_in, G, c0, c1, xs,
                                                   mr, nt, ra, o, out_stride);
                 }
-            }
+                c0 = c1;
+            } while (c0 < G);
         }
         /* the exact path: rows outside the conditions, for every token; tokens outside
          * them, for every row */

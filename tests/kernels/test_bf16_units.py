@@ -68,6 +68,20 @@ def _check(args, got, d_in):
     assert (err <= bound[finite]).all(), (err.max(), bound[finite].min())
 
 
+@pytest.mark.parametrize("n_tokens", [3, 40])
+def test_rows_of_no_groups_give_the_shared_output(unit, rng, n_tokens):
+    """I = 0: every product is an empty sum, through the fused path (3 tokens) and the
+    panel (40 tokens per expert); the panel's slicing once divided by zero here."""
+    x = torch.zeros(n_tokens, 0, dtype=torch.bfloat16)
+    packed = torch.zeros(2, 53, 0, 16, dtype=torch.uint8)
+    scales = torch.zeros(2, 53, 0, dtype=torch.uint8)
+    sel = torch.from_numpy(rng.integers(0, 2, (n_tokens, 2)))
+    mix = torch.from_numpy(rng.random((n_tokens, 2))).bfloat16()
+    shared = torch.from_numpy(rng.standard_normal((n_tokens, 53))).bfloat16()
+    got = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared, isa=unit)
+    assert torch.equal(got, shared)
+
+
 @pytest.mark.parametrize("n_tokens", [1, 15, 17, 33, 70])
 @pytest.mark.parametrize("form", ["safetensors", "gguf"])
 def test_against_the_reference(unit, rng, n_tokens, form):
