@@ -324,12 +324,15 @@ class KimiK3Router(torch.nn.Module):
             self._wide = (key, w.detach().to(dtype))
         return self._wide[1]
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, num_threads: Optional[int] = None):
+        """``num_threads``: the CPU threads of the scores' compiled product (None:
+        torch.get_num_threads()); :class:`KimiK3MoE` passes its experts' count."""
         acc = accumulation_dtype(x.dtype)
         if acc == torch.float32 and _dense.takes(x, self.weight):
             # a few tokens, bf16 weight: the product of the float32-widened weight, read
             # as bf16 at the memory's rate (mxfp4x._dense)
-            scores = torch.sigmoid(_dense.linear(x.to(acc), self.weight))
+            scores = torch.sigmoid(_dense.linear(x.to(acc), self.weight,
+                                                 num_threads=num_threads))
         else:
             scores = torch.sigmoid(F.linear(x.to(acc), self._weight_in(acc)))
         choice = scores + self.bias.to(acc)
@@ -357,11 +360,11 @@ def _rms_norm(y, weight, eps):
     return weight.to(y.dtype) * z.to(y.dtype)
 
 
-def _linear(x, w):
+def _linear(x, w, num_threads):
     """F.linear with the weight in x's dtype; bf16 weights at a few tokens through the
-    compiled kernels (mxfp4x._dense: torch's bf16 matrix-vector product reads them at
-    about half the memory's rate)."""
-    return _dense.linear(x, w)
+    compiled kernels on ``num_threads`` threads (mxfp4x._dense: torch's bf16
+    matrix-vector product reads them at about half the memory's rate)."""
+    return _dense.linear(x, w, num_threads=num_threads)
 
 
 class KimiK3MoE(torch.nn.Module):
@@ -369,7 +372,10 @@ class KimiK3MoE(torch.nn.Module):
     docstring).  The dense parts (router, latent projections, norm, shared experts) are
     plain torch in the input's dtype with the checkpoint's weights (bf16 as released; a
     float32 input upcasts them each call); the routed experts are
-    :class:`KimiK3Experts`."""
+    :class:`KimiK3Experts`.  ``experts.num_threads`` (``num_threads`` of
+    :meth:`from_checkpoint`) is the thread count of every compiled product of the block:
+    the routed experts, and at a few tokens the router, latent projections and shared
+    experts (torch's own ops keep torch's threads)."""
 
     def __init__(self, router: KimiK3Router, down_proj: torch.Tensor,
                  experts: KimiK3Experts, norm_weight: Optional[torch.Tensor],
@@ -388,18 +394,19 @@ class KimiK3MoE(torch.nn.Module):
         self.norm_eps = float(norm_eps)
 
     def shared(self, x):
-        acc = accumulation_dtype(x.dtype)
-        g, u = _linear(x, self.shared_gate).to(acc), _linear(x, self.shared_up).to(acc)
+        acc, n = accumulation_dtype(x.dtype), self.experts.num_threads
+        g, u = _linear(x, self.shared_gate, n).to(acc), _linear(x, self.shared_up, n).to(acc)
         act = situ(g, self.experts.beta) * clip(u, self.experts.linear_beta)
-        return _linear(act.to(x.dtype), self.shared_down)
+        return _linear(act.to(x.dtype), self.shared_down, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        selected, weights = self.router(x)
-        h = _linear(x, self.down_proj)
+        n = self.experts.num_threads  # the whole block's compiled products
+        selected, weights = self.router(x, num_threads=n)
+        h = _linear(x, self.down_proj, n)
         y = self.experts(h, selected, weights)
         if self.norm_weight is not None:
             y = _rms_norm(y, self.norm_weight, self.norm_eps)
-        return _linear(y, self.up_proj) + self.shared(x)
+        return _linear(y, self.up_proj, n) + self.shared(x)
 
     @classmethod
     def from_checkpoint(cls, path, layer: int, expert_range=None,

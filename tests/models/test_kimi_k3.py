@@ -239,3 +239,28 @@ def test_router_weight_converted_once_and_again_when_it_changes():
     assert router._wide[1] is not wide
     router.to(torch.float16)  # another dtype: converted again from it
     assert same(router(x.half()), KimiK3Router((-w).half(), bias.half(), top_k=3)(x.half()))
+
+
+def test_block_threads_reach_every_compiled_product(tmp_path, rng, monkeypatch):
+    # bf16 dense weights at one token: router, latent projections and shared experts run
+    # the compiled dense kernel, on the experts' thread count (not torch's), same bits
+    folder = str(tmp_path)
+    write_k3_checkpoint(folder, k3_config(**TINY), [1], seed=4, shards=1)
+    block = nn.KimiK3MoE.from_checkpoint(folder, layer=1, progress=False, num_threads=1)
+    x = torch.from_numpy(rng.standard_normal((1, 256))).bfloat16()
+    seen = []
+    real = _dense._cpu.dense_bf16
+
+    def spy(*args, n_threads, **kw):
+        seen.append(n_threads)
+        return real(*args, n_threads=n_threads, **kw)
+
+    monkeypatch.setattr(_dense._cpu, "dense_bf16", spy)
+    outs = {}
+    for n in (1, 2):
+        seen.clear()
+        block.experts.num_threads = n
+        outs[n] = block(x)
+        # router, down, up, shared gate / up / down
+        assert seen == [n] * 6, (n, seen)
+    assert torch.equal(outs[1].view(torch.int16), outs[2].view(torch.int16))
