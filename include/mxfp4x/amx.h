@@ -115,6 +115,7 @@ static float mxfp4x_amx_exact_dot(const mxfp4x_rows *w, int64_t r, const uint16_
 /* Whether rows [r, r + mr) need the exact path (bf16_unit.h, row by row). */
 MXFP4X_AMX_INLINE int mxfp4x_amx_rows_unsafe(const mxfp4x_rows *w, int64_t r, int mr) {
     int m;
+    if (mxfp4x_bf16_rows_safe(w, r, r + mr)) return 0;
     for (m = 0; m < mr; m++)
         if (mxfp4x_bf16_row_unsafe(w, r + m)) return 1;
     return 0;

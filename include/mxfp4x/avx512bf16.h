@@ -519,6 +519,7 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
         }
         /* the exact path: rows outside the conditions, for every token; tokens outside
          * them, for every row */
+        if (!any_unsafe && mxfp4x_bf16_rows_safe(w, r0, r1)) continue;
         for (r = r0; r < r1; r++) {
             const int row_bad = mxfp4x_bf16_row_unsafe(w, r);
             if (!row_bad && !any_unsafe) continue; /* the common case: no loop over tokens */

@@ -47,6 +47,34 @@ MXFP4X_BF16_UNIT_INLINE int mxfp4x_bf16_row_unsafe(const mxfp4x_rows *w, int64_t
     return 0;
 }
 
+/* Whether rows [r0, r1) are all safe by their scale bytes alone: every one in
+ * [MXFP4X_AMX_MIN_SCALE, MXFP4X_AMX_MAX_SCALE), so mxfp4x_bf16_row_unsafe is 0 for each
+ * (real checkpoints' scales lie there).  One pass over the rows' scale bytes where they lie
+ * back to back (group stride 1, row stride G: the safetensors layout), a running min and
+ * max 64 bytes at a time; 0 (ask row by row) elsewhere or when a byte is outside.  At one
+ * token (gpt-oss-20b gate/up, bf16, one thread, AMD EPYC Zen 5) the row-by-row test alone
+ * took 6.5 % of the call's samples; with this pass first, the tile loop 2.5 %. */
+MXFP4X_BF16_UNIT_INLINE int mxfp4x_bf16_rows_safe(const mxfp4x_rows *w, int64_t r0,
+                                                  int64_t r1) {
+    const int64_t G = w->n_groups, n = (r1 - r0) * G;
+    const uint8_t *s = w->scales + r0 * w->row_stride_scales;
+    __m512i lo = _mm512_set1_epi8((char)0xFF), hi = _mm512_setzero_si512();
+    int64_t i;
+    if (w->group_stride_scales != 1 || w->row_stride_scales != G || n <= 0) return n <= 0;
+    for (i = 0; i + 64 <= n; i += 64) {
+        const __m512i v = _mm512_loadu_si512((const void *)(s + i));
+        lo = _mm512_min_epu8(lo, v);
+        hi = _mm512_max_epu8(hi, v);
+    }
+    if (i < n) {
+        const __mmask64 k = ((__mmask64)1 << (n - i)) - 1; /* n - i < 64 */
+        lo = _mm512_mask_min_epu8(lo, k, lo, _mm512_maskz_loadu_epi8(k, s + i));
+        hi = _mm512_mask_max_epu8(hi, k, hi, _mm512_maskz_loadu_epi8(k, s + i));
+    }
+    return !_mm512_cmplt_epu8_mask(lo, _mm512_set1_epi8((char)MXFP4X_AMX_MIN_SCALE)) &&
+           !_mm512_cmpgt_epu8_mask(hi, _mm512_set1_epi8((char)(MXFP4X_AMX_MAX_SCALE - 1)));
+}
+
 /* The lanes of 32 bf16 latents (bits) that send their token to the exact path: nonzero
  * finite ones under 2^-60 in magnitude (|bits| in 1 .. 0x217F, bf16 exponent field under
  * 67, subnormals included) and ones of at least 2^64 (exponent field 191 or more,
