@@ -12,6 +12,8 @@
  *   ./kernel_bench gemv_bf16 ISA ROWS TOKENS GROUPS [E]  bf16 latents on the ISA's bf16
  *                                                    unit (bf16_rows: amx, avx512bf16), in
  *                                                    tasks of its own tile_rows
+ *                                                    (KB_TILE=N: of N rows, as the
+ *                                                    driver's wide tiles)
  *
  * gemv passes each call the next call's first rows as the driver does (mxfp4x_rows's
  * prefetch hint); KB_NO_HINT=1 in the environment leaves it out.  KB_HUGE=1 asks for
@@ -96,7 +98,9 @@ int main(int argc, char **argv) {
     } else {
         const int gguf = !strcmp(argv[1], "gemv_gguf");
         const int bf16 = !strcmp(argv[1], "gemv_bf16");
-        const int64_t tile = bf16 ? k->tile_rows : 48;
+        /* KB_TILE=N: N rows per bf16_rows call (the driver's wide tiles), else one tile */
+        const int64_t tile = bf16 ? (getenv("KB_TILE") ? atoll(getenv("KB_TILE")) : k->tile_rows)
+                                  : 48;
         uint16_t *xb = NULL, *xt = NULL;
         uint8_t *unsafe = NULL;
         void *bscratch = NULL;
