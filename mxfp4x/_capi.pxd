@@ -72,6 +72,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
                                          const uint8_t *unsafe, int64_t n_tok, float *out,
                                          int64_t out_stride, void *scratch) noexcept nogil
     ctypedef int64_t (*mxfp4x_bf16_scratch_fn)(int64_t n_groups) noexcept nogil
+    ctypedef int (*mxfp4x_count_fn)() noexcept nogil
 
     ctypedef struct mxfp4x_kernels:
         int isa
@@ -91,7 +92,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         mxfp4x_bf16_gather_fn bf16_gather
         mxfp4x_bf16_rows_fn bf16_rows
         mxfp4x_bf16_scratch_fn bf16_scratch_bytes
-        int bf16_gemv_max_tokens
+        mxfp4x_count_fn bf16_gemv_max_tokens
         mxfp4x_fma_loop_fn bf16_dot_loop
 
     int64_t mxfp4x_layout_pos(int64_t i, int half, int nibbles)

@@ -199,7 +199,7 @@ def gemv_max_tokens(isa=None, bint bf16=False):
     ``bf16``: the same switch of bf16 latents on the ISA's bf16 unit, where it has one."""
     cdef const c.mxfp4x_kernels *k = kernels_of(isa)
     if bf16 and k.bf16_rows != NULL:
-        return k.bf16_gemv_max_tokens
+        return k.bf16_gemv_max_tokens()
     return k.gemv_max_tokens
 
 

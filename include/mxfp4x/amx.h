@@ -263,6 +263,7 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int nrb,
 /* the gemv reads its tokens as one B block (at most 16) */
 MXFP4X_STATIC_ASSERT(MXFP4X_AMX_GEMV_MAX_TOKENS >= 0 && MXFP4X_AMX_GEMV_MAX_TOKENS <= 16,
                      "amx gemv: at most one block of tokens");
+static int mxfp4x_amx_gemv_max_tokens(void) { return MXFP4X_AMX_GEMV_MAX_TOKENS; }
 /* Round to nearest even whatever MXCSR says, as the tile unit does. */
 #define MXFP4X_AMX_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 

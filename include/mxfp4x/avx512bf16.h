@@ -39,6 +39,7 @@
 #include "mxfp4x.h"
 #include "avx512.h"
 #include "bf16_unit.h"
+#include "cpu.h"
 
 #if MXFP4X_HAVE_AVX512BF16
 #include <immintrin.h>
@@ -59,11 +60,30 @@
  * Xeon, with the panel before its slices, fused 2.1 / 3.8 / 7.7 / 11.3 ns per row-group at
  * 1 / 4 / 8 / 12 tokens, the panel 4.5 / 6.5 / 9.5 / 11.0; on an AMD EPYC Zen 5, with the
  * sliced panel, fused 1.4 / 1.8 / 2.3 / 2.5 / 3.3 at 6 / 8 / 10 / 12 / 16 tokens, the panel
- * 2.4 / 2.9 / 3.0 / 3.2 / 3.9 (level from 24 on).  12: the Xeon's crossover, most of the
- * Zen 5's gain. */
-#ifndef MXFP4X_BF16DP_GEMV_MAX_TOKENS
+ * 2.4 / 2.9 / 3.0 / 3.2 / 3.9.  12: the Xeon's crossover, and every CPU's but a Zen 5's.
+ * A Zen 5 (AMD family 1Ah) takes 24: there, in alternated runs (kernel_bench, 8 experts
+ * from DRAM, medians of 5), fused against the panel in the driver's 48-row tiles took 2.6 /
+ * 2.8 / 3.5 / 4.1 / 5.6 / 7.1 ns per row-group against 3.7 / 3.7 / 4.9 / 4.9 / 6.5 / 8.2 at
+ * 13 / 16 / 20 / 24 / 32 / 40 tokens, level at 48-128; against the panel in 768-row tiles
+ * (the driver's wide tiles, taken above gemv_max_tokens) 4.1 / 4.5 against 4.5 / 5.2 at 16 /
+ * 24 tokens, but slower at 32.  MXFP4X_BF16DP_GEMV_MAX_TOKENS set from outside sets every
+ * CPU's. */
+#ifdef MXFP4X_BF16DP_GEMV_MAX_TOKENS
+#ifndef MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5
+#define MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5 MXFP4X_BF16DP_GEMV_MAX_TOKENS
+#endif
+#else
 #define MXFP4X_BF16DP_GEMV_MAX_TOKENS 12
 #endif
+#ifndef MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5
+#define MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5 24
+#endif
+
+/* This CPU's switch (above): the kernel table's bf16_gemv_max_tokens. */
+static int mxfp4x_bf16dp_gemv_max_tokens(void) {
+    return mxfp4x_cpu_amd_family() == 0x1A ? MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5
+                                           : MXFP4X_BF16DP_GEMV_MAX_TOKENS;
+}
 MXFP4X_STATIC_ASSERT(MXFP4X_BF16DP_TILE_ROWS % MXFP4X_BF16DP_MR == 0,
                      "avx512bf16: tasks of whole row blocks");
 
@@ -458,7 +478,7 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
     uint16_t *panel = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *acc = (float *)(panel + MXFP4X_BF16DP_TILE_ROWS * d_in); /* 64-byte aligned */
     const uint16_t *xs[MXFP4X_BF16DP_PNT];
-    const int fused = n_tok <= MXFP4X_BF16DP_GEMV_MAX_TOKENS;
+    const int fused = n_tok <= mxfp4x_bf16dp_gemv_max_tokens();
     const int step = fused ? MXFP4X_BF16DP_NT : MXFP4X_BF16DP_PNT;
     /* the panel's slices: as few as KC allows, of equal length but the last; one (empty)
      * slice for rows of no groups, so their sums (zero) are still written */

@@ -142,14 +142,27 @@ static int mxfp4x_detect_vendor_amd(void) {
     mxfp4x_cpuid(0, 0, r);
     return r[1] == 0x68747541u && r[3] == 0x69746e65u && r[2] == 0x444d4163u;
 }
+
+/* An AMD CPU's family (CPUID.1 EAX: base family, plus the extended family when the base
+ * is 0Fh: 19h Zen 3 / Zen 4, 1Ah Zen 5), 0 on any other CPU. */
+static int mxfp4x_detect_amd_family(void) {
+    uint32_t r[4];
+    int family;
+    if (!mxfp4x_detect_vendor_amd()) return 0;
+    mxfp4x_cpuid(1, 0, r);
+    family = (int)((r[0] >> 8) & 0xF);
+    return family == 0xF ? family + (int)((r[0] >> 20) & 0xFF) : family;
+}
 #elif MXFP4X_HAVE_NEON
 /* AArch64: Advanced SIMD is in the base architecture (and its registers are always
  * saved by the OS), so every aarch64 CPU runs the NEON kernels. */
 static int mxfp4x_detect_isas(void) { return (1 << MXFP4X_ISA_SCALAR) | (1 << MXFP4X_ISA_NEON); }
 static int mxfp4x_detect_vendor_amd(void) { return 0; }
+static int mxfp4x_detect_amd_family(void) { return 0; }
 #else
 static int mxfp4x_detect_isas(void) { return 1 << MXFP4X_ISA_SCALAR; }
 static int mxfp4x_detect_vendor_amd(void) { return 0; }
+static int mxfp4x_detect_amd_family(void) { return 0; }
 #endif
 
 /* Optional CPU features no kernel uses yet (reported by backend_info()["cpu_features"]
@@ -221,6 +234,18 @@ static int mxfp4x_cpu_isas(void) {
 #if MXFP4X_HAVE_X86_SIMD && MXFP4X_EMULATED_AVX512
         v |= 1 << MXFP4X_ISA_AVX512; /* SIMDe-emulated: x86-64 baseline code, runs anywhere */
 #endif
+        cached = v;
+    }
+    return v;
+}
+
+/* mxfp4x_detect_amd_family, cached like mxfp4x_cpu_isas: kernels whose best switch
+ * points differ by core (avx512bf16.h) ask it. */
+static int mxfp4x_cpu_amd_family(void) {
+    static volatile int cached = -1;
+    int v = cached;
+    if (v < 0) {
+        v = mxfp4x_detect_amd_family();
         cached = v;
     }
     return v;

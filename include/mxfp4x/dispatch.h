@@ -42,7 +42,7 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .bf16_gather = mxfp4x_amx_gather,
      .bf16_rows = mxfp4x_amx_bf16_rows,
      .bf16_scratch_bytes = mxfp4x_amx_scratch_bytes,
-     .bf16_gemv_max_tokens = MXFP4X_AMX_GEMV_MAX_TOKENS,
+     .bf16_gemv_max_tokens = mxfp4x_amx_gemv_max_tokens,
      .bf16_dot_loop = mxfp4x_amx_loop},
 #endif
 #if MXFP4X_HAVE_AVX512BF16
@@ -56,7 +56,7 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .bf16_gather = mxfp4x_bf16dp_gather,
      .bf16_rows = mxfp4x_bf16dp_rows,
      .bf16_scratch_bytes = mxfp4x_bf16dp_scratch_bytes,
-     .bf16_gemv_max_tokens = MXFP4X_BF16DP_GEMV_MAX_TOKENS,
+     .bf16_gemv_max_tokens = mxfp4x_bf16dp_gemv_max_tokens,
      .bf16_dot_loop = mxfp4x_bf16dp_loop},
 #endif
     {.isa = MXFP4X_ISA_AVX512,

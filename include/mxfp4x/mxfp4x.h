@@ -390,6 +390,7 @@ typedef void (*mxfp4x_bf16_rows_fn)(const mxfp4x_rows *w, int64_t row_start, int
                                     const uint16_t *xt, const uint8_t *unsafe, int64_t n_tok,
                                     float *out, int64_t out_stride, void *scratch);
 typedef int64_t (*mxfp4x_bf16_scratch_fn)(int64_t n_groups);
+typedef int (*mxfp4x_count_fn)(void);
 
 /* The driver uses gemv for experts with at most gemv_max_tokens tokens in a call (a
  * per-ISA crossover, measured: see each ISA's header), and decode + panel_dot above it
@@ -416,7 +417,8 @@ typedef struct {
     mxfp4x_bf16_gather_fn bf16_gather;
     mxfp4x_bf16_rows_fn bf16_rows;
     mxfp4x_bf16_scratch_fn bf16_scratch_bytes;
-    int bf16_gemv_max_tokens; /* bf16_rows' own switch: registers up to this many tokens */
+    /* bf16_rows' own switch on this CPU: registers up to this many tokens per expert */
+    mxfp4x_count_fn bf16_gemv_max_tokens;
     /* roofline only: the bf16 unit's multiply-add peak, as fma_loop (NULL: not measured;
      * the float32 peak stands in) */
     mxfp4x_fma_loop_fn bf16_dot_loop;

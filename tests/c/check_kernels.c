@@ -700,7 +700,9 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
     /* rows: two full 48-row panels and a partial one (a call over all of them), 16-row
      * blocks and a last one of 5 (amx) */
     const int64_t n_rows = 101, G = 37, d_in = G * MXFP4X_GROUP, n_x = 40;
-    const int64_t m = k->bf16_gemv_max_tokens, counts[] = {1, 2, 3, 5, m, m + 1, 21};
+    /* the fused/panel switch of this CPU (none without a bf16 unit: nothing checked) */
+    const int64_t m = k->bf16_gemv_max_tokens ? k->bf16_gemv_max_tokens() : 0;
+    const int64_t counts[] = {1, 2, 3, 5, m, m + 1, 21};
     const int halves = nibbles == MXFP4X_NIBBLES_HALVES;
     const int64_t row_bytes = G * (halves ? MXFP4X_GGUF_BLOCK_BYTES : MXFP4X_GROUP_BYTES);
     uint8_t *blocks = (uint8_t *)xcalloc((size_t)(n_rows * row_bytes + 64), 1);

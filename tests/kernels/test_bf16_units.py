@@ -2,16 +2,19 @@
 include/mxfp4x/amx.h) and on AVX512-BF16's vdpbf16ps ("avx512bf16", avx512bf16.h).
 
 Every token of a bf16 call takes the unit's arithmetic at any batch size (amx: up to 4
-tokens per expert a register gemv that replays the tiles, bit for bit; avx512bf16: up to 8
-a fused gemv, then a decoded panel, the same instructions on the same operands); a token
+tokens per expert a register gemv that replays the tiles, bit for bit; avx512bf16: up to 12
+(24 on an AMD Zen 5) a fused gemv, then a decoded panel, the same instructions on the same
+operands); a token
 with a nonzero latent under 2^-60 or one of 2^64 or more, and rows with a nonzero code
 under a scale byte < 69 or any scale byte >= 160 (amx: their block of 16), take the
 float64 exact path instead.  Checked against the float64 reference within the documented
 bound, bit for bit across batches (amx: the gemv gives way to the tiles above 4 tokens,
 whose shapes change at 16, 32 and 48; avx512bf16: fused blocks of 4 tokens, the panel
-above 8 in blocks of 6), in float32 before the result's rounding, across threads and token
+above its switch in blocks of 6), in float32 before the result's rounding, across threads and token
 positions, on both arrangements.  Each ISA skipped where the CPU (or the OS) cannot run
 it."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -235,13 +238,14 @@ def _dots_f32(unit, x, packed, scales, sel, n_threads=1):
 @pytest.mark.parametrize("form", ["safetensors", "gguf"])
 def test_gemv_gives_the_tiles_float32_bits(unit, rng, form):
     """amx: up to MXFP4X_AMX_GEMV_MAX_TOKENS (4) tokens per expert take a register gemv
-    that replays tdpbf16ps's arithmetic, more take the tiles; avx512bf16: up to 8 the
-    fused gemv, more the panel.  In float32, before the result's
-    one rounding: every token alone (the gemv) gives the bits it gets among 30 tokens of
-    one expert (the tiles), for both arrangements, tiny and huge latents (the exact path)
-    included; rows past a multiple of 16 included (d_out 45); 37 groups (the scale bytes
-    read 16 groups at a time, then 5)."""
-    n_tok, n_exp, d_out, n_groups = 30, 3, 45, 37
+    that replays tdpbf16ps's arithmetic, more take the tiles; avx512bf16: up to its switch
+    (12 tokens, 24 on an AMD Zen 5) the fused gemv, more the panel.  In float32, before the
+    result's one rounding: every token alone (the gemv) gives the bits it gets among 30 or
+    more tokens of one expert (the tiles), for both arrangements, tiny and huge latents
+    (the exact path) included; rows past a multiple of 16 included (d_out 45); 37 groups
+    (the scale bytes read 16 groups at a time, then 5)."""
+    m = _cpu.gemv_max_tokens(unit, bf16=True)
+    n_tok, n_exp, d_out, n_groups = max(30, m + 12), 3, 45, 37
     x = torch.from_numpy(rng.standard_normal((n_tok, 32 * n_groups))).bfloat16()
     x[4] *= 2.0 ** -100          # tiny: the exact path on both
     x[9, 3] = 2.0 ** 70          # huge: the exact path on both
@@ -249,7 +253,7 @@ def test_gemv_gives_the_tiles_float32_bits(unit, rng, form):
                                            dtype=np.uint8))
     scales = torch.from_numpy(rng.integers(110, 135, (n_exp, d_out, n_groups), dtype=np.uint8))
     scales[1, 17, 2] = 200       # a large scale: the exact path (amx: its 16-row block)
-    # expert 0 gets all 30 tokens and experts 1 and 2 about 15 each: the tiles
+    # expert 0 gets every token and experts 1 and 2 about half each: the tiles
     sel = torch.zeros((n_tok, 2), dtype=torch.int64)
     sel[:, 1] = torch.from_numpy(rng.integers(1, 3, n_tok))
     if form == "gguf":
@@ -261,8 +265,29 @@ def test_gemv_gives_the_tiles_float32_bits(unit, rng, form):
         one = _dots_f32(unit, x[t:t + 1], packed, scales, sel[t:t + 1])
         assert np.array_equal(one, full[2 * t:2 * t + 2]), t
     # and 2 to 5 tokens at once (the gemv's blocks of 2, 3, 4 tokens, then amx's tiles),
-    # and each side of the unit's own switch (avx512bf16: 8 fused, 9 on the panel)
-    m = _cpu.gemv_max_tokens(unit, bf16=True)
+    # and each side of the unit's own switch (avx512bf16: m fused, m + 1 on the panel)
     for n in sorted({2, 3, 4, 5, m, m + 1}):
         part = _dots_f32(unit, x[10:10 + n], packed, scales, sel[10:10 + n])
         assert np.array_equal(part, full[20:20 + 2 * n]), n
+
+
+def _amd_family():
+    """This host's CPU family if /proc/cpuinfo names an AMD CPU, 0 for another vendor,
+    None where there is no /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return None
+    family = re.search(r"^cpu family\s*:\s*(\d+)", text, re.M)
+    return int(family.group(1)) if "AuthenticAMD" in text and family else 0
+
+
+@pytest.mark.skipif("avx512bf16" not in _cpu.runnable_isas() or _amd_family() is None,
+                    reason="needs avx512bf16 and /proc/cpuinfo")
+def test_avx512bf16_switch_follows_the_core():
+    """avx512bf16's fused/panel switch is a property of the core (avx512bf16.h): 24 tokens
+    per expert on an AMD Zen 5 (family 26, 1Ah), where the fused gemv outran the panel up
+    to ~40 tokens; 12 on every other CPU (a Zen 4, an Intel Xeon)."""
+    expected = 24 if _amd_family() == 26 else 12
+    assert _cpu.gemv_max_tokens("avx512bf16", bf16=True) == expected
