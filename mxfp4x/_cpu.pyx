@@ -68,9 +68,17 @@ cdef enum:
 # process: 1 thread 258 -> 236 / 240 / 227 ms at 4x / 8x / 16x (a second round 270 ->
 # 262 / - / 248), 2 threads 157 -> 148 / 133 / 129; T = 128 (16 tokens per expert) level;
 # float32 latents level at 16x against 4x (509, 498 ms).
+# A bf16 unit's calls widen from WIDE_BF16_FROM tokens per expert on, fused gemv or not:
+# there every pair has its own gathered latents, and an expert with more than one block
+# of 4 tokens read them from L3 again for every 48-row tile.  Alternated in one process,
+# AMD EPYC Zen 5, 128 experts top-16: Kimi K3 w1 at T = 144 (18 tokens per expert, the
+# fused gemv) 204 -> 155 ms on 1 thread, 104 -> 86 on 2; K3 w2 114 -> 96; T = 96 157 ->
+# 119 (1 thread), 67 -> 59 (2); gpt-oss-20b gate/up T = 32-128 level to 5 % faster; T =
+# 4-48 level.  float32 latents (token rows shared by the experts) level there.
 cdef enum:
     WIDE_TILES = 4
     WIDE_TILES_BF16 = 16
+    WIDE_BF16_FROM = 5
     TASKS_PER_THREAD = 8
 
 # The layout copies of a call and :func:`combine` run in tasks of whole rows of at least
@@ -553,7 +561,8 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
     w.dots_len = 0
     if call.product == c.MXFP4X_FORWARD:
         tile = c.MXFP4X_SCALAR_TILE_ROWS if real is double else k.tile_rows
-        if real is float and w.r.max_count > k.gemv_max_tokens:
+        wide = WIDE_BF16_FROM if w.bf16 else k.gemv_max_tokens + 1  # tokens per expert
+        if real is float and w.r.max_count >= wide:
             wide = WIDE_TILES_BF16 if w.bf16 else WIDE_TILES
             tile *= max(1, min(wide, call.experts.d_out // max(
                 1, tile * <int64_t>TASKS_PER_THREAD * max(1, call.n_threads))))

@@ -279,6 +279,28 @@ def test_wide_tiles_keep_the_bits(isa, rng, dtype):
                                         else v[:4] for k, v in layer.items()})
 
 
+def test_wide_tiles_of_the_fused_bf16_path_keep_the_bits(isa, rng):
+    # bf16 latents on a bf16 unit: experts of 5 or more tokens widen the tiles even on the
+    # fused path (5-12 tokens here, under every unit's switch but amx's); 1, 2 and 4
+    # threads, every token alone, and the reference's values
+    from mxfp4x.testing.layers import assert_matches_reference
+    layer = random_layer(rng, 40, 2, 8, 1641, 3, dtype=torch.bfloat16)
+    layer["selected_experts"][:] = torch.from_numpy(
+        np.stack([rng.permutation(8)[:2] for _ in range(40)]))
+    counts = torch.bincount(layer["selected_experts"].flatten(), minlength=8)
+    assert counts.max() >= 5 and counts.max() <= 20
+    wide = mxfp4x.mxfp4_experts(**layer, num_threads=1, isa=isa)
+    for n in (2, 4):
+        y = mxfp4x.mxfp4_experts(**layer, num_threads=n, isa=isa)
+        assert torch.equal(y.view(torch.uint8), wide.view(torch.uint8)), n
+    for t in (0, 17, 39):
+        alone = mxfp4x.mxfp4_experts(**{k: v if k in ("packed_weights", "scale_bytes")
+                                        else v[t:t + 1] for k, v in layer.items()}, isa=isa)
+        assert torch.equal(alone[0].view(torch.uint8), wide[t].view(torch.uint8)), t
+    assert_matches_reference(wide[:4], {k: v if k in ("packed_weights", "scale_bytes")
+                                        else v[:4] for k, v in layer.items()})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_batch_invariance_at_the_gemv_panel_switch(isa, rng, dtype):
     # expert 0 gets exactly the gemv path's most tokens, expert 1 one more (the panel
