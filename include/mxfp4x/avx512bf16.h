@@ -61,13 +61,14 @@
  * 1 / 4 / 8 / 12 tokens, the panel 4.5 / 6.5 / 9.5 / 11.0; on an AMD EPYC Zen 5, with the
  * sliced panel, fused 1.4 / 1.8 / 2.3 / 2.5 / 3.3 at 6 / 8 / 10 / 12 / 16 tokens, the panel
  * 2.4 / 2.9 / 3.0 / 3.2 / 3.9.  12: the Xeon's crossover, and every CPU's but a Zen 5's.
- * A Zen 5 (AMD family 1Ah) takes 24: there, in alternated runs (kernel_bench, 8 experts
- * from DRAM, medians of 5), fused against the panel in the driver's 48-row tiles took 2.6 /
- * 2.8 / 3.5 / 4.1 / 5.6 / 7.1 ns per row-group against 3.7 / 3.7 / 4.9 / 4.9 / 6.5 / 8.2 at
- * 13 / 16 / 20 / 24 / 32 / 40 tokens, level at 48-128; against the panel in 768-row tiles
- * (the driver's wide tiles, taken above gemv_max_tokens) 4.1 / 4.5 against 4.5 / 5.2 at 16 /
- * 24 tokens, but slower at 32.  MXFP4X_BF16DP_GEMV_MAX_TOKENS set from outside sets every
- * CPU's. */
+ * A Zen 5 (AMD family 1Ah) takes 32: there, in alternated runs (kernel_bench, 8 experts
+ * from DRAM, medians of 5), fused against the panel in 48-row tiles took 2.6 / 2.8 / 3.5 /
+ * 4.1 / 5.6 / 7.1 ns per row-group against 3.7 / 3.7 / 4.9 / 4.9 / 6.5 / 8.2 at 13 / 16 /
+ * 20 / 24 / 32 / 40 tokens, level at 48-128; whole calls in the driver's wide tiles
+ * (alternated in one process, 2 threads, medians), switch 12 / 24 / 32: gpt-oss-20b
+ * gate/up T = 128 41.2 / 37.4 / - ms, T = 192 51.3 / 48.8 / -, then 24 / 32 / 48: T = 256
+ * 62.9 / 59.3 / 59.5; Kimi K3 w1 (128 experts, top-16) T = 144 100.6 / 92.2 / -, T = 384
+ * 235 / 228 / 233.  MXFP4X_BF16DP_GEMV_MAX_TOKENS set from outside sets every CPU's. */
 #ifdef MXFP4X_BF16DP_GEMV_MAX_TOKENS
 #ifndef MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5
 #define MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5 MXFP4X_BF16DP_GEMV_MAX_TOKENS
@@ -76,7 +77,7 @@
 #define MXFP4X_BF16DP_GEMV_MAX_TOKENS 12
 #endif
 #ifndef MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5
-#define MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5 24
+#define MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5 32
 #endif
 
 /* This CPU's switch (above): the kernel table's bf16_gemv_max_tokens. */

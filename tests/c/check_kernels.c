@@ -699,23 +699,31 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
     static const uint8_t special[] = {0, 1, 68, 69, 159, 160, 254, 255};
     /* rows: two full 48-row panels and a partial one (a call over all of them), 16-row
      * blocks and a last one of 5 (amx) */
-    const int64_t n_rows = 101, G = 37, d_in = G * MXFP4X_GROUP, n_x = 40;
-    /* the fused/panel switch of this CPU (none without a bf16 unit: nothing checked) */
+    const int64_t n_rows = 101, G = 37, d_in = G * MXFP4X_GROUP;
+    /* the fused/panel switch of this CPU (none without a bf16 unit: nothing checked), and
+     * tokens enough for the whole batch to take the panel */
     const int64_t m = k->bf16_gemv_max_tokens ? k->bf16_gemv_max_tokens() : 0;
+    const int64_t n_x = m + 8 > 40 ? m + 8 : 40;
     const int64_t counts[] = {1, 2, 3, 5, m, m + 1, 21};
     const int halves = nibbles == MXFP4X_NIBBLES_HALVES;
     const int64_t row_bytes = G * (halves ? MXFP4X_GGUF_BLOCK_BYTES : MXFP4X_GROUP_BYTES);
     uint8_t *blocks = (uint8_t *)xcalloc((size_t)(n_rows * row_bytes + 64), 1);
     uint8_t *scales = (uint8_t *)xcalloc((size_t)(n_rows * G), 1);
     uint16_t *x = (uint16_t *)xcalloc((size_t)(n_x * d_in), 2);
-    int64_t src[40], i, r, t, c, g;
+    int64_t *src, i, r, t, c, g;
     float *full, *one, *other;
     double worst = 0.0;
     int ok = 1;
     digest d;
     char detail[160];
     mxfp4x_rows w;
-    if (!k->bf16_rows) return;
+    if (!k->bf16_rows) {
+        free(blocks);
+        free(scales);
+        free(x);
+        return;
+    }
+    src = (int64_t *)xcalloc((size_t)n_x, sizeof(int64_t));
     seed(7000 + (uint64_t)nibbles);
     digest_init(&d);
     for (i = 0; i < n_rows * G; i++) scales[i] = (uint8_t)(118 + next_u64() % 18);
@@ -787,6 +795,7 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
     free(blocks);
     free(scales);
     free(x);
+    free(src);
     free(full);
     free(one);
     free(other);

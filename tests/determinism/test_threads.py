@@ -305,7 +305,7 @@ def test_wide_tiles_of_the_fused_bf16_path_keep_the_bits(isa, rng):
 def test_batch_invariance_at_the_gemv_panel_switch(isa, rng, dtype):
     # expert 0 gets exactly the gemv path's most tokens, expert 1 one more (the panel
     # path, or on a bf16 unit its own: amx's tiles above 4, avx512bf16's panel above 12,
-    # 24 on an AMD Zen 5),
+    # 32 on an AMD Zen 5),
     # expert 2 one token: every token's row is the one it gets alone
     m = _cpu.gemv_max_tokens(isa, bf16=dtype == torch.bfloat16)
     n = 2 * m + 2

@@ -3,7 +3,7 @@ include/mxfp4x/amx.h) and on AVX512-BF16's vdpbf16ps ("avx512bf16", avx512bf16.h
 
 Every token of a bf16 call takes the unit's arithmetic at any batch size (amx: up to 4
 tokens per expert a register gemv that replays the tiles, bit for bit; avx512bf16: up to 12
-(24 on an AMD Zen 5) a fused gemv, then a decoded panel, the same instructions on the same
+(32 on an AMD Zen 5) a fused gemv, then a decoded panel, the same instructions on the same
 operands); a token
 with a nonzero latent under 2^-60 or one of 2^64 or more, and rows with a nonzero code
 under a scale byte < 69 or any scale byte >= 160 (amx: their block of 16), take the
@@ -239,7 +239,7 @@ def _dots_f32(unit, x, packed, scales, sel, n_threads=1):
 def test_gemv_gives_the_tiles_float32_bits(unit, rng, form):
     """amx: up to MXFP4X_AMX_GEMV_MAX_TOKENS (4) tokens per expert take a register gemv
     that replays tdpbf16ps's arithmetic, more take the tiles; avx512bf16: up to its switch
-    (12 tokens, 24 on an AMD Zen 5) the fused gemv, more the panel.  In float32, before the
+    (12 tokens, 32 on an AMD Zen 5) the fused gemv, more the panel.  In float32, before the
     result's one rounding: every token alone (the gemv) gives the bits it gets among 30 or
     more tokens of one expert (the tiles), for both arrangements, tiny and huge latents
     (the exact path) included; rows past a multiple of 16 included (d_out 45); 37 groups
@@ -286,8 +286,8 @@ def _amd_family():
 @pytest.mark.skipif("avx512bf16" not in _cpu.runnable_isas() or _amd_family() is None,
                     reason="needs avx512bf16 and /proc/cpuinfo")
 def test_avx512bf16_switch_follows_the_core():
-    """avx512bf16's fused/panel switch is a property of the core (avx512bf16.h): 24 tokens
+    """avx512bf16's fused/panel switch is a property of the core (avx512bf16.h): 32 tokens
     per expert on an AMD Zen 5 (family 26, 1Ah), where the fused gemv outran the panel up
     to ~40 tokens; 12 on every other CPU (a Zen 4, an Intel Xeon)."""
-    expected = 24 if _amd_family() == 26 else 12
+    expected = 32 if _amd_family() == 26 else 12
     assert _cpu.gemv_max_tokens("avx512bf16", bf16=True) == expected
