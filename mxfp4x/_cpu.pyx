@@ -555,14 +555,15 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
     """Task split and per-thread scratch of the call's product."""
     cdef const c.mxfp4x_call *call = w.call
     cdef int64_t d_in = call.experts.n_groups * c.MXFP4X_GROUP, block, n_chunks, rows
-    cdef int64_t tile, panel_bytes, wide
+    cdef int64_t tile, panel_bytes, wide, wide_from
     cdef const c.mxfp4x_kernels *k = call.kernels
     w.lanes_len = 0
     w.dots_len = 0
     if call.product == c.MXFP4X_FORWARD:
         tile = c.MXFP4X_SCALAR_TILE_ROWS if real is double else k.tile_rows
-        wide = WIDE_BF16_FROM if w.bf16 else k.gemv_max_tokens + 1  # tokens per expert
-        if real is float and w.r.max_count >= wide:
+        # the most tokens of an expert in the call decides (a tile's width changes no bit)
+        wide_from = WIDE_BF16_FROM if w.bf16 else k.gemv_max_tokens + 1
+        if real is float and w.r.max_count >= wide_from:
             wide = WIDE_TILES_BF16 if w.bf16 else WIDE_TILES
             tile *= max(1, min(wide, call.experts.d_out // max(
                 1, tile * <int64_t>TASKS_PER_THREAD * max(1, call.n_threads))))
