@@ -159,6 +159,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int mxfp4x_n_kernels()
     const mxfp4x_kernels *mxfp4x_kernel_at(int i)
     int mxfp4x_kernel_runnable(int i)
+    int mxfp4x_gemv_switch(const mxfp4x_kernels *k)
     int mxfp4x_kernel_default_in(int mask)
     int mxfp4x_kernel_default()
     int MXFP4X_SCALAR_TILE_ROWS

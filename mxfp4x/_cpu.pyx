@@ -208,7 +208,7 @@ def gemv_max_tokens(isa=None, bint bf16=False):
     cdef const c.mxfp4x_kernels *k = kernels_of(isa)
     if bf16 and k.bf16_rows != NULL:
         return k.bf16_gemv_max_tokens()
-    return k.gemv_max_tokens
+    return c.mxfp4x_gemv_switch(k)
 
 
 def float32_isa(isa=None):
@@ -462,6 +462,7 @@ cdef struct Work:
     char *scratch                 # 64-byte aligned, inside scratch_raw
     void *scratch_raw
     uint64_t *log                 # NULL, or the test hook's row of this step
+    int gemv_switch               # forward float32: gemv up to this many tokens per expert
     bint bf16                     # forward, bf16 latents on the ISA's bf16 unit (amx.h):
     const uint16_t *xt            # (bf16) every sorted pair's latents, d_in each
     const uint8_t *unsafe         # (bf16) per sorted pair: its token takes the exact path
@@ -561,6 +562,7 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
     w.dots_len = 0
     if call.product == c.MXFP4X_FORWARD:
         tile = c.MXFP4X_SCALAR_TILE_ROWS if real is double else k.tile_rows
+        w.gemv_switch = c.mxfp4x_gemv_switch(k)
         # the most tokens of an expert in the call decides (a tile's width changes no bit)
         wide_from = WIDE_BF16_FROM if w.bf16 else k.gemv_max_tokens + 1
         if real is float and w.r.max_count >= wide_from:
@@ -730,7 +732,7 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
                     _combine(<real *>w.out, d_out, row_start, dsts, ws, n, dots,
                              row_end - row_start, assign)
                     continue
-                if n <= k.gemv_max_tokens:
+                if n <= w.gemv_switch:
                     # one or a few tokens: fused decode + dot in registers, no panel
                     k.gemv_f32(&rows, row_start, row_end, <const float *>w.x, d_in, srcs, n,
                                dots, row_end - row_start)

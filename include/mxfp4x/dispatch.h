@@ -118,6 +118,28 @@ static const mxfp4x_kernels *mxfp4x_kernel_at(int i) {
     return (i >= 0 && i < MXFP4X_N_KERNELS) ? &mxfp4x_kernel_table[i] : NULL;
 }
 
+/* On an AMD Zen 5 (family 1Ah) the AVX-512 float32 gemv (4 tokens per decode in
+ * registers) ran faster than decode + panel_dot at every batch measured, so there it takes
+ * up to 256 tokens per expert (more than a long prefill's chunk gives an expert; the panel
+ * stays reachable, and tested, above).  Alternated in one process,
+ * medians: gpt-oss-20b gate/up T = 256, 2 threads, 105 -> 85 ms; T = 512, 1 thread, 474 ->
+ * 352-372 ms (a switch of 128 / every block); T = 1024, 2 threads, 475 -> 417 / 355 ms;
+ * Kimi K3 w1 (128 experts, top-16) T = 512, 2 threads, 596 -> 470 ms.  Elsewhere the
+ * entry's own gemv_max_tokens (measured on a Xeon for AVX-512). */
+#ifndef MXFP4X_AVX512_GEMV_MAX_TOKENS_ZEN5
+#define MXFP4X_AVX512_GEMV_MAX_TOKENS_ZEN5 256
+#endif
+
+/* The float32 gemv/panel switch of entry k on this CPU: gemv up to this many tokens per
+ * expert (the driver and the tests read it here). */
+static int mxfp4x_gemv_switch(const mxfp4x_kernels *k) {
+#if MXFP4X_HAVE_X86_SIMD
+    if (k->gemv_f32 == mxfp4x_gemv_f32_avx512 && mxfp4x_cpu_amd_family() == 0x1A)
+        return MXFP4X_AVX512_GEMV_MAX_TOKENS_ZEN5;
+#endif
+    return k->gemv_max_tokens;
+}
+
 /* Whether this CPU (and OS) can run the table entry i. */
 static int mxfp4x_kernel_runnable(int i) {
     const mxfp4x_kernels *k = mxfp4x_kernel_at(i);

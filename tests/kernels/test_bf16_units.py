@@ -291,3 +291,18 @@ def test_avx512bf16_switch_follows_the_core():
     to ~40 tokens; 12 on every other CPU (a Zen 4, an Intel Xeon)."""
     expected = 32 if _amd_family() == 26 else 12
     assert _cpu.gemv_max_tokens("avx512bf16", bf16=True) == expected
+
+
+@pytest.mark.skipif("avx512" not in _cpu.runnable_isas() or _amd_family() is None,
+                    reason="needs avx512 and /proc/cpuinfo")
+def test_avx512_float32_switch_follows_the_core():
+    """The AVX-512 float32 gemv/panel switch (dispatch.h's mxfp4x_gemv_switch): 256 tokens
+    per expert on an AMD Zen 5, where the gemv outran decode + panel_dot at every batch
+    measured; the entry's own 32 elsewhere.  The entries that reuse avx512's float32
+    kernels (avx512bf16, amx) follow it; avx2 keeps 8."""
+    expected = 256 if _amd_family() == 26 else 32
+    for isa in ("avx512", "avx512bf16", "amx"):
+        if isa in _cpu.runnable_isas():
+            assert _cpu.gemv_max_tokens(isa) == expected, isa
+    if "avx2" in _cpu.runnable_isas():
+        assert _cpu.gemv_max_tokens("avx2") == 8
