@@ -393,8 +393,9 @@ typedef int64_t (*mxfp4x_bf16_scratch_fn)(int64_t n_groups);
 typedef int (*mxfp4x_count_fn)(void);
 
 /* The driver uses gemv for experts with at most gemv_max_tokens tokens in a call (a
- * per-ISA crossover, measured: see each ISA's header), and decode + panel_dot above it
- * (where the panel's store and reload pay off). */
+ * per-ISA crossover, measured: see each ISA's header; dispatch.h's mxfp4x_gemv_switch may
+ * move it for a core), and decode + panel_dot above it (where the panel's store and
+ * reload pay off). */
 
 typedef struct {
     int isa;
