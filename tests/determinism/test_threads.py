@@ -256,6 +256,22 @@ def test_pthreads_build_runs_on_its_own_threads():
     assert _probes.threads_used(_threads.MAX_THREADS, n_tasks=4) <= 4
 
 
+def _same_bits_on_1_2_4_threads_and_alone(layer, isa, tokens):
+    """The call's bits on 1 thread equal those on 2 and 4 and, for ``tokens``, those of
+    each token alone; its first rows match the reference."""
+    from mxfp4x.testing.layers import assert_matches_reference
+    wide = mxfp4x.mxfp4_experts(**layer, num_threads=1, isa=isa)
+    for n in (2, 4):
+        y = mxfp4x.mxfp4_experts(**layer, num_threads=n, isa=isa)
+        assert torch.equal(y.view(torch.uint8), wide.view(torch.uint8)), n
+    for t in tokens:
+        alone = mxfp4x.mxfp4_experts(**{k: v if k in ("packed_weights", "scale_bytes")
+                                        else v[t:t + 1] for k, v in layer.items()}, isa=isa)
+        assert torch.equal(alone[0].view(torch.uint8), wide[t].view(torch.uint8)), t
+    assert_matches_reference(wide[:4], {k: v if k in ("packed_weights", "scale_bytes")
+                                        else v[:4] for k, v in layer.items()})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_wide_tiles_keep_the_bits(isa, rng, dtype):
     # experts with many tokens (the panel path) run in wider row tiles when the rows allow
@@ -263,42 +279,22 @@ def test_wide_tiles_keep_the_bits(isa, rng, dtype):
     # 2 threads 2x, 4 threads 1x; expert 3 has 3 pairs (the gemv path inside the wide
     # tiles); one token alone takes the gemv path.  Same bits everywhere, and the
     # reference's values
-    from mxfp4x.testing.layers import assert_matches_reference
     layer = random_layer(rng, 90, 2, 4, 1641, 3, dtype=dtype)
     layer["selected_experts"][:] = torch.from_numpy(rng.integers(0, 3, (90, 2)))
     layer["selected_experts"][:3, 1] = 3
-    wide = mxfp4x.mxfp4_experts(**layer, num_threads=1, isa=isa)
-    for n in (2, 4):
-        y = mxfp4x.mxfp4_experts(**layer, num_threads=n, isa=isa)
-        assert torch.equal(y.view(torch.uint8), wide.view(torch.uint8)), n
-    for t in (0, 45, 89):
-        alone = mxfp4x.mxfp4_experts(**{k: v if k in ("packed_weights", "scale_bytes")
-                                        else v[t:t + 1] for k, v in layer.items()}, isa=isa)
-        assert torch.equal(alone[0].view(torch.uint8), wide[t].view(torch.uint8)), t
-    assert_matches_reference(wide[:4], {k: v if k in ("packed_weights", "scale_bytes")
-                                        else v[:4] for k, v in layer.items()})
+    _same_bits_on_1_2_4_threads_and_alone(layer, isa, (0, 45, 89))
 
 
 def test_wide_tiles_of_the_fused_bf16_path_keep_the_bits(isa, rng):
     # bf16 latents on a bf16 unit: experts of 5 or more tokens widen the tiles even on the
-    # fused path (5-12 tokens here, under every unit's switch but amx's); 1, 2 and 4
-    # threads, every token alone, and the reference's values
-    from mxfp4x.testing.layers import assert_matches_reference
+    # fused path (5-20 tokens here: fused on a Zen 5, on either side of the switch
+    # elsewhere); 1, 2 and 4 threads, tokens alone, and the reference's values
     layer = random_layer(rng, 40, 2, 8, 1641, 3, dtype=torch.bfloat16)
     layer["selected_experts"][:] = torch.from_numpy(
         np.stack([rng.permutation(8)[:2] for _ in range(40)]))
     counts = torch.bincount(layer["selected_experts"].flatten(), minlength=8)
     assert counts.max() >= 5 and counts.max() <= 20
-    wide = mxfp4x.mxfp4_experts(**layer, num_threads=1, isa=isa)
-    for n in (2, 4):
-        y = mxfp4x.mxfp4_experts(**layer, num_threads=n, isa=isa)
-        assert torch.equal(y.view(torch.uint8), wide.view(torch.uint8)), n
-    for t in (0, 17, 39):
-        alone = mxfp4x.mxfp4_experts(**{k: v if k in ("packed_weights", "scale_bytes")
-                                        else v[t:t + 1] for k, v in layer.items()}, isa=isa)
-        assert torch.equal(alone[0].view(torch.uint8), wide[t].view(torch.uint8)), t
-    assert_matches_reference(wide[:4], {k: v if k in ("packed_weights", "scale_bytes")
-                                        else v[:4] for k, v in layer.items()})
+    _same_bits_on_1_2_4_threads_and_alone(layer, isa, (0, 17, 39))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
