@@ -124,6 +124,9 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         int src_rows
         void *dst
         int dst_rows
+        int dst_dtype
+        const void *init
+        int init_dtype
 
     # ---- config.h
     ctypedef unsigned long long mxfp4x_fpenv  # an integer type on every architecture
@@ -189,3 +192,9 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
                             float *dst)
     void mxfp4x_natural_f64(const double *src, int64_t n_groups, int half, int nibbles,
                             double *dst)
+    # the start of a forward sum, and its one rounding into a 16-bit result
+    void mxfp4x_widen_f32(const void *src, int src_dtype, int64_t n, float *dst)
+    void mxfp4x_widen_f64(const void *src, int src_dtype, int64_t n, double *dst)
+    void mxfp4x_prefetch_slices(const void *base, int64_t stride, int64_t n, int64_t off,
+                                int64_t len)
+    void mxfp4x_store_f16s(const float *src, int64_t n, int dst_dtype, uint16_t *dst)

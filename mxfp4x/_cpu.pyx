@@ -89,6 +89,12 @@ cdef enum:
 cdef enum:
     ROW_TASK_ELEMS = 1 << 16
 
+# A forward task hints its slices of the shared output and the result into L2 before its
+# first dot products when they are this small (a few tokens; more tokens amortise the
+# misses over more work, and would crowd the panel out of L2).
+cdef enum:
+    PREFETCH_SLICE_BYTES = 64 << 10
+
 # The most threads this boundary takes (threads.h's MXFP4X_MAX_THREADS).  mxfp4x._threads reads it
 # from here and owns the policy: how a request becomes a count in [1, MAX_THREADS].
 MAX_THREADS = c.MXFP4X_MAX_THREADS
@@ -338,6 +344,13 @@ cdef class Call:
     arrays: ``selected`` (n_tokens, top_k) int64; ``mix`` (n_tokens, top_k) of
     ``compute``, or None where the d_out side is per slot; ``src`` and ``dst`` 2-D,
     one row per token or per slot.  ``isa`` None runs the default ISA.
+
+    A forward call's ``dst_dtype`` (None: ``compute``) may be "bfloat16" or "float16"
+    with float32 compute: every sum is then taken in float32 and rounded once into
+    ``dst``.  ``init`` (forward, per-token sums only; None: dst's own values, which a
+    16-bit dst cannot be) is the start of each sum, (n_tokens, d_out) of ``init_dtype``,
+    a dtype that converts exactly into ``compute``.  The driver does these conversions
+    in its own tasks, on the call's threads.
     """
     cdef c.mxfp4x_call desc
     cdef readonly Experts experts
@@ -346,9 +359,9 @@ cdef class Call:
 
     def __cinit__(self, Experts experts not None, *, str product, str compute, selected, mix,
                   src, str src_dtype, str src_rows, dst, str dst_rows, isa=None,
-                  int n_threads=1):
+                  int n_threads=1, str dst_dtype=None, init=None, str init_dtype=None):
         self.experts = experts
-        self._keep = (selected, mix, src, dst)
+        self._keep = (selected, mix, src, dst, init)
         self.desc.kernels = kernels_of(isa)
         self.isa = self.desc.kernels.name.decode()
         self.desc.experts.n_experts = experts.n_experts
@@ -361,10 +374,35 @@ cdef class Call:
         self.desc.src_dtype = _named(_DTYPES, src_dtype, "src_dtype")
         self.desc.src_rows = _named(_ROWS, src_rows, "src_rows")
         self.desc.dst_rows = _named(_ROWS, dst_rows, "dst_rows")
-        self._check(compute, selected, mix, src, src_dtype, src_rows, dst, dst_rows)
+        dst_dtype = compute if dst_dtype is None else dst_dtype
+        self.desc.dst_dtype = _named(_DTYPES, dst_dtype, "dst_dtype")
+        self.desc.init = NULL
+        self.desc.init_dtype = self.desc.compute
+        self._check(compute, selected, mix, src, src_dtype, src_rows, dst, dst_rows,
+                    dst_dtype)
+        self._check_init(compute, mix, dst_dtype, init, init_dtype)
+
+    cdef _check_init(self, str compute, mix, str dst_dtype, init, init_dtype):
+        """The start of the forward sums: init's mode, shape and dtype."""
+        if init is None:
+            if dst_dtype != compute and mix is not None:
+                raise ValueError(f"init: expected the start of the sums (a {dst_dtype} dst "
+                                 f"is rounded from {compute} sums, not read)")
+            return
+        if self.desc.product != c.MXFP4X_FORWARD or mix is None:
+            raise ValueError("init: only a forward product's per-token sums (mix given) "
+                             "have a start")
+        exact = _DTYPES if compute == "float64" else ("float32", "bfloat16", "float16")
+        if init_dtype not in exact:
+            raise ValueError(f"init_dtype: expected one of {tuple(exact)} (converting "
+                             f"exactly into {compute}), got {init_dtype!r}")
+        self.desc.init_dtype = _DTYPES[init_dtype]
+        self.desc.init = <const void *>_address(
+            init, "init", (self.desc.n_tokens, self.desc.experts.d_out),
+            _ITEMSIZE[init_dtype], f"{init_dtype} start of each token's sums")
 
     cdef _check(self, str compute, selected, mix, src, str src_dtype, str src_rows, dst,
-                str dst_rows):
+                str dst_rows, str dst_dtype):
         """Every array's shape, item size and contiguity, and the rules between modes."""
         cdef int64_t n_tokens, top_k
         cdef bint forward = self.desc.product == c.MXFP4X_FORWARD
@@ -372,6 +410,10 @@ cdef class Call:
         cdef int64_t d_out = self.desc.experts.d_out
         if compute not in ("float32", "float64"):
             raise ValueError(f"compute: expected 'float32' or 'float64', got {compute!r}")
+        if dst_dtype != compute and not (forward and compute == "float32" and
+                                         dst_dtype in ("bfloat16", "float16")):
+            raise ValueError(f"dst_dtype: expected {compute!r}, or 'bfloat16' / 'float16' "
+                             f"for a forward product in float32, got {dst_dtype!r}")
         if not forward and src_dtype != compute:
             raise ValueError(f"src_dtype: the transposed product reads a gradient of the "
                              f"compute dtype {compute!r}, got {src_dtype!r}")
@@ -395,8 +437,8 @@ cdef class Call:
             src, "src", (rows[src_rows], d_in if forward else d_out), _ITEMSIZE[src_dtype],
             f"{src_dtype} {'latents' if forward else 'gradient'} per {src_rows}")
         self.desc.dst = <void *>_address(
-            dst, "dst", (rows[dst_rows], d_out if forward else d_in), _ITEMSIZE[compute],
-            f"{compute} {'outputs' if forward else 'latent gradient'} per {dst_rows}")
+            dst, "dst", (rows[dst_rows], d_out if forward else d_in), _ITEMSIZE[dst_dtype],
+            f"{dst_dtype} {'outputs' if forward else 'latent gradient'} per {dst_rows}")
         if not dst.flags.writeable:
             raise ValueError("dst: the array is read-only")
 
@@ -458,6 +500,8 @@ cdef struct Work:
     int64_t panel_rows
     int64_t panel_len, dots_len   # elements of the compute dtype per thread
     int64_t lanes_len             # floats of panel_dot scratch per thread
+    int64_t sums_len              # forward, 16-bit dst: floats of one task's sums per thread
+    int64_t n_dst_rows            # rows of dst
     int64_t per_thread            # bytes per thread, whole cache lines
     char *scratch                 # 64-byte aligned, inside scratch_raw
     void *scratch_raw
@@ -560,6 +604,7 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
     cdef const c.mxfp4x_kernels *k = call.kernels
     w.lanes_len = 0
     w.dots_len = 0
+    w.sums_len = 0
     if call.product == c.MXFP4X_FORWARD:
         tile = c.MXFP4X_SCALAR_TILE_ROWS if real is double else k.tile_rows
         w.gemv_switch = c.mxfp4x_gemv_switch(k)
@@ -587,13 +632,15 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
             if w.bf16:  # no float32 panel; the bf16 unit's own scratch
                 w.panel_len = 0
                 w.lanes_len = (k.bf16_scratch_bytes(call.experts.n_groups) + 3) // 4
+            if call.dst_dtype != call.compute:  # the task's float32 sums, then rounded
+                w.sums_len = (w.n_dst_rows * tile + 15) // 16 * 16
     else:
         w.task_size = T_TILE_GROUPS
         w.n_tasks = (call.experts.n_groups + T_TILE_GROUPS - 1) // T_TILE_GROUPS
         w.panel_rows = T_PANEL_ROWS
         w.panel_len = T_PANEL_ROWS * T_TILE_GROUPS * c.MXFP4X_GROUP
-    w.per_thread = ((w.panel_len + w.dots_len) * <int64_t>sizeof(real) + w.lanes_len * 4
-                    + 63) // 64 * 64
+    w.per_thread = ((w.panel_len + w.dots_len) * <int64_t>sizeof(real) +
+                    (w.lanes_len + w.sums_len) * 4 + 63) // 64 * 64
 
 
 cdef inline void _accumulate(real *y, real w, const real *d, int64_t width) noexcept nogil:
@@ -707,6 +754,25 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
     cdef float *lanes = <float *>(dots + w.dots_len)
     cdef const real *ws
     cdef int64_t b_end
+    # where the sums of the task's columns grow: dst itself (row stride d_out), or for a
+    # 16-bit dst the task's own float32 rows (stride width), rounded into dst at the end
+    cdef int64_t width = row_end - row_start
+    cdef real *sums = <real *>w.out
+    cdef int64_t stride = d_out, col0 = 0
+    # ... which start from init (or dst) just before the first sum: the lines of the task's
+    # slices of init and dst, hinted here, arrive during its first dot products (a cold
+    # read of them per task cost 6 % of a one-token call)
+    cdef bint started = assign or call.init == NULL
+    if w.sums_len:
+        sums = <real *>(lanes + w.lanes_len)
+        stride, col0 = width, row_start
+    if not started and call.n_tokens * width * 4 <= PREFETCH_SLICE_BYTES:
+        c.mxfp4x_prefetch_slices(call.init, d_out * _item_bytes(call.init_dtype),
+                                 call.n_tokens, row_start * _item_bytes(call.init_dtype),
+                                 width * _item_bytes(call.init_dtype))
+        c.mxfp4x_prefetch_slices(call.dst, d_out * _item_bytes(call.dst_dtype),
+                                 call.n_tokens, row_start * _item_bytes(call.dst_dtype),
+                                 width * _item_bytes(call.dst_dtype))
     for a in range(w.r.n_active):
         e = w.r.active[a]
         rows = call.experts.rows[e]
@@ -728,16 +794,20 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
             if real is float:
                 if w.bf16:  # every token, at any batch size: the same path
                     k.bf16_rows(&rows, row_start, row_end, w.xt + (s - n) * d_in,
-                                w.unsafe + (s - n), n, dots, row_end - row_start, lanes)
-                    _combine(<real *>w.out, d_out, row_start, dsts, ws, n, dots,
-                             row_end - row_start, assign)
+                                w.unsafe + (s - n), n, dots, width, lanes)
+                    started = started or _start_sums(dummy, w, row_start, width, sums +
+                                                     (row_start - col0), stride)
+                    _combine(sums, stride, row_start - col0, dsts, ws, n, dots, width,
+                             assign)
                     continue
                 if n <= w.gemv_switch:
                     # one or a few tokens: fused decode + dot in registers, no panel
                     k.gemv_f32(&rows, row_start, row_end, <const float *>w.x, d_in, srcs, n,
-                               dots, row_end - row_start)
-                    _combine(<real *>w.out, d_out, row_start, dsts, ws, n, dots,
-                             row_end - row_start, assign)
+                               dots, width)
+                    started = started or _start_sums(dummy, w, row_start, width, sums +
+                                                     (row_start - col0), stride)
+                    _combine(sums, stride, row_start - col0, dsts, ws, n, dots, width,
+                             assign)
                     continue
             c0 = row_start
             while c0 < row_end:
@@ -750,8 +820,38 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
                     c.mxfp4x_decode_f64(&rows, c0, c1, panel)
                     c.mxfp4x_panel_dot_f64(panel, c1 - c0, n_groups, <const double *>w.x,
                                            d_in, srcs, n, dots, c1 - c0)
-                _combine(<real *>w.out, d_out, c0, dsts, ws, n, dots, c1 - c0, assign)
+                started = started or _start_sums(dummy, w, row_start, width, sums +
+                                                 (row_start - col0), stride)
+                _combine(sums, stride, c0 - col0, dsts, ws, n, dots, c1 - c0, assign)
                 c0 = c1
+    if not started:  # no pairs: the sums are their starts
+        _start_sums(dummy, w, row_start, width, sums + (row_start - col0), stride)
+    if real is float:
+        if w.sums_len:
+            for a in range(w.n_dst_rows):
+                c.mxfp4x_store_f16s(sums + a * width, width, call.dst_dtype,
+                                    (<uint16_t *>w.out) + a * d_out + row_start)
+
+
+cdef inline int64_t _item_bytes(int dtype) noexcept nogil:
+    return 8 if dtype == c.MXFP4X_DTYPE_F64 else (4 if dtype == c.MXFP4X_DTYPE_F32 else 2)
+
+
+cdef bint _start_sums(real dummy, const Work *w, int64_t col, int64_t width, real *sums,
+                      int64_t stride) noexcept nogil:
+    """Columns [col, col + width) of every token's sums start from init, converted exactly
+    (a call without init starts from dst's own values: there already).  Returns True."""
+    cdef const c.mxfp4x_call *call = w.call
+    cdef int64_t t, d_out = call.experts.d_out
+    cdef int64_t item = _item_bytes(call.init_dtype)
+    for t in range(call.n_tokens):
+        if real is float:
+            c.mxfp4x_widen_f32((<const char *>call.init) + (t * d_out + col) * item,
+                               call.init_dtype, width, sums + t * stride)
+        else:
+            c.mxfp4x_widen_f64((<const char *>call.init) + (t * d_out + col) * item,
+                               call.init_dtype, width, sums + t * stride)
+    return True
 
 
 cdef void _transposed_task(real dummy, const Work *w, int64_t task,
@@ -825,8 +925,7 @@ cdef void _prepare_task(void *ctx, int64_t task, int tid) noexcept nogil:
     cdef const c.mxfp4x_call *call = j.call
     cdef int64_t r, n_groups = call.experts.n_groups
     cdef int64_t d_in = n_groups * c.MXFP4X_GROUP
-    cdef int64_t elem = 8 if call.src_dtype == c.MXFP4X_DTYPE_F64 else (
-        4 if call.src_dtype == c.MXFP4X_DTYPE_F32 else 2)
+    cdef int64_t elem = _item_bytes(call.src_dtype)
     cdef int64_t r0 = task * j.rows_per_task, r1 = min(j.n_rows, r0 + j.rows_per_task)
     _log_thread(j.log, tid)
     for r in range(r0, r1):
@@ -907,8 +1006,12 @@ cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
             raise expert_id_error(call.selected[bad], call.experts.n_experts)
         n_x_rows = call.n_tokens * (call.top_k if (call.src_rows if forward else call.dst_rows)
                                     == c.MXFP4X_ROWS_PER_SLOT else 1)
-        # (a forward product with d_in = 0 still runs: every dot is 0, the result p * 0)
-        if n_pairs == 0 or call.experts.d_out == 0 or (d_in == 0 and not forward):
+        w.n_dst_rows = call.n_tokens * (call.top_k if call.dst_rows == c.MXFP4X_ROWS_PER_SLOT
+                                        else 1)
+        # (a forward product with d_in = 0 still runs: every dot is 0, the result p * 0;
+        # one with no pairs (top_k = 0) too: its sums are their starts)
+        if call.n_tokens == 0 or call.experts.d_out == 0 or \
+                (not forward and (n_pairs == 0 or d_in == 0)):
             if not forward:  # an empty sum
                 memset(call.dst, 0, n_x_rows * d_in * <int64_t>sizeof(real))
             return

@@ -19,6 +19,9 @@ Bytes = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64",
                 torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# the shared outputs the driver starts the sums from as they are (converting exactly)
+_EXACT_INTO = {torch.float32: (torch.float32, torch.bfloat16, torch.float16),
+               torch.float64: tuple(_DTYPE_NAMES)}
 
 
 
@@ -215,9 +218,17 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
     if not per_slot_outputs and tuple(shared.shape) != (n_tokens, ex.d_out):
         raise ValueError(f"shared_output: expected ({n_tokens}, {ex.d_out}), got "
                          f"{tuple(shared.shape)}")
-    # the result in x's dtype; the driver writes the compute dtype (the result itself,
-    # or one chunk's float32 rows that are then rounded into it)
+    # the result in x's dtype, written by the driver: its sums in the compute dtype (for
+    # 16-bit latents each task's float32 rows, rounded once into the result), each token's
+    # starting from its shared output, converted in the driver's tasks too (so a call runs
+    # on num_threads threads, no torch conversion on torch's own)
     result = torch.empty((n_tokens * k_out, ex.d_out), dtype=x.dtype)
+    start = None
+    if not per_slot_outputs:
+        start = shared.detach()
+        if start.dtype not in _EXACT_INTO[compute]:
+            start = start.to(compute)  # (float64 into float32: rounded once, here)
+        start = start.contiguous()
     x2 = _operand_rows(x, slot_latents)
     k_in = top_k if slot_latents else 1
     item = 8 if compute == torch.float64 else 4
@@ -226,19 +237,16 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
     if x.dtype == torch.bfloat16 and _cpu.has_bf16_unit(isa):
         per_token += top_k * ex.n_groups * 32 * 2  # the unit's gather: every pair's latents
     for t0, t1 in _chunks(n_tokens, per_token):
-        part = result[t0 * k_out:t1 * k_out]
-        out = part if compute == x.dtype else torch.empty(part.shape, dtype=compute)
-        if not per_slot_outputs:
-            out.copy_(shared[t0:t1].detach())
         sel64, mix_arr = _pairs(sel, None if per_slot_outputs else mix, compute, t0, t1)
         _cpu.Call(ex, product="forward", compute=_DTYPE_NAMES[compute],
                   selected=sel64, mix=mix_arr,
                   src=_array(x2[t0 * k_in:t1 * k_in]), src_dtype=_DTYPE_NAMES[x.dtype],
-                  src_rows="slot" if slot_latents else "token", dst=_array(out),
-                  dst_rows="slot" if per_slot_outputs else "token", isa=isa,
+                  src_rows="slot" if slot_latents else "token",
+                  dst=_array(result[t0 * k_out:t1 * k_out]), dst_dtype=_DTYPE_NAMES[x.dtype],
+                  dst_rows="slot" if per_slot_outputs else "token",
+                  init=None if start is None else _array(start[t0:t1]),
+                  init_dtype=None if start is None else _DTYPE_NAMES[start.dtype], isa=isa,
                   n_threads=_threads.resolve(num_threads)).run()
-        if out is not part:
-            part.copy_(out)
     return result.view(n_tokens, top_k, ex.d_out) if per_slot_outputs else result
 
 

@@ -458,9 +458,14 @@ enum { MXFP4X_ROWS_PER_TOKEN = 0, MXFP4X_ROWS_PER_SLOT = 1 }; /* rows of an oper
 
 /* For every pair p = t * top_k + k with e = selected[p] and w = mix ? mix[p] : 1:
  *
- *   FORWARD     src: latents (rows, d_in) of src_dtype; dst: (rows, d_out) of compute.
- *               mix given:  dst[t]  += w * (W_e src[row_src(p)])  (dst holds the shared output)
+ *   FORWARD     src: latents (rows, d_in) of src_dtype; dst: (rows, d_out) of dst_dtype.
+ *               mix given:  dst[t]  = start[t] + sum of w * (W_e src[row_src(p)])
+ *                           start: init (n_tokens, d_out) of init_dtype, or (init NULL)
+ *                           dst's own values
  *               mix NULL:   dst[p]   = W_e src[row_src(p)]         (per-slot outputs)
+ *               Every sum is taken in compute and rounded once into dst_dtype, which is
+ *               compute or, with float32 compute, bfloat16 or float16 (then init is
+ *               given wherever mix is); init_dtype converts exactly into compute.
  *   TRANSPOSED  src: gradient (rows, d_out) of compute; dst: (rows, d_in) of compute:
  *                           dst[row_dst(p)] = sum over its pairs of w * (W_e^T src[row_src(p)])
  *
@@ -469,7 +474,7 @@ enum { MXFP4X_ROWS_PER_TOKEN = 0, MXFP4X_ROWS_PER_SLOT = 1 }; /* rows of an oper
  * products are summed over the slots there). */
 typedef struct {
     int product;                    /* MXFP4X_FORWARD or MXFP4X_TRANSPOSED */
-    int compute;                    /* MXFP4X_DTYPE_F32 or _F64: accumulation, `dst` */
+    int compute;                    /* MXFP4X_DTYPE_F32 or _F64: accumulation */
     const mxfp4x_kernels *kernels;  /* the ISA this call runs (float32 compute) */
     int n_threads;
     mxfp4x_experts experts;
@@ -481,6 +486,9 @@ typedef struct {
     int src_rows;                   /* MXFP4X_ROWS_* */
     void *dst;
     int dst_rows;                   /* MXFP4X_ROWS_* */
+    int dst_dtype;                  /* compute; FORWARD with float32 compute: or BF16, F16 */
+    const void *init;               /* FORWARD with mix: the start of each sum, or NULL */
+    int init_dtype;                 /* MXFP4X_DTYPE_* of init */
 } mxfp4x_call;
 
 /* ---- 16-bit float conversions (exact; used once per call on the latents) ---- */
@@ -517,6 +525,62 @@ MXFP4X_INLINE float mxfp4x_f16_to_f32(uint16_t h) {
         bits = sign | ((uint32_t)(113 - shift) << 23) | (man << 13);
     }
     return mxfp4x_bits_to_f32(bits);
+}
+
+MXFP4X_INLINE uint32_t mxfp4x_f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* binary32 -> bfloat16 bits, rounded to nearest, ties to even (infinities kept, overflow to
+ * infinity); every NaN -> 0xFFFF, as torch's vectorised CPU conversion gives on x86. */
+MXFP4X_INLINE uint16_t mxfp4x_f32_to_bf16(float f) {
+    const uint32_t u = mxfp4x_f32_to_bits(f);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u
+               ? (uint16_t)0xFFFFu
+               : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* binary32 -> IEEE binary16 bits, rounded to nearest, ties to even, subnormals included;
+ * a NaN keeps its sign and its top 10 payload bits and becomes quiet (as F16C's vcvtps2ph,
+ * which torch's CPU conversion uses). */
+MXFP4X_INLINE uint16_t mxfp4x_f32_to_f16(float f) {
+    const uint32_t u = mxfp4x_f32_to_bits(f), a = u & 0x7FFFFFFFu;
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t v;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* 65520 and up: infinity */
+    if (a < 0x38800000u) {
+        /* under 2^-14: a count of 2^-24 units.  0.5 + |f| in binary32 has ulp 2^-24, so the
+         * float addition rounds |f| to the nearest count, ties to even, exactly once. */
+        return (uint16_t)(sign | (mxfp4x_f32_to_bits(mxfp4x_bits_to_f32(a) + 0.5f) -
+                                  0x3F000000u));
+    }
+    v = a - 0x38000000u; /* exponent bias 127 -> 15; then 23 -> 10 mantissa bits */
+    return (uint16_t)(sign | ((v + 0xFFFu + ((v >> 13) & 1u)) >> 13));
+}
+
+/* Lines of bytes [off, off + len) of n rows `stride` bytes apart into L2 (a hint): the
+ * slices of token rows a driver task starts its sums from and rounds them into, touched
+ * after the task's first dot products, which hide the wait for them. */
+MXFP4X_INLINE void mxfp4x_prefetch_slices(const void *base, int64_t stride, int64_t n,
+                                          int64_t off, int64_t len) {
+    int64_t i, b;
+    for (i = 0; i < n && len > 0; i++) {
+        const char *row = (const char *)base + i * stride + off;
+        for (b = 0; b < len; b += 64) MXFP4X_PREFETCH_L2(row + b);
+        MXFP4X_PREFETCH_L2(row + len - 1);
+    }
+}
+
+/* n float32 sums rounded once into dtype dst_dtype (MXFP4X_DTYPE_BF16 or _F16). */
+MXFP4X_INLINE void mxfp4x_store_f16s(const float *src, int64_t n, int dst_dtype, uint16_t *dst) {
+    int64_t i;
+    if (dst_dtype == MXFP4X_DTYPE_BF16)
+        for (i = 0; i < n; i++) dst[i] = mxfp4x_f32_to_bf16(src[i]);
+    else
+        for (i = 0; i < n; i++) dst[i] = mxfp4x_f32_to_f16(src[i]);
 }
 
 #endif /* MXFP4X_H */

@@ -239,6 +239,26 @@ MXFP4X_INLINE float mxfp4x_load_f32(const void *row, int dtype, int64_t i) {
     }
 }
 
+/* n values of dtype `dtype` as float32 or float64, exactly (the driver passes float64 to
+ * the float32 form never): the start of the forward sums (mxfp4x_call's init). */
+static void mxfp4x_widen_f32(const void *src, int dtype, int64_t n, float *dst) {
+    int64_t i;
+    if (dtype == MXFP4X_DTYPE_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    for (i = 0; i < n; i++) dst[i] = mxfp4x_load_f32(src, dtype, i);
+}
+
+static void mxfp4x_widen_f64(const void *src, int dtype, int64_t n, double *dst) {
+    int64_t i;
+    if (dtype == MXFP4X_DTYPE_F64) {
+        memcpy(dst, src, (size_t)n * sizeof(double));
+        return;
+    }
+    for (i = 0; i < n; i++) dst[i] = mxfp4x_load_f32(src, dtype, i); /* exact in float */
+}
+
 /* Permute one latent row into a kernel layout (mxfp4x_layout_pos, for the experts'
  * arrangement `nibbles`), converting it to float32. */
 static void mxfp4x_prepare_x_f32(const void *row, int dtype, int64_t n_groups, int half,

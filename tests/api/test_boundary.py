@@ -128,3 +128,101 @@ def test_format_facts_agree():
     from mxfp4x import _format
     assert (_cpu.GROUP, _cpu.GROUP_BYTES) == (_format.GROUP, _format.GROUP_BYTES)
     assert _cpu.DTYPES == ("float32", "float64", "bfloat16", "float16")
+
+
+def _bits16(t):
+    return t.view(torch.int16).numpy()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(dst_dtype="int8"), "dst_dtype: expected one of"),
+    (dict(dst_dtype="float16", compute="float64"), "dst_dtype: expected 'float64'"),
+    (dict(dst_dtype="bfloat16", product="transposed"), "dst_dtype: expected 'float32'"),
+    (dict(dst_dtype="bfloat16"), "dst: expected a C-contiguous .* 2-byte"),
+    (dict(dst_dtype="bfloat16", dst=np.zeros((6, 37), np.int16)), "init: expected the start"),
+    (dict(init=np.zeros((6, 37), np.float32), init_dtype="float64"),
+     "init_dtype: expected one of"),
+    (dict(init=np.zeros((6, 37), np.float32), init_dtype=None), "init_dtype: expected one of"),
+    (dict(init=np.zeros((5, 37), np.float32), init_dtype="float32"),
+     "init: expected a C-contiguous"),
+    (dict(init=np.zeros((6, 37), np.float32), init_dtype="bfloat16"),
+     "init: expected a C-contiguous"),
+    (dict(init=np.zeros((18, 37), np.float32), init_dtype="float32", mix=None,
+          dst_rows="slot", dst=np.zeros((18, 37), np.float32)), "init: only a forward"),
+], ids=lambda v: str(v)[:50])
+def test_call_checks_the_start_and_the_result_dtype(rng, change, match):
+    layer = random_layer(rng, 6, 3, 4, 37, 3)
+    with pytest.raises(ValueError, match=match):
+        _call(layer, **change)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("start", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_results_are_the_float32_sums_rounded_once(isa, rng, dtype, start):
+    """A 16-bit dst: the driver's float32 sums from init, rounded in its tasks, are the
+    float32 call's result rounded by torch, on 1 and 3 threads (many tasks)."""
+    layer = random_layer(rng, 70, 3, 5, 203, 3)
+    x = layer["latent_tokens"].to(dtype)
+    init = (layer["shared_output"] * 4).to(start)
+    sel = layer["selected_experts"].numpy()
+    mix = layer["mixture_weights"].to(dtype).float().numpy()
+    ex = _cpu_impl.experts_of(layer["packed_weights"], layer["scale_bytes"])
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    want = init.float().numpy().copy()
+    _cpu.Call(ex, product="forward", compute="float32", selected=sel, mix=mix,
+              src=_bits16(x), src_dtype=names[dtype], src_rows="token", dst=want,
+              dst_rows="token", isa=isa).run()
+    want = torch.from_numpy(want).to(dtype)
+    for n_threads in (1, 3):
+        got = torch.empty(want.shape, dtype=dtype)
+        _cpu.Call(ex, product="forward", compute="float32", selected=sel, mix=mix,
+                  src=_bits16(x), src_dtype=names[dtype], src_rows="token",
+                  dst=_bits16(got), dst_rows="token", dst_dtype=names[dtype],
+                  init=_bits16(init) if start != torch.float32 else init.numpy(),
+                  init_dtype=names[start], isa=isa, n_threads=n_threads).run()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), n_threads
+
+
+def _float32_bit_patterns(rng, n):
+    """Float32 bit patterns for a rounding test: uniform bits (every exponent, NaNs), the
+    ties and near-ties of bfloat16 and float16 at every exponent that matters, and the
+    edges (float16's overflow and subnormal boundaries, signed zeros, infinities)."""
+    u = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    k = n // 4
+    exps = rng.integers(90, 160, k, dtype=np.uint32) << 23
+    sign = rng.integers(0, 2, k, dtype=np.uint32) << 31
+    hi = rng.integers(0, 2**10, k, dtype=np.uint32) << 13
+    u[:k] = sign | exps | hi | rng.choice(np.array([0xFFF, 0x1000, 0x1001], np.uint32), k)
+    hi = rng.integers(0, 2**7, k, dtype=np.uint32) << 16
+    u[k:2 * k] = sign | exps | hi | rng.choice(np.array([0x7FFF, 0x8000, 0x8001], np.uint32), k)
+    edges = [0x477FEFFF, 0x477FF000, 0x477FF001, 0x477FE000, 0x7F7FFFFF, 0x7F800000,
+             0x33000000, 0x33000001, 0x32FFFFFF, 0x337FFFFF, 0x38800000, 0x387FE000,
+             0x387FF000, 0x387FEFFF, 0x00000001, 0x00800000, 0, 0x7FC00000, 0x7F800001,
+             0x7FA00000, 0x7F812345]
+    edges += [e | 0x80000000 for e in edges]
+    u[2 * k:2 * k + len(edges)] = edges
+    return u
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rounding_into_16_bits_is_torchs(rng, dtype):
+    """No expert per token (top_k = 0): each result is its float32 shared output rounded by
+    the driver, to nearest even, overflow to infinity, float16's subnormals, exactly as
+    torch rounds; NaNs become 0xFFFF (bfloat16, torch's vectorised x86 conversion) or stay
+    quiet NaNs of their sign and top payload bits (float16, as F16C)."""
+    u = _float32_bit_patterns(rng, 64 * 1024)
+    shared = torch.from_numpy(u.view(np.float32).reshape(64, 1024))
+    packed = torch.from_numpy(rng.integers(0, 256, (2, 1024, 1, 16), dtype=np.uint8))
+    scales = torch.full((2, 1024, 1), 127, dtype=torch.uint8)
+    x = torch.randn(64, 32).to(dtype)
+    got = mxfp4x.mxfp4_experts(x, packed, scales, torch.zeros(64, 0, dtype=torch.int64),
+                               torch.zeros(64, 0, dtype=dtype), shared, num_threads=2)
+    got = got.view(torch.int16).numpy().astype(np.uint16).ravel()
+    want = shared.to(dtype).view(torch.int16).numpy().astype(np.uint16).ravel()
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    assert nan.sum() > 100 and (got[~nan] == want[~nan]).all()
+    if dtype == torch.bfloat16:
+        assert (got[nan] == 0xFFFF).all()
+    else:
+        q = ((u[nan] >> 16) & 0x8000) | 0x7E00 | ((u[nan] >> 13) & 0x3FF)
+        assert (got[nan] == q.astype(np.uint16)).all()

@@ -219,6 +219,27 @@ def test_every_parallel_step_runs_on_the_threads_asked():
     assert best == dict.fromkeys(steps, 2), best
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_call_leaves_no_work_to_torchs_threads(rng, dtype):
+    """num_threads bounds a call's threads: the shared output's conversion into the sums and
+    their rounding into a 16-bit result run in the driver's tasks, not as torch copies of
+    the (T, O) rows on torch's own threads (which kept a second CPU busy at
+    num_threads=1)."""
+    layer = random_layer(rng, 9, 2, 3, 37, 2, dtype=dtype)
+    layer["shared_output"] = layer["shared_output"].to(torch.bfloat16 if dtype ==
+                                                       torch.float32 else torch.float32)
+    want = mxfp4x.mxfp4_experts(**layer, num_threads=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
+        got = mxfp4x.mxfp4_experts(**layer, num_threads=1)
+    assert torch.equal(got, want)
+    events = [(e.name, e.input_shapes) for e in prof.events()]
+    assert any(name == "mxfp4x::mxfp4_experts" or "to" in name for name, _ in events)
+    moved = [name for name, shapes in events if [9, 37] in shapes and
+             any(w in name for w in ("copy", "clone", "add", "fill", "mul"))]
+    assert not moved, moved
+
+
 def test_fma_peak_scales_with_threads():
     """fma_peak runs one loop per thread through the one mechanism, so 2 threads give
     clearly more than 1 where 2 CPUs exist (the pthreads builds measured one thread's
