@@ -533,14 +533,15 @@ MXFP4X_INLINE uint32_t mxfp4x_f32_to_bits(float f) {
     return u;
 }
 
-/* binary32 -> bfloat16 bits, rounded to nearest, ties to even (infinities kept, overflow to
- * infinity); every NaN -> 0xFFFF, as torch's vectorised CPU conversion gives on x86. */
-MXFP4X_INLINE uint16_t mxfp4x_f32_to_bf16(float f) {
-    const uint32_t u = mxfp4x_f32_to_bits(f);
+/* binary32 bits -> bfloat16 bits, rounded to nearest, ties to even (infinities kept,
+ * overflow to infinity); every NaN -> 0xFFFF, as torch's vectorised CPU conversion gives
+ * on x86. */
+MXFP4X_INLINE uint16_t mxfp4x_bits_to_bf16(uint32_t u) {
     return (u & 0x7FFFFFFFu) > 0x7F800000u
                ? (uint16_t)0xFFFFu
                : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+
 
 /* binary32 -> IEEE binary16 bits, rounded to nearest, ties to even, subnormals included;
  * a NaN keeps its sign and its top 10 payload bits and becomes quiet (as F16C's vcvtps2ph,
@@ -577,8 +578,8 @@ MXFP4X_INLINE void mxfp4x_prefetch_slices(const void *base, int64_t stride, int6
 /* n float32 sums rounded once into dtype dst_dtype (MXFP4X_DTYPE_BF16 or _F16). */
 MXFP4X_INLINE void mxfp4x_store_f16s(const float *src, int64_t n, int dst_dtype, uint16_t *dst) {
     int64_t i;
-    if (dst_dtype == MXFP4X_DTYPE_BF16)
-        for (i = 0; i < n; i++) dst[i] = mxfp4x_f32_to_bf16(src[i]);
+    if (dst_dtype == MXFP4X_DTYPE_BF16) /* on the bit patterns: a vectorised loop */
+        for (i = 0; i < n; i++) dst[i] = mxfp4x_bits_to_bf16(((const uint32_t *)src)[i]);
     else
         for (i = 0; i < n; i++) dst[i] = mxfp4x_f32_to_f16(src[i]);
 }

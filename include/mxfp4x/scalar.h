@@ -245,9 +245,13 @@ static void mxfp4x_widen_f32(const void *src, int dtype, int64_t n, float *dst) 
     int64_t i;
     if (dtype == MXFP4X_DTYPE_F32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
-        return;
+    } else if (dtype == MXFP4X_DTYPE_BF16) { /* bit patterns shifted: a vectorised loop */
+        const uint16_t *h = (const uint16_t *)src;
+        uint32_t *u = (uint32_t *)dst;
+        for (i = 0; i < n; i++) u[i] = (uint32_t)h[i] << 16;
+    } else {
+        for (i = 0; i < n; i++) dst[i] = mxfp4x_load_f32(src, dtype, i);
     }
-    for (i = 0; i < n; i++) dst[i] = mxfp4x_load_f32(src, dtype, i);
 }
 
 static void mxfp4x_widen_f64(const void *src, int dtype, int64_t n, double *dst) {
