@@ -192,6 +192,9 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
                             float *dst)
     void mxfp4x_natural_f64(const double *src, int64_t n_groups, int half, int nibbles,
                             double *dst)
+    void mxfp4x_natural_f16s(const float *src, int64_t n_groups, int half, int nibbles,
+                             int dst_dtype, uint16_t *dst)
+    float mxfp4x_load_f32(const void *row, int dtype, int64_t i)
     # the start of a forward sum, and its one rounding into a 16-bit result
     void mxfp4x_widen_f32(const void *src, int src_dtype, int64_t n, float *dst)
     void mxfp4x_widen_f64(const void *src, int src_dtype, int64_t n, double *dst)

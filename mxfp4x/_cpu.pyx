@@ -345,12 +345,13 @@ cdef class Call:
     ``compute``, or None where the d_out side is per slot; ``src`` and ``dst`` 2-D,
     one row per token or per slot.  ``isa`` None runs the default ISA.
 
-    A forward call's ``dst_dtype`` (None: ``compute``) may be "bfloat16" or "float16"
-    with float32 compute: every sum is then taken in float32 and rounded once into
-    ``dst``.  ``init`` (forward, per-token sums only; None: dst's own values, which a
-    16-bit dst cannot be) is the start of each sum, (n_tokens, d_out) of ``init_dtype``,
-    a dtype that converts exactly into ``compute``.  The driver does these conversions
-    in its own tasks, on the call's threads.
+    ``dst_dtype`` (None: ``compute``) may be "bfloat16" or "float16" with float32
+    compute: every sum is then taken in float32 and rounded once into ``dst``.  ``init``
+    (forward, per-token sums only; None: dst's own values, which a 16-bit dst cannot be)
+    is the start of each sum, (n_tokens, d_out) of ``init_dtype``; it and a transposed
+    product's gradient (``src_dtype``) have a dtype that converts exactly into
+    ``compute``.  The driver does these conversions in its own tasks, on the call's
+    threads.
     """
     cdef c.mxfp4x_call desc
     cdef readonly Experts experts
@@ -385,7 +386,8 @@ cdef class Call:
     cdef _check_init(self, str compute, mix, str dst_dtype, init, init_dtype):
         """The start of the forward sums: init's mode, shape and dtype."""
         if init is None:
-            if dst_dtype != compute and mix is not None:
+            if self.desc.product == c.MXFP4X_FORWARD and dst_dtype != compute and \
+                    mix is not None:
                 raise ValueError(f"init: expected the start of the sums (a {dst_dtype} dst "
                                  f"is rounded from {compute} sums, not read)")
             return
@@ -410,13 +412,15 @@ cdef class Call:
         cdef int64_t d_out = self.desc.experts.d_out
         if compute not in ("float32", "float64"):
             raise ValueError(f"compute: expected 'float32' or 'float64', got {compute!r}")
-        if dst_dtype != compute and not (forward and compute == "float32" and
+        if dst_dtype != compute and not (compute == "float32" and
                                          dst_dtype in ("bfloat16", "float16")):
             raise ValueError(f"dst_dtype: expected {compute!r}, or 'bfloat16' / 'float16' "
-                             f"for a forward product in float32, got {dst_dtype!r}")
-        if not forward and src_dtype != compute:
-            raise ValueError(f"src_dtype: the transposed product reads a gradient of the "
-                             f"compute dtype {compute!r}, got {src_dtype!r}")
+                             f"with float32 compute, got {dst_dtype!r}")
+        exact = tuple(_DTYPES) if compute == "float64" else ("float32", "bfloat16", "float16")
+        if not forward and src_dtype not in exact:
+            raise ValueError(f"src_dtype: the transposed product reads a gradient that "
+                             f"converts exactly into {compute!r} (one of {exact}), got "
+                             f"{src_dtype!r}")
         if not isinstance(selected, np.ndarray) or selected.ndim != 2:
             raise ValueError("selected: expected a 2-D int64 numpy array (n_tokens, top_k)")
         n_tokens, top_k = selected.shape
@@ -870,6 +874,9 @@ cdef void _transposed_task(real dummy, const Work *w, int64_t task,
     cdef real *dst
     cdef real wt
     cdef const real *grow
+    cdef const char *gbytes
+    cdef bint same_dtype = call.src_dtype == call.compute
+    cdef int64_t item = _item_bytes(call.src_dtype)
     cdef c.mxfp4x_rows rows
     for a in range(w.r.n_active):
         e = w.r.active[a]
@@ -888,10 +895,15 @@ cdef void _transposed_task(real dummy, const Work *w, int64_t task,
                 c.mxfp4x_decode_f64(&rows, o0, o1, panel)
             for i in range(n):
                 dst = (<real *>w.out) + w.r.pair_dst[s + i] * d_in + g0 * c.MXFP4X_GROUP
-                grow = (<const real *>w.x) + w.r.pair_src[s + i] * d_out
                 wt = (<const real *>w.r.pair_w)[s + i]
-                for r in range(o1 - o0):
-                    coefs[r] = wt * grow[o0 + r]
+                if same_dtype:
+                    grow = (<const real *>w.x) + w.r.pair_src[s + i] * d_out
+                    for r in range(o1 - o0):
+                        coefs[r] = wt * grow[o0 + r]
+                else:  # a 16-bit (or float32 into float64) gradient, converted exactly
+                    gbytes = (<const char *>w.x) + w.r.pair_src[s + i] * d_out * item
+                    for r in range(o1 - o0):
+                        coefs[r] = wt * c.mxfp4x_load_f32(gbytes, call.src_dtype, o0 + r)
                 if real is float:
                     call.kernels.axpy_rows_f32(panel, o1 - o0, width, coefs, dst)
                 else:
@@ -948,6 +960,9 @@ cdef void _finish_task(void *ctx, int64_t task, int tid) noexcept nogil:
         if j.call.compute == c.MXFP4X_DTYPE_F64:
             c.mxfp4x_natural_f64((<const double *>j.src) + r * d_in, n_groups, j.half,
                                  j.nibbles, (<double *>j.dst) + r * d_in)
+        elif j.call.dst_dtype != j.call.compute:  # rounded once into the 16-bit dx
+            c.mxfp4x_natural_f16s((<const float *>j.src) + r * d_in, n_groups, j.half,
+                                  j.nibbles, j.call.dst_dtype, (<uint16_t *>j.dst) + r * d_in)
         else:
             c.mxfp4x_natural_f32((<const float *>j.src) + r * d_in, n_groups, j.half,
                                  j.nibbles, (<float *>j.dst) + r * d_in)
@@ -1013,7 +1028,7 @@ cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
         if call.n_tokens == 0 or call.experts.d_out == 0 or \
                 (not forward and (n_pairs == 0 or d_in == 0)):
             if not forward:  # an empty sum
-                memset(call.dst, 0, n_x_rows * d_in * <int64_t>sizeof(real))
+                memset(call.dst, 0, n_x_rows * d_in * _item_bytes(call.dst_dtype))
             return
         _plan(dummy, &w)
         n_threads = <int>max(1, min(<int64_t>call.n_threads, w.n_tasks))  # more would idle

@@ -261,23 +261,19 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
     k_in = top_k if slot_latents else 1
     k_out = top_k if slot_grad else 1
     result = torch.empty((n_tokens * k_in, x.shape[-1]), dtype=x.dtype)
-    g2 = _operand_rows(grad, slot_grad)
+    g2 = _operand_rows(grad.detach(), slot_grad)
+    if g2.dtype not in _EXACT_INTO[compute]:
+        g2 = g2.to(compute)  # (float64 into float32: rounded once, here)
     item = 8 if compute == torch.float64 else 4
-    # the layout copy is dx itself here (plus, for 16-bit latents, the compute-dtype rows
-    # and the converted gradient)
-    per_token = item * k_in * ex.n_groups * 32 * (1 if compute == x.dtype else 2) + \
-        item * k_out * ex.d_out * (0 if compute == grad.dtype else 1) + \
-        top_k * _pair_bytes(item)
+    # the driver's layout copy of dx (in the compute dtype; the driver converts the
+    # gradient and rounds dx into a 16-bit result itself, on the call's threads)
+    per_token = item * k_in * ex.n_groups * 32 + top_k * _pair_bytes(item)
     for t0, t1 in _chunks(n_tokens, per_token):
-        part = result[t0 * k_in:t1 * k_in]
-        dx = part if compute == x.dtype else torch.empty(part.shape, dtype=compute)
         sel64, mix_arr = _pairs(sel, None if slot_grad else mix, compute, t0, t1)
         _cpu.Call(ex, product="transposed", compute=_DTYPE_NAMES[compute],
-                  selected=sel64, mix=mix_arr,
-                  src=_array(g2[t0 * k_out:t1 * k_out].to(compute).contiguous()),
-                  src_dtype=_DTYPE_NAMES[compute], src_rows="slot" if slot_grad else "token",
-                  dst=_array(dx), dst_rows="slot" if slot_latents else "token", isa=isa,
+                  selected=sel64, mix=mix_arr, src=_array(g2[t0 * k_out:t1 * k_out]),
+                  src_dtype=_DTYPE_NAMES[g2.dtype], src_rows="slot" if slot_grad else "token",
+                  dst=_array(result[t0 * k_in:t1 * k_in]), dst_dtype=_DTYPE_NAMES[x.dtype],
+                  dst_rows="slot" if slot_latents else "token", isa=isa,
                   n_threads=_threads.resolve(num_threads)).run()
-        if dx is not part:
-            part.copy_(dx)
     return result.view(x.shape)

@@ -463,12 +463,12 @@ enum { MXFP4X_ROWS_PER_TOKEN = 0, MXFP4X_ROWS_PER_SLOT = 1 }; /* rows of an oper
  *                           start: init (n_tokens, d_out) of init_dtype, or (init NULL)
  *                           dst's own values
  *               mix NULL:   dst[p]   = W_e src[row_src(p)]         (per-slot outputs)
- *               Every sum is taken in compute and rounded once into dst_dtype, which is
- *               compute or, with float32 compute, bfloat16 or float16 (then init is
- *               given wherever mix is); init_dtype converts exactly into compute.
- *   TRANSPOSED  src: gradient (rows, d_out) of compute; dst: (rows, d_in) of compute:
+ *   TRANSPOSED  src: gradient (rows, d_out) of src_dtype; dst: (rows, d_in) of dst_dtype:
  *                           dst[row_dst(p)] = sum over its pairs of w * (W_e^T src[row_src(p)])
  *
+ * Every sum is taken in compute and rounded once into dst_dtype, which is compute or,
+ * with float32 compute, bfloat16 or float16 (a forward call then has init wherever it
+ * has mix); init_dtype and a transposed call's src_dtype convert exactly into compute.
  * Rows in natural element order.  row_src(p) = p if src_rows is PER_SLOT else t, and
  * likewise row_dst.  mix is given exactly when the d_out side is per token (the
  * products are summed over the slots there). */
@@ -482,11 +482,11 @@ typedef struct {
     const int64_t *selected;        /* (n_tokens, top_k); ids checked while routing */
     const void *mix;                /* (n_tokens, top_k) of compute, or NULL */
     const void *src;
-    int src_dtype;                  /* MXFP4X_DTYPE_*: any for FORWARD, compute otherwise */
+    int src_dtype;                  /* MXFP4X_DTYPE_*: any for FORWARD, exact otherwise */
     int src_rows;                   /* MXFP4X_ROWS_* */
     void *dst;
     int dst_rows;                   /* MXFP4X_ROWS_* */
-    int dst_dtype;                  /* compute; FORWARD with float32 compute: or BF16, F16 */
+    int dst_dtype;                  /* compute; with float32 compute: or BF16, F16 */
     const void *init;               /* FORWARD with mix: the start of each sum, or NULL */
     int init_dtype;                 /* MXFP4X_DTYPE_* of init */
 } mxfp4x_call;

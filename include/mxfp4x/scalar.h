@@ -296,4 +296,16 @@ static void mxfp4x_natural_f64(const double *src, int64_t n_groups, int half, in
     for (i = 0; i < n; i++) dst[i] = src[mxfp4x_layout_pos(i, half, nibbles)];
 }
 
+/* The same, each value rounded once into dst_dtype (MXFP4X_DTYPE_BF16 or _F16). */
+static void mxfp4x_natural_f16s(const float *src, int64_t n_groups, int half, int nibbles,
+                                int dst_dtype, uint16_t *dst) {
+    const int64_t n = n_groups * MXFP4X_GROUP;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        const float v = src[mxfp4x_layout_pos(i, half, nibbles)];
+        dst[i] = dst_dtype == MXFP4X_DTYPE_BF16 ? mxfp4x_bits_to_bf16(mxfp4x_f32_to_bits(v))
+                                                : mxfp4x_f32_to_f16(v);
+    }
+}
+
 #endif /* MXFP4X_SCALAR_H */

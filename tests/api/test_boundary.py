@@ -43,6 +43,8 @@ def test_call_runs_and_matches_the_facade(rng):
     (dict(dst=np.zeros((6, 36), np.float32)), "dst: expected a C-contiguous"),
     (dict(dst=np.zeros((37, 6), np.float32).T), "dst: expected a C-contiguous"),
     (dict(product="transposed"), "src_dtype|src: expected"),
+    (dict(product="transposed", src_dtype="float64"),
+     "src_dtype: the transposed product reads a gradient that converts exactly"),
     (dict(isa="neon9"), "isa='neon9' is not an ISA"),
 ], ids=lambda v: str(v)[:40])
 def test_call_checks_every_field(rng, change, match):
@@ -137,7 +139,7 @@ def _bits16(t):
 @pytest.mark.parametrize("change,match", [
     (dict(dst_dtype="int8"), "dst_dtype: expected one of"),
     (dict(dst_dtype="float16", compute="float64"), "dst_dtype: expected 'float64'"),
-    (dict(dst_dtype="bfloat16", product="transposed"), "dst_dtype: expected 'float32'"),
+    (dict(dst_dtype="float64"), "dst_dtype: expected 'float32'"),
     (dict(dst_dtype="bfloat16"), "dst: expected a C-contiguous .* 2-byte"),
     (dict(dst_dtype="bfloat16", dst=np.zeros((6, 37), np.int16)), "init: expected the start"),
     (dict(init=np.zeros((6, 37), np.float32), init_dtype="float64"),
@@ -180,6 +182,30 @@ def test_16_bit_results_are_the_float32_sums_rounded_once(isa, rng, dtype, start
                   dst=_bits16(got), dst_rows="token", dst_dtype=names[dtype],
                   init=_bits16(init) if start != torch.float32 else init.numpy(),
                   init_dtype=names[start], isa=isa, n_threads=n_threads).run()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), n_threads
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_gradients_are_the_float32_sums_rounded_once(isa, rng, dtype):
+    """The transposed product with a 16-bit gradient and a 16-bit dx: the gradient
+    converted and dx rounded by the driver are torch's conversions around a float32 call,
+    on 1 and 3 threads."""
+    layer = random_layer(rng, 70, 3, 5, 203, 3)
+    grad = (torch.randn(70, 203) * 1e3).to(dtype)
+    sel = layer["selected_experts"].numpy()
+    mix = layer["mixture_weights"].to(dtype).float().numpy()
+    ex = _cpu_impl.experts_of(layer["packed_weights"], layer["scale_bytes"])
+    name = str(dtype).replace("torch.", "")
+    want = np.empty((70, 96), np.float32)
+    _cpu.Call(ex, product="transposed", compute="float32", selected=sel, mix=mix,
+              src=grad.float().numpy(), src_dtype="float32", src_rows="token", dst=want,
+              dst_rows="token", isa=isa).run()
+    want = torch.from_numpy(want).to(dtype)
+    for n_threads in (1, 3):
+        got = torch.empty(want.shape, dtype=dtype)
+        _cpu.Call(ex, product="transposed", compute="float32", selected=sel, mix=mix,
+                  src=_bits16(grad), src_dtype=name, src_rows="token", dst=_bits16(got),
+                  dst_rows="token", dst_dtype=name, isa=isa, n_threads=n_threads).run()
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), n_threads
 
 

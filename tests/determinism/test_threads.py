@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _cpu, _probes, _threads, _validation
+from mxfp4x import _cpu, _cpu_impl, _probes, _threads, _validation
 from mxfp4x.testing.layers import random_layer
 
 THREADED = _threads.backend() != "serial"
@@ -222,8 +222,9 @@ def test_every_parallel_step_runs_on_the_threads_asked():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_a_call_leaves_no_work_to_torchs_threads(rng, dtype):
     """num_threads bounds a call's threads: the shared output's conversion into the sums and
-    their rounding into a 16-bit result run in the driver's tasks, not as torch copies of
-    the (T, O) rows on torch's own threads (which kept a second CPU busy at
+    their rounding into a 16-bit result (and, for the latents' gradient, the gradient's
+    conversion and dx's rounding) run in the driver's tasks, not as torch copies of the
+    (T, O) / (T, I) rows on torch's own threads (which kept a second CPU busy at
     num_threads=1)."""
     layer = random_layer(rng, 9, 2, 3, 37, 2, dtype=dtype)
     layer["shared_output"] = layer["shared_output"].to(torch.bfloat16 if dtype ==
@@ -233,11 +234,19 @@ def test_a_call_leaves_no_work_to_torchs_threads(rng, dtype):
                                 record_shapes=True) as prof:
         got = mxfp4x.mxfp4_experts(**layer, num_threads=1)
     assert torch.equal(got, want)
-    events = [(e.name, e.input_shapes) for e in prof.events()]
-    assert any(name == "mxfp4x::mxfp4_experts" or "to" in name for name, _ in events)
-    moved = [name for name, shapes in events if [9, 37] in shapes and
-             any(w in name for w in ("copy", "clone", "add", "fill", "mul"))]
-    assert not moved, moved
+    grad = torch.randn(9, 37).to(dtype)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof_t:
+        dx = _cpu_impl.grad_latents(grad, layer["packed_weights"], layer["scale_bytes"],
+                                    layer["selected_experts"], layer["mixture_weights"],
+                                    layer["latent_tokens"], 1)
+    assert dx.dtype == dtype and torch.isfinite(dx).all()
+    for p, rows in ((prof, ([9, 37],)), (prof_t, ([9, 37], [9, 64]))):
+        events = [(e.name, e.input_shapes) for e in p.events()]
+        assert any("to" in name for name, _ in events)  # the profiler saw the call's ops
+        moved = [name for name, shapes in events if any(r in shapes for r in rows) and
+                 any(w in name for w in ("copy", "clone", "add", "fill", "mul"))]
+        assert not moved, moved
 
 
 def test_fma_peak_scales_with_threads():
