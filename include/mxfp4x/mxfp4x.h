@@ -502,29 +502,20 @@ MXFP4X_INLINE float mxfp4x_bits_to_f32(uint32_t u) {
 /* bfloat16 is the top half of a binary32. */
 MXFP4X_INLINE float mxfp4x_bf16_to_f32(uint16_t h) { return mxfp4x_bits_to_f32((uint32_t)h << 16); }
 
-/* IEEE binary16 -> binary32, exact for every input (subnormals, inf, NaN payload). */
+/* IEEE binary16 -> binary32, exact for every number (subnormals, infinities); a NaN keeps
+ * its sign and payload and becomes quiet, as F16C's vcvtph2ps (torch's conversion) makes
+ * it.  A subnormal half is man * 2^-24, an exact float product.  Every case computed and
+ * one chosen by masks: a loop of it vectorises (a ?: chain stayed a branch). */
 MXFP4X_INLINE float mxfp4x_f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1Fu;
-    uint32_t man = h & 0x3FFu;
-    uint32_t bits;
-    if (exp == 0x1Fu) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {
-        /* subnormal half: man * 2^-24, renormalise */
-        int shift = 0;
-        while ((man & 0x400u) == 0) {
-            man <<= 1;
-            shift++;
-        }
-        man &= 0x3FFu;
-        bits = sign | ((uint32_t)(113 - shift) << 23) | (man << 13);
-    }
-    return mxfp4x_bits_to_f32(bits);
+    const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const float subf = (float)(int32_t)man * 5.9604644775390625e-8f; /* 2^-24 */
+    const uint32_t is_sub = 0u - (uint32_t)(exp == 0), is_max = 0u - (uint32_t)(exp == 0x1Fu);
+    const uint32_t quiet = is_max & (0u - (uint32_t)(man != 0)) & 0x400000u; /* a NaN */
+    const uint32_t normal = ((exp + 112u + (is_max & 112u)) << 23) | (man << 13) | quiet;
+    uint32_t sub;
+    memcpy(&sub, &subf, sizeof sub);
+    return mxfp4x_bits_to_f32(sign | (is_sub & sub) | (~is_sub & normal));
 }
 
 MXFP4X_INLINE uint32_t mxfp4x_f32_to_bits(float f) {
@@ -545,21 +536,27 @@ MXFP4X_INLINE uint16_t mxfp4x_bits_to_bf16(uint32_t u) {
 
 /* binary32 -> IEEE binary16 bits, rounded to nearest, ties to even, subnormals included;
  * a NaN keeps its sign and its top 10 payload bits and becomes quiet (as F16C's vcvtps2ph,
- * which torch's CPU conversion uses). */
+ * which torch's CPU conversion uses).  Every case computed, one chosen by masks: a loop
+ * of it vectorises. */
 MXFP4X_INLINE uint16_t mxfp4x_f32_to_f16(float f) {
-    const uint32_t u = mxfp4x_f32_to_bits(f), a = u & 0x7FFFFFFFu;
-    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    uint32_t v;
-    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
-    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* 65520 and up: infinity */
-    if (a < 0x38800000u) {
-        /* under 2^-14: a count of 2^-24 units.  0.5 + |f| in binary32 has ulp 2^-24, so the
-         * float addition rounds |f| to the nearest count, ties to even, exactly once. */
-        return (uint16_t)(sign | (mxfp4x_f32_to_bits(mxfp4x_bits_to_f32(a) + 0.5f) -
-                                  0x3F000000u));
-    }
-    v = a - 0x38000000u; /* exponent bias 127 -> 15; then 23 -> 10 mantissa bits */
-    return (uint16_t)(sign | ((v + 0xFFFu + ((v >> 13) & 1u)) >> 13));
+    const uint32_t u = mxfp4x_f32_to_bits(f);
+    const int32_t a = (int32_t)(u & 0x7FFFFFFFu); /* |f|'s bits: signed compares suffice */
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    /* under 2^-14: a count of 2^-24 units.  0.5 + |f| in binary32 has ulp 2^-24, so the
+     * float addition rounds |f| to the nearest count, ties to even, exactly once. */
+    const uint32_t sub = mxfp4x_f32_to_bits(mxfp4x_bits_to_f32((uint32_t)a) + 0.5f) -
+                         0x3F000000u;
+    /* exponent bias 127 -> 15, then 23 -> 10 mantissa bits, rounded */
+    const uint32_t normal =
+        ((uint32_t)a - 0x38000000u + 0xFFFu + (((uint32_t)a >> 13) & 1u)) >> 13;
+    const uint32_t nan = 0x7E00u | (((uint32_t)a >> 13) & 0x3FFu);
+    const uint32_t m_nan = 0u - (uint32_t)(a > 0x7F800000);
+    const uint32_t m_inf = 0u - (uint32_t)(a >= 0x477FF000); /* 65520 and up: infinity */
+    const uint32_t m_sub = 0u - (uint32_t)(a < 0x38800000);
+    uint32_t r = (m_sub & sub) | (~m_sub & normal);
+    r = (m_inf & 0x7C00u) | (~m_inf & r);
+    r = (m_nan & nan) | (~m_nan & r);
+    return (uint16_t)(sign | r);
 }
 
 /* Lines of bytes [off, off + len) of n rows `stride` bytes apart into L2 (a hint): the

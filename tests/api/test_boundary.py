@@ -252,3 +252,18 @@ def test_rounding_into_16_bits_is_torchs(rng, dtype):
     else:
         q = ((u[nan] >> 16) & 0x8000) | 0x7E00 | ((u[nan] >> 13) & 0x3FF)
         assert (got[nan] == q.astype(np.uint16)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_widening_16_bit_starts_is_exact(rng, dtype):
+    """Every 16-bit pattern as a float32 call's shared output, no expert per token: the
+    result is each value widened by the driver, bit for bit as torch widens it (subnormals,
+    infinities, NaN payloads; float16's signalling NaNs made quiet, as F16C does)."""
+    bits = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16)
+    shared = bits[torch.from_numpy(rng.permutation(2**16))].view(dtype).reshape(64, 1024)
+    packed = torch.from_numpy(rng.integers(0, 256, (2, 1024, 1, 16), dtype=np.uint8))
+    scales = torch.full((2, 1024, 1), 127, dtype=torch.uint8)
+    got = mxfp4x.mxfp4_experts(torch.randn(64, 32), packed, scales,
+                               torch.zeros(64, 0, dtype=torch.int64), torch.zeros(64, 0),
+                               shared, num_threads=2)
+    assert torch.equal(got.view(torch.int32), shared.float().view(torch.int32))
