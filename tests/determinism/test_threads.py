@@ -320,10 +320,16 @@ def test_wide_tiles_of_the_fused_bf16_path_keep_the_bits(isa, rng):
     # fused path (5-20 tokens here: fused on a Zen 5, on either side of the switch
     # elsewhere); 1, 2 and 4 threads, tokens alone, and the reference's values
     layer = random_layer(rng, 40, 2, 8, 1641, 3, dtype=torch.bfloat16)
-    layer["selected_experts"][:] = torch.from_numpy(
-        np.stack([rng.permutation(8)[:2] for _ in range(40)]))
-    counts = torch.bincount(layer["selected_experts"].flatten(), minlength=8)
-    assert counts.max() >= 5 and counts.max() <= 20
+    # tokens per expert fixed (the routing drawn at random could leave the range): the
+    # 80 slots sorted by expert, token t taking slots t and t + 40 (two experts, as no
+    # expert has 40 slots), then the experts' names and the tokens' order shuffled
+    counts = np.array([5, 6, 8, 10, 11, 13, 17, 10])
+    slots = np.repeat(np.arange(8), counts)
+    pairs = np.stack([slots[:40], slots[40:]], axis=1)
+    sel = rng.permutation(8)[pairs][rng.permutation(40)]
+    layer["selected_experts"][:] = torch.from_numpy(sel)
+    assert (sel[:, 0] != sel[:, 1]).all()
+    assert sorted(np.bincount(sel.ravel(), minlength=8)) == sorted(counts)
     _same_bits_on_1_2_4_threads_and_alone(layer, isa, (0, 17, 39))
 
 
