@@ -75,11 +75,19 @@ cdef enum:
 # fused gemv) 204 -> 155 ms on 1 thread, 104 -> 86 on 2; K3 w2 114 -> 96; T = 96 157 ->
 # 119 (1 thread), 67 -> 59 (2); gpt-oss-20b gate/up T = 32-128 level to 5 % faster; T =
 # 4-48 level.  float32 latents (token rows shared by the experts) level there.
+# With wide tiles and more than one thread, the last TAIL_TASKS tasks per thread are of the
+# ISA's own tile rows: tasks are handed out in order, and a thread that took the last wide
+# tile kept the others waiting (libgomp's spin was 4 % of a call's samples).  Alternated
+# in one process, 2 threads, AMD EPYC Zen 5 (a slow minute), tail of 0 / 2 / 4 per thread:
+# gpt-oss-20b gate/up bf16 T = 512 167 / 160 / 163 ms, T = 64 24.1 / 23.6 / 23.8, T = 16
+# 7.96 / 7.61 / 7.71; float32 T = 512 264 / 260 / 259; Kimi K3 w1 bf16 T = 144 131 / 128 /
+# 126, T = 512 410 / 400 / 435.
 cdef enum:
     WIDE_TILES = 4
     WIDE_TILES_BF16 = 16
     WIDE_BF16_FROM = 5
     TASKS_PER_THREAD = 8
+    TAIL_TASKS = 2
 
 # The layout copies of a call and :func:`combine` run in tasks of whole rows of at least
 # ROW_TASK_ELEMS elements: a pthreads build starts its threads per parallel step, and
@@ -501,6 +509,9 @@ cdef struct Work:
     void *out           # forward: call.dst; transposed: dx in the kernel layout
     int64_t n_tasks
     int64_t task_size   # forward: rows of W per task; transposed: groups per task
+    int64_t head_rows   # forward: rows [0, head_rows) in tasks of task_size, the rest
+    int64_t n_head      # (the tail) in n_tasks - n_head tasks of base_size
+    int64_t base_size
     int64_t panel_rows
     int64_t panel_len, dots_len   # elements of the compute dtype per thread
     int64_t lanes_len             # floats of panel_dot scratch per thread
@@ -604,13 +615,14 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
     """Task split and per-thread scratch of the call's product."""
     cdef const c.mxfp4x_call *call = w.call
     cdef int64_t d_in = call.experts.n_groups * c.MXFP4X_GROUP, block, n_chunks, rows
-    cdef int64_t tile, panel_bytes, wide, wide_from
+    cdef int64_t tile, panel_bytes, wide, wide_from, tail
     cdef const c.mxfp4x_kernels *k = call.kernels
     w.lanes_len = 0
     w.dots_len = 0
     w.sums_len = 0
     if call.product == c.MXFP4X_FORWARD:
         tile = c.MXFP4X_SCALAR_TILE_ROWS if real is double else k.tile_rows
+        w.base_size = tile
         w.gemv_switch = c.mxfp4x_gemv_switch(k)
         # the most tokens of an expert in the call decides (a tile's width changes no bit)
         wide_from = WIDE_BF16_FROM if w.bf16 else k.gemv_max_tokens + 1
@@ -620,7 +632,15 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
                 1, tile * <int64_t>TASKS_PER_THREAD * max(1, call.n_threads))))
         panel_bytes = c.MXFP4X_SCALAR_PANEL_BYTES if real is double else k.panel_bytes
         w.task_size = tile
-        w.n_tasks = (call.experts.d_out + tile - 1) // tile
+        # wide tiles first, then TAIL_TASKS per thread of the ISA's own tiles (above); the
+        # tasks' rows start at multiples of the ISA's tile, so the split changes no bit
+        tail = 0
+        if tile > w.base_size and call.n_threads > 1:
+            tail = min(call.experts.d_out, TAIL_TASKS * call.n_threads * w.base_size)
+        w.head_rows = (call.experts.d_out - tail) // w.base_size * w.base_size
+        w.n_head = (w.head_rows + tile - 1) // tile
+        w.n_tasks = w.n_head + (call.experts.d_out - w.head_rows + w.base_size - 1) // \
+            w.base_size
         # a tile's rows in equal panels of at most panel_bytes, whole register blocks
         block = 1 if real is double else k.panel_row_block
         rows = max(1, (panel_bytes // <int64_t>sizeof(real)) // max(d_in, 1))
@@ -745,8 +765,10 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
     cdef const c.mxfp4x_kernels *k = call.kernels
     cdef int64_t d_out = call.experts.d_out, n_groups = call.experts.n_groups
     cdef int64_t d_in = n_groups * c.MXFP4X_GROUP
-    cdef int64_t row_start = task * w.task_size
-    cdef int64_t row_end = min(d_out, row_start + w.task_size)
+    cdef int64_t row_start = task * w.task_size if task < w.n_head else \
+        w.head_rows + (task - w.n_head) * w.base_size
+    cdef int64_t row_end = min(w.head_rows if task < w.n_head else d_out,
+                               row_start + (w.task_size if task < w.n_head else w.base_size))
     cdef int64_t a, e, s, n, c0, c1
     cdef bint assign = call.mix == NULL
     cdef c.mxfp4x_rows rows
