@@ -169,8 +169,9 @@ def _operand_rows(t, per_slot):
 
 
 # Long prefills run in chunks of whole tokens, so the working memory of a call (the
-# latents in the kernel layout, the float32 rows of a 16-bit result, the routing arrays
-# and ids and weights of its pairs; the driver's per-thread scratch is bounded on its own)
+# latents in the kernel layout, the float32 sums of a 16-bit result -- per task in the
+# driver, at most about one chunk's rows over all threads --, the routing arrays and ids
+# and weights of its pairs; the driver's other per-thread scratch is bounded on its own)
 # stays flat whatever T is.  A token's result does not depend on the other tokens of its
 # call (batch invariance), so chunking never changes a bit; the weights are read once
 # per chunk.  _CHUNK_BYTES bounds one chunk's layout copy of the latents plus its
