@@ -533,7 +533,6 @@ MXFP4X_INLINE uint16_t mxfp4x_bits_to_bf16(uint32_t u) {
                : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-
 /* binary32 -> IEEE binary16 bits, rounded to nearest, ties to even, subnormals included;
  * a NaN keeps its sign and its top 10 payload bits and becomes quiet (as F16C's vcvtps2ph,
  * which torch's CPU conversion uses).  Every case computed, one chosen by masks: a loop
