@@ -611,11 +611,29 @@ cdef int64_t _route(real dummy, const c.mxfp4x_call *call, Routing *r,
     return -1
 
 
+cdef inline int64_t _wide_tile(int64_t tile, int64_t wide, int64_t d_out,
+                               int64_t n_threads) noexcept nogil:
+    """A forward task's rows when its call widens them (WIDE_TILES above): up to `wide`
+    tiles, while every thread keeps TASKS_PER_THREAD tasks."""
+    return tile * max(1, min(wide, d_out // max(
+        1, tile * <int64_t>TASKS_PER_THREAD * max(1, n_threads))))
+
+
+def forward_sums_columns(int64_t d_out, int n_threads, isa=None, bint bf16=False):
+    """The most float32 sums per result row that a forward call with a 16-bit result keeps
+    over all its threads (each thread: one task's columns for every row, its widest task),
+    never more than ``d_out``.  ``bf16``: bfloat16 latents (on a bf16 unit where ``isa``
+    has one).  The facade sizes a long call's chunks by it."""
+    cdef const c.mxfp4x_kernels *k = kernels_of(isa)
+    cdef int64_t wide = WIDE_TILES_BF16 if bf16 and k.bf16_rows != NULL else WIDE_TILES
+    return min(d_out, max(1, n_threads) * _wide_tile(k.tile_rows, wide, d_out, n_threads))
+
+
 cdef void _plan(real dummy, Work *w) noexcept nogil:
     """Task split and per-thread scratch of the call's product."""
     cdef const c.mxfp4x_call *call = w.call
     cdef int64_t d_in = call.experts.n_groups * c.MXFP4X_GROUP, block, n_chunks, rows
-    cdef int64_t tile, panel_bytes, wide, wide_from, tail
+    cdef int64_t tile, panel_bytes, wide_from, tail
     cdef const c.mxfp4x_kernels *k = call.kernels
     w.lanes_len = 0
     w.dots_len = 0
@@ -627,9 +645,8 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
         # the most tokens of an expert in the call decides (a tile's width changes no bit)
         wide_from = WIDE_BF16_FROM if w.bf16 else k.gemv_max_tokens + 1
         if real is float and w.r.max_count >= wide_from:
-            wide = WIDE_TILES_BF16 if w.bf16 else WIDE_TILES
-            tile *= max(1, min(wide, call.experts.d_out // max(
-                1, tile * <int64_t>TASKS_PER_THREAD * max(1, call.n_threads))))
+            tile = _wide_tile(tile, WIDE_TILES_BF16 if w.bf16 else WIDE_TILES,
+                              call.experts.d_out, call.n_threads)
         panel_bytes = c.MXFP4X_SCALAR_PANEL_BYTES if real is double else k.panel_bytes
         w.task_size = tile
         # wide tiles first, then TAIL_TASKS per thread of the ISA's own tiles (above); the

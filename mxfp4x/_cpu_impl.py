@@ -169,16 +169,20 @@ def _operand_rows(t, per_slot):
 
 
 # Long prefills run in chunks of whole tokens, so the working memory of a call (the
-# latents in the kernel layout, the float32 sums of a 16-bit result -- per task in the
-# driver, at most about one chunk's rows over all threads --, the routing arrays and ids
-# and weights of its pairs; the driver's other per-thread scratch is bounded on its own)
-# stays flat whatever T is.  A token's result does not depend on the other tokens of its
-# call (batch invariance), so chunking never changes a bit; the weights are read once
-# per chunk.  _CHUNK_BYTES bounds one chunk's layout copy of the latents plus its
-# compute-dtype result rows when the result has another dtype, plus its pairs' working
-# bytes, but never below _MIN_CHUNK_TOKENS tokens; the chunks are then made equal
-# (_chunks).  Kimi K3 w1 (I = 3584, O = 3072, K = 16), bfloat16: 923 tokens (16 per
-# expert on average), 13 + 11 + 0.6 MiB.
+# latents in the kernel layout, the float32 sums of a 16-bit result -- per thread in the
+# driver, its task's columns of every row of the chunk --, the routing arrays and ids and
+# weights of its pairs; the driver's other per-thread scratch is bounded on its own) stays
+# flat whatever T is.  A token's result does not depend on the other tokens of its call
+# (batch invariance), so chunking never changes a bit; the weights are read once per
+# chunk.  _CHUNK_BYTES bounds one chunk's layout copy of the latents plus those sums (all
+# threads' columns: _cpu.forward_sums_columns) when the result has another dtype, plus
+# its pairs' working bytes, but never below _MIN_CHUNK_TOKENS tokens; the chunks are then
+# made equal (_chunks).  gpt-oss-20b gate/up (I = 2880, O = 5760, K = 4), bfloat16 on a
+# bf16 unit, 2 threads: 673 tokens, 7.4 MiB of latents, 1.7 of sums, 14.8 of gathered
+# latents (every pair's).  Counted as whole float32 result rows (O per token), the sums
+# split its T = 512 in two chunks of 256 that read every expert twice: one chunk took
+# 102-107 instead of 110-114 ms on 2 threads, 192-200 instead of 209-217 on 1 (AMD EPYC
+# Zen 5, alternated in one process; the same bits).
 _CHUNK_BYTES = 24 << 20
 _MIN_CHUNK_TOKENS = 256
 
@@ -194,6 +198,20 @@ def _pairs(sel, mix, compute, t0, t1):
     converted per chunk so that a converted copy never exceeds one chunk."""
     sel64 = _array(sel[t0:t1].to(torch.int64).contiguous())
     return sel64, None if mix is None else _array(mix[t0:t1].to(compute).contiguous())
+
+
+def _forward_token_bytes(dtype, n_groups, d_out, top_k, k_in, k_out, n_threads, isa):
+    """A forward call's working bytes per token (above): latents of `dtype` (k_in rows per
+    token, n_groups groups), k_out result rows of d_out, on n_threads threads of `isa`."""
+    compute = accumulation_dtype(dtype)
+    item = 8 if compute == torch.float64 else 4
+    bf16 = dtype == torch.bfloat16
+    sums = _cpu.forward_sums_columns(d_out, n_threads, isa=isa, bf16=bf16) \
+        if compute != dtype else 0
+    per_token = item * (k_in * n_groups * 32 + k_out * sums) + top_k * _pair_bytes(item)
+    if bf16 and _cpu.has_bf16_unit(isa):
+        per_token += top_k * n_groups * 32 * 2  # the unit's gather: every pair's latents
+    return per_token
 
 
 def _chunks(n_tokens, bytes_per_token):
@@ -232,11 +250,9 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
         start = start.contiguous()
     x2 = _operand_rows(x, slot_latents)
     k_in = top_k if slot_latents else 1
-    item = 8 if compute == torch.float64 else 4
-    per_token = item * (k_in * ex.n_groups * 32 + (k_out * ex.d_out if compute != x.dtype
-                                                   else 0)) + top_k * _pair_bytes(item)
-    if x.dtype == torch.bfloat16 and _cpu.has_bf16_unit(isa):
-        per_token += top_k * ex.n_groups * 32 * 2  # the unit's gather: every pair's latents
+    n_threads = _threads.resolve(num_threads)
+    per_token = _forward_token_bytes(x.dtype, ex.n_groups, ex.d_out, top_k, k_in, k_out,
+                                     n_threads, isa)
     for t0, t1 in _chunks(n_tokens, per_token):
         sel64, mix_arr = _pairs(sel, None if per_slot_outputs else mix, compute, t0, t1)
         _cpu.Call(ex, product="forward", compute=_DTYPE_NAMES[compute],
@@ -247,7 +263,7 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
                   dst_rows="slot" if per_slot_outputs else "token",
                   init=None if start is None else _array(start[t0:t1]),
                   init_dtype=None if start is None else _DTYPE_NAMES[start.dtype], isa=isa,
-                  n_threads=_threads.resolve(num_threads)).run()
+                  n_threads=n_threads).run()
     return result.view(n_tokens, top_k, ex.d_out) if per_slot_outputs else result
 
 

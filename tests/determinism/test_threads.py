@@ -93,6 +93,37 @@ def test_token_chunks_are_as_few_and_as_equal_as_the_bound_allows(monkeypatch):
         assert all(sz == sizes[0] for sz in sizes[:-1]) and sizes[0] - sizes[-1] < len(sizes)
 
 
+@pytest.mark.parametrize("n_threads", [1, 2, 3, 8, 64])
+def test_a_16_bit_result_counts_its_float32_sums_per_thread(isa, n_threads):
+    """A 16-bit result's float32 sums live in the driver, per thread (one task's columns of
+    every row of the chunk), so the chunk bound counts n_threads x the widest task's
+    columns, at most O -- not whole float32 rows: gpt-oss-20b gate/up in bfloat16 on 2
+    threads then runs T = 512 as one chunk (as two of 256 it read every expert twice)."""
+    from mxfp4x import _cpu, _cpu_impl
+    for d_out in (1, 47, 48, 200, 2880, 5760, 7168):
+        for bf16 in (False, True):
+            cols = _cpu.forward_sums_columns(d_out, n_threads, isa=isa, bf16=bf16)
+            assert 1 <= cols <= d_out, (d_out, bf16, cols)
+            assert cols == d_out or cols % n_threads == 0, (d_out, bf16, cols)
+            # no more per token than whole float32 rows, far less where threads are few
+            if n_threads <= 2 and d_out >= 2880:
+                assert cols <= d_out // 4, (d_out, bf16, cols)
+    gate_up = dict(n_groups=90, d_out=5760, top_k=4, k_in=1, k_out=1)
+
+    def per_token(dtype, threads):
+        return _cpu_impl._forward_token_bytes(dtype, gate_up["n_groups"], gate_up["d_out"],
+                                              gate_up["top_k"], gate_up["k_in"],
+                                              gate_up["k_out"], threads, isa)
+    pairs = 4 * _cpu_impl._pair_bytes(4)
+    # float32 latents: a float32 result, no sums; float16: the sums of its threads' tasks
+    assert per_token(torch.float32, n_threads) == 4 * 2880 + pairs
+    assert per_token(torch.float16, n_threads) == 4 * (2880 + _cpu.forward_sums_columns(
+        5760, n_threads, isa=isa)) + pairs
+    if n_threads <= 2:
+        for dtype in (torch.bfloat16, torch.float16):
+            assert len(_cpu_impl._chunks(512, per_token(dtype, n_threads))) == 1, dtype
+
+
 # ---- the steps around the product: many row tasks, the same bits ---------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
