@@ -182,8 +182,13 @@ def _operand_rows(t, per_slot):
 # latents (every pair's).  Counted as whole float32 result rows (O per token), the sums
 # split its T = 512 in two chunks of 256 that read every expert twice: one chunk took
 # 102-107 instead of 110-114 ms on 2 threads, 192-200 instead of 209-217 on 1 (AMD EPYC
-# Zen 5, alternated in one process; the same bits).
+# Zen 5, alternated in one process; the same bits).  Experts of more than
+# _CHUNK_WEIGHT_SHARE x _CHUNK_BYTES allow a chunk that share of their own bytes instead
+# (_chunk_bound): Kimi K3's 896 w1 experts (5.2 GB) chunk by 82 MB, and bf16 T = 512
+# (its gathered latents 59 MB) runs as one chunk instead of two that each read most of
+# the experts: 352-359 instead of 381-384 ms on 2 threads (AMD EPYC Zen 5, alternated).
 _CHUNK_BYTES = 24 << 20
+_CHUNK_WEIGHT_SHARE = 64
 _MIN_CHUNK_TOKENS = 256
 
 
@@ -214,11 +219,18 @@ def _forward_token_bytes(dtype, n_groups, d_out, top_k, k_in, k_out, n_threads, 
     return per_token
 
 
-def _chunks(n_tokens, bytes_per_token):
-    """Token ranges of at most the bound's tokens, as few as it allows, of equal length but
-    the last: 512 tokens under a bound of 435 run as 256 + 256, not 435 + 77 (a small last
-    chunk read every selected expert again for a few tokens each)."""
-    step = max(_MIN_CHUNK_TOKENS, _CHUNK_BYTES // max(1, bytes_per_token))
+def _chunk_bound(ex):
+    """A chunk's working bytes for the experts `ex` (above): _CHUNK_BYTES, or
+    1 / _CHUNK_WEIGHT_SHARE of the experts' packed bytes and scales where that is more."""
+    weights = ex.n_experts * ex.d_out * ex.n_groups * (GROUP_BYTES + 1)
+    return max(_CHUNK_BYTES, weights // _CHUNK_WEIGHT_SHARE)
+
+
+def _chunks(n_tokens, bytes_per_token, bound):
+    """Token ranges of at most `bound` bytes' tokens, as few as it allows, of equal length
+    but the last: 512 tokens under a bound of 435 run as 256 + 256, not 435 + 77 (a small
+    last chunk read every selected expert again for a few tokens each)."""
+    step = max(_MIN_CHUNK_TOKENS, bound // max(1, bytes_per_token))
     n_chunks = max(1, -(-n_tokens // step))
     step = -(-n_tokens // n_chunks) if n_tokens else step
     return [(t0, min(n_tokens, t0 + step)) for t0 in range(0, n_tokens, step)] or [(0, 0)]
@@ -253,7 +265,7 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
     n_threads = _threads.resolve(num_threads)
     per_token = _forward_token_bytes(x.dtype, ex.n_groups, ex.d_out, top_k, k_in, k_out,
                                      n_threads, isa)
-    for t0, t1 in _chunks(n_tokens, per_token):
+    for t0, t1 in _chunks(n_tokens, per_token, _chunk_bound(ex)):
         sel64, mix_arr = _pairs(sel, None if per_slot_outputs else mix, compute, t0, t1)
         _cpu.Call(ex, product="forward", compute=_DTYPE_NAMES[compute],
                   selected=sel64, mix=mix_arr,
@@ -285,7 +297,7 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
     # the driver's layout copy of dx (in the compute dtype; the driver converts the
     # gradient and rounds dx into a 16-bit result itself, on the call's threads)
     per_token = item * k_in * ex.n_groups * 32 + top_k * _pair_bytes(item)
-    for t0, t1 in _chunks(n_tokens, per_token):
+    for t0, t1 in _chunks(n_tokens, per_token, _chunk_bound(ex)):
         sel64, mix_arr = _pairs(sel, None if slot_grad else mix, compute, t0, t1)
         _cpu.Call(ex, product="transposed", compute=_DTYPE_NAMES[compute],
                   selected=sel64, mix=mix_arr, src=_array(g2[t0 * k_out:t1 * k_out]),

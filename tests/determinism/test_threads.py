@@ -67,8 +67,10 @@ def test_long_batches_run_in_token_chunks_with_the_same_bits(isa, rng, monkeypat
     }
     whole = {name: call() for name, call in calls.items()}
     monkeypatch.setattr(_cpu_impl, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(_cpu_impl, "_CHUNK_WEIGHT_SHARE", 1 << 40)
     monkeypatch.setattr(_cpu_impl, "_MIN_CHUNK_TOKENS", 3)
-    assert len(_cpu_impl._chunks(11, 4)) == 4
+    assert _cpu_impl._chunk_bound(_cpu_impl.experts_of(*w)) == 1
+    assert len(_cpu_impl._chunks(11, 4, 1)) == 4
     for name, call in calls.items():
         chunked = call()
         assert chunked.shape == whole[name].shape and chunked.dtype == whole[name].dtype
@@ -80,17 +82,34 @@ def test_token_chunks_are_as_few_and_as_equal_as_the_bound_allows(monkeypatch):
     allows, and of equal length but the last (512 tokens under a bound of 435: 256 + 256,
     not 435 + 77)."""
     from mxfp4x import _cpu_impl
-    monkeypatch.setattr(_cpu_impl, "_CHUNK_BYTES", 435)
     monkeypatch.setattr(_cpu_impl, "_MIN_CHUNK_TOKENS", 3)
-    assert _cpu_impl._chunks(512, 1) == [(0, 256), (256, 512)]
-    assert _cpu_impl._chunks(0, 1) == [(0, 0)]
+    assert _cpu_impl._chunks(512, 1, 435) == [(0, 256), (256, 512)]
+    assert _cpu_impl._chunks(0, 1, 435) == [(0, 0)]
     for n in (1, 2, 434, 435, 436, 870, 871, 1000, 4321):
-        chunks = _cpu_impl._chunks(n, 1)
+        chunks = _cpu_impl._chunks(n, 1, 435)
         assert chunks[0][0] == 0 and chunks[-1][1] == n, (n, chunks)
         assert all(chunks[i][1] == chunks[i + 1][0] for i in range(len(chunks) - 1)), chunks
         sizes = [t1 - t0 for t0, t1 in chunks]
         assert max(sizes) <= 435 and len(chunks) == -(-n // 435), (n, sizes)
         assert all(sz == sizes[0] for sz in sizes[:-1]) and sizes[0] - sizes[-1] < len(sizes)
+
+
+def test_large_experts_allow_chunks_of_a_share_of_their_bytes(isa):
+    """Experts of more than 64 x the chunk bound's bytes allow a chunk 1/64 of their own
+    bytes: Kimi K3's 896 w1 experts (5.2 GB) run a bf16 T = 512 as one chunk (as two,
+    each read most of the experts); gpt-oss-20b's keep the fixed bound."""
+    from types import SimpleNamespace
+
+    from mxfp4x import _cpu, _cpu_impl
+    k3_w1 = SimpleNamespace(n_experts=896, d_out=3072, n_groups=112)
+    gate_up = SimpleNamespace(n_experts=32, d_out=5760, n_groups=90)
+    weights = 896 * 3072 * 112 * 17
+    assert _cpu_impl._chunk_bound(k3_w1) == weights // 64 > _cpu_impl._CHUNK_BYTES
+    assert _cpu_impl._chunk_bound(gate_up) == _cpu_impl._CHUNK_BYTES
+    per_token = _cpu_impl._forward_token_bytes(torch.bfloat16, 112, 3072, 16, 1, 1, 2, isa)
+    if _cpu.has_bf16_unit(isa):  # every pair's latents gathered: 115 KB per token
+        assert len(_cpu_impl._chunks(512, per_token, _cpu_impl._CHUNK_BYTES)) == 2
+    assert len(_cpu_impl._chunks(512, per_token, _cpu_impl._chunk_bound(k3_w1))) == 1
 
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3, 8, 64])
@@ -121,7 +140,8 @@ def test_a_16_bit_result_counts_its_float32_sums_per_thread(isa, n_threads):
         5760, n_threads, isa=isa)) + pairs
     if n_threads <= 2:
         for dtype in (torch.bfloat16, torch.float16):
-            assert len(_cpu_impl._chunks(512, per_token(dtype, n_threads))) == 1, dtype
+            assert len(_cpu_impl._chunks(512, per_token(dtype, n_threads),
+                                         _cpu_impl._CHUNK_BYTES)) == 1, dtype
 
 
 # ---- the steps around the product: many row tasks, the same bits ---------------------------
