@@ -621,12 +621,15 @@ cdef inline int64_t _wide_tile(int64_t tile, int64_t wide, int64_t d_out,
 
 def forward_sums_columns(int64_t d_out, int n_threads, isa=None, bint bf16=False):
     """The most float32 sums per result row that a forward call with a 16-bit result keeps
-    over all its threads (each thread: one task's columns for every row, its widest task),
-    never more than ``d_out``.  ``bf16``: bfloat16 latents (on a bf16 unit where ``isa``
-    has one).  The facade sizes a long call's chunks by it."""
+    over all its threads (_plan: each running thread one task's columns for every row, of
+    its widest task; no more threads run than there are tasks).  ``bf16``: bfloat16
+    latents (on a bf16 unit where ``isa`` has one).  The facade sizes a long call's chunks
+    by it."""
     cdef const c.mxfp4x_kernels *k = kernels_of(isa)
     cdef int64_t wide = WIDE_TILES_BF16 if bf16 and k.bf16_rows != NULL else WIDE_TILES
-    return min(d_out, max(1, n_threads) * _wide_tile(k.tile_rows, wide, d_out, n_threads))
+    cdef int64_t tile = _wide_tile(k.tile_rows, wide, d_out, n_threads)
+    cdef int64_t most_tasks = max(1, (d_out + k.tile_rows - 1) // k.tile_rows)
+    return min(<int64_t>max(1, n_threads), most_tasks) * tile
 
 
 cdef void _plan(real dummy, Work *w) noexcept nogil:

@@ -168,25 +168,25 @@ def _operand_rows(t, per_slot):
     return t.reshape(t.shape[0] * t.shape[1], t.shape[-1]) if per_slot else t
 
 
-# Long prefills run in chunks of whole tokens, so the working memory of a call (the
-# latents in the kernel layout, the float32 sums of a 16-bit result -- per thread in the
-# driver, its task's columns of every row of the chunk --, the routing arrays and ids and
-# weights of its pairs; the driver's other per-thread scratch is bounded on its own) stays
-# flat whatever T is.  A token's result does not depend on the other tokens of its call
-# (batch invariance), so chunking never changes a bit; the weights are read once per
-# chunk.  _CHUNK_BYTES bounds one chunk's layout copy of the latents plus those sums (all
-# threads' columns: _cpu.forward_sums_columns) when the result has another dtype, plus
-# its pairs' working bytes, but never below _MIN_CHUNK_TOKENS tokens; the chunks are then
-# made equal (_chunks).  gpt-oss-20b gate/up (I = 2880, O = 5760, K = 4), bfloat16 on a
-# bf16 unit, 2 threads: 673 tokens, 7.4 MiB of latents, 1.7 of sums, 14.8 of gathered
-# latents (every pair's).  Counted as whole float32 result rows (O per token), the sums
-# split its T = 512 in two chunks of 256 that read every expert twice: one chunk took
-# 102-107 instead of 110-114 ms on 2 threads, 192-200 instead of 209-217 on 1 (AMD EPYC
-# Zen 5, alternated in one process; the same bits).  Experts of more than
-# _CHUNK_WEIGHT_SHARE x _CHUNK_BYTES allow a chunk that share of their own bytes instead
-# (_chunk_bound): Kimi K3's 896 w1 experts (5.2 GB) chunk by 82 MB, and bf16 T = 512
-# (its gathered latents 59 MB) runs as one chunk instead of two that each read most of
-# the experts: 352-359 instead of 381-384 ms on 2 threads (AMD EPYC Zen 5, alternated).
+# Long prefills run in chunks of whole tokens, so the working memory of a call stays flat
+# whatever T is: the latents in the kernel layout (on a bf16 unit instead every pair's
+# latents, gathered), the float32 sums of a 16-bit result (per running thread in the
+# driver: one task's columns of every row of the chunk), the routing arrays and ids and
+# weights of its pairs; the driver's other per-thread scratch is bounded on its own.  A
+# token's result does not depend on the other tokens of its call (batch invariance), so
+# chunking never changes a bit; the weights are read once per chunk.  The chunk bound
+# (_chunk_bound) covers those bytes per token (_forward_token_bytes), but never fewer
+# than _MIN_CHUNK_TOKENS tokens; the chunks are then made equal (_chunks).  gpt-oss-20b
+# gate/up (I = 2880, O = 5760, K = 4), bfloat16 on a bf16 unit, 2 threads: 973 tokens
+# under 24 MiB, 21.4 MiB of gathered latents and 2.5 of sums.  Counted as whole float32
+# result rows (O per token, beside a float32 layout copy the bf16 unit never makes), the
+# sums split its T = 512 in two chunks of 256 that read every expert twice: one chunk
+# took 98-100 instead of 105-107 ms on 2 threads, 186-188 instead of 198-202 on 1 (AMD
+# EPYC Zen 5, alternated in one process; the same bits).  Experts of more than
+# _CHUNK_WEIGHT_SHARE x _CHUNK_BYTES allow a chunk that share of their own bytes instead:
+# Kimi K3's 896 w1 experts (5.2 GB) chunk by 82 MB, and bf16 T = 512 (its gathered
+# latents 59 MB) runs as one chunk instead of two that each read most of the experts:
+# 352-359 instead of 381-384 ms on 2 threads (AMD EPYC Zen 5, alternated).
 _CHUNK_BYTES = 24 << 20
 _CHUNK_WEIGHT_SHARE = 64
 _MIN_CHUNK_TOKENS = 256
@@ -206,30 +206,33 @@ def _pairs(sel, mix, compute, t0, t1):
 
 
 def _forward_token_bytes(dtype, n_groups, d_out, top_k, k_in, k_out, n_threads, isa):
-    """A forward call's working bytes per token (above): latents of `dtype` (k_in rows per
-    token, n_groups groups), k_out result rows of d_out, on n_threads threads of `isa`."""
+    """A forward call's working bytes per token (above): latents of ``dtype`` (``k_in``
+    rows per token, ``n_groups`` groups), ``k_out`` result rows of ``d_out``, on
+    ``n_threads`` threads of ``isa``."""
     compute = accumulation_dtype(dtype)
     item = 8 if compute == torch.float64 else 4
     bf16 = dtype == torch.bfloat16
+    if bf16 and _cpu.has_bf16_unit(isa):  # every pair's latents gathered, and its flag
+        latents = top_k * (n_groups * 32 * 2 + 1)
+    else:  # the token rows in the kernel layout
+        latents = item * k_in * n_groups * 32
     sums = _cpu.forward_sums_columns(d_out, n_threads, isa=isa, bf16=bf16) \
         if compute != dtype else 0
-    per_token = item * (k_in * n_groups * 32 + k_out * sums) + top_k * _pair_bytes(item)
-    if bf16 and _cpu.has_bf16_unit(isa):
-        per_token += top_k * n_groups * 32 * 2  # the unit's gather: every pair's latents
-    return per_token
+    return latents + item * k_out * sums + top_k * _pair_bytes(item)
 
 
 def _chunk_bound(ex):
-    """A chunk's working bytes for the experts `ex` (above): _CHUNK_BYTES, or
+    """A chunk's working bytes for the experts ``ex`` (above): _CHUNK_BYTES, or
     1 / _CHUNK_WEIGHT_SHARE of the experts' packed bytes and scales where that is more."""
     weights = ex.n_experts * ex.d_out * ex.n_groups * (GROUP_BYTES + 1)
     return max(_CHUNK_BYTES, weights // _CHUNK_WEIGHT_SHARE)
 
 
 def _chunks(n_tokens, bytes_per_token, bound):
-    """Token ranges of at most `bound` bytes' tokens, as few as it allows, of equal length
-    but the last: 512 tokens under a bound of 435 run as 256 + 256, not 435 + 77 (a small
-    last chunk read every selected expert again for a few tokens each)."""
+    """Token ranges of at most ``bound`` bytes' tokens, as few as it allows, of equal
+    length but the last: 512 tokens of 1 byte under a bound of 435 run as 256 + 256, not
+    435 + 77 (a small last chunk read every selected expert again for a few tokens
+    each)."""
     step = max(_MIN_CHUNK_TOKENS, bound // max(1, bytes_per_token))
     n_chunks = max(1, -(-n_tokens // step))
     step = -(-n_tokens // n_chunks) if n_tokens else step
@@ -263,9 +266,10 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
     x2 = _operand_rows(x, slot_latents)
     k_in = top_k if slot_latents else 1
     n_threads = _threads.resolve(num_threads)
-    per_token = _forward_token_bytes(x.dtype, ex.n_groups, ex.d_out, top_k, k_in, k_out,
-                                     n_threads, isa)
-    for t0, t1 in _chunks(n_tokens, per_token, _chunk_bound(ex)):
+    chunks = [(0, n_tokens)] if n_tokens <= _MIN_CHUNK_TOKENS else _chunks(
+        n_tokens, _forward_token_bytes(x.dtype, ex.n_groups, ex.d_out, top_k, k_in, k_out,
+                                       n_threads, isa), _chunk_bound(ex))
+    for t0, t1 in chunks:
         sel64, mix_arr = _pairs(sel, None if per_slot_outputs else mix, compute, t0, t1)
         _cpu.Call(ex, product="forward", compute=_DTYPE_NAMES[compute],
                   selected=sel64, mix=mix_arr,
@@ -297,6 +301,7 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
     # the driver's layout copy of dx (in the compute dtype; the driver converts the
     # gradient and rounds dx into a 16-bit result itself, on the call's threads)
     per_token = item * k_in * ex.n_groups * 32 + top_k * _pair_bytes(item)
+    n_threads = _threads.resolve(num_threads)
     for t0, t1 in _chunks(n_tokens, per_token, _chunk_bound(ex)):
         sel64, mix_arr = _pairs(sel, None if slot_grad else mix, compute, t0, t1)
         _cpu.Call(ex, product="transposed", compute=_DTYPE_NAMES[compute],
@@ -304,5 +309,5 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
                   src_dtype=_DTYPE_NAMES[g2.dtype], src_rows="slot" if slot_grad else "token",
                   dst=_array(result[t0 * k_in:t1 * k_in]), dst_dtype=_DTYPE_NAMES[x.dtype],
                   dst_rows="slot" if slot_latents else "token", isa=isa,
-                  n_threads=_threads.resolve(num_threads)).run()
+                  n_threads=n_threads).run()
     return result.view(x.shape)

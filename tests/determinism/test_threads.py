@@ -99,8 +99,6 @@ def test_large_experts_allow_chunks_of_a_share_of_their_bytes(isa):
     bytes: Kimi K3's 896 w1 experts (5.2 GB) run a bf16 T = 512 as one chunk (as two,
     each read most of the experts); gpt-oss-20b's keep the fixed bound."""
     from types import SimpleNamespace
-
-    from mxfp4x import _cpu, _cpu_impl
     k3_w1 = SimpleNamespace(n_experts=896, d_out=3072, n_groups=112)
     gate_up = SimpleNamespace(n_experts=32, d_out=5760, n_groups=90)
     weights = 896 * 3072 * 112 * 17
@@ -114,19 +112,25 @@ def test_large_experts_allow_chunks_of_a_share_of_their_bytes(isa):
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3, 8, 64])
 def test_a_16_bit_result_counts_its_float32_sums_per_thread(isa, n_threads):
-    """A 16-bit result's float32 sums live in the driver, per thread (one task's columns of
-    every row of the chunk), so the chunk bound counts n_threads x the widest task's
-    columns, at most O -- not whole float32 rows: gpt-oss-20b gate/up in bfloat16 on 2
-    threads then runs T = 512 as one chunk (as two of 256 it read every expert twice)."""
-    from mxfp4x import _cpu, _cpu_impl
+    """A 16-bit result's float32 sums live in the driver, per running thread (one task's
+    columns of every row of the chunk), so the chunk bound counts those columns -- not
+    whole float32 rows: gpt-oss-20b gate/up in bfloat16 on 2 threads then runs T = 512 as
+    one chunk (as two of 256 it read every expert twice)."""
+    base = 64 if isa == "amx" else 48  # the ISAs' own task rows (the headers' TILE_ROWS)
     for d_out in (1, 47, 48, 200, 2880, 5760, 7168):
         for bf16 in (False, True):
             cols = _cpu.forward_sums_columns(d_out, n_threads, isa=isa, bf16=bf16)
-            assert 1 <= cols <= d_out, (d_out, bf16, cols)
-            assert cols == d_out or cols % n_threads == 0, (d_out, bf16, cols)
+            tasks = -(-d_out // base)
+            # every running thread's task, never fewer columns than the rows or threads
+            assert cols >= min(d_out, n_threads * base), (d_out, bf16, cols)
+            if d_out < 2 * 8 * base * n_threads:  # tasks too few to widen
+                assert cols == min(n_threads, tasks) * base, (d_out, bf16, cols)
             # no more per token than whole float32 rows, far less where threads are few
             if n_threads <= 2 and d_out >= 2880:
                 assert cols <= d_out // 4, (d_out, bf16, cols)
+    # gpt-oss-20b gate/up, bf16, 2 threads: tasks of 7 (a bf16 unit; amx: 5) tiles or 4
+    wide = {True: 320, False: 336}[isa == "amx"] if _cpu.has_bf16_unit(isa) else 192
+    assert _cpu.forward_sums_columns(5760, 2, isa=isa, bf16=True) == 2 * wide
     gate_up = dict(n_groups=90, d_out=5760, top_k=4, k_in=1, k_out=1)
 
     def per_token(dtype, threads):
@@ -138,10 +142,34 @@ def test_a_16_bit_result_counts_its_float32_sums_per_thread(isa, n_threads):
     assert per_token(torch.float32, n_threads) == 4 * 2880 + pairs
     assert per_token(torch.float16, n_threads) == 4 * (2880 + _cpu.forward_sums_columns(
         5760, n_threads, isa=isa)) + pairs
+    gathered = 4 * (2880 * 2 + 1) if _cpu.has_bf16_unit(isa) else 4 * 2880
+    assert per_token(torch.bfloat16, n_threads) == gathered + 4 * _cpu.forward_sums_columns(
+        5760, n_threads, isa=isa, bf16=True) + pairs
     if n_threads <= 2:
         for dtype in (torch.bfloat16, torch.float16):
             assert len(_cpu_impl._chunks(512, per_token(dtype, n_threads),
                                          _cpu_impl._CHUNK_BYTES)) == 1, dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_a_long_call_chunks_by_its_own_token_bytes(isa, rng, monkeypatch, dtype):
+    """The forward call sizes its chunks by _forward_token_bytes of its own shape, threads
+    and ISA, under _chunk_bound of its experts (a call that counted whole float32 result
+    rows, or the latents' float32 copy a bf16 unit never makes, fails here)."""
+    layer = random_layer(rng, 9, 3, 5, 70, 5, dtype=dtype, repeat_expert=True)
+    seen = []
+    chunks = _cpu_impl._chunks
+
+    def spy(n_tokens, bytes_per_token, bound):
+        seen.append((n_tokens, bytes_per_token, bound))
+        return chunks(n_tokens, bytes_per_token, bound)
+    monkeypatch.setattr(_cpu_impl, "_chunks", spy)
+    monkeypatch.setattr(_cpu_impl, "_MIN_CHUNK_TOKENS", 3)
+    mxfp4x.mxfp4_experts(**layer, num_threads=2, isa=isa)
+    ex = _cpu_impl.experts_of(layer["packed_weights"], layer["scale_bytes"])
+    per_token = _cpu_impl._forward_token_bytes(dtype, ex.n_groups, ex.d_out, 3, 1, 1,
+                                               _threads.resolve(2), isa)
+    assert seen == [(9, per_token, _cpu_impl._chunk_bound(ex))]
 
 
 # ---- the steps around the product: many row tasks, the same bits ---------------------------
