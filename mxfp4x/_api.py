@@ -77,11 +77,12 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike,
     if backend == "torch":  # plain PyTorch ops (differentiable; data-dependent routing, so
         # torch.compile(fullgraph=True) needs the default backend, which goes through the op)
         return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, x.dtype)
-    sel = sel.to(torch.int64)
     if runs_direct((x, sel, mix, shared), (packed, scales)):  # what the op would run
+        # (the ids converted to int64 chunk by chunk, never whole)
         return _cpu_impl.experts(x, packed, scales, sel, mix, shared, threads, isa=isa or None)
     # the custom op: compiled kernels for CPU tensors, the PyTorch path elsewhere
-    return experts_op(packed)(x, packed, scales, sel, mix, shared, threads, isa or "")
+    return experts_op(packed)(x, packed, scales, sel.to(torch.int64), mix, shared, threads,
+                              isa or "")
 
 
 def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
@@ -101,11 +102,10 @@ def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
     _check_forward_ad(backend, (x,), "mxfp4_experts_slots")
     if backend == "torch":
         return slots_torch(x, packed, scales, sel)
-    sel = sel.to(torch.int64)
     if runs_direct((x, sel), (packed, scales)):  # what the op would run
         return _cpu_impl.experts(x, packed, scales, sel, None, None, threads,
                                  per_slot_outputs=True, isa=isa or None)
-    return slots_op(packed)(x, packed, scales, sel, threads, isa or "")
+    return slots_op(packed)(x, packed, scales, sel.to(torch.int64), threads, isa or "")
 
 
 def backend_info() -> Dict[str, Any]:

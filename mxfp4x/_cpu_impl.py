@@ -161,11 +161,28 @@ def experts_of(packed: Bytes, scales: Bytes) -> _cpu.Experts:
                         owner=(tuple(packed), tuple(scales), keep))
 
 
-def _operand_rows(t, per_slot):
-    """A (T, W) or per-slot (T, K, W) tensor as contiguous 2-D rows."""
-    t = t.contiguous()
-    # explicit sizes: reshape(-1, 0) of an empty tensor is ambiguous
-    return t.reshape(t.shape[0] * t.shape[1], t.shape[-1]) if per_slot else t
+class _Staged:
+    """An operand of a chunked call, tokens [t0, t1) at a time, as the driver reads it:
+    C-contiguous, of ``dtype``.  Views where the caller's tensor already is that; else
+    each chunk is copied (converted) into one buffer of the longest chunk, reused: a
+    caller's expanded shared output, strided latents, broadcast gradient, float64 shared
+    output for float32 latents or int32 ids are never copied whole, and no chunk-sized
+    copy is freed and made again per chunk (which let glibc's heap grow with T: 106
+    instead of 21 MiB for 400000 tokens)."""
+
+    def __init__(self, t, dtype, chunks):
+        self.t, self.buf = t.detach(), None
+        if not (self.t.is_contiguous() and self.t.dtype == dtype):
+            longest = max(t1 - t0 for t0, t1 in chunks)
+            self.buf = torch.empty((longest, *self.t.shape[1:]), dtype=dtype)
+
+    def rows(self, t0, t1, per_slot=False):
+        """Tokens [t0, t1) as 2-D rows: (tokens, W), or per slot (tokens * K, W)."""
+        c = self.t[t0:t1]
+        if self.buf is not None:
+            c = self.buf[:t1 - t0].copy_(c)
+        # explicit sizes: reshape(-1, 0) of an empty tensor is ambiguous
+        return c.reshape(c.shape[0] * c.shape[1], c.shape[-1]) if per_slot else c
 
 
 # Long prefills run in chunks of whole tokens, so the working memory of a call stays flat
@@ -177,7 +194,7 @@ def _operand_rows(t, per_slot):
 # chunking never changes a bit; the weights are read once per chunk.  The chunk bound
 # (_chunk_bound) covers those bytes per token (_forward_token_bytes), but never fewer
 # than _MIN_CHUNK_TOKENS tokens; the chunks are then made equal (_chunks).  gpt-oss-20b
-# gate/up (I = 2880, O = 5760, K = 4), bfloat16 on a bf16 unit, 2 threads: 973 tokens
+# gate/up (I = 2880, O = 5760, K = 4), bfloat16 on a bf16 unit, 2 threads: 974 tokens
 # under 24 MiB, 21.4 MiB of gathered latents and 2.5 of sums.  Counted as whole float32
 # result rows (O per token, beside a float32 layout copy the bf16 unit never makes), the
 # sums split its T = 512 in two chunks of 256 that read every expert twice: one chunk
@@ -194,15 +211,15 @@ _MIN_CHUNK_TOKENS = 256
 
 def _pair_bytes(item):
     """Working bytes per token-expert pair: the driver's routing (source row, destination
-    row, weight) and this chunk's int64 ids and compute-dtype weights."""
-    return 8 + 8 + item + 8 + item
+    row, weight).  The chunk's int64 ids and compute-dtype weights are the caller's
+    tensors, or _Staged's copies where they are not (_copy_bytes)."""
+    return 8 + 8 + item
 
 
-def _pairs(sel, mix, compute, t0, t1):
-    """Tokens [t0, t1) of the expert ids (int64) and weights (compute dtype, or None),
-    converted per chunk so that a converted copy never exceeds one chunk."""
-    sel64 = _array(sel[t0:t1].to(torch.int64).contiguous())
-    return sel64, None if mix is None else _array(mix[t0:t1].to(compute).contiguous())
+def _pairs(sel, mix, t0, t1):
+    """Tokens [t0, t1) of the expert ids (int64) and weights (compute dtype, or None), as
+    numpy arrays (``sel``, ``mix``: _Staged)."""
+    return _array(sel.rows(t0, t1)), None if mix is None else _array(mix.rows(t0, t1))
 
 
 def _forward_token_bytes(dtype, n_groups, d_out, top_k, k_in, k_out, n_threads, isa):
@@ -219,6 +236,14 @@ def _forward_token_bytes(dtype, n_groups, d_out, top_k, k_in, k_out, n_threads, 
     sums = _cpu.forward_sums_columns(d_out, n_threads, isa=isa, bf16=bf16) \
         if compute != dtype else 0
     return latents + item * k_out * sums + top_k * _pair_bytes(item)
+
+
+def _copy_bytes(t, dtype):
+    """Bytes per token of _Staged's buffer for ``t`` (made where ``t`` is not contiguous
+    or not of ``dtype``)."""
+    if t is None or (t.is_contiguous() and t.dtype == dtype):
+        return 0
+    return t.shape[1:].numel() * dtype.itemsize
 
 
 def _chunk_bound(ex):
@@ -240,10 +265,11 @@ def _chunks(n_tokens, bytes_per_token, bound):
 
 
 def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_outputs=False,
-            isa=None):
+            isa=None, out=None):
     """The forward product on CPU tensors.  x: (T, I), or (T, K, I) with one latent
     row per slot.  Returns shared + sum_k p W x (T, O) in x's dtype, or with
-    ``per_slot_outputs`` W x per slot (T, K, O) (mix and shared then None)."""
+    ``per_slot_outputs`` W x per slot (T, K, O) (mix and shared then None); ``out``: a
+    contiguous tensor of that shape and dtype to write it into."""
     compute = accumulation_dtype(x.dtype)
     n_tokens, top_k = sel.shape
     slot_latents = x.dim() == 3
@@ -256,30 +282,34 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
     # 16-bit latents each task's float32 rows, rounded once into the result), each token's
     # starting from its shared output, converted in the driver's tasks too (so a call runs
     # on num_threads threads, no torch conversion on torch's own)
-    result = torch.empty((n_tokens * k_out, ex.d_out), dtype=x.dtype)
-    start = None
-    if not per_slot_outputs:
-        start = shared.detach()
-        if start.dtype not in _EXACT_INTO[compute]:
-            start = start.to(compute)  # (float64 into float32: rounded once, here)
-        start = start.contiguous()
-    x2 = _operand_rows(x, slot_latents)
+    result = torch.empty((n_tokens * k_out, ex.d_out), dtype=x.dtype) if out is None else \
+        out.view(n_tokens * k_out, ex.d_out)
+    # the shared output as the driver starts from it: its own dtype where the conversion
+    # into the compute dtype is exact (the driver converts), else rounded once here
+    start_dtype = None if per_slot_outputs else (
+        shared.dtype if shared.dtype in _EXACT_INTO[compute] else compute)
     k_in = top_k if slot_latents else 1
     n_threads = _threads.resolve(num_threads)
+    if per_slot_outputs:
+        mix = shared = None
+    staged = ((x, x.dtype), (shared, start_dtype), (sel, torch.int64), (mix, compute))
     chunks = [(0, n_tokens)] if n_tokens <= _MIN_CHUNK_TOKENS else _chunks(
         n_tokens, _forward_token_bytes(x.dtype, ex.n_groups, ex.d_out, top_k, k_in, k_out,
-                                       n_threads, isa), _chunk_bound(ex))
+                                       n_threads, isa) +
+        sum(_copy_bytes(t, d) for t, d in staged), _chunk_bound(ex))
+    xs, shared_s, sel_s, mix_s = (None if t is None else _Staged(t, d, chunks)
+                                  for t, d in staged)
     for t0, t1 in chunks:
-        sel64, mix_arr = _pairs(sel, None if per_slot_outputs else mix, compute, t0, t1)
+        sel64, mix_arr = _pairs(sel_s, mix_s, t0, t1)
         _cpu.Call(ex, product="forward", compute=_DTYPE_NAMES[compute],
-                  selected=sel64, mix=mix_arr,
-                  src=_array(x2[t0 * k_in:t1 * k_in]), src_dtype=_DTYPE_NAMES[x.dtype],
+                  selected=sel64, mix=mix_arr, src=_array(xs.rows(t0, t1, slot_latents)),
+                  src_dtype=_DTYPE_NAMES[x.dtype],
                   src_rows="slot" if slot_latents else "token",
                   dst=_array(result[t0 * k_out:t1 * k_out]), dst_dtype=_DTYPE_NAMES[x.dtype],
                   dst_rows="slot" if per_slot_outputs else "token",
-                  init=None if start is None else _array(start[t0:t1]),
-                  init_dtype=None if start is None else _DTYPE_NAMES[start.dtype], isa=isa,
-                  n_threads=n_threads).run()
+                  init=None if shared_s is None else _array(shared_s.rows(t0, t1)),
+                  init_dtype=None if start_dtype is None else _DTYPE_NAMES[start_dtype],
+                  isa=isa, n_threads=n_threads).run()
     return result.view(n_tokens, top_k, ex.d_out) if per_slot_outputs else result
 
 
@@ -292,21 +322,27 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
     ex = experts_of(packed, scales)
     n_tokens, top_k = sel.shape
     k_in = top_k if slot_latents else 1
-    k_out = top_k if slot_grad else 1
     result = torch.empty((n_tokens * k_in, x.shape[-1]), dtype=x.dtype)
-    g2 = _operand_rows(grad.detach(), slot_grad)
-    if g2.dtype not in _EXACT_INTO[compute]:
-        g2 = g2.to(compute)  # (float64 into float32: rounded once, here)
+    # the gradient as the driver reads it: its own dtype where the conversion into the
+    # compute dtype is exact (the driver converts), else rounded once here, per chunk
+    g_dtype = grad.dtype if grad.dtype in _EXACT_INTO[compute] else compute
     item = 8 if compute == torch.float64 else 4
     # the driver's layout copy of dx (in the compute dtype; the driver converts the
-    # gradient and rounds dx into a 16-bit result itself, on the call's threads)
-    per_token = item * k_in * ex.n_groups * 32 + top_k * _pair_bytes(item)
+    # gradient and rounds dx into a 16-bit result itself, on the call's threads), and a
+    # chunk's copy of the gradient where it is converted or not contiguous
+    if slot_grad:
+        mix = None
+    staged = ((grad, g_dtype), (sel, torch.int64), (mix, compute))
+    per_token = item * k_in * ex.n_groups * 32 + top_k * _pair_bytes(item) + \
+        sum(_copy_bytes(t, d) for t, d in staged)
     n_threads = _threads.resolve(num_threads)
-    for t0, t1 in _chunks(n_tokens, per_token, _chunk_bound(ex)):
-        sel64, mix_arr = _pairs(sel, None if slot_grad else mix, compute, t0, t1)
+    chunks = _chunks(n_tokens, per_token, _chunk_bound(ex))
+    grad_s, sel_s, mix_s = (None if t is None else _Staged(t, d, chunks) for t, d in staged)
+    for t0, t1 in chunks:
+        sel64, mix_arr = _pairs(sel_s, mix_s, t0, t1)
         _cpu.Call(ex, product="transposed", compute=_DTYPE_NAMES[compute],
-                  selected=sel64, mix=mix_arr, src=_array(g2[t0 * k_out:t1 * k_out]),
-                  src_dtype=_DTYPE_NAMES[g2.dtype], src_rows="slot" if slot_grad else "token",
+                  selected=sel64, mix=mix_arr, src=_array(grad_s.rows(t0, t1, slot_grad)),
+                  src_dtype=_DTYPE_NAMES[g_dtype], src_rows="slot" if slot_grad else "token",
                   dst=_array(result[t0 * k_in:t1 * k_in]), dst_dtype=_DTYPE_NAMES[x.dtype],
                   dst_rows="slot" if slot_latents else "token", isa=isa,
                   n_threads=n_threads).run()

@@ -34,6 +34,54 @@ _TAIL = 'int num_threads=0, str isa="") -> Tensor'
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses (FakeTensor, DTensor, ...) take the op
 
 
+def _mix_grad(x, packed, scales, sel, grad, acc, num_threads, isa):
+    """The mixture weights' gradient d/dp_tk = g_t . W_k x_t in ``acc``, in token chunks:
+    the per-slot products W_k x_t (T, K, O), their product with g and the upcast of 16-bit
+    latents and gradient exist one chunk at a time (whole, they took 2 T K O x 4 bytes:
+    1.2 GiB for 100000 tokens of 16 slots and 96 outputs).  The chunks are the forward's
+    (_cpu_impl: at most _CHUNK_BYTES, or 1 / _CHUNK_WEIGHT_SHARE of the experts' bytes
+    where that is more, never fewer than _MIN_CHUNK_TOKENS tokens); W x is computed in the
+    accumulation dtype (rounded to 16-bit latents first it would cost ~1e-2 relative; the
+    upcast of x is exact).  Eager on plain CPU tensors, each chunk's arrays are written
+    into buffers of the longest chunk, reused (chunk-sized tensors made and freed chunk
+    after chunk let glibc's heap grow with T); elsewhere (other devices, tracing, a graph
+    of the gradient) the same operations run through the ops."""
+    n_tokens, top_k = sel.shape
+    d_out = grad.shape[-1]
+    d_mix = torch.empty(sel.shape, dtype=acc, device=grad.device)
+    if not isinstance(n_tokens, int):  # a traced symbolic size: one chunk
+        chunks = [(0, n_tokens)]
+    else:
+        weights = sum(t.numel() for t in (packed if isinstance(packed, (list, tuple)) else
+                                          [packed]))
+        weights += sum(t.numel() for t in (scales if isinstance(scales, (list, tuple)) else
+                                           [scales] if scales is not None else []))
+        bound = max(_cpu_impl._CHUNK_BYTES, weights // _cpu_impl._CHUNK_WEIGHT_SHARE)
+        per_token = acc.itemsize * (2 * top_k * d_out + x.shape[1:].numel() + d_out)
+        chunks = _cpu_impl._chunks(n_tokens, per_token, bound)
+    x_acc = x.dtype if x.element_size() >= 4 else acc
+    if not runs_direct((x, sel, grad), (packed, scales)):
+        for t0, t1 in chunks:
+            slots = slots_op(packed)(x[t0:t1].to(x_acc), packed, scales, sel[t0:t1],
+                                     num_threads, isa)
+            d_mix[t0:t1] = (slots.to(acc) * grad[t0:t1].to(acc).unsqueeze(1)).sum(-1)
+        return d_mix
+    longest = max(t1 - t0 for t0, t1 in chunks)
+    slots_buf = torch.empty((longest, top_k, d_out), dtype=x_acc)
+    prod_buf = torch.empty((longest, top_k, d_out), dtype=acc)
+    x_buf = torch.empty((longest, *x.shape[1:]), dtype=x_acc) if x_acc != x.dtype else None
+    g_buf = torch.empty((longest, d_out), dtype=acc) if grad.dtype != acc else None
+    for t0, t1 in chunks:
+        n = t1 - t0
+        xc = x[t0:t1] if x_buf is None else x_buf[:n].copy_(x[t0:t1])
+        gc = grad[t0:t1] if g_buf is None else g_buf[:n].copy_(grad[t0:t1])
+        slots = _cpu_impl.experts(xc, packed, scales, sel[t0:t1], None, None, num_threads,
+                                  per_slot_outputs=True, isa=isa or None, out=slots_buf[:n])
+        torch.mul(slots, gc.unsqueeze(1), out=prod_buf[:n])
+        torch.sum(prod_buf[:n], -1, out=d_mix[t0:t1])
+    return d_mix
+
+
 def _plain_cpu(t, grad):
     return type(t) in _PLAIN and t.device.type == "cpu" and not (grad and t.requires_grad)
 
@@ -202,11 +250,8 @@ def _define(suffix, weights):
         if ctx.needs_input_grad[4]:
             acc = torch.float64 if mix.dtype == torch.float64 or x.dtype == torch.float64 \
                 else torch.float32
-            # W x in the accumulation dtype: rounding it to a 16-bit latents' dtype first
-            # would cost ~1e-2 relative (the upcast of x is exact)
-            slots = slots_op(x.to(acc) if x.element_size() < 4 else x, packed, scales, sel,
-                             ctx.num_threads, ctx.isa)
-            d_mix = (slots.to(acc) * grad.to(acc).unsqueeze(1)).sum(-1).to(mix.dtype)
+            d_mix = _mix_grad(x, packed, scales, sel, grad, acc, ctx.num_threads,
+                              ctx.isa).to(mix.dtype)
         if ctx.needs_input_grad[5]:
             d_shared = grad.to(ctx.shared_dtype)
         grads = (d_x, *_no_grad(ctx), None, d_mix, d_shared, None, None)

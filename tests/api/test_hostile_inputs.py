@@ -18,10 +18,12 @@ import mxfp4x
 from mxfp4x.testing.layers import random_layer
 
 
-def _run(code, timeout=240):
-    """Run ``code`` in a fresh interpreter; its stdout, or a failure with its output."""
+def _run(code, timeout=240, **env):
+    """Run ``code`` in a fresh interpreter (``env``: more environment variables); its
+    stdout, or a failure with its output."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="2"))
+                          text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="2", **env))
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -183,6 +185,70 @@ def test_working_memory_is_bounded_when_every_pair_goes_to_one_expert(dtype):
     """)
     grew, output = (int(v) for v in out.split())
     assert grew <= output + (48 << 20), f"grew {grew >> 20} MiB for a {output >> 20} MiB output"
+
+
+# Operands the driver cannot read as they are (another dtype, not contiguous), and the
+# backward's own arrays: each used to be converted or copied whole, outside the chunks
+# (a float64 shared output for float32 latents: +73 MiB over 200000 more tokens; the
+# mixture weights' gradient: (T, K, O) float32 slots and their product, 1.2 GiB for
+# 100000 tokens of 16 slots), and chunk-sized copies made and freed chunk after chunk let
+# glibc's heap grow with T too.  The peak is reset before each call (clear_refs), and
+# glibc hands every block over 64 KiB back when it is freed (a fixed mmap threshold), so
+# memory freed while the inputs were built cannot hide a call's growth.
+_GROWTH_CASES = {
+    "float64 shared output": "shared = shared.double()",
+    "expanded shared output": "shared = shared[:1].expand(T, O)",
+    "strided latents": "x = torch.randn(T, 2 * I, generator=g).to(x.dtype)[:, ::2]",
+    "int32 expert ids": "sel = sel.int()",
+    "broadcast gradient": "mode = 'sum'",
+    "mixture weights' gradient": "mode = 'mix'",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_GROWTH_CASES))
+def test_working_memory_does_not_grow_with_the_tokens(case):
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak")
+    out = _run(f"""
+        import torch, mxfp4x
+        T, K, O, I = 240000, 16, 96, 64
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(T, I, generator=g).to(torch.bfloat16)
+        packed = torch.randint(0, 256, (2, O, I // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(120, 130, (2, O, I // 32), dtype=torch.uint8, generator=g)
+        sel = torch.zeros(T, K, dtype=torch.int64)
+        mix = torch.rand(T, K, generator=g).to(x.dtype)
+        shared = torch.randn(T, O, generator=g).to(x.dtype)
+        mode = "forward"
+        {_GROWTH_CASES[case]}
+
+        def status(key):
+            with open("/proc/self/status") as f:
+                return next(int(v.split()[1]) << 10 for v in f if v.startswith(key))
+
+        def extra(n):  # the call's peak beyond what it returns (and the forward it needs)
+            xs, ms = x[:n].detach(), mix[:n].detach()
+            xs.requires_grad_(mode != "forward")
+            ms.requires_grad_(mode == "mix")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            before = status("VmRSS:")
+            y = mxfp4x.mxfp4_experts(xs, packed, scales, sel[:n], ms, shared[:n],
+                                     num_threads=2)
+            kept = y.numel() * y.element_size()
+            if mode != "forward":
+                (y.sum() if mode == "sum" else (y * y.detach()).sum()).backward()
+                kept += xs.grad.numel() * xs.grad.element_size()
+                if mode == "mix":  # y's gradient, and the weights' (float32, then rounded)
+                    kept += y.numel() * y.element_size() + ms.numel() * 6
+            return status("VmHWM:") - before - kept
+
+        extra(300)  # the runtime's own one-time allocations
+        print(extra(40000), extra(T))
+    """, MALLOC_MMAP_THRESHOLD_="65536")
+    small, large = (int(v) for v in out.split())
+    assert large - small <= 16 << 20, \
+        f"{case}: {small >> 20} MiB beside 40000 tokens, {large >> 20} MiB beside 240000"
 
 
 def test_num_threads_beyond_the_cap_leaves_no_crowd_of_threads():

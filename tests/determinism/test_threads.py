@@ -50,13 +50,24 @@ def test_batch_invariance(isa, rng):
 def test_long_batches_run_in_token_chunks_with_the_same_bits(isa, rng, monkeypatch, dtype):
     # a long prefill runs in chunks of tokens (flat memory): forced down to chunks of 3
     # tokens here, every product (per token, per slot, per-slot latents, the transposed
-    # one) must keep its bits, and a chunk boundary must not drop or repeat a token
+    # one, the mixture weights' gradient; operands converted or copied chunk by chunk)
+    # must keep its bits, and a chunk boundary must not drop or repeat a token
     from mxfp4x import _cpu_impl
     layer = random_layer(rng, 11, 3, 5, 70, 5, dtype=dtype, repeat_expert=True)
     w = (layer["packed_weights"], layer["scale_bytes"])
     x, sel, mix = layer["latent_tokens"], layer["selected_experts"], layer["mixture_weights"]
     slot_x = torch.from_numpy(rng.standard_normal((11, 3, x.shape[1]))).to(dtype)
     grad = torch.from_numpy(rng.standard_normal((11, 70))).to(dtype)
+    # strided latents, int32 ids, a shared output of another dtype, a broadcast gradient
+    wide_x = torch.stack((x, -x), dim=2).flatten(1)[:, ::2]
+    other = torch.float32 if dtype == torch.float64 else torch.float64
+    shared_other = layer["shared_output"].to(other)
+
+    def mix_grad():
+        m = mix.detach().clone().requires_grad_(True)
+        mxfp4x.mxfp4_experts(x, *w, sel, m, layer["shared_output"], isa=isa).backward(grad)
+        return m.grad
+
     calls = {
         "tokens": lambda: mxfp4x.mxfp4_experts(**layer, isa=isa),
         "slots": lambda: mxfp4x.mxfp4_experts_slots(x, *w, sel, isa=isa),
@@ -64,6 +75,11 @@ def test_long_batches_run_in_token_chunks_with_the_same_bits(isa, rng, monkeypat
                                                      layer["shared_output"], isa=isa),
         "grad": lambda: torch.ops.mxfp4x.mxfp4_experts_grad_latents(grad, *w, sel, mix, x,
                                                                     isa=isa),
+        "staged": lambda: mxfp4x.mxfp4_experts(wide_x, *w, sel.int(), mix, shared_other,
+                                               isa=isa),
+        "grad_broadcast": lambda: torch.ops.mxfp4x.mxfp4_experts_grad_latents(
+            grad[:1].expand(11, 70), *w, sel, mix, x, isa=isa),
+        "mix_grad": mix_grad,
     }
     whole = {name: call() for name, call in calls.items()}
     monkeypatch.setattr(_cpu_impl, "_CHUNK_BYTES", 1)
@@ -154,8 +170,10 @@ def test_a_16_bit_result_counts_its_float32_sums_per_thread(isa, n_threads):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_a_long_call_chunks_by_its_own_token_bytes(isa, rng, monkeypatch, dtype):
     """The forward call sizes its chunks by _forward_token_bytes of its own shape, threads
-    and ISA, under _chunk_bound of its experts (a call that counted whole float32 result
-    rows, or the latents' float32 copy a bf16 unit never makes, fails here)."""
+    and ISA, plus the chunk copies it makes of operands the driver cannot read as they
+    are (here 16-bit mixture weights, converted to float32), under _chunk_bound of its
+    experts (a call that counted whole float32 result rows, or the latents' float32 copy
+    a bf16 unit never makes, fails here)."""
     layer = random_layer(rng, 9, 3, 5, 70, 5, dtype=dtype, repeat_expert=True)
     seen = []
     chunks = _cpu_impl._chunks
@@ -169,7 +187,8 @@ def test_a_long_call_chunks_by_its_own_token_bytes(isa, rng, monkeypatch, dtype)
     ex = _cpu_impl.experts_of(layer["packed_weights"], layer["scale_bytes"])
     per_token = _cpu_impl._forward_token_bytes(dtype, ex.n_groups, ex.d_out, 3, 1, 1,
                                                _threads.resolve(2), isa)
-    assert seen == [(9, per_token, _cpu_impl._chunk_bound(ex))]
+    staged = 0 if dtype == torch.float32 else 3 * 4  # 3 weights per token, as float32
+    assert seen == [(9, per_token + staged, _cpu_impl._chunk_bound(ex))]
 
 
 # ---- the steps around the product: many row tasks, the same bits ---------------------------
