@@ -35,38 +35,32 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses (FakeTensor, DTensor, 
 
 
 def _mix_grad(x, packed, scales, sel, grad, acc, num_threads, isa):
-    """The mixture weights' gradient d/dp_tk = g_t . W_k x_t in ``acc``, in token chunks:
-    the per-slot products W_k x_t (T, K, O), their product with g and the upcast of 16-bit
-    latents and gradient exist one chunk at a time (whole, they took 2 T K O x 4 bytes:
-    1.2 GiB for 100000 tokens of 16 slots and 96 outputs).  The chunks are the forward's
-    (_cpu_impl: at most _CHUNK_BYTES, or 1 / _CHUNK_WEIGHT_SHARE of the experts' bytes
-    where that is more, never fewer than _MIN_CHUNK_TOKENS tokens); W x is computed in the
+    """The mixture weights' gradient d/dp_tk = g_t . W_k x_t in ``acc``; W x in the
     accumulation dtype (rounded to 16-bit latents first it would cost ~1e-2 relative; the
-    upcast of x is exact).  Eager on plain CPU tensors, each chunk's arrays are written
-    into buffers of the longest chunk, reused (chunk-sized tensors made and freed chunk
-    after chunk let glibc's heap grow with T); elsewhere (other devices, tracing, a graph
-    of the gradient) the same operations run through the ops."""
+    upcast of x is exact).  Eager on plain CPU tensors it runs in the forward's token
+    chunks (_cpu_impl: at most _CHUNK_BYTES, or 1 / _CHUNK_WEIGHT_SHARE of the experts'
+    bytes where that is more, never fewer than _MIN_CHUNK_TOKENS tokens), each chunk's
+    arrays in buffers of the longest chunk, reused: the per-slot products (T, K, O) and
+    their product with g, whole, took 2 T K O x 4 bytes (1.2 GiB for 100000 tokens of 16
+    slots and 96 outputs), and chunk-sized tensors made and freed chunk after chunk let
+    glibc's heap grow with T.  Elsewhere (other devices, tracing, a graph of the
+    gradient) the same operations run through the ops on all tokens at once: per chunk,
+    the torch path would decode every expert again, and a traced graph would unroll."""
     n_tokens, top_k = sel.shape
     d_out = grad.shape[-1]
-    d_mix = torch.empty(sel.shape, dtype=acc, device=grad.device)
-    if not isinstance(n_tokens, int):  # a traced symbolic size: one chunk
-        chunks = [(0, n_tokens)]
-    else:
-        weights = sum(t.numel() for t in (packed if isinstance(packed, (list, tuple)) else
-                                          [packed]))
-        weights += sum(t.numel() for t in (scales if isinstance(scales, (list, tuple)) else
-                                           [scales] if scales is not None else []))
-        bound = max(_cpu_impl._CHUNK_BYTES, weights // _cpu_impl._CHUNK_WEIGHT_SHARE)
-        per_token = acc.itemsize * (2 * top_k * d_out + x.shape[1:].numel() + d_out)
-        chunks = _cpu_impl._chunks(n_tokens, per_token, bound)
     x_acc = x.dtype if x.element_size() >= 4 else acc
     if not runs_direct((x, sel, grad), (packed, scales)):
-        for t0, t1 in chunks:
-            slots = slots_op(packed)(x[t0:t1].to(x_acc), packed, scales, sel[t0:t1],
-                                     num_threads, isa)
-            d_mix[t0:t1] = (slots.to(acc) * grad[t0:t1].to(acc).unsqueeze(1)).sum(-1)
-        return d_mix
+        slots = slots_op(packed)(x.to(x_acc), packed, scales, sel, num_threads, isa)
+        return (slots.to(acc) * grad.to(acc).unsqueeze(1)).sum(-1)
+    weights = sum(t.numel() for t in (packed if isinstance(packed, (list, tuple)) else
+                                      [packed]))
+    weights += sum(t.numel() for t in (scales if isinstance(scales, (list, tuple)) else
+                                       [scales] if scales is not None else []))
+    bound = max(_cpu_impl._CHUNK_BYTES, weights // _cpu_impl._CHUNK_WEIGHT_SHARE)
+    per_token = acc.itemsize * (2 * top_k * d_out + x.shape[1:].numel() + d_out)
+    chunks = _cpu_impl._chunks(n_tokens, per_token, bound)
     longest = max(t1 - t0 for t0, t1 in chunks)
+    d_mix = torch.empty(sel.shape, dtype=acc)
     slots_buf = torch.empty((longest, top_k, d_out), dtype=x_acc)
     prod_buf = torch.empty((longest, top_k, d_out), dtype=acc)
     x_buf = torch.empty((longest, *x.shape[1:]), dtype=x_acc) if x_acc != x.dtype else None

@@ -82,6 +82,11 @@ def test_long_batches_run_in_token_chunks_with_the_same_bits(isa, rng, monkeypat
         "mix_grad": mix_grad,
     }
     whole = {name: call() for name, call in calls.items()}
+    # the mixture weights' gradient: g . W x per slot, W x in the accumulation dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    slots = mxfp4x.mxfp4_experts_slots(x.to(acc), *w, sel, isa=isa)
+    want = (slots * grad.to(acc).unsqueeze(1)).sum(-1).to(mix.dtype)
+    assert torch.equal(whole["mix_grad"], want)
     monkeypatch.setattr(_cpu_impl, "_CHUNK_BYTES", 1)
     monkeypatch.setattr(_cpu_impl, "_CHUNK_WEIGHT_SHARE", 1 << 40)
     monkeypatch.setattr(_cpu_impl, "_MIN_CHUNK_TOKENS", 3)
