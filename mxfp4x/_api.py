@@ -81,7 +81,7 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike,
         # (the ids converted to int64 chunk by chunk, never whole)
         return _cpu_impl.experts(x, packed, scales, sel, mix, shared, threads, isa=isa or None)
     # the custom op: compiled kernels for CPU tensors, the PyTorch path elsewhere
-    return experts_op(packed)(x, packed, scales, sel.to(torch.int64), mix, shared, threads,
+    return experts_op(packed)(x, packed, scales, _op_ids(sel), mix, shared, threads,
                               isa or "")
 
 
@@ -105,7 +105,16 @@ def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
     if runs_direct((x, sel), (packed, scales)):  # what the op would run
         return _cpu_impl.experts(x, packed, scales, sel, None, None, threads,
                                  per_slot_outputs=True, isa=isa or None)
-    return slots_op(packed)(x, packed, scales, sel.to(torch.int64), threads, isa or "")
+    return slots_op(packed)(x, packed, scales, _op_ids(sel), threads, isa or "")
+
+
+def _op_ids(sel):
+    """The expert ids as the op takes them: int32 or int64 CPU ids as they are (its CPU
+    kernels convert them chunk by chunk, and the backward keeps them as given), others
+    as int64 (the PyTorch path indexes with them; unsigned ids must not become masks)."""
+    if sel.device.type == "cpu" and sel.dtype in (torch.int32, torch.int64):
+        return sel
+    return sel.to(torch.int64)
 
 
 def backend_info() -> Dict[str, Any]:

@@ -200,6 +200,7 @@ _GROWTH_CASES = {
     "expanded shared output": "shared = shared[:1].expand(T, O)",
     "strided latents": "x = torch.randn(T, 2 * I, generator=g).to(x.dtype)[:, ::2]",
     "int32 expert ids": "sel = sel.int()",
+    "int32 expert ids, with a gradient": "sel = sel.int(); mode = 'sum'",
     "broadcast gradient": "mode = 'sum'",
     "mixture weights' gradient": "mode = 'mix'",
 }

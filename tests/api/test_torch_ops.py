@@ -145,6 +145,22 @@ def test_cpu_and_torch_backends_give_the_same_gradients(rng):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("ids", [torch.int32, torch.uint8, torch.int16], ids=str)
+def test_narrow_expert_ids_give_the_same_bits_with_gradients(rng, ids):
+    # ids of other integer dtypes reach the op (a gradient is recorded) as they are
+    # (int32) or as int64: the result and every gradient as with int64 ids
+    layer = random_layer(rng, 9, 3, 5, 33, 3, dtype=torch.bfloat16)
+    outs = []
+    for sel in (layer["selected_experts"], layer["selected_experts"].to(ids)):
+        leaves = {k: layer[k].clone().requires_grad_(True)
+                  for k in ("latent_tokens", "mixture_weights", "shared_output")}
+        y = mxfp4x.mxfp4_experts(**dict(layer, **leaves, selected_experts=sel))
+        y.backward(torch.ones_like(y))
+        outs.append([y] + [leaves[k].grad for k in sorted(leaves)])
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def test_grad_latents_bitwise_across_threads(rng):
     layer = random_layer(rng, 40, 4, 5, 70, 9)
     g = torch.randn(40, 70)
