@@ -52,13 +52,9 @@ def _mix_grad(x, packed, scales, sel, grad, acc, num_threads, isa):
     if not runs_direct((x, sel, grad), (packed, scales)):
         slots = slots_op(packed)(x.to(x_acc), packed, scales, sel, num_threads, isa)
         return (slots.to(acc) * grad.to(acc).unsqueeze(1)).sum(-1)
-    weights = sum(t.numel() for t in (packed if isinstance(packed, (list, tuple)) else
-                                      [packed]))
-    weights += sum(t.numel() for t in (scales if isinstance(scales, (list, tuple)) else
-                                       [scales] if scales is not None else []))
-    bound = max(_cpu_impl._CHUNK_BYTES, weights // _cpu_impl._CHUNK_WEIGHT_SHARE)
     per_token = acc.itemsize * (2 * top_k * d_out + x.shape[1:].numel() + d_out)
-    chunks = _cpu_impl._chunks(n_tokens, per_token, bound)
+    chunks = _cpu_impl._chunks(n_tokens, per_token,
+                               _cpu_impl._chunk_bound(_cpu_impl.experts_of(packed, scales)))
     longest = max(t1 - t0 for t0, t1 in chunks)
     d_mix = torch.empty(sel.shape, dtype=acc)
     slots_buf = torch.empty((longest, top_k, d_out), dtype=x_acc)
