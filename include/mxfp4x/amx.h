@@ -459,7 +459,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_gemv(const mxfp4x_rows *w, int64_t row_start, int6
         }
         for (t0 = 0; t0 < n_tok; t0 += 4) {
             /* the next block of rows (or the next call's), fetched during the first pass */
-            mxfp4x_pf_cursor pf = {NULL, NULL};
+            mxfp4x_pf_cursor pf = {NULL, NULL, 0};
             /* one 16-row block ahead, as measured on the Xeon (mxfp4x.h) */
             if (t0 == 0) pf = mxfp4x_pf_block_ahead(w, r, MXFP4X_AMX_ROWS, row_end, 1);
             nt = n_tok - t0 < 4 ? (int)(n_tok - t0) : 4;

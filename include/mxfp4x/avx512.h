@@ -55,8 +55,11 @@ MXFP4X_AVX512_INLINE void mxfp4x_decode_group_avx512(const uint8_t *b, uint8_t s
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), t);
 }
 
-MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
-                                              int64_t row_end, const float *x, float *out) {
+/* One token; `l1`: where the next rows are prefetched (a constant: compiled twice below). */
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w,
+                                                            int64_t row_start, int64_t row_end,
+                                                            const float *x, float *out,
+                                                            const int l1) {
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
     const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r = row_start, g;
@@ -64,8 +67,8 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
     for (; r + 4 <= row_end; r += 4) {
         const uint8_t *b0 = w->blocks + r * sb;
         const uint8_t *s0 = w->scales + r * ss;
-        /* a 4-row block ahead (or the next call's) into L2: mxfp4x.h */
-        mxfp4x_pf_cursor pf = mxfp4x_pf_next_block(w, r, 4, row_end);
+        /* a 4-row block ahead (or the next call's) into L2 or L1: mxfp4x.h */
+        mxfp4x_pf_cursor pf = mxfp4x_pf_next_block_to(w, r, 4, row_end, l1);
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (g = 0; g < G; g++) {
             const __m512 xe = _mm512_loadu_ps(x + g * MXFP4X_GROUP);
@@ -99,6 +102,14 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
     }
 }
 
+MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
+                                              int64_t row_end, const float *x, float *out) {
+    if (mxfp4x_pf_into_l1())
+        mxfp4x_gemv1_f32_avx512_to(w, row_start, row_end, x, out, 1);
+    else
+        mxfp4x_gemv1_f32_avx512_to(w, row_start, row_end, x, out, 0);
+}
+
 /* 2..4 tokens at once: each row's group is decoded once into registers and applied to
  * every token (4 rows x NT tokens of accumulators), instead of one re-decode per token.
  * Per (row, token) the operations are gemv1's: a = fma(hi, xo, fma(lo, xe, a)) per
@@ -126,7 +137,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
                                                           const float *const *xs, int mr,
                                                           int nt, float *out,
                                                           int64_t out_stride,
-                                                          int64_t row_end) {
+                                                          int64_t row_end, const int l1) {
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
     const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     const uint8_t *b[4], *sc[4];
@@ -138,7 +149,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
         sc[i] = w->scales + (r + i) * ss;
         for (c = 0; c < nt; c++) a[i][c] = _mm512_setzero_ps();
     }
-    mxfp4x_pf_cursor pf = mxfp4x_pf_next_block(w, r, 4, row_end);
+    mxfp4x_pf_cursor pf = mxfp4x_pf_next_block_to(w, r, 4, row_end, l1);
     for (g = 0; g < G; g++) {
         const int64_t ob = g * gb, os = g * gs;
         __m512 xe[MXFP4X_AVX512_NT], xo[MXFP4X_AVX512_NT];
@@ -165,7 +176,10 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
     MXFP4X_AVX512_NOINLINE void mxfp4x_gemv_full##N##_avx512(                             \
         const mxfp4x_rows *w, int64_t r, const float *const *xs, float *out,              \
         int64_t out_stride, int64_t row_end) {                                            \
-        mxfp4x_gemv_block_avx512(w, r, xs, 4, N, out, out_stride, row_end);               \
+        if (mxfp4x_pf_into_l1())                                                          \
+            mxfp4x_gemv_block_avx512(w, r, xs, 4, N, out, out_stride, row_end, 1);        \
+        else                                                                              \
+            mxfp4x_gemv_block_avx512(w, r, xs, 4, N, out, out_stride, row_end, 0);        \
     }
 MXFP4X_AVX512_GEMV_FULL(2)
 MXFP4X_AVX512_GEMV_FULL(3)
@@ -173,7 +187,7 @@ MXFP4X_AVX512_GEMV_FULL(4)
 
 #define MXFP4X_AVX512_GEMV_EDGE(M, N)                                                      \
     case (M) * 8 + (N):                                                                    \
-        mxfp4x_gemv_block_avx512(w, r, xs, M, N, o, out_stride, row_end);                  \
+        mxfp4x_gemv_block_avx512(w, r, xs, M, N, o, out_stride, row_end, 0);               \
         break;
 
 /* One token: gemv1 (4 rows interleaved, the next rows prefetched); more: blocks of up to

@@ -238,7 +238,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_reduce_4xn(__m512 a[MXFP4X_BF16DP_MR][MX
 MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_gemv_block(const mxfp4x_rows *w, int64_t r,
                                                    const uint16_t *const *xs, int mr, int nt,
                                                    float *out, int64_t out_stride,
-                                                   int64_t row_end) {
+                                                   int64_t row_end, const int l1) {
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
     const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     const uint8_t *b[MXFP4X_BF16DP_MR], *sc[MXFP4X_BF16DP_MR];
@@ -250,7 +250,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_gemv_block(const mxfp4x_rows *w, int64_t
         sc[i] = w->scales + (r + i) * ss;
         for (t = 0; t < nt; t++) a[i][t] = _mm512_setzero_ps();
     }
-    mxfp4x_pf_cursor pf = mxfp4x_pf_next_block(w, r, MXFP4X_BF16DP_MR, row_end);
+    mxfp4x_pf_cursor pf = mxfp4x_pf_next_block_to(w, r, MXFP4X_BF16DP_MR, row_end, l1);
     g = 0;
     if (mxfp4x_bf16dp_paired(w->nibbles)) {
         for (; g + 2 <= G; g += 2) {
@@ -293,7 +293,12 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_gemv_block(const mxfp4x_rows *w, int64_t
     MXFP4X_BF16DP_NOINLINE void mxfp4x_bf16dp_gemv_full##N(                               \
         const mxfp4x_rows *w, int64_t r, const uint16_t *const *xs, float *out,           \
         int64_t out_stride, int64_t row_end) {                                            \
-        mxfp4x_bf16dp_gemv_block(w, r, xs, MXFP4X_BF16DP_MR, N, out, out_stride, row_end); \
+        if (mxfp4x_pf_into_l1())                                                          \
+            mxfp4x_bf16dp_gemv_block(w, r, xs, MXFP4X_BF16DP_MR, N, out, out_stride,      \
+                                     row_end, 1);                                         \
+        else                                                                              \
+            mxfp4x_bf16dp_gemv_block(w, r, xs, MXFP4X_BF16DP_MR, N, out, out_stride,      \
+                                     row_end, 0);                                         \
     }
 MXFP4X_BF16DP_GEMV_FULL(1)
 MXFP4X_BF16DP_GEMV_FULL(2)
@@ -515,7 +520,7 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
                         default: mxfp4x_bf16dp_gemv_full1(w, r, xs, o, out_stride, row_end); break;
                         }
                     } else {
-                        mxfp4x_bf16dp_gemv_block(w, r, xs, mr, nt, o, out_stride, row_end);
+                        mxfp4x_bf16dp_gemv_block(w, r, xs, mr, nt, o, out_stride, row_end, 0);
                     }
                 }
                 continue;

@@ -251,6 +251,23 @@ static int mxfp4x_cpu_amd_family(void) {
     return v;
 }
 
+/* Whether the AVX-512 gemv kernels prefetch the row block after next (mxfp4x.h) into L1:
+ * on an AMD Zen 5 (family 1Ah); elsewhere into L2.  On a Zen 5 (one thread reads ~40 GB/s)
+ * whole gpt-oss-20b gate/up calls, the two builds alternated process by process (six
+ * rounds, medians, the order rotated): float32 T = 1 1.49 -> 1.42 ms on one thread, T = 4
+ * 5.21 -> 5.02 on one and 3.01 -> 2.84 on two; bf16 within +-3 %.  On a Zen 4 one block
+ * ahead into L2 had measured faster; Intel is unmeasured.  The kernels that prefetch so
+ * are compiled twice, the hint a constant in each: a run-time test per line made GCC
+ * duplicate the loops and spill their pointers, and gave the gain back.  -DMXFP4X_PF_L1=0
+ * or 1 forces it (benchmarks/kernel_bench.c). */
+static inline int mxfp4x_pf_into_l1(void) {
+#ifdef MXFP4X_PF_L1
+    return MXFP4X_PF_L1;
+#else
+    return mxfp4x_cpu_amd_family() == 0x1A;
+#endif
+}
+
 /* The ISAs a call may run by default on this CPU (mxfp4x_isa_default_mask); cached like
  * mxfp4x_cpu_isas. */
 static int mxfp4x_cpu_default_isas(void) {

@@ -272,14 +272,17 @@ MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_gguf(const uint8_t *base, int64_t row_stri
 /* ---- streaming the next row block in while the current one is computed ----
  *
  * A gemv call reads blocks of 4 rows; while it computes one, it prefetches the one after
- * next (MXFP4X_PF_AHEAD below) into L2 one line per group (two every eighth group: a GGUF block of 4 rows is 68 bytes per
- * group), in address order, and that block's scale bytes (a separate array) into L1 at
- * once.  Measured on an Intel Xeon with AVX-512 (one thread, weights streamed from DRAM,
+ * next (MXFP4X_PF_AHEAD below) into L2 one line per group (two every eighth group: a GGUF
+ * block of 4 rows is 68 bytes per group), in address order, and that block's scale bytes
+ * (a separate array) into L1 at once.  Measured on an Intel Xeon with AVX-512 (one thread, weights streamed from DRAM,
  * benchmarks/kernel_bench.c): one line per row every 4 groups, the 4 rows interleaved,
  * ran at 2.1 ns per row-group, the lines in address order at 2.0, and with the next
- * call's first block (next_blocks) fetched too at 1.75-1.8 (then one block ahead). */
+ * call's first block (next_blocks) fetched too at 1.75-1.8 (then one block ahead).
+ * The AVX-512 kernels are compiled twice, `l1` a constant in each: their lines go into L1
+ * on the cores where that measured faster (mxfp4x_pf_into_l1 in cpu.h: AMD Zen 5). */
 typedef struct {
     const char *p, *end;
+    int l1; /* fetch into L1 (T0) rather than L2 (T1) */
 } mxfp4x_pf_cursor;
 
 /* How far ahead, in blocks: the block after next.  On an AMD EPYC Zen 5 (one thread reads
@@ -308,6 +311,7 @@ MXFP4X_INLINE mxfp4x_pf_cursor mxfp4x_pf_block_ahead(const mxfp4x_rows *w, int64
              : (w->next_scales ? w->next_scales + past * w->row_stride_scales : NULL);
     c.p = (const char *)b;
     c.end = b ? (const char *)b + m * w->row_stride_blocks : (const char *)b;
+    c.l1 = 0;
     if (s && w->group_stride_scales == 1) { /* scales apart: their lines now, into L1 */
         const char *q = (const char *)s, *e = q + m * w->row_stride_scales;
         for (; q < e; q += 64) MXFP4X_PREFETCH(q);
@@ -321,17 +325,27 @@ MXFP4X_INLINE mxfp4x_pf_cursor mxfp4x_pf_next_block(const mxfp4x_rows *w, int64_
     return mxfp4x_pf_block_ahead(w, r, m, row_end, MXFP4X_PF_AHEAD);
 }
 
+/* The same, its lines into L1 if `l1` (a constant where the kernel is inlined). */
+MXFP4X_INLINE mxfp4x_pf_cursor mxfp4x_pf_next_block_to(const mxfp4x_rows *w, int64_t r, int m,
+                                                       int64_t row_end, int l1) {
+    mxfp4x_pf_cursor c = mxfp4x_pf_block_ahead(w, r, m, row_end, MXFP4X_PF_AHEAD);
+    c.l1 = l1;
+    return c;
+}
+
 /* One step per group (g): the next line, and a second one every eighth group. */
+#define MXFP4X_PF_LINE(c)                                                                  \
+    do {                                                                                   \
+        if ((c).l1)                                                                        \
+            MXFP4X_PREFETCH((c).p);                                                        \
+        else                                                                               \
+            MXFP4X_PREFETCH_L2((c).p);                                                     \
+        (c).p += 64;                                                                       \
+    } while (0)
 #define MXFP4X_PF_STEP(c, g)                                                               \
     do {                                                                                   \
-        if ((c).p < (c).end) {                                                             \
-            MXFP4X_PREFETCH_L2((c).p);                                                     \
-            (c).p += 64;                                                                   \
-        }                                                                                  \
-        if (((g) & 7) == 7 && (c).p < (c).end) {                                           \
-            MXFP4X_PREFETCH_L2((c).p);                                                     \
-            (c).p += 64;                                                                   \
-        }                                                                                  \
+        if ((c).p < (c).end) MXFP4X_PF_LINE(c);                                            \
+        if (((g) & 7) == 7 && (c).p < (c).end) MXFP4X_PF_LINE(c);                          \
     } while (0)
 
 /* Kernel signatures (one implementation per ISA, see dispatch.h).
