@@ -73,13 +73,13 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike,
         latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
         shared_output)
     _check_device(backend, x)
-    _check_forward_ad(backend, (x, mix, shared), "mxfp4_experts")
     if backend == "torch":  # plain PyTorch ops (differentiable; data-dependent routing, so
         # torch.compile(fullgraph=True) needs the default backend, which goes through the op)
         return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, x.dtype)
     if runs_direct((x, sel, mix, shared), (packed, scales)):  # what the op would run
-        # (the ids converted to int64 chunk by chunk, never whole)
+        # (the ids converted to int64 chunk by chunk, never whole); no forward-mode AD there
         return _cpu_impl.experts(x, packed, scales, sel, mix, shared, threads, isa=isa or None)
+    _check_forward_ad(backend, (x, mix, shared), "mxfp4_experts")
     # the custom op: compiled kernels for CPU tensors, the PyTorch path elsewhere
     return experts_op(packed)(x, packed, scales, _op_ids(sel), mix, shared, threads,
                               isa or "")
@@ -99,12 +99,12 @@ def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
     x, packed, scales, sel, _, _ = check_inputs(latent_tokens, packed_weights, scale_bytes,
                                                 selected_experts)
     _check_device(backend, x)
-    _check_forward_ad(backend, (x,), "mxfp4_experts_slots")
     if backend == "torch":
         return slots_torch(x, packed, scales, sel)
     if runs_direct((x, sel), (packed, scales)):  # what the op would run
         return _cpu_impl.experts(x, packed, scales, sel, None, None, threads,
                                  per_slot_outputs=True, isa=isa or None)
+    _check_forward_ad(backend, (x,), "mxfp4_experts_slots")
     return slots_op(packed)(x, packed, scales, _op_ids(sel), threads, isa or "")
 
 

@@ -7,6 +7,7 @@ per-expert tensors are never copied), or for GGUF blocks (``scales`` None) each 
 17-byte blocks contiguous, read in place; latents contiguous in their own dtype (16-bit
 ones stay 16-bit), expert ids int64, weights and results in the compute dtype.
 """
+import weakref
 from typing import Sequence, Union
 
 import numpy as np
@@ -37,8 +38,11 @@ def _rows_contiguous(t, inner):
 
 
 def _array(t):
-    """A zero-copy numpy view of a contiguous CPU tensor (16-bit floats as int16)."""
-    t = t.detach()
+    """A zero-copy numpy view of a contiguous CPU tensor (16-bit floats as int16).  Each
+    torch op costs a small call 10-30 us when the caches are cold (as they are after the
+    kernels stream the experts), so only the ops needed: no detach without a gradient."""
+    if t.requires_grad:
+        t = t.detach()
     if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.int16)
     return t.numpy()
@@ -73,19 +77,86 @@ def _table(n_experts, blocks, blocks_stride, row_stride_blocks, scales, scales_s
     return table
 
 
+def _stacked(packed, scales):
+    """Stacked experts as the driver's table: packed (E, O, G, 16) and scales (E, O, G),
+    or GGUF blocks (E, O, G, 17) with scales None.  Returns (table, d_out, n_groups,
+    owner): owner the tensors the table points into (a copy where rows were not
+    contiguous)."""
+    if scales is None:
+        width = GGUF_BLOCK_BYTES
+        if packed.dim() != 4 or packed.shape[3] != width or packed.dtype != torch.uint8:
+            raise ValueError(f"mxfp4x: expected uint8 GGUF blocks (E, O, G, {width}) (scales "
+                             f"None), got {tuple(packed.shape)} {packed.dtype}")
+        pk: torch.Tensor = _rows_contiguous(packed, 2)
+        table = _table(pk.shape[0], pk.data_ptr() + 1, pk.stride(0), pk.stride(1),
+                       pk.data_ptr(), pk.stride(0), pk.stride(1))
+        return table, pk.shape[1], pk.shape[2], pk
+    if packed.dim() != 4 or packed.shape[3] != GROUP_BYTES or not isinstance(
+            scales, torch.Tensor) or tuple(scales.shape) != tuple(packed.shape[:3]) or \
+            packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"mxfp4x: expected uint8 packed (E, O, G, 16) and scales "
+                         f"(E, O, G), got {tuple(packed.shape)} {packed.dtype} and "
+                         f"{tuple(getattr(scales, 'shape', ()))} "
+                         f"{getattr(scales, 'dtype', type(scales).__name__)}")
+    pk = _rows_contiguous(packed, 2)
+    sc: torch.Tensor = _rows_contiguous(scales, 1)
+    table = _table(pk.shape[0], pk.data_ptr(), pk.stride(0), pk.stride(1), sc.data_ptr(),
+                   sc.stride(0), sc.stride(1))
+    return table, pk.shape[1], pk.shape[2], (pk, sc)
+
+
+# The tables of stacked experts that calls were given, one per packed tensor, dropped when
+# that tensor is: building one (torch and numpy ops) took 90 of a small call's 240 us with
+# the caches cold, as the kernels leave them (AMD EPYC Zen 5).  A table holds addresses and
+# strides, never values: it is a function of the tensors' addresses, shapes, strides and
+# dtypes (_fingerprint), so an entry serves whenever those are the same (values changed in
+# place are read by the next call as ever).  It owns neither tensor (the call holds them),
+# so it never keeps a model's weights alive.
+_TABLES: dict = {}
+
+
+def _fingerprint(packed, scales):
+    one = (packed.data_ptr(), packed.shape, packed.stride(), packed.dtype)
+    return one if scales is None else \
+        (one, scales.data_ptr(), scales.shape, scales.stride(), scales.dtype)
+
+
+def _call_experts(packed: Bytes, scales: Bytes) -> _cpu.Experts:
+    """experts_of for one call's duration (packed and scales stay alive through it):
+    stacked tensors' tables come from _TABLES."""
+    if not isinstance(packed, torch.Tensor) or not (
+            scales is None or isinstance(scales, torch.Tensor)):
+        return experts_of(packed, scales)
+    fp = _fingerprint(packed, scales)
+    key = id(packed)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[1] == fp:
+        return hit[2]
+    table, d_out, n_groups, owner = _stacked(packed, scales)
+    form = "split" if scales is not None else "gguf"
+    if owner is not packed and not (isinstance(owner, tuple) and owner[0] is packed and
+                                    owner[1] is scales):
+        # rows copied to be contiguous: the table owns the copy, and is not kept
+        return _cpu.Experts(table, d_out=d_out, n_groups=n_groups, owner=owner, form=form)
+    ex = _cpu.Experts(table, d_out=d_out, n_groups=n_groups, owner=None, form=form)
+    _TABLES[key] = (weakref.ref(packed, _forget(key)), fp, ex)
+    return ex
+
+
+def _forget(key):
+    """The callback that drops _TABLES[key] when its packed tensor is freed."""
+    def drop(_ref):
+        _TABLES.pop(key, None)
+    return drop
+
+
 def _gguf_experts_of(packed: Bytes) -> _cpu.Experts:
     """GGUF block_mxfp4 blocks read in place: stacked (E, O, G, 17) or a list of E
     (O, G, 17) / (O, G*17); each row's blocks contiguous (else that expert is copied)."""
     width = GGUF_BLOCK_BYTES
     if isinstance(packed, torch.Tensor):
-        if packed.dim() != 4 or packed.shape[3] != width or packed.dtype != torch.uint8:
-            raise ValueError(f"mxfp4x: expected uint8 GGUF blocks (E, O, G, {width}) (scales "
-                             f"None), got {tuple(packed.shape)} {packed.dtype}")
-        pk: torch.Tensor = _rows_contiguous(packed, 2)
-        n_experts, d_out, n_groups = pk.shape[:3]
-        table = _table(n_experts, pk.data_ptr() + 1, pk.stride(0), pk.stride(1),
-                       pk.data_ptr(), pk.stride(0), pk.stride(1))
-        return _cpu.Experts(table, d_out=d_out, n_groups=n_groups, owner=pk, form="gguf")
+        table, d_out, n_groups, owner = _stacked(packed, None)
+        return _cpu.Experts(table, d_out=d_out, n_groups=n_groups, owner=owner, form="gguf")
     if not len(packed):
         raise ValueError("mxfp4x: expected at least one expert")
     p0 = _expert_bytes("packed_weights[0]", packed[0], None, width)
@@ -116,19 +187,8 @@ def experts_of(packed: Bytes, scales: Bytes) -> _cpu.Experts:
     if scales is None:
         return _gguf_experts_of(packed)
     if isinstance(packed, torch.Tensor):
-        if packed.dim() != 4 or packed.shape[3] != GROUP_BYTES or not isinstance(
-                scales, torch.Tensor) or tuple(scales.shape) != tuple(packed.shape[:3]) or \
-                packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
-            raise ValueError(f"mxfp4x: expected uint8 packed (E, O, G, 16) and scales "
-                             f"(E, O, G), got {tuple(packed.shape)} {packed.dtype} and "
-                             f"{tuple(getattr(scales, 'shape', ()))} "
-                             f"{getattr(scales, 'dtype', type(scales).__name__)}")
-        pk: torch.Tensor = _rows_contiguous(packed, 2)
-        sc: torch.Tensor = _rows_contiguous(scales, 1)
-        n_experts, d_out, n_groups = pk.shape[:3]
-        table = _table(n_experts, pk.data_ptr(), pk.stride(0), pk.stride(1), sc.data_ptr(),
-                       sc.stride(0), sc.stride(1))
-        return _cpu.Experts(table, d_out=d_out, n_groups=n_groups, owner=(pk, sc))
+        table, d_out, n_groups, owner = _stacked(packed, scales)
+        return _cpu.Experts(table, d_out=d_out, n_groups=n_groups, owner=owner)
     if isinstance(scales, torch.Tensor):
         raise ValueError("scale_bytes: expected a list of per-expert tensors, as "
                          "packed_weights is")
@@ -171,16 +231,21 @@ class _Staged:
     instead of 21 MiB for 400000 tokens)."""
 
     def __init__(self, t, dtype, chunks):
-        self.t, self.buf = t.detach(), None
-        if not (self.t.is_contiguous() and self.t.dtype == dtype):
+        self.t, self.dtype, self.buf = t.detach() if t.requires_grad else t, dtype, None
+        self.ready = self.t.is_contiguous() and self.t.dtype == dtype
+        if not self.ready and len(chunks) > 1:
             longest = max(t1 - t0 for t0, t1 in chunks)
             self.buf = torch.empty((longest, *self.t.shape[1:]), dtype=dtype)
 
     def rows(self, t0, t1, per_slot=False):
-        """Tokens [t0, t1) as 2-D rows: (tokens, W), or per slot (tokens * K, W)."""
-        c = self.t[t0:t1]
+        """Tokens [t0, t1) as 2-D rows: (tokens, W), or per slot (tokens * K, W).  A call of
+        one chunk takes the tensor itself, or one converted copy (no slices, no buffer:
+        fewer torch ops, see _array)."""
+        c = self.t if t0 == 0 and t1 == self.t.shape[0] else self.t[t0:t1]
         if self.buf is not None:
             c = self.buf[:t1 - t0].copy_(c)
+        elif not self.ready:  # one chunk
+            c = c.to(self.dtype).contiguous()
         # explicit sizes: reshape(-1, 0) of an empty tensor is ambiguous
         return c.reshape(c.shape[0] * c.shape[1], c.shape[-1]) if per_slot else c
 
@@ -273,7 +338,7 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
     compute = accumulation_dtype(x.dtype)
     n_tokens, top_k = sel.shape
     slot_latents = x.dim() == 3
-    ex = experts_of(packed, scales)
+    ex = _call_experts(packed, scales)
     k_out = top_k if per_slot_outputs else 1
     if not per_slot_outputs and tuple(shared.shape) != (n_tokens, ex.d_out):
         raise ValueError(f"shared_output: expected ({n_tokens}, {ex.d_out}), got "
@@ -305,7 +370,8 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
                   selected=sel64, mix=mix_arr, src=_array(xs.rows(t0, t1, slot_latents)),
                   src_dtype=_DTYPE_NAMES[x.dtype],
                   src_rows="slot" if slot_latents else "token",
-                  dst=_array(result[t0 * k_out:t1 * k_out]), dst_dtype=_DTYPE_NAMES[x.dtype],
+                  dst=_array(result if len(chunks) == 1 else result[t0 * k_out:t1 * k_out]),
+                  dst_dtype=_DTYPE_NAMES[x.dtype],
                   dst_rows="slot" if per_slot_outputs else "token",
                   init=None if shared_s is None else _array(shared_s.rows(t0, t1)),
                   init_dtype=None if start_dtype is None else _DTYPE_NAMES[start_dtype],
@@ -319,7 +385,7 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
     outputs) has weight 1 (mix None)."""
     compute = accumulation_dtype(x.dtype)
     slot_latents, slot_grad = x.dim() == 3, grad.dim() == 3
-    ex = experts_of(packed, scales)
+    ex = _call_experts(packed, scales)
     n_tokens, top_k = sel.shape
     k_in = top_k if slot_latents else 1
     result = torch.empty((n_tokens * k_in, x.shape[-1]), dtype=x.dtype)

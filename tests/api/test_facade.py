@@ -186,3 +186,92 @@ def test_sparse_input_is_a_type_error(rng):
     layer = random_layer(rng, 2, 1, 2, 3, 1)
     with pytest.raises(TypeError, match="shared_output.*strided"):
         mxfp4x.mxfp4_experts(**dict(layer, shared_output=layer["shared_output"].to_sparse()))
+
+
+def _same_as_fresh(layer, **kw):
+    """The call's result, and the same call on fresh copies of the weights (a table that
+    was never cached): the two must be the same bits."""
+    y = mxfp4x.mxfp4_experts(**layer, **kw)
+    fresh = dict(layer, packed_weights=layer["packed_weights"].clone(),
+                 scale_bytes=None if layer["scale_bytes"] is None else
+                 layer["scale_bytes"].clone())
+    return y, mxfp4x.mxfp4_experts(**fresh, **kw)
+
+
+@pytest.mark.parametrize("form", ["split", "gguf"])
+def test_weights_changed_in_place_or_replaced_are_read_again(rng, form):
+    """Calls keep a table of each stacked weight tensor's addresses: whatever the caller
+    does to the tensor between calls (new values, another storage, another shape or
+    strides, another scale tensor), a call reads what the tensors hold then."""
+    from mxfp4x import _cpu_impl
+    from mxfp4x.testing.layers import gguf_blocks_of
+
+    layer = random_layer(rng, 5, 2, 4, 7, 3)
+    if form == "gguf":
+        blocks = gguf_blocks_of(layer["packed_weights"], layer["scale_bytes"])
+        layer = dict(layer, packed_weights=torch.as_tensor(blocks), scale_bytes=None)
+    packed = layer["packed_weights"]
+    y0, ref0 = _same_as_fresh(layer)
+    assert torch.equal(y0, ref0)
+    assert id(packed) in _cpu_impl._TABLES  # kept, and then served
+    assert torch.equal(mxfp4x.mxfp4_experts(**layer), ref0)
+    # new values in place (the table holds addresses, never values)
+    packed[:, :, :, -1].random_(0, 256, generator=torch.Generator().manual_seed(1))
+    y1, ref1 = _same_as_fresh(layer)
+    assert torch.equal(y1, ref1) and not torch.equal(y1, y0)
+    # another storage behind the same tensor object
+    other = torch.from_numpy(rng.integers(0, 256, tuple(packed.shape), dtype=np.uint8))
+    if form == "gguf":  # keep valid scale bytes in the blocks
+        other[..., 0] = packed[..., 0]
+    packed.data = other
+    y2, ref2 = _same_as_fresh(layer)
+    assert torch.equal(y2, ref2) and not torch.equal(y2, y1)
+    # the same bytes seen with other strides (a transposed copy, transposed back)
+    packed.data = packed.data.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not packed.is_contiguous()
+    y3, ref3 = _same_as_fresh(layer)
+    assert torch.equal(y3, ref3) and torch.equal(y3, y2)
+    # fewer experts: the same object resized in place
+    packed.data = packed.data.contiguous()
+    packed.resize_(3, *packed.shape[1:])
+    layer["selected_experts"] = layer["selected_experts"] % 3
+    if form == "split":
+        layer["scale_bytes"] = layer["scale_bytes"][:3].clone()
+    y4, ref4 = _same_as_fresh(layer)
+    assert torch.equal(y4, ref4)
+    if form == "split":  # another scale tensor with the same packed tensor
+        layer["scale_bytes"] = layer["scale_bytes"] + 1
+        y5, ref5 = _same_as_fresh(layer)
+        assert torch.equal(y5, ref5) and not torch.equal(y5, y4)
+
+
+def test_weights_are_not_kept_alive_by_calls(rng):
+    """The tables calls keep own no tensor: weights the caller drops are freed at once,
+    and their table with them."""
+    import gc
+    import weakref
+
+    from mxfp4x import _cpu_impl
+
+    gc.collect()
+    layer = random_layer(rng, 3, 2, 4, 7, 2)
+    mxfp4x.mxfp4_experts(**layer)
+    key = id(layer["packed_weights"])
+    assert key in _cpu_impl._TABLES
+    packed, scales = weakref.ref(layer["packed_weights"]), weakref.ref(layer["scale_bytes"])
+    del layer
+    assert packed() is None and scales() is None  # freed without a garbage collection
+    assert key not in _cpu_impl._TABLES
+
+
+def test_weights_with_strided_rows_are_copied_per_call(rng):
+    """Stacked weights whose rows are not contiguous are copied for the call (the kernels
+    read rows of contiguous bytes), never kept."""
+    from mxfp4x import _cpu_impl
+
+    layer = random_layer(rng, 3, 2, 4, 7, 2)
+    wide = torch.zeros(4, 7, 2, 32, dtype=torch.uint8)
+    wide[..., ::2] = layer["packed_weights"]
+    strided = dict(layer, packed_weights=wide[..., ::2])
+    assert torch.equal(mxfp4x.mxfp4_experts(**strided), mxfp4x.mxfp4_experts(**layer))
+    assert id(strided["packed_weights"]) not in _cpu_impl._TABLES
