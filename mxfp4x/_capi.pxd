@@ -25,6 +25,8 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
 
     int MXFP4X_NIBBLES_PAIRS
     int MXFP4X_NIBBLES_HALVES
+    float mxfp4x_bf16_to_f32(uint16_t h)
+    float mxfp4x_f16_to_f32(uint16_t h)
 
     ctypedef struct mxfp4x_rows:
         const uint8_t *blocks

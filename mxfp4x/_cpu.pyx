@@ -362,8 +362,9 @@ cdef class Call:
     float32, float64, bfloat16, float16 (16-bit latents come as 2-byte integer views);
     ``src_rows`` / ``dst_rows`` "token" or "slot".  Arrays are C-contiguous numpy
     arrays: ``selected`` (n_tokens, top_k) int64; ``mix`` (n_tokens, top_k) of
-    ``compute``, or None where the d_out side is per slot; ``src`` and ``dst`` 2-D,
-    one row per token or per slot.  ``isa`` None runs the default ISA.
+    ``mix_dtype`` (None: ``compute``; or bfloat16 / float16, converted exactly here), or
+    None where the d_out side is per slot; ``src`` and ``dst`` 2-D, one row per token or
+    per slot.  ``isa`` None runs the default ISA.
 
     ``dst_dtype`` (None: ``compute``) may be "bfloat16" or "float16" with float32
     compute: every sum is then taken in float32 and rounded once into ``dst``.  ``init``
@@ -377,10 +378,13 @@ cdef class Call:
     cdef readonly Experts experts
     cdef readonly str isa
     cdef object _keep
+    cdef void *_mix  # 16-bit mixture weights converted into compute, or NULL
 
     def __cinit__(self, Experts experts not None, *, str product, str compute, selected, mix,
                   src, str src_dtype, str src_rows, dst, str dst_rows, isa=None,
-                  int n_threads=1, str dst_dtype=None, init=None, str init_dtype=None):
+                  int n_threads=1, str dst_dtype=None, init=None, str init_dtype=None,
+                  str mix_dtype=None):
+        self._mix = NULL
         self.experts = experts
         self._keep = (selected, mix, src, dst, init)
         self.desc.kernels = kernels_of(isa)
@@ -400,8 +404,29 @@ cdef class Call:
         self.desc.init = NULL
         self.desc.init_dtype = self.desc.compute
         self._check(compute, selected, mix, src, src_dtype, src_rows, dst, dst_rows,
-                    dst_dtype)
+                    dst_dtype, compute if mix_dtype is None else mix_dtype)
         self._check_init(compute, mix, dst_dtype, init, init_dtype)
+
+    def __dealloc__(self):
+        free(self._mix)
+
+    cdef _convert_mix(self, str compute, str mix_dtype, uintptr_t src):
+        """16-bit mixture weights (bit patterns at src) into compute, exactly: a torch
+        conversion before the call cost a small call ~25 us with the caches cold."""
+        cdef int64_t p, n = self.desc.n_tokens * self.desc.top_k
+        cdef const uint16_t *h = <const uint16_t *>src
+        cdef bint bf16 = mix_dtype == "bfloat16", f64 = compute == "float64"
+        cdef float v
+        self._mix = malloc(max(n, 1) * _ITEMSIZE[compute])
+        if self._mix == NULL:
+            raise MemoryError("mxfp4x: cannot allocate the mixture weights")
+        for p in range(n):
+            v = c.mxfp4x_bf16_to_f32(h[p]) if bf16 else c.mxfp4x_f16_to_f32(h[p])
+            if f64:
+                (<double *>self._mix)[p] = v
+            else:
+                (<float *>self._mix)[p] = v
+        self.desc.mix = <const void *>self._mix
 
     cdef _check_init(self, str compute, mix, str dst_dtype, init, init_dtype):
         """The start of the forward sums: init's mode, shape and dtype."""
@@ -424,7 +449,7 @@ cdef class Call:
             _ITEMSIZE[init_dtype], f"{init_dtype} start of each token's sums")
 
     cdef _check(self, str compute, selected, mix, src, str src_dtype, str src_rows, dst,
-                str dst_rows, str dst_dtype):
+                str dst_rows, str dst_dtype, str mix_dtype):
         """Every array's shape, item size and contiguity, and the rules between modes."""
         cdef int64_t n_tokens, top_k
         cdef bint forward = self.desc.product == c.MXFP4X_FORWARD
@@ -454,8 +479,13 @@ cdef class Call:
         if (mix is None) != (y_rows == "slot"):
             raise ValueError(f"mix: {'not ' if y_rows == 'slot' else ''}expected where the "
                              f"d_out side is per {y_rows} (per-token sums are weighted)")
+        if mix_dtype not in (compute, "bfloat16", "float16"):
+            raise ValueError(f"mix_dtype: expected {compute!r}, 'bfloat16' or 'float16', got "
+                             f"{mix_dtype!r}")
         self.desc.mix = NULL if mix is None else <const void *>_address(
-            mix, "mix", (n_tokens, top_k), _ITEMSIZE[compute], f"{compute} mixture weights")
+            mix, "mix", (n_tokens, top_k), _ITEMSIZE[mix_dtype], f"{mix_dtype} mixture weights")
+        if mix is not None and mix_dtype != compute:
+            self._convert_mix(compute, mix_dtype, <uintptr_t>self.desc.mix)
         rows = {"token": n_tokens, "slot": n_tokens * top_k}
         self.desc.src = <const void *>_address(
             src, "src", (rows[src_rows], d_in if forward else d_out), _ITEMSIZE[src_dtype],

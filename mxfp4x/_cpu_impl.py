@@ -282,7 +282,7 @@ def _pair_bytes(item):
 
 
 def _pairs(sel, mix, t0, t1):
-    """Tokens [t0, t1) of the expert ids (int64) and weights (compute dtype, or None), as
+    """Tokens [t0, t1) of the expert ids (int64) and weights (of _mix_dtype, or None), as
     numpy arrays (``sel``, ``mix``: _Staged)."""
     return _array(sel.rows(t0, t1)), None if mix is None else _array(mix.rows(t0, t1))
 
@@ -301,6 +301,18 @@ def _forward_token_bytes(dtype, n_groups, d_out, top_k, k_in, k_out, n_threads, 
     sums = _cpu.forward_sums_columns(d_out, n_threads, isa=isa, bf16=bf16) \
         if compute != dtype else 0
     return latents + item * k_out * sums + top_k * _pair_bytes(item)
+
+
+def _mix_dtype(mix, compute):
+    """The dtype the driver reads the mixture weights in: 16-bit ones as they are (it
+    converts them exactly), others in the compute dtype."""
+    return mix.dtype if mix is not None and mix.dtype in (torch.bfloat16, torch.float16) \
+        else compute
+
+
+def _mix_bytes(mix, mix_dtype, compute):
+    """Bytes per token of the driver's converted copy of 16-bit mixture weights."""
+    return 0 if mix is None or mix_dtype == compute else mix.shape[1] * compute.itemsize
 
 
 def _copy_bytes(t, dtype):
@@ -357,11 +369,13 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
     n_threads = _threads.resolve(num_threads)
     if per_slot_outputs:
         mix = shared = None
-    staged = ((x, x.dtype), (shared, start_dtype), (sel, torch.int64), (mix, compute))
+    mix_dtype = _mix_dtype(mix, compute)
+    staged = ((x, x.dtype), (shared, start_dtype), (sel, torch.int64), (mix, mix_dtype))
     chunks = [(0, n_tokens)] if n_tokens <= _MIN_CHUNK_TOKENS else _chunks(
         n_tokens, _forward_token_bytes(x.dtype, ex.n_groups, ex.d_out, top_k, k_in, k_out,
                                        n_threads, isa) +
-        sum(_copy_bytes(t, d) for t, d in staged), _chunk_bound(ex))
+        sum(_copy_bytes(t, d) for t, d in staged) + _mix_bytes(mix, mix_dtype, compute),
+        _chunk_bound(ex))
     xs, shared_s, sel_s, mix_s = (None if t is None else _Staged(t, d, chunks)
                                   for t, d in staged)
     for t0, t1 in chunks:
@@ -375,7 +389,7 @@ def experts(x, packed, scales, sel, mix, shared, num_threads, *, per_slot_output
                   dst_rows="slot" if per_slot_outputs else "token",
                   init=None if shared_s is None else _array(shared_s.rows(t0, t1)),
                   init_dtype=None if start_dtype is None else _DTYPE_NAMES[start_dtype],
-                  isa=isa, n_threads=n_threads).run()
+                  mix_dtype=_DTYPE_NAMES[mix_dtype], isa=isa, n_threads=n_threads).run()
     return result.view(n_tokens, top_k, ex.d_out) if per_slot_outputs else result
 
 
@@ -398,9 +412,10 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
     # chunk's copy of the gradient where it is converted or not contiguous
     if slot_grad:
         mix = None
-    staged = ((grad, g_dtype), (sel, torch.int64), (mix, compute))
+    mix_dtype = _mix_dtype(mix, compute)
+    staged = ((grad, g_dtype), (sel, torch.int64), (mix, mix_dtype))
     per_token = item * k_in * ex.n_groups * 32 + top_k * _pair_bytes(item) + \
-        sum(_copy_bytes(t, d) for t, d in staged)
+        sum(_copy_bytes(t, d) for t, d in staged) + _mix_bytes(mix, mix_dtype, compute)
     n_threads = _threads.resolve(num_threads)
     chunks = _chunks(n_tokens, per_token, _chunk_bound(ex))
     grad_s, sel_s, mix_s = (None if t is None else _Staged(t, d, chunks) for t, d in staged)
@@ -410,6 +425,6 @@ def grad_latents(grad, packed, scales, sel, mix, x, num_threads, *, isa=None):
                   selected=sel64, mix=mix_arr, src=_array(grad_s.rows(t0, t1, slot_grad)),
                   src_dtype=_DTYPE_NAMES[g_dtype], src_rows="slot" if slot_grad else "token",
                   dst=_array(result[t0 * k_in:t1 * k_in]), dst_dtype=_DTYPE_NAMES[x.dtype],
-                  dst_rows="slot" if slot_latents else "token", isa=isa,
-                  n_threads=n_threads).run()
+                  dst_rows="slot" if slot_latents else "token",
+                  mix_dtype=_DTYPE_NAMES[mix_dtype], isa=isa, n_threads=n_threads).run()
     return result.view(x.shape)

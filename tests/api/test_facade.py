@@ -275,3 +275,45 @@ def test_weights_with_strided_rows_are_copied_per_call(rng):
     strided = dict(layer, packed_weights=wide[..., ::2])
     assert torch.equal(mxfp4x.mxfp4_experts(**strided), mxfp4x.mxfp4_experts(**layer))
     assert id(strided["packed_weights"]) not in _cpu_impl._TABLES
+
+
+@pytest.mark.parametrize("x_dtype,mix_dtype", [
+    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+    (torch.float64, torch.bfloat16), (torch.float64, torch.float16)], ids=str)
+def test_16bit_mixture_weights_read_as_they_are(rng, x_dtype, mix_dtype):
+    """16-bit mixture weights reach the driver as they are and are converted there,
+    exactly: the same bits as the weights converted beforehand, subnormal, negative and
+    zero weights included, forward and latents' gradient."""
+    layer = random_layer(rng, 7, 3, 4, 9, 2, dtype=x_dtype)
+    mix = torch.from_numpy(rng.standard_normal((7, 3))).to(mix_dtype)
+    mix[0, 0], mix[1, 1], mix[2, 2] = 0.0, -0.0, torch.finfo(mix_dtype).tiny / 4
+    compute = torch.float64 if x_dtype == torch.float64 else torch.float32
+    y = mxfp4x.mxfp4_experts(**dict(layer, mixture_weights=mix))
+    ref = mxfp4x.mxfp4_experts(**dict(layer, mixture_weights=mix.to(compute)))
+    assert torch.equal(y.view(torch.uint8), ref.view(torch.uint8))
+    x = layer["latent_tokens"].clone().requires_grad_()
+    g = torch.from_numpy(rng.standard_normal(tuple(layer["shared_output"].shape))).to(x_dtype)
+    grads = []
+    for m in (mix, mix.to(compute)):
+        x.grad = None
+        mxfp4x.mxfp4_experts(**dict(layer, latent_tokens=x, mixture_weights=m)).backward(g)
+        grads.append(x.grad.clone())
+    assert torch.equal(grads[0].view(torch.uint8), grads[1].view(torch.uint8))
+
+
+def test_driver_checks_the_mixture_dtype(rng):
+    from mxfp4x import _cpu, _cpu_impl
+
+    layer = random_layer(rng, 2, 2, 3, 5, 1)
+    ex = _cpu_impl.experts_of(layer["packed_weights"], layer["scale_bytes"])
+    call = dict(product="forward", compute="float32", selected=layer["selected_experts"].numpy(),
+                mix=layer["mixture_weights"].numpy(), src=layer["latent_tokens"].numpy(),
+                src_dtype="float32", src_rows="token", dst=np.zeros((2, 5), np.float32),
+                dst_rows="token")
+    with pytest.raises(ValueError, match="mix_dtype: expected 'float32', 'bfloat16' or "
+                                         "'float16', got 'float64'"):
+        _cpu.Call(ex, **call, mix_dtype="float64")
+    with pytest.raises(ValueError, match=r"mix: expected a C-contiguous \(2, 2\) array of "
+                                         r"2-byte items"):
+        _cpu.Call(ex, **call, mix_dtype="bfloat16")
