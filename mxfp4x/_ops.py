@@ -73,7 +73,7 @@ def _mix_grad(x, packed, scales, sel, grad, acc, num_threads, isa):
 
 
 def _plain_cpu(t, grad):
-    return type(t) in _PLAIN and t.device.type == "cpu" and not (grad and t.requires_grad)
+    return type(t) in _PLAIN and t.is_cpu and not (grad and t.requires_grad)
 
 
 def forward_ad_in_use(tensors) -> bool:
