@@ -134,8 +134,8 @@ def _call_experts(packed: Bytes, scales: Bytes) -> _cpu.Experts:
         return hit[2]
     table, d_out, n_groups, owner = _stacked(packed, scales)
     form = "split" if scales is not None else "gguf"
-    if owner is not packed and not (isinstance(owner, tuple) and owner[0] is packed and
-                                    owner[1] is scales):
+    given, kept = ((packed,), (owner,)) if scales is None else ((packed, scales), owner)
+    if any(k is not t for k, t in zip(kept, given, strict=True)):
         # rows copied to be contiguous: the table owns the copy, and is not kept
         return _cpu.Experts(table, d_out=d_out, n_groups=n_groups, owner=owner, form=form)
     ex = _cpu.Experts(table, d_out=d_out, n_groups=n_groups, owner=None, form=form)

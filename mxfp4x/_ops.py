@@ -54,7 +54,7 @@ def _mix_grad(x, packed, scales, sel, grad, acc, num_threads, isa):
         return (slots.to(acc) * grad.to(acc).unsqueeze(1)).sum(-1)
     per_token = acc.itemsize * (2 * top_k * d_out + x.shape[1:].numel() + d_out)
     chunks = _cpu_impl._chunks(n_tokens, per_token,
-                               _cpu_impl._chunk_bound(_cpu_impl.experts_of(packed, scales)))
+                               _cpu_impl._chunk_bound(_cpu_impl._call_experts(packed, scales)))
     longest = max(t1 - t0 for t0, t1 in chunks)
     d_mix = torch.empty(sel.shape, dtype=acc)
     slots_buf = torch.empty((longest, top_k, d_out), dtype=x_acc)

@@ -274,10 +274,11 @@ MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_gguf(const uint8_t *base, int64_t row_stri
  * A gemv call reads blocks of 4 rows; while it computes one, it prefetches the one after
  * next (MXFP4X_PF_AHEAD below) into L2 one line per group (two every eighth group: a GGUF
  * block of 4 rows is 68 bytes per group), in address order, and that block's scale bytes
- * (a separate array) into L1 at once.  Measured on an Intel Xeon with AVX-512 (one thread, weights streamed from DRAM,
- * benchmarks/kernel_bench.c): one line per row every 4 groups, the 4 rows interleaved,
- * ran at 2.1 ns per row-group, the lines in address order at 2.0, and with the next
- * call's first block (next_blocks) fetched too at 1.75-1.8 (then one block ahead).
+ * (a separate array) into L1 at once.  Measured on an Intel Xeon with AVX-512 (one
+ * thread, weights streamed from DRAM, benchmarks/kernel_bench.c): one line per row every
+ * 4 groups, the 4 rows interleaved, ran at 2.1 ns per row-group, the lines in address
+ * order at 2.0, and with the next call's first block (next_blocks) fetched too at
+ * 1.75-1.8 (then one block ahead).
  * The AVX-512 kernels are compiled twice, `l1` a constant in each: their lines go into L1
  * on the cores where that measured faster (mxfp4x_pf_into_l1 in cpu.h: AMD Zen 5). */
 typedef struct {
