@@ -4,7 +4,11 @@ One MoE projection of --shape (default: gpt-oss-20b's gate/up), random MXFP4 wei
 in-process. A slice of each result is checked against the float64 reference, then the CPU
 kernels and the torch backend are timed and shown beside the floors of each case, from
 this machine's roofs measured in the same run: bytes / memory read bandwidth, flops / FMA
-peak, and torch.matmul on the decoded weights (x: time / floor)."""
+peak, and torch.matmul on the decoded weights (x: time / floor).
+
+--device cuda times the torch backend on the GPU instead, beside the GPU's own roofs
+(device memory read bandwidth, torch.matmul's float32 and latent-dtype rates) and
+torch.matmul on weights decoded on the GPU."""
 import json
 import os
 import time
@@ -31,6 +35,8 @@ def add_arguments(parser):
     parser.add_argument("--shape", choices=sorted(_bench.SHAPES), default="gpt-oss-20b-gate-up")
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 128])
     parser.add_argument("--threads", type=thread_count, nargs="+", default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: the torch backend on the GPU, against the GPU's roofs")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
                         default="float32")
     parser.add_argument("--repeats", type=positive_int, default=5)
@@ -59,12 +65,29 @@ def _plot_path(path, error):
     return path
 
 
+def _check_cuda(args, error, needed):
+    if not torch.cuda.is_available():
+        error("argument --device: cuda needs a GPU and a CUDA build of torch "
+              "(torch.cuda.is_available() is False here)")
+    if args.threads:
+        error("argument --threads: sets CPU threads; leave it out with --device cuda")
+    if args.no_torch:
+        error("argument --no-torch: with --device cuda the torch backend is what is timed")
+    free, total = torch.cuda.mem_get_info()
+    if needed > free:
+        error(f"argument --shape: needs at least {needed / 1e9:.1f} GB of GPU memory, "
+              f"{free / 1e9:.1f} GB of the GPU's {total / 1e9:.1f} GB are free")
+
+
 def check(args, error):
-    n_experts, _, d_out, d_in = _bench.SHAPES[args.shape]
+    n_experts, top_k, d_out, d_in = _bench.SHAPES[args.shape]
     experts = n_experts * matrix_bytes(d_out, d_in)
     memory(experts, "argument --shape", error)
     tokens = args.repeats * max(args.tokens) * (d_in + d_out) * getattr(torch, args.dtype).itemsize
     memory(experts + tokens, "argument --tokens", error)
+    if args.device == "cuda":
+        # the experts, the tokens, and the peer's top_k decoded float32 matrices
+        _check_cuda(args, error, experts + tokens + top_k * d_out * d_in * 4)
     if args.json:
         writable(args.json, "argument --json", error)
     if args.plot:
@@ -110,6 +133,8 @@ def _measure(args, calls, packed, scales, th, case, roofs, isa):
 
 
 def run(args):
+    if args.device == "cuda":
+        return _run_cuda(args)
     n_experts, top_k, d_out, d_in = _bench.SHAPES[args.shape]
     dtype = getattr(torch, args.dtype)
     threads = args.threads or [default_threads()]
@@ -146,6 +171,10 @@ def run(args):
                   f"(x{r['vs_floor']:.2f}; read floor x{r['vs_read']:.2f}, on torch's memory "
                   f"x{r['vs_read_torch']:.2f})  decoded-matmul "
                   f"{r['matmul_ms']:8.2f} ms (x{r['vs_matmul']:.2f})", flush=True)
+    return _finish(args, rows)
+
+
+def _finish(args, rows):
     print("check: a slice of every T matches the float64 reference within the float32 bound")
     if args.json:
         with atomic_write(args.json, "w") as f:
@@ -153,6 +182,51 @@ def run(args):
     if args.plot:
         _plot(rows, args.plot)
     return 0
+
+
+def _run_cuda(args, device=None, roof_sizes=()):
+    """The torch backend on the GPU, each case beside the GPU's floors and peer
+    (``device``, ``roof_sizes``: another device and smaller roofs, for a check without
+    a GPU)."""
+    from mxfp4x.testing import gpu
+
+    n_experts, top_k, d_out, d_in = _bench.SHAPES[args.shape]
+    dtype, device = getattr(torch, args.dtype), device or torch.device("cuda")
+    roofs = gpu.measure(device, dtype, *roof_sizes)
+    mm = roofs["matmul_gflops"]
+    print(f"roofs: {roofs['device']}: read {roofs['read_gbps']:.0f} GB/s; torch.matmul "
+          f"float32 {mm['float32'] / 1e3:.1f} TFLOP/s (TF32 off)" +
+          (f", {args.dtype} {mm[args.dtype] / 1e3:.1f}" if args.dtype != "float32" else ""))
+    packed, scales = (t.to(device) for t in _bench.make_experts(n_experts, d_out, d_in))
+    print(f"mxfp4x {mxfp4x.__version__}: {args.shape} E={n_experts} K={top_k} O={d_out} "
+          f"I={d_in}, {dtype}, torch backend on {roofs['device']}, packed "
+          f"{(packed.numel() + scales.numel()) / 1e6:.0f} MB")
+    rows = []
+    for n_tokens in args.tokens:
+        calls = [tuple(t.to(device) for t in _bench.make_tokens(
+            n_tokens, top_k, n_experts, d_in, d_out, dtype, call=i)) for i in range(args.repeats)]
+        _check_result(calls[0], packed, scales, d_out)
+
+        def call(i, calls=calls):
+            x, sel, mix, shared = calls[i % len(calls)]
+            mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared)
+        t = gpu.synchronized_time(call, device, args.repeats)
+        n_bytes = _bench.streamed_bytes(packed, scales, calls[0][1])
+        n_flops = _bench.flops(n_tokens, top_k, d_out, d_in)
+        read_s = n_bytes / (roofs["read_gbps"] * 1e9)
+        # the torch backend multiplies in float32 whatever the latents' dtype
+        floor_s = max(read_s, n_flops / (mm["float32"] * 1e9))
+        t_mm = gpu.matmul_peer(n_tokens, top_k, d_out, d_in, dtype, device)
+        r = dict(tokens=n_tokens, threads=None, device=roofs["device"], torch_ms=t * 1e3,
+                 gbps=n_bytes / t / 1e9, gflops=n_flops / t / 1e9,
+                 read_floor_ms=read_s * 1e3, floor_ms=floor_s * 1e3, matmul_ms=t_mm * 1e3,
+                 vs_read=t / read_s, vs_floor=t / floor_s, vs_matmul=t / t_mm)
+        rows.append(r)
+        print(f"T={n_tokens:<5d} cuda  torch backend {r['torch_ms']:9.3f} ms "
+              f"({r['gbps']:7.1f} GB/s, {r['gflops']:8.1f} GFLOP/s)  | floor "
+              f"{r['floor_ms']:8.3f} ms (x{r['vs_floor']:.2f}; read floor x{r['vs_read']:.2f})"
+              f"  decoded-matmul {r['matmul_ms']:8.3f} ms (x{r['vs_matmul']:.2f})", flush=True)
+    return _finish(args, rows)
 
 
 def _plot(rows, path):
@@ -163,12 +237,13 @@ def _plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for th in sorted({r["threads"] for r in rows}):
+    for th in sorted({r["threads"] for r in rows}, key=str):
         rs = [r for r in rows if r["threads"] == th]
+        where = f"{th} thread(s)" if th else rs[0]["device"]
         ax.plot([r["tokens"] for r in rs], [r["gflops"] for r in rs], "o-",
-                label=f"mxfp4x, {th} thread(s)")
+                label=f"mxfp4x, {where}")
         ax.plot([r["tokens"] for r in rs], [r["gflops"] * r["vs_matmul"] for r in rs], "--",
-                label=f"decoded torch.matmul, {th} thread(s)")
+                label=f"decoded torch.matmul, {where}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens T")
     ax.set_ylabel("GFLOP/s")

@@ -87,6 +87,11 @@ BAD = [  # argv ({placeholders}), what the error line must name
     (["bench", "--repeats", "0"], "--repeats"),
     (["bench", "--dtype", "int8"], "--dtype"),
     (["bench", "--shape", "gpt-oss-200b"], "--shape"),
+    (["bench", "--device", "tpu"], "--device"),
+    pytest.param(["bench", "--device", "cuda"], "--device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a GPU is here")),
+    pytest.param(["bench", "--device", "cuda", "--threads", "2"], "--threads",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
     (["bench", "--json", "{missing}/x.json"], "--json"),
     (["bench", "--json", "{tmp}"], "--json"),
     (["bench", "--plot", "{tmp}/gflops.png"], "--plot"),

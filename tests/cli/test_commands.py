@@ -1,6 +1,7 @@
 """python -m mxfp4x: the one place commands are listed, each command's --help, and the
 commands a quick run can afford (layer runs in tests/models/test_kimi_k3.py; bench is CI's main
 job)."""
+import argparse
 import json
 import os
 import pkgutil
@@ -107,3 +108,24 @@ def test_bf16_latents_take_the_bf16_units_floor():
     assert floor("avx512bf16", "float32") == pytest.approx(0.04)
     assert floor("avx512", "bfloat16") == pytest.approx(0.04)
     assert floor("avx512bf16", "bfloat16", dict(roofs, bf16_dot_gflops={})) == pytest.approx(0.04)
+
+
+def test_bench_device_path_runs_off_a_gpu(tmp_path, capsys):
+    """bench --device cuda's measuring code, run on the CPU with small roofs (the CI has
+    no GPU; tests/cuda runs the command itself on one): a checked result, one row per T
+    with its floors and peer, and the JSON it writes."""
+    from mxfp4x.cli import bench
+
+    out = tmp_path / "gpu.json"
+    args = argparse.Namespace(shape="gpt-oss-20b-down", tokens=[1, 3], dtype="bfloat16",
+                              repeats=1, json=str(out), plot=None)
+    assert bench._run_cuda(args, torch.device("cpu"), roof_sizes=(1 << 20, 128)) == 0
+    text = capsys.readouterr().out
+    assert "roofs: cpu: read" in text and "torch.matmul float32" in text
+    assert text.count("cuda  torch backend") == 2 and "check: a slice" in text
+    rows = json.loads(out.read_text())
+    assert [r["tokens"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["torch_ms"] > 0 and r["matmul_ms"] > 0 and r["read_floor_ms"] > 0
+        assert r["vs_read"] == pytest.approx(r["torch_ms"] / r["read_floor_ms"])
+        assert r["floor_ms"] >= r["read_floor_ms"]

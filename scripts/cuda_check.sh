@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# scripts/cuda_check.sh -- the GPU checks, run by hand on a machine with a CUDA device and
+# a CUDA build of torch (not in CI, which has no GPU).
+#
+# Builds the extensions in place with the python3 found there (its torch, cython and
+# numpy), then, logs under $OUT (default /tmp/mxfp4x-cuda):
+#   1. the machine: GPU, driver, torch, CPU;
+#   2. tests/cuda (the torch backend, the modules, autograd, torch.compile and
+#      `bench --device cuda` on CUDA tensors);
+#   3. the main job on CUDA tensors, float32 and bfloat16 latents, against the GPU's roofs;
+#   4. whether a token's row on the GPU has the same bits alone as in a batch (reported;
+#      the CPU kernels are held to it, the torch backend on cuBLAS is not);
+#   5. the CPU kernels on that machine's cores (bench, 1 and all threads) and the kernel
+#      tests there (every ISA its CPU runs).
+# Each step has a time limit; one failing step does not stop the next.
+set -u
+OUT=${OUT:-/tmp/mxfp4x-cuda}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+cores=$(nproc)
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+lscpu | grep -E "^Model name|^CPU\(s\)|^Flags" | cut -c1-1200
+python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch',
+torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+
+echo "== build"
+start=$(date +%s)
+if ! python3 setup.py build_ext --inplace -j "$cores" >"$OUT/build.log" 2>&1; then
+    tail -40 "$OUT/build.log"
+    exit 1
+fi
+echo "built in $(( $(date +%s) - start )) s"
+python3 -c "import mxfp4x; print(mxfp4x.backend_info())"
+
+echo "== tests/cuda"
+timeout 300 python3 -m pytest -p no:cacheprovider -q -rs tests/cuda 2>&1 \
+    | tee "$OUT/cuda_tests.log" | tail -25
+
+echo "== python -m mxfp4x --device cuda"
+for dtype in float32 bfloat16; do
+    timeout 150 python3 -m mxfp4x --device cuda --dtype $dtype --tokens 1 4 16 128 512 \
+        --json "$OUT/bench_cuda_$dtype.json"
+done
+
+echo "== one token alone against the same token in a batch, on the GPU"
+timeout 60 python3 - <<'EOF'
+import torch
+import mxfp4x
+from mxfp4x.testing import bench
+
+packed, scales = (t.cuda() for t in bench.make_experts(32, 2880, 2880))
+for dtype in (torch.float32, torch.bfloat16):
+    for n in (8, 64, 512):
+        x, sel, mix, shared = (t.cuda() for t in bench.make_tokens(n, 4, 32, 2880, 2880, dtype))
+        full = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared)
+        same = sum(torch.equal(mxfp4x.mxfp4_experts(x[t:t + 1], packed, scales, sel[t:t + 1],
+                                                    mix[t:t + 1], shared[t:t + 1])[0], full[t])
+                   for t in range(0, n, max(1, n // 16)))
+        print(f"{dtype} T={n}: {same} of {len(range(0, n, max(1, n // 16)))} rows "
+              "bit-identical alone and in the batch")
+EOF
+
+echo "== the CPU kernels on this machine ($cores cores)"
+timeout 150 python3 -m mxfp4x --threads 1 "$cores" --tokens 1 4 128 --no-torch
+timeout 120 python3 -m pytest -p no:cacheprovider -q -x -n "$cores" tests/kernels 2>&1 \
+    | tail -8
