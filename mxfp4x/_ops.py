@@ -26,7 +26,8 @@ the PyTorch path before it indexes), so a traced graph checks them too.
 """
 import torch
 
-from . import _cpu_impl, _torch_impl
+from . import _cpu_impl, _torch_impl, _triton_impl
+from ._validation import check_expert_ids
 
 _TAIL = 'int num_threads=0, str isa="") -> Tensor'
 
@@ -177,6 +178,19 @@ def _define(suffix, weights):
         return _cpu_impl.experts(latent_tokens, packed_weights, scale_bytes, selected_experts,
                                  mixture_weights, shared_output, num_threads, isa=isa or None)
 
+    @experts_op.register_kernel("cuda")
+    def _experts_cuda(latent_tokens, packed_weights, scale_bytes, selected_experts,
+                      mixture_weights, shared_output, num_threads=0, isa=""):
+        if not _triton_impl.usable(latent_tokens, packed_weights, scale_bytes):
+            return _torch_impl.mxfp4_experts_torch(latent_tokens, packed_weights,
+                                                   scale_bytes, selected_experts,
+                                                   mixture_weights, shared_output,
+                                                   latent_tokens.dtype)
+        check_expert_ids(selected_experts, len(packed_weights))
+        return _triton_impl.experts(latent_tokens, packed_weights, scale_bytes,
+                                    selected_experts, mixture_weights, shared_output,
+                                    latent_tokens.dtype)
+
     @experts_op.register_fake
     def _experts_fake(latent_tokens, packed_weights, scale_bytes, selected_experts,
                       mixture_weights, shared_output, num_threads=0, isa=""):
@@ -197,6 +211,16 @@ def _define(suffix, weights):
         return _cpu_impl.experts(latent_tokens, packed_weights, scale_bytes, selected_experts,
                                  None, None, num_threads, per_slot_outputs=True,
                                  isa=isa or None)
+
+    @slots_op.register_kernel("cuda")
+    def _slots_cuda(latent_tokens, packed_weights, scale_bytes, selected_experts,
+                    num_threads=0, isa=""):
+        if not _triton_impl.usable(latent_tokens, packed_weights, scale_bytes):
+            return _torch_impl.slots_torch(latent_tokens, packed_weights, scale_bytes,
+                                           selected_experts)
+        check_expert_ids(selected_experts, len(packed_weights))
+        return _triton_impl.slots(latent_tokens, packed_weights, scale_bytes,
+                                  selected_experts)
 
     @slots_op.register_fake
     def _slots_fake(latent_tokens, packed_weights, scale_bytes, selected_experts,

@@ -6,9 +6,10 @@ kernels and the torch backend are timed and shown beside the floors of each case
 this machine's roofs measured in the same run: bytes / memory read bandwidth, flops / FMA
 peak, and torch.matmul on the decoded weights (x: time / floor).
 
---device cuda times the torch backend on the GPU instead, beside the GPU's own roofs
-(device memory read bandwidth, torch.matmul's float32 and latent-dtype rates) and
-torch.matmul on weights decoded on the GPU."""
+--device cuda times the GPU path instead (the Triton kernel where Triton is installed,
+else the torch backend) and the torch backend, beside the GPU's own roofs (device memory
+read bandwidth, torch.matmul's float32 and latent-dtype rates) and torch.matmul on
+weights decoded on the GPU."""
 import json
 import os
 import time
@@ -36,7 +37,8 @@ def add_arguments(parser):
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 128])
     parser.add_argument("--threads", type=thread_count, nargs="+", default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: the torch backend on the GPU, against the GPU's roofs")
+                        help="cuda: the GPU path and the torch backend on the GPU, against "
+                             "the GPU's roofs")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
                         default="float32")
     parser.add_argument("--repeats", type=positive_int, default=5)
@@ -72,7 +74,8 @@ def _check_cuda(args, error, needed):
     if args.threads:
         error("argument --threads: sets CPU threads; leave it out with --device cuda")
     if args.no_torch:
-        error("argument --no-torch: with --device cuda the torch backend is what is timed")
+        error("argument --no-torch: CPU runs only (with --device cuda the torch backend "
+              "is the GPU path's baseline)")
     free, total = torch.cuda.mem_get_info()
     if needed > free:
         error(f"argument --shape: needs at least {needed / 1e9:.1f} GB of GPU memory, "
@@ -185,9 +188,10 @@ def _finish(args, rows):
 
 
 def _run_cuda(args, device=None, roof_sizes=()):
-    """The torch backend on the GPU, each case beside the GPU's floors and peer
+    """The GPU path and the torch backend on the GPU, each case beside the GPU's floors and peer
     (``device``, ``roof_sizes``: another device and smaller roofs, for a check without
     a GPU)."""
+    from mxfp4x import _triton_impl as _triton
     from mxfp4x.testing import gpu
 
     n_experts, top_k, d_out, d_in = _bench.SHAPES[args.shape]
@@ -198,8 +202,10 @@ def _run_cuda(args, device=None, roof_sizes=()):
           f"float32 {mm['float32'] / 1e3:.1f} TFLOP/s (TF32 off)" +
           (f", {args.dtype} {mm[args.dtype] / 1e3:.1f}" if args.dtype != "float32" else ""))
     packed, scales = (t.to(device) for t in _bench.make_experts(n_experts, d_out, d_in))
+    x0 = torch.empty((1, d_in), dtype=dtype, device=device)
+    path = "Triton kernel" if _triton.usable(x0, packed, scales) else "torch backend"
     print(f"mxfp4x {mxfp4x.__version__}: {args.shape} E={n_experts} K={top_k} O={d_out} "
-          f"I={d_in}, {dtype}, torch backend on {roofs['device']}, packed "
+          f"I={d_in}, {dtype}, {path} on {roofs['device']}, packed "
           f"{(packed.numel() + scales.numel()) / 1e6:.0f} MB")
     rows = []
     for n_tokens in args.tokens:
@@ -207,23 +213,25 @@ def _run_cuda(args, device=None, roof_sizes=()):
             n_tokens, top_k, n_experts, d_in, d_out, dtype, call=i)) for i in range(args.repeats)]
         _check_result(calls[0], packed, scales, d_out)
 
-        def call(i, calls=calls):
+        def call(i, backend, calls=calls):
             x, sel, mix, shared = calls[i % len(calls)]
-            mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared)
-        t = gpu.synchronized_time(call, device, args.repeats)
+            mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared, backend=backend)
+        t = gpu.synchronized_time(lambda i: call(i, "auto"), device, args.repeats)
+        t_torch = gpu.synchronized_time(lambda i: call(i, "torch"), device, 2)
         n_bytes = _bench.streamed_bytes(packed, scales, calls[0][1])
         n_flops = _bench.flops(n_tokens, top_k, d_out, d_in)
         read_s = n_bytes / (roofs["read_gbps"] * 1e9)
-        # the torch backend multiplies in float32 whatever the latents' dtype
+        # the kernel and the torch backend multiply in float32 whatever the latents' dtype
         floor_s = max(read_s, n_flops / (mm["float32"] * 1e9))
         t_mm = gpu.matmul_peer(n_tokens, top_k, d_out, d_in, dtype, device)
-        r = dict(tokens=n_tokens, threads=None, device=roofs["device"], torch_ms=t * 1e3,
-                 gbps=n_bytes / t / 1e9, gflops=n_flops / t / 1e9,
-                 read_floor_ms=read_s * 1e3, floor_ms=floor_s * 1e3, matmul_ms=t_mm * 1e3,
-                 vs_read=t / read_s, vs_floor=t / floor_s, vs_matmul=t / t_mm)
+        r = dict(tokens=n_tokens, threads=None, device=roofs["device"], path=path,
+                 cuda_ms=t * 1e3, torch_ms=t_torch * 1e3, gbps=n_bytes / t / 1e9,
+                 gflops=n_flops / t / 1e9, read_floor_ms=read_s * 1e3, floor_ms=floor_s * 1e3,
+                 matmul_ms=t_mm * 1e3, vs_read=t / read_s, vs_floor=t / floor_s,
+                 vs_matmul=t / t_mm)
         rows.append(r)
-        print(f"T={n_tokens:<5d} cuda  torch backend {r['torch_ms']:9.3f} ms "
-              f"({r['gbps']:7.1f} GB/s, {r['gflops']:8.1f} GFLOP/s)  | floor "
+        print(f"T={n_tokens:<5d} cuda  {r['cuda_ms']:9.3f} ms ({r['gbps']:7.1f} GB/s, "
+              f"{r['gflops']:8.1f} GFLOP/s)  torch backend {r['torch_ms']:8.3f} ms  | floor "
               f"{r['floor_ms']:8.3f} ms (x{r['vs_floor']:.2f}; read floor x{r['vs_read']:.2f})"
               f"  decoded-matmul {r['matmul_ms']:8.3f} ms (x{r['vs_matmul']:.2f})", flush=True)
     return _finish(args, rows)

@@ -1,0 +1,158 @@
+"""The GPU kernel (Triton): routed MXFP4 experts decoded in registers, never in memory.
+
+The (token, slot) pairs are sorted by expert and cut into tiles of up to ``TILE_TOKENS``
+pairs of one expert.  A program takes one tile and ``BLOCK_O`` output rows: for each
+group of 32 inputs it loads its rows' 16 packed bytes and scale byte once, decodes them
+to float32 (the E2M1 nibble's magnitude bits placed in a float32's exponent and
+mantissa give its value times 2^-126, exactly; times 2^126, then times the group's
+2^(s - 127) built from the scale byte's bits, both exact: no table), and multiplies them
+into its tile's latents with ``tl.dot`` in IEEE float32 (multiply-adds on the CUDA
+cores, never TF32).  The result is the per-pair products W_e x (float32); the facade's
+weighting and the sum over slots in order k = 0..K-1 follow in torch, as on the torch
+path.
+
+A pair's output row is the same chain of float32 multiply-adds over its inputs in order
+whatever else its tile holds (the tile is padded with zero rows), so a token's bits do
+not depend on its batch.  Calls of few pairs per expert take a second kernel, one pair
+per program, that runs the same chain one ``fma`` at a time.  Experts given as a list
+of tensors are read through a table of their addresses (the same bits as stacked).
+Float64 latents, weights whose bytes are not contiguous within a group, and lists of
+experts whose tensors differ in shape or strides take the torch path.
+"""
+import functools
+import importlib.util
+
+import torch
+
+TILE_TOKENS = 16  # pairs per tile: tl.dot needs 16 rows; fewer are padded with zeros
+BLOCK_O = 128  # output rows per tile program; a step is one group (32 inputs)
+# calls with at most this many pairs per expert (on average) take the pair kernel: one
+# pair per program, the same multiply-adds in the same order (so the same bits)
+PAIR_KERNEL_PAIRS_PER_EXPERT = 2
+PAIR_BLOCK_O = 32
+PAIR_WARPS = 1
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _same_strides(tensors, dims):
+    first = tensors[0]
+    return all(t.dim() in dims and t.dim() == first.dim() and t.stride() == first.stride()
+               and t.shape == first.shape and t.stride(-1) == 1 and t.is_cuda
+               for t in tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def available():
+    """Whether Triton is installed (CUDA builds of torch bring it); found without
+    importing it."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def usable(x, packed, scales):
+    """Whether the kernels take this call: CUDA tensors, Triton importable, 16- or 32-bit
+    latents; stacked experts (E, O, G, 16) or GGUF blocks (E, O, G, 17) whose bytes run
+    contiguously within each group, or lists of such experts whose tensors all have the
+    same shape and strides."""
+    if x.device.type != "cuda" or x.dtype not in DTYPES or not available():
+        return False
+    if isinstance(packed, torch.Tensor):
+        return packed.dim() == 4 and packed.stride(-1) == 1
+    if not packed or not _same_strides(packed, (2, 3)):
+        return False
+    return scales is None or (len(scales) == len(packed) and _same_strides(scales, (2,)))
+
+
+def _tiles(flat, n_experts, tile):
+    """Pairs sorted by expert and cut into tiles of one expert each: (order, tile expert,
+    tile start (into order), tile pair count), on the pairs' device without a host sync;
+    the tile count is the bound ceil(P / tile) + min(E, P), trailing tiles empty."""
+    n_pairs = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    per_expert = (counts + tile - 1) // tile
+    tile_end = torch.cumsum(per_expert, 0)
+    pair_begin = torch.cumsum(counts, 0) - counts
+    n_tiles = -(-n_pairs // tile) + min(n_experts, n_pairs)
+    ids = torch.arange(n_tiles, device=flat.device)
+    expert = torch.searchsorted(tile_end, ids, right=True)
+    real = expert < n_experts
+    expert = expert.clamp(max=n_experts - 1)
+    local = ids - (tile_end[expert] - per_expert[expert])
+    start = pair_begin[expert] + local * tile
+    count = torch.where(real, (counts[expert] - local * tile).clamp(0, tile), 0)
+    return order, expert, start, count.to(torch.int32)
+
+
+def _weights(packed, scales, device):
+    """(packed argument, scale argument, packed strides (expert, row, group), scale
+    strides (expert, row, group), listed): stacked tensors as they are; a list as tables
+    of its tensors' addresses (their strides all equal, checked by ``usable``)."""
+    gguf = scales is None
+    if isinstance(packed, torch.Tensor):
+        p_strides = packed.stride()[:3]
+        if gguf:
+            return packed, packed, p_strides, (0, 0, 0), False
+        return packed, scales, p_strides, scales.stride(), False
+    first = packed[0]
+    width = 17 if gguf else 16
+    p_strides = (0, first.stride(0), first.stride(1) if first.dim() == 3 else width)
+    table = torch.tensor([t.data_ptr() for t in packed], dtype=torch.int64, device=device)
+    if gguf:
+        return table, table, p_strides, (0, 0, 0), True
+    s_table = torch.tensor([t.data_ptr() for t in scales], dtype=torch.int64, device=device)
+    return table, s_table, p_strides, (0, *scales[0].stride()), True
+
+
+def pair_products(x, packed, scales, sel):
+    """(T*K, O) float32: W_{e_tk} x_t (x_tk for per-slot latents (T, K, I)) per pair
+    p = t*K + k.  ``usable`` must hold; expert ids already checked."""
+    n_tokens, top_k = sel.shape
+    n_experts = len(packed)
+    first = packed[0] if n_experts else None
+    d_out = packed.shape[1] if isinstance(packed, torch.Tensor) else first.shape[0]
+    d_in = x.shape[-1]
+    n_pairs = n_tokens * top_k
+    out = torch.empty((n_pairs, d_out), dtype=torch.float32, device=x.device)
+    if n_pairs == 0 or d_out == 0 or n_experts == 0:
+        return out.zero_()
+    xs = x.reshape(-1, d_in)
+    if xs.stride(-1) != 1:
+        xs = xs.contiguous()
+    flat = sel.reshape(-1).to(torch.int64)
+    from . import _triton_kernels as k
+
+    gguf = scales is None
+    w_arg, s_arg, p_strides, s_strides, listed = _weights(packed, scales, x.device)
+    n_groups = d_in // 32
+    if n_pairs <= PAIR_KERNEL_PAIRS_PER_EXPERT * n_experts:
+        grid = (n_pairs, -(-d_out // PAIR_BLOCK_O))
+        k.pair_kernel[grid](xs, flat, out, w_arg, s_arg, n_groups, d_out, top_k, xs.stride(0),
+                           *p_strides, *s_strides, PER_SLOT=x.dim() == 3, GGUF=gguf,
+                           LISTED=listed, BO=PAIR_BLOCK_O, num_warps=PAIR_WARPS)
+        return out
+    order, t_expert, t_start, t_count = _tiles(flat, n_experts, TILE_TOKENS)
+    x_rows = order if x.dim() == 3 else order // top_k
+    grid = (t_count.numel(), -(-d_out // BLOCK_O))
+    k.tile_kernel[grid](xs, x_rows, order, t_expert, t_start, t_count, w_arg, s_arg, out,
+                       n_groups, d_out, xs.stride(0), *p_strides, *s_strides, GGUF=gguf,
+                       LISTED=listed, TILE=TILE_TOKENS, BO=BLOCK_O)
+    return out
+
+
+def experts(x, packed, scales, sel, mix, shared, out_dtype):
+    """shared + sum_k p_tk W x, combined as the torch path does (weighted per pair, then
+    added to the shared output slot by slot in order)."""
+    n_tokens, top_k = sel.shape
+    contrib = pair_products(x, packed, scales, sel)
+    d_out = contrib.shape[1]
+    contrib = contrib.view(n_tokens, top_k, d_out) * mix.to(torch.float32).unsqueeze(2)
+    y = torch.empty((n_tokens, d_out), dtype=torch.float32, device=x.device)
+    y.copy_(shared)
+    for k in range(top_k):
+        y += contrib[:, k]
+    return y.to(out_dtype)
+
+
+def slots(x, packed, scales, sel):
+    n_tokens, top_k = sel.shape
+    return pair_products(x, packed, scales, sel).view(n_tokens, top_k, -1).to(x.dtype)

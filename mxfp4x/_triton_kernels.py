@@ -1,0 +1,114 @@
+"""The Triton kernels of the GPU path (``mxfp4x._triton_impl`` says what they compute and
+launches them); imported on the first call that runs them, so that ``import mxfp4x``
+never imports Triton."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _e2m1(code):
+    """int32 nibble codes -> their float32 values: the magnitude bits placed in the
+    exponent and mantissa give the value times 2^-126 (0.5 a subnormal), exactly."""
+    bits = ((code & 7) << 22) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e+37  # 2^126
+
+
+@triton.jit
+def _e8m0(s):
+    """int32 scale bytes -> 2^(s - 127) as float32: 0 the subnormal 2^-127, 255 NaN."""
+    bits = tl.where(s == 0, 0x400000, s << 23)
+    return tl.where(s == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bases(packed_ptr, scale_ptr, expert, stride_pe, stride_se, LISTED: tl.constexpr):
+    """Expert ``expert``'s first byte and first scale byte: from the stacked tensors,
+    or from tables of per-expert addresses."""
+    if LISTED:
+        w = tl.load(packed_ptr + expert).to(tl.pointer_type(tl.uint8))
+        s = tl.load(scale_ptr + expert).to(tl.pointer_type(tl.uint8))
+    else:
+        w = packed_ptr + expert * stride_pe
+        s = scale_ptr + expert * stride_se
+    return w, s
+
+
+@triton.jit
+def tile_kernel(x_ptr, x_row_ptr, out_row_ptr, tile_expert_ptr, tile_start_ptr,
+                 tile_count_ptr, packed_ptr, scale_ptr, out_ptr,
+                 n_groups, d_out, stride_x, stride_pe, stride_po, stride_pg,
+                 stride_se, stride_so, stride_sg, GGUF: tl.constexpr,
+                 LISTED: tl.constexpr, TILE: tl.constexpr, BO: tl.constexpr):
+    """Up to TILE pairs of one expert (a tile) times BO rows: tl.dot per group."""
+    tile = tl.program_id(0)
+    count = tl.load(tile_count_ptr + tile)
+    if count > 0:
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        start = tl.load(tile_start_ptr + tile).to(tl.int64)
+        slots = tl.arange(0, TILE)
+        in_tile = slots < count
+        x_rows = tl.load(x_row_ptr + start + slots, mask=in_tile, other=0)
+        rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
+        in_rows = rows < d_out
+        w_base, s_base = _bases(packed_ptr, scale_ptr, expert, stride_pe, stride_se,
+                                LISTED)
+        w_rows = w_base + rows * stride_po
+        s_rows = s_base + rows * stride_so
+        # position q of a group's 32 holds the low (q even) or high nibble of byte
+        # q // 2: element q (gpt-oss) or element q // 2 + 16 (q % 2) (GGUF), whose
+        # latent the step loads at q
+        q = tl.arange(0, 32)
+        x_cols = (q // 2 + 16 * (q % 2)) if GGUF else q
+        byte_cols = tl.arange(0, 16) + (1 if GGUF else 0)
+        x_base = x_ptr + x_rows[:, None] * stride_x + x_cols[None, :]
+        acc = tl.zeros((TILE, BO), dtype=tl.float32)
+        for g in range(0, n_groups):
+            at = g * stride_pg  # within one row: far below 2^31
+            byte = tl.load(w_rows[:, None] + at + byte_cols[None, :],
+                           mask=in_rows[:, None], other=0).to(tl.int32)
+            if GGUF:
+                s = tl.load(w_rows + at, mask=in_rows, other=127)
+            else:
+                s = tl.load(s_rows + g * stride_sg, mask=in_rows, other=127)
+            code = tl.reshape(tl.join(byte & 15, byte >> 4), (BO, 32))
+            w = _e2m1(code) * _e8m0(s.to(tl.int32))[:, None]  # (BO, 32), exact
+            x = tl.load(x_base + g * 32, mask=in_tile[:, None], other=0.0)
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        out_rows = tl.load(out_row_ptr + start + slots, mask=in_tile, other=0)
+        tl.store(out_ptr + out_rows[:, None] * d_out + rows[None, :], acc,
+                 mask=in_tile[:, None] & in_rows[None, :])
+
+
+@triton.jit
+def pair_kernel(x_ptr, sel_ptr, out_ptr, packed_ptr, scale_ptr, n_groups, d_out,
+                 top_k, stride_x, stride_pe, stride_po, stride_pg, stride_se,
+                 stride_so, stride_sg, PER_SLOT: tl.constexpr, GGUF: tl.constexpr,
+                 LISTED: tl.constexpr, BO: tl.constexpr):
+    """One pair times BO rows: the tile kernel's multiply-adds, in its order (position
+    q = 0..31 of each group, groups in order), one fma at a time."""
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(sel_ptr + pair)
+    x_row = pair if PER_SLOT else pair // top_k
+    rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
+    in_rows = rows < d_out
+    w_base, s_base = _bases(packed_ptr, scale_ptr, expert, stride_pe, stride_se, LISTED)
+    w_rows = w_base + rows * stride_po
+    s_rows = s_base + rows * stride_so
+    x_base = x_ptr + x_row * stride_x
+    acc = tl.zeros((BO,), dtype=tl.float32)
+    for g in range(0, n_groups):
+        at = g * stride_pg
+        if GGUF:
+            s = tl.load(w_rows + at, mask=in_rows, other=127)
+        else:
+            s = tl.load(s_rows + g * stride_sg, mask=in_rows, other=127)
+        scale = _e8m0(s.to(tl.int32))
+        for j in tl.static_range(16):
+            byte = tl.load(w_rows + at + j + (1 if GGUF else 0), mask=in_rows,
+                           other=0).to(tl.int32)
+            x_lo = tl.load(x_base + g * 32 + (j if GGUF else 2 * j)).to(tl.float32)
+            x_hi = tl.load(x_base + g * 32 + (j + 16 if GGUF else 2 * j + 1)).to(
+                tl.float32)
+            acc = tl.fma(x_lo, _e2m1(byte & 15) * scale, acc)
+            acc = tl.fma(x_hi, _e2m1(byte >> 4) * scale, acc)
+    tl.store(out_ptr + pair * d_out + rows, acc, mask=in_rows)

@@ -1,0 +1,168 @@
+"""The GPU kernel (mxfp4x._triton_impl) against the float64 reference: on CUDA tensors
+where a GPU is here, else on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
+set before Triton is imported: CI runs this file so).  Skipped without Triton, or without
+both a GPU and the interpreter; MXFP4X_REQUIRE_TRITON=1 makes that a failure."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mxfp4x import _triton_impl as ti
+from mxfp4x._reference import decode_expert, mxfp4_experts_reference
+from mxfp4x.testing.layers import (
+    assert_matches_reference,
+    gguf_blocks_of,
+    random_layer,
+    reference_and_bound,
+)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+_missing = ("Triton is not installed" if not ti.available() else
+            None if DEVICE == "cuda" or INTERPRETED else
+            "no GPU here: run with TRITON_INTERPRET=1 for Triton's interpreter")
+if _missing and os.environ.get("MXFP4X_REQUIRE_TRITON") == "1":
+    raise RuntimeError(f"MXFP4X_REQUIRE_TRITON=1: {_missing}")
+pytestmark = pytest.mark.skipif(_missing is not None, reason=str(_missing))
+
+SIZES = [  # T, K, E, O, G: one token; odd rows; a tile past 16 pairs; more experts than pairs
+    (1, 4, 6, 70, 5), (9, 4, 6, 70, 3), (40, 3, 5, 33, 3), (3, 2, 40, 17, 1)]
+
+
+@pytest.fixture(params=["tile", "pair"], autouse=True)
+def kernel(request, monkeypatch):
+    """Every test through both kernels: the tile kernel (tl.dot on up to 16 pairs of an
+    expert) and the pair kernel (one pair, one fma at a time)."""
+    monkeypatch.setattr(ti, "PAIR_KERNEL_PAIRS_PER_EXPERT",
+                        0 if request.param == "tile" else 10 ** 9)
+    return request.param
+
+
+def _on(layer):
+    return {k: None if v is None else v.to(DEVICE) for k, v in layer.items()}
+
+
+def _run(layer, packed=None, scales="same"):
+    d = _on(layer)
+    return ti.experts(d["latent_tokens"], d["packed_weights"] if packed is None else packed,
+                      d["scale_bytes"] if scales == "same" else scales,
+                      d["selected_experts"], d["mixture_weights"], d["shared_output"],
+                      d["latent_tokens"].dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("size", SIZES, ids=str)
+def test_both_layouts_match_reference(rng, dtype, size):
+    # scale bytes from 0 (2^-127, a float32 subnormal) up; float16 results stay in range
+    scales = (0, 140) if dtype != torch.float16 else (119, 134)
+    layer = random_layer(rng, *size, dtype=dtype, repeat_expert=True, scale_range=scales)
+    y = _run(layer)
+    assert y.dtype == dtype and y.device.type == DEVICE
+    assert_matches_reference(y, layer)
+    blocks = torch.from_numpy(gguf_blocks_of(layer["packed_weights"], layer["scale_bytes"]))
+    assert_matches_reference(_run(layer, blocks.to(DEVICE), None), layer)
+
+
+def test_per_slot_latents_and_slots(rng):
+    """Slot outputs of per-slot latents (T, K, I) against float64 products."""
+    layer = random_layer(rng, 7, 3, 4, 45, 2)
+    d = _on(layer)
+    per_slot = torch.randn(7, 3, 64, dtype=torch.float64)
+    slots = ti.slots(per_slot.float().to(DEVICE), d["packed_weights"], d["scale_bytes"],
+                     d["selected_experts"]).cpu()
+    assert slots.shape == (7, 3, 45) and slots.dtype == torch.float32
+    for t in range(7):
+        for k in range(3):
+            e = int(layer["selected_experts"][t, k])
+            w = decode_expert(layer["packed_weights"][e].numpy(), layer["scale_bytes"][e].numpy())
+            want = w @ per_slot[t, k].float().double().numpy()
+            bound = 1e-6 * (np.abs(w) @ np.abs(per_slot[t, k].double().numpy())) + 1e-30
+            assert np.all(np.abs(slots[t, k].double().numpy() - want) <= bound), (t, k)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter's tl.dot is numpy's matmul, "
+                    "whose rounding may follow the tile's other rows")
+@pytest.mark.parametrize("gguf", [False, True])
+def test_a_token_has_the_same_bits_alone_in_a_batch_and_through_either_kernel(
+        rng, kernel, monkeypatch, gguf):
+    layer = random_layer(rng, 37, 4, 3, 70, 4)  # ~50 pairs per expert: several tiles
+    if gguf:
+        blocks = gguf_blocks_of(layer["packed_weights"], layer["scale_bytes"])
+        layer["packed_weights"], layer["scale_bytes"] = torch.from_numpy(blocks), None
+    full = _run(layer)
+    other = 10 ** 9 if kernel == "tile" else 0
+    monkeypatch.setattr(ti, "PAIR_KERNEL_PAIRS_PER_EXPERT", other)
+    assert torch.equal(_run(layer), full)
+    for t in (0, 5, 17, 36):
+        one = {k: v[t:t + 1] if k not in ("packed_weights", "scale_bytes") else v
+               for k, v in layer.items()}
+        assert torch.equal(_run(one)[0], full[t]), t
+
+
+def test_lists_give_the_bits_of_the_stacked_form(rng):
+    layer = random_layer(rng, 11, 3, 5, 40, 3, scale_range=(0, 140))
+    d = _on(layer)
+    stacked = _run(layer)
+    for form in ("3d", "2d"):
+        packed = [p if form == "3d" else p.reshape(40, -1) for p in d["packed_weights"]]
+        got = ti.experts(d["latent_tokens"], packed, list(d["scale_bytes"]),
+                         d["selected_experts"], d["mixture_weights"], d["shared_output"],
+                         torch.float32)
+        assert torch.equal(got, stacked), form
+    blocks = torch.from_numpy(gguf_blocks_of(layer["packed_weights"], layer["scale_bytes"]))
+    blocks = blocks.to(DEVICE)
+    got = ti.experts(d["latent_tokens"], list(blocks), None, d["selected_experts"],
+                     d["mixture_weights"], d["shared_output"], torch.float32)
+    assert torch.equal(got, _run(layer, blocks, None))
+    if DEVICE == "cuda":
+        assert ti.usable(d["latent_tokens"], list(d["packed_weights"]),
+                         list(d["scale_bytes"]))
+        mixed = [d["packed_weights"][0][:, ::1], d["packed_weights"][1][::2]]
+        assert not ti.usable(d["latent_tokens"], mixed, list(d["scale_bytes"][:2]))
+
+
+def test_scale_bytes_at_the_ends(rng):
+    """0 (subnormal), 1, 254 and 255 (NaN): NaN where the reference has NaN; within the
+    bound where no term passes float32's range and no weight decodes past it (the kernels
+    decode a weight with its scale, as the torch backend does, so a value of 2^128 or more,
+    scale bytes 253 and 254, is infinite there even when its product would not be)."""
+    layer = random_layer(rng, 6, 2, 3, 20, 3)
+    # 254 and 255 rare enough that most outputs stay finite, common enough to be met
+    pick = torch.from_numpy(rng.choice(5, layer["scale_bytes"].shape,
+                                       p=[0.2, 0.2, 0.5, 0.05, 0.05]))
+    layer["scale_bytes"] = torch.tensor([0, 1, 127, 254, 255], dtype=torch.uint8)[pick]
+    got = _run(layer).double().cpu().numpy()
+    ref, bound = reference_and_bound(layer, torch.float32)
+    args = [layer[k].double().numpy() if layer[k].is_floating_point() else layer[k].numpy()
+            for k in ("latent_tokens", "packed_weights", "scale_bytes", "selected_experts",
+                      "mixture_weights", "shared_output")]
+    x, packed, scales, sel, mix, shared = args
+    mag = mxfp4_experts_reference(abs(x), packed, scales, sel, abs(mix), abs(shared),
+                                  absolute=True)
+    with np.errstate(invalid="ignore"):  # NaN weights (scale byte 255)
+        widest = np.stack([np.nan_to_num(np.abs(decode_expert(packed[e], scales[e])),
+                                         nan=0.0).max(1) for e in range(len(packed))])
+    decodes = (widest[sel] < 2.0 ** 128).all(1)  # (T, O): every selected row's weights
+    assert np.isnan(ref).any() and np.isnan(got[np.isnan(ref)]).all()
+    finite = (mag < 2.0 ** 127) & decodes
+    bad = finite & ~(np.abs(got - ref) <= bound)
+    assert finite.any() and not bad.any(), (got[bad], ref[bad], bound[bad], mag[bad])
+
+
+def test_strided_experts_and_empty_calls(rng):
+    layer = random_layer(rng, 5, 2, 8, 24, 2)
+    d = _on(layer)
+    # every other expert: a view whose expert stride is twice its size
+    sub = dict(layer, packed_weights=layer["packed_weights"][::2],
+               scale_bytes=layer["scale_bytes"][::2],
+               selected_experts=layer["selected_experts"] % 4)
+    y = _run(sub, d["packed_weights"][::2], d["scale_bytes"][::2])
+    assert_matches_reference(y, sub)
+    if DEVICE == "cuda":  # bytes not contiguous within a group: the torch path's
+        assert ti.usable(d["latent_tokens"], d["packed_weights"], d["scale_bytes"])
+        assert not ti.usable(d["latent_tokens"], d["packed_weights"].transpose(2, 3),
+                             d["scale_bytes"])
+    none = {k: v[:0] if k not in ("packed_weights", "scale_bytes") else v
+            for k, v in layer.items()}
+    assert _run(none).shape == (0, 24)
