@@ -19,6 +19,7 @@ of tensors are read through a table of their addresses (the same bits as stacked
 Float64 latents, weights whose bytes are not contiguous within a group, and lists of
 experts whose tensors differ in shape or strides take the torch path.
 """
+import contextlib
 import functools
 import importlib.util
 
@@ -34,10 +35,10 @@ PAIR_WARPS = 1
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _same_strides(tensors, dims):
+def _same_strides(tensors, dims, device):
     first = tensors[0]
     return all(t.dim() in dims and t.dim() == first.dim() and t.stride() == first.stride()
-               and t.shape == first.shape and t.stride(-1) == 1 and t.is_cuda
+               and t.shape == first.shape and t.stride(-1) == 1 and t.device == device
                for t in tensors)
 
 
@@ -56,10 +57,12 @@ def usable(x, packed, scales):
     if x.device.type != "cuda" or x.dtype not in DTYPES or not available():
         return False
     if isinstance(packed, torch.Tensor):
-        return packed.dim() == 4 and packed.stride(-1) == 1
-    if not packed or not _same_strides(packed, (2, 3)):
+        return (packed.dim() == 4 and packed.stride(-1) == 1 and packed.device == x.device
+                and (scales is None or scales.device == x.device))
+    if not packed or not _same_strides(packed, (2, 3), x.device):
         return False
-    return scales is None or (len(scales) == len(packed) and _same_strides(scales, (2,)))
+    return scales is None or (len(scales) == len(packed) and
+                              _same_strides(scales, (2,), x.device))
 
 
 def _tiles(flat, n_experts, tile):
@@ -124,35 +127,62 @@ def pair_products(x, packed, scales, sel):
     gguf = scales is None
     w_arg, s_arg, p_strides, s_strides, listed = _weights(packed, scales, x.device)
     n_groups = d_in // 32
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _launch(k, xs, flat, out, w_arg, s_arg, p_strides, s_strides, n_groups, d_out,
+                top_k, x.dim() == 3, gguf, listed, n_experts)
+    return out
+
+
+def _launch(k, xs, flat, out, w_arg, s_arg, p_strides, s_strides, n_groups, d_out, top_k,
+            per_slot, gguf, listed, n_experts):
+    """One of the two kernels over every pair (on the current device: the caller's)."""
+    n_pairs = flat.numel()
     if n_pairs <= PAIR_KERNEL_PAIRS_PER_EXPERT * n_experts:
         grid = (n_pairs, -(-d_out // PAIR_BLOCK_O))
         k.pair_kernel[grid](xs, flat, out, w_arg, s_arg, n_groups, d_out, top_k, xs.stride(0),
-                           *p_strides, *s_strides, PER_SLOT=x.dim() == 3, GGUF=gguf,
-                           LISTED=listed, BO=PAIR_BLOCK_O, num_warps=PAIR_WARPS)
-        return out
+                            *p_strides, *s_strides, PER_SLOT=per_slot, GGUF=gguf,
+                            LISTED=listed, BO=PAIR_BLOCK_O, num_warps=PAIR_WARPS)
+        return
     order, t_expert, t_start, t_count = _tiles(flat, n_experts, TILE_TOKENS)
-    x_rows = order if x.dim() == 3 else order // top_k
+    x_rows = order if per_slot else order // top_k
     grid = (t_count.numel(), -(-d_out // BLOCK_O))
     k.tile_kernel[grid](xs, x_rows, order, t_expert, t_start, t_count, w_arg, s_arg, out,
-                       n_groups, d_out, xs.stride(0), *p_strides, *s_strides, GGUF=gguf,
-                       LISTED=listed, TILE=TILE_TOKENS, BO=BLOCK_O)
-    return out
+                        n_groups, d_out, xs.stride(0), *p_strides, *s_strides, GGUF=gguf,
+                        LISTED=listed, TILE=TILE_TOKENS, BO=BLOCK_O)
+
+
+# the per-pair products of at most this many bytes at once: longer calls run in chunks of
+# tokens (a pair's bits do not depend on its chunk)
+CHUNK_BYTES = 256 << 20
+
+
+def _chunks(n_tokens, top_k, d_out):
+    step = max(1, CHUNK_BYTES // max(1, top_k * d_out * 4))
+    return [(t0, min(n_tokens, t0 + step)) for t0 in range(0, n_tokens, step)]
 
 
 def experts(x, packed, scales, sel, mix, shared, out_dtype):
     """shared + sum_k p_tk W x, combined as the torch path does (weighted per pair, then
     added to the shared output slot by slot in order)."""
     n_tokens, top_k = sel.shape
-    contrib = pair_products(x, packed, scales, sel)
-    d_out = contrib.shape[1]
-    contrib = contrib.view(n_tokens, top_k, d_out) * mix.to(torch.float32).unsqueeze(2)
+    d_out = packed.shape[1] if isinstance(packed, torch.Tensor) else packed[0].shape[0]
     y = torch.empty((n_tokens, d_out), dtype=torch.float32, device=x.device)
     y.copy_(shared)
-    for k in range(top_k):
-        y += contrib[:, k]
+    for t0, t1 in _chunks(n_tokens, top_k, d_out):
+        contrib = pair_products(x[t0:t1], packed, scales, sel[t0:t1]).view(t1 - t0, top_k,
+                                                                            d_out)
+        contrib *= mix[t0:t1].to(torch.float32).unsqueeze(2)
+        for k in range(top_k):
+            y[t0:t1] += contrib[:, k]
     return y.to(out_dtype)
 
 
 def slots(x, packed, scales, sel):
+    """(T, K, O) in the latents' dtype: W_{e_tk} x per slot."""
     n_tokens, top_k = sel.shape
-    return pair_products(x, packed, scales, sel).view(n_tokens, top_k, -1).to(x.dtype)
+    d_out = packed.shape[1] if isinstance(packed, torch.Tensor) else packed[0].shape[0]
+    out = torch.empty((n_tokens, top_k, d_out), dtype=x.dtype, device=x.device)
+    for t0, t1 in _chunks(n_tokens, top_k, d_out):
+        out[t0:t1] = pair_products(x[t0:t1], packed, scales, sel[t0:t1]).view(
+            t1 - t0, top_k, d_out)
+    return out
