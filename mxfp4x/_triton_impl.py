@@ -42,11 +42,23 @@ def _same_strides(tensors, dims, device):
                for t in tensors)
 
 
+# the oldest Triton the kernels are written for (tl.join, tl.dot's input_precision)
+MIN_TRITON = (3, 2)
+
+
 @functools.lru_cache(maxsize=None)
 def available():
-    """Whether Triton is installed (CUDA builds of torch bring it); found without
-    importing it."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton MIN_TRITON or newer is installed (CUDA builds of torch bring it);
+    imported only here, on the first call that could use it, never by ``import mxfp4x``."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+
+    try:
+        version = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    except (AttributeError, ValueError):  # a build without a plain version: try it
+        return True
+    return version >= MIN_TRITON
 
 
 def usable(x, packed, scales):

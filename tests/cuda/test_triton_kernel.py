@@ -184,3 +184,18 @@ def test_strided_experts_and_empty_calls(rng):
     none = {k: v[:0] if k not in ("packed_weights", "scale_bytes") else v
             for k, v in layer.items()}
     assert _run(none).shape == (0, 24)
+
+
+def test_a_triton_older_than_the_kernels_is_not_used(monkeypatch, kernel):
+    """torch 2.1-2.3 bring Triton 2.x, which lacks what the kernels use: the torch path."""
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "2.3.1")
+    ti.available.cache_clear()
+    try:
+        assert not ti.available()
+        monkeypatch.setattr(triton, "__version__", "%d.%d.0" % ti.MIN_TRITON)
+        ti.available.cache_clear()
+        assert ti.available()
+    finally:
+        ti.available.cache_clear()
