@@ -29,9 +29,11 @@ _WIDE_UNSIGNED = tuple(d for d in (getattr(torch, "uint16", None), getattr(torch
 
 
 def _min_max(t):
-    """(min, max) as Python ints; torch has no min/max for uint16/32/64."""
+    """(min, max) as Python ints, read back in one transfer (one device sync for GPU
+    ids); torch has no min/max for uint16/32/64."""
     if t.dtype not in _WIDE_UNSIGNED:
-        return int(t.min()), int(t.max())
+        lo, hi = torch.stack(torch.aminmax(t)).tolist()
+        return int(lo), int(hi)
     if t.element_size() < 8:
         t = t.to(torch.int64)  # exact: uint16/uint32 fit
         return int(t.min()), int(t.max())
