@@ -181,7 +181,8 @@ def _define(suffix, weights):
     @experts_op.register_kernel("cuda")
     def _experts_cuda(latent_tokens, packed_weights, scale_bytes, selected_experts,
                       mixture_weights, shared_output, num_threads=0, isa=""):
-        if not _triton_impl.usable(latent_tokens, packed_weights, scale_bytes):
+        if not _triton_impl.usable(latent_tokens, packed_weights, scale_bytes,
+                                   (selected_experts, mixture_weights, shared_output)):
             return _torch_impl.mxfp4_experts_torch(latent_tokens, packed_weights,
                                                    scale_bytes, selected_experts,
                                                    mixture_weights, shared_output,
@@ -215,7 +216,8 @@ def _define(suffix, weights):
     @slots_op.register_kernel("cuda")
     def _slots_cuda(latent_tokens, packed_weights, scale_bytes, selected_experts,
                     num_threads=0, isa=""):
-        if not _triton_impl.usable(latent_tokens, packed_weights, scale_bytes):
+        if not _triton_impl.usable(latent_tokens, packed_weights, scale_bytes,
+                                   (selected_experts,)):
             return _torch_impl.slots_torch(latent_tokens, packed_weights, scale_bytes,
                                            selected_experts)
         check_expert_ids(selected_experts, len(packed_weights))

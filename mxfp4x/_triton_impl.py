@@ -35,13 +35,6 @@ PAIR_WARPS = 1
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _same_strides(tensors, dims, device):
-    first = tensors[0]
-    return all(t.dim() in dims and t.dim() == first.dim() and t.stride() == first.stride()
-               and t.shape == first.shape and t.stride(-1) == 1 and t.device == device
-               for t in tensors)
-
-
 # the oldest Triton the kernels are written for (tl.join, tl.dot's input_precision)
 MIN_TRITON = (3, 2)
 
@@ -61,20 +54,50 @@ def available():
     return version >= MIN_TRITON
 
 
-def usable(x, packed, scales):
+def _bytes(t, device, dims):
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.device == device
+            and t.dim() in dims)
+
+
+def qualifies(x, packed, scales, others=()):
+    """Whether the kernels can read this call, the device type aside: uint8 weights on the
+    latents' device, shaped as the op's contract says (stacked (E, O, G, 16) and scales
+    (E, O, G), GGUF blocks (E, O, G, 17), or lists of E tensors of one shape, (O, G, w) or
+    (O, G*w), and (O, G)), each group's bytes contiguous; ``others`` (ids, mixture
+    weights, shared output) on the latents' device too.  Anything else takes the torch
+    path, which checks and reports as it always has."""
+    device, d_in = x.device, x.shape[-1]
+    if d_in % 32 or any(t.device != device for t in others if t is not None):
+        return False
+    width, n_groups = (17 if scales is None else 16), d_in // 32
+    if isinstance(packed, torch.Tensor):
+        if not (_bytes(packed, device, (4,)) and tuple(packed.shape[2:]) == (n_groups, width)
+                and packed.stride(-1) == 1):
+            return False
+        return scales is None or (_bytes(scales, device, (3,))
+                                  and scales.shape == packed.shape[:3])
+    if not isinstance(packed, (list, tuple)) or not packed:
+        return False
+    first = packed[0]
+    if not _bytes(first, device, (2, 3)):
+        return False
+    rows = first.shape[0]
+    shape = (rows, n_groups, width) if first.dim() == 3 else (rows, n_groups * width)
+    if any(not _bytes(t, device, (first.dim(),)) or tuple(t.shape) != shape
+           or t.stride(-1) != 1 for t in packed):
+        return False
+    return scales is None or (
+        isinstance(scales, (list, tuple)) and len(scales) == len(packed)
+        and all(_bytes(t, device, (2,)) and tuple(t.shape) == (rows, n_groups)
+                for t in scales))
+
+
+def usable(x, packed, scales, others=()):
     """Whether the kernels take this call: CUDA tensors, Triton importable, 16- or 32-bit
-    latents; stacked experts (E, O, G, 16) or GGUF blocks (E, O, G, 17) whose bytes run
-    contiguously within each group, or lists of such experts whose tensors all have the
-    same shape and strides."""
+    latents, and ``qualifies``."""
     if x.device.type != "cuda" or x.dtype not in DTYPES or not available():
         return False
-    if isinstance(packed, torch.Tensor):
-        return (packed.dim() == 4 and packed.stride(-1) == 1 and packed.device == x.device
-                and (scales is None or scales.device == x.device))
-    if not packed or not _same_strides(packed, (2, 3), x.device):
-        return False
-    return scales is None or (len(scales) == len(packed) and
-                              _same_strides(scales, (2,), x.device))
+    return qualifies(x, packed, scales, others)
 
 
 def _tiles(flat, n_experts, tile):
@@ -101,21 +124,21 @@ def _tiles(flat, n_experts, tile):
 def _weights(packed, scales, device):
     """(packed argument, scale argument, packed strides (expert, row, group), scale
     strides (expert, row, group), listed): stacked tensors as they are; a list as tables
-    of its tensors' addresses (their strides all equal, checked by ``usable``)."""
+    of (address, row stride, group stride) per tensor, each tensor with its own strides."""
     gguf = scales is None
     if isinstance(packed, torch.Tensor):
         p_strides = packed.stride()[:3]
         if gguf:
             return packed, packed, p_strides, (0, 0, 0), False
         return packed, scales, p_strides, scales.stride(), False
-    first = packed[0]
     width = 17 if gguf else 16
-    p_strides = (0, first.stride(0), first.stride(1) if first.dim() == 3 else width)
-    table = torch.tensor([t.data_ptr() for t in packed], dtype=torch.int64, device=device)
+    table = torch.tensor([(t.data_ptr(), t.stride(0), t.stride(1) if t.dim() == 3 else width)
+                          for t in packed], dtype=torch.int64).to(device)
     if gguf:
-        return table, table, p_strides, (0, 0, 0), True
-    s_table = torch.tensor([t.data_ptr() for t in scales], dtype=torch.int64, device=device)
-    return table, s_table, p_strides, (0, *scales[0].stride()), True
+        return table, table, (0, 0, 0), (0, 0, 0), True
+    s_table = torch.tensor([(t.data_ptr(), t.stride(0), t.stride(1)) for t in scales],
+                           dtype=torch.int64).to(device)
+    return table, s_table, (0, 0, 0), (0, 0, 0), True
 
 
 def pair_products(x, packed, scales, sel):
@@ -128,9 +151,9 @@ def pair_products(x, packed, scales, sel):
     d_in = x.shape[-1]
     n_pairs = n_tokens * top_k
     out = torch.empty((n_pairs, d_out), dtype=torch.float32, device=x.device)
-    if n_pairs == 0 or d_out == 0 or n_experts == 0:
-        return out.zero_()
-    xs = x.reshape(-1, d_in)
+    if n_pairs == 0 or d_out == 0 or n_experts == 0 or d_in == 0:
+        return out.zero_()  # no product: empty sums
+    xs = x.reshape(n_pairs if x.dim() == 3 else n_tokens, d_in)
     if xs.stride(-1) != 1:
         xs = xs.contiguous()
     flat = sel.reshape(-1).to(torch.int64)

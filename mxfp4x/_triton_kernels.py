@@ -21,24 +21,31 @@ def _e8m0(s):
 
 
 @triton.jit
-def _bases(packed_ptr, scale_ptr, expert, stride_pe, stride_se, LISTED: tl.constexpr):
-    """Expert ``expert``'s first byte and first scale byte: from the stacked tensors,
-    or from tables of per-expert addresses."""
+def _bases(packed_ptr, scale_ptr, expert, stride_pe, stride_po, stride_pg, stride_se,
+           stride_so, stride_sg, LISTED: tl.constexpr):
+    """Expert ``expert``'s first byte and first scale byte, and the row and group strides
+    of each: from the stacked tensors' strides, or from tables of (address, row stride,
+    group stride) per expert (lists of tensors, each with its own strides)."""
     if LISTED:
-        w = tl.load(packed_ptr + expert).to(tl.pointer_type(tl.uint8))
-        s = tl.load(scale_ptr + expert).to(tl.pointer_type(tl.uint8))
+        w = tl.load(packed_ptr + 3 * expert).to(tl.pointer_type(tl.uint8))
+        w_row = tl.load(packed_ptr + 3 * expert + 1)
+        w_group = tl.load(packed_ptr + 3 * expert + 2)
+        s = tl.load(scale_ptr + 3 * expert).to(tl.pointer_type(tl.uint8))
+        s_row = tl.load(scale_ptr + 3 * expert + 1)
+        s_group = tl.load(scale_ptr + 3 * expert + 2)
     else:
         w = packed_ptr + expert * stride_pe
         s = scale_ptr + expert * stride_se
-    return w, s
+        w_row, w_group, s_row, s_group = stride_po, stride_pg, stride_so, stride_sg
+    return w, w_row, w_group, s, s_row, s_group
 
 
 @triton.jit
 def tile_kernel(x_ptr, x_row_ptr, out_row_ptr, tile_expert_ptr, tile_start_ptr,
-                 tile_count_ptr, packed_ptr, scale_ptr, out_ptr,
-                 n_groups, d_out, stride_x, stride_pe, stride_po, stride_pg,
-                 stride_se, stride_so, stride_sg, GGUF: tl.constexpr,
-                 LISTED: tl.constexpr, TILE: tl.constexpr, BO: tl.constexpr):
+                tile_count_ptr, packed_ptr, scale_ptr, out_ptr,
+                n_groups, d_out, stride_x, stride_pe, stride_po, stride_pg,
+                stride_se, stride_so, stride_sg, GGUF: tl.constexpr,
+                LISTED: tl.constexpr, TILE: tl.constexpr, BO: tl.constexpr):
     """Up to TILE pairs of one expert (a tile) times BO rows: tl.dot per group."""
     tile = tl.program_id(0)
     count = tl.load(tile_count_ptr + tile)
@@ -50,30 +57,35 @@ def tile_kernel(x_ptr, x_row_ptr, out_row_ptr, tile_expert_ptr, tile_start_ptr,
         x_rows = tl.load(x_row_ptr + start + slots, mask=in_tile, other=0)
         rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
         in_rows = rows < d_out
-        w_base, s_base = _bases(packed_ptr, scale_ptr, expert, stride_pe, stride_se,
-                                LISTED)
-        w_rows = w_base + rows * stride_po
-        s_rows = s_base + rows * stride_so
+        w_base, w_row, w_group, s_base, s_row, s_group = _bases(
+            packed_ptr, scale_ptr, expert, stride_pe, stride_po, stride_pg, stride_se,
+            stride_so, stride_sg, LISTED)
+        # each row's group g: pointers stepped by a group's stride (64-bit addresses,
+        # whatever the strides)
+        w_at = w_base + rows * w_row
+        s_at = s_base + rows * s_row
         # position q of a group's 32 holds the low (q even) or high nibble of byte
         # q // 2: element q (gpt-oss) or element q // 2 + 16 (q % 2) (GGUF), whose
         # latent the step loads at q
         q = tl.arange(0, 32)
         x_cols = (q // 2 + 16 * (q % 2)) if GGUF else q
         byte_cols = tl.arange(0, 16) + (1 if GGUF else 0)
-        x_base = x_ptr + x_rows[:, None] * stride_x + x_cols[None, :]
+        x_at = x_ptr + x_rows[:, None] * stride_x + x_cols[None, :]
         acc = tl.zeros((TILE, BO), dtype=tl.float32)
-        for g in range(0, n_groups):
-            at = g * stride_pg  # within one row: far below 2^31
-            byte = tl.load(w_rows[:, None] + at + byte_cols[None, :],
-                           mask=in_rows[:, None], other=0).to(tl.int32)
+        for _ in range(0, n_groups):
+            byte = tl.load(w_at[:, None] + byte_cols[None, :], mask=in_rows[:, None],
+                           other=0).to(tl.int32)
             if GGUF:
-                s = tl.load(w_rows + at, mask=in_rows, other=127)
+                s = tl.load(w_at, mask=in_rows, other=127)
             else:
-                s = tl.load(s_rows + g * stride_sg, mask=in_rows, other=127)
+                s = tl.load(s_at, mask=in_rows, other=127)
             code = tl.reshape(tl.join(byte & 15, byte >> 4), (BO, 32))
             w = _e2m1(code) * _e8m0(s.to(tl.int32))[:, None]  # (BO, 32), exact
-            x = tl.load(x_base + g * 32, mask=in_tile[:, None], other=0.0)
+            x = tl.load(x_at, mask=in_tile[:, None], other=0.0)
             acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+            w_at += w_group
+            s_at += s_group
+            x_at += 32
         out_rows = tl.load(out_row_ptr + start + slots, mask=in_tile, other=0)
         tl.store(out_ptr + out_rows[:, None] * d_out + rows[None, :], acc,
                  mask=in_tile[:, None] & in_rows[None, :])
@@ -81,9 +93,9 @@ def tile_kernel(x_ptr, x_row_ptr, out_row_ptr, tile_expert_ptr, tile_start_ptr,
 
 @triton.jit
 def pair_kernel(x_ptr, sel_ptr, out_ptr, packed_ptr, scale_ptr, n_groups, d_out,
-                 top_k, stride_x, stride_pe, stride_po, stride_pg, stride_se,
-                 stride_so, stride_sg, PER_SLOT: tl.constexpr, GGUF: tl.constexpr,
-                 LISTED: tl.constexpr, BO: tl.constexpr):
+                top_k, stride_x, stride_pe, stride_po, stride_pg, stride_se,
+                stride_so, stride_sg, PER_SLOT: tl.constexpr, GGUF: tl.constexpr,
+                LISTED: tl.constexpr, BO: tl.constexpr):
     """One pair times BO rows: the tile kernel's multiply-adds, in its order (position
     q = 0..31 of each group, groups in order), one fma at a time."""
     pair = tl.program_id(0).to(tl.int64)
@@ -91,24 +103,27 @@ def pair_kernel(x_ptr, sel_ptr, out_ptr, packed_ptr, scale_ptr, n_groups, d_out,
     x_row = pair if PER_SLOT else pair // top_k
     rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
     in_rows = rows < d_out
-    w_base, s_base = _bases(packed_ptr, scale_ptr, expert, stride_pe, stride_se, LISTED)
-    w_rows = w_base + rows * stride_po
-    s_rows = s_base + rows * stride_so
-    x_base = x_ptr + x_row * stride_x
+    w_base, w_row, w_group, s_base, s_row, s_group = _bases(
+        packed_ptr, scale_ptr, expert, stride_pe, stride_po, stride_pg, stride_se,
+        stride_so, stride_sg, LISTED)
+    w_at = w_base + rows * w_row
+    s_at = s_base + rows * s_row
+    x_at = x_ptr + x_row * stride_x
     acc = tl.zeros((BO,), dtype=tl.float32)
-    for g in range(0, n_groups):
-        at = g * stride_pg
+    for _ in range(0, n_groups):
         if GGUF:
-            s = tl.load(w_rows + at, mask=in_rows, other=127)
+            s = tl.load(w_at, mask=in_rows, other=127)
         else:
-            s = tl.load(s_rows + g * stride_sg, mask=in_rows, other=127)
+            s = tl.load(s_at, mask=in_rows, other=127)
         scale = _e8m0(s.to(tl.int32))
         for j in tl.static_range(16):
-            byte = tl.load(w_rows + at + j + (1 if GGUF else 0), mask=in_rows,
+            byte = tl.load(w_at + j + (1 if GGUF else 0), mask=in_rows,
                            other=0).to(tl.int32)
-            x_lo = tl.load(x_base + g * 32 + (j if GGUF else 2 * j)).to(tl.float32)
-            x_hi = tl.load(x_base + g * 32 + (j + 16 if GGUF else 2 * j + 1)).to(
-                tl.float32)
+            x_lo = tl.load(x_at + (j if GGUF else 2 * j)).to(tl.float32)
+            x_hi = tl.load(x_at + (j + 16 if GGUF else 2 * j + 1)).to(tl.float32)
             acc = tl.fma(x_lo, _e2m1(byte & 15) * scale, acc)
             acc = tl.fma(x_hi, _e2m1(byte >> 4) * scale, acc)
+        w_at += w_group
+        s_at += s_group
+        x_at += 32
     tl.store(out_ptr + pair * d_out + rows, acc, mask=in_rows)

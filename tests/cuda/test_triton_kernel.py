@@ -168,22 +168,90 @@ def test_long_calls_run_in_chunks_with_the_same_bits(rng, monkeypatch, kernel):
                                 d["selected_experts"]), slots)
 
 
-def test_strided_experts_and_empty_calls(rng):
+def test_strided_views_and_latents(rng):
+    """Every other expert (expert stride twice its size), groups padded to 20 bytes with
+    strided scales, and latents whose rows are not contiguous."""
     layer = random_layer(rng, 5, 2, 8, 24, 2)
     d = _on(layer)
-    # every other expert: a view whose expert stride is twice its size
     sub = dict(layer, packed_weights=layer["packed_weights"][::2],
                scale_bytes=layer["scale_bytes"][::2],
                selected_experts=layer["selected_experts"] % 4)
-    y = _run(sub, d["packed_weights"][::2], d["scale_bytes"][::2])
-    assert_matches_reference(y, sub)
-    if DEVICE == "cuda":  # bytes not contiguous within a group: the torch path's
-        assert ti.usable(d["latent_tokens"], d["packed_weights"], d["scale_bytes"])
-        assert not ti.usable(d["latent_tokens"], d["packed_weights"].transpose(2, 3),
-                             d["scale_bytes"])
+    assert_matches_reference(_run(sub, d["packed_weights"][::2], d["scale_bytes"][::2]), sub)
+    padded = torch.zeros(8, 24, 2, 20, dtype=torch.uint8, device=DEVICE)
+    padded[..., :16] = d["packed_weights"]
+    wide_scales = torch.zeros(8, 24, 4, dtype=torch.uint8, device=DEVICE)
+    wide_scales[..., ::2] = d["scale_bytes"]
+    want = _run(layer)
+    assert torch.equal(_run(layer, padded[..., :16], wide_scales[..., ::2]), want)
+    x_t = d["latent_tokens"].T.contiguous().T  # column-major rows
+    got = ti.experts(x_t, d["packed_weights"], d["scale_bytes"], d["selected_experts"],
+                     d["mixture_weights"], d["shared_output"], torch.float32)
+    assert torch.equal(got, want)
+
+
+def test_empty_calls(rng):
+    layer = random_layer(rng, 5, 2, 8, 24, 2)
     none = {k: v[:0] if k not in ("packed_weights", "scale_bytes") else v
             for k, v in layer.items()}
     assert _run(none).shape == (0, 24)
+    # no inputs (I = 0): every product an empty sum, the shared output as it is
+    no_inputs = dict(layer, latent_tokens=layer["latent_tokens"][:, :0],
+                     packed_weights=layer["packed_weights"][:, :, :0],
+                     scale_bytes=layer["scale_bytes"][:, :, :0])
+    assert torch.equal(_run(no_inputs).cpu(), layer["shared_output"])
+    d = _on(no_inputs)
+    assert not ti.slots(d["latent_tokens"], d["packed_weights"], d["scale_bytes"],
+                        d["selected_experts"]).any()
+    per_slot = _on(dict(layer, latent_tokens=torch.zeros(5, 2, 0)))
+    assert torch.equal(ti.experts(per_slot["latent_tokens"], d["packed_weights"],
+                                  d["scale_bytes"], d["selected_experts"],
+                                  d["mixture_weights"], d["shared_output"],
+                                  torch.float32).cpu(), layer["shared_output"])
+
+
+def test_subnormal_scale_is_kept(rng):
+    """Every scale byte 0 (2^-127), no shared output: the products alone, far below
+    float32's normal range, must come out nonzero and within the bound."""
+    layer = random_layer(rng, 4, 2, 3, 16, 2, scale_range=(0, 0))
+    layer["shared_output"].zero_()
+    layer["mixture_weights"].fill_(1.0)
+    got = _run(layer)
+    assert (got != 0).float().mean() > 0.9
+    assert_matches_reference(got, layer)
+
+
+def test_per_slot_latents_weighted_and_combined(rng):
+    layer = random_layer(rng, 7, 3, 4, 45, 2)
+    x = torch.from_numpy(rng.standard_normal((7, 3, 64))).float()
+    got = _run(dict(layer, latent_tokens=x)).double().cpu().numpy()
+    want = layer["shared_output"].double().numpy().copy()
+    bound = np.abs(want).copy()
+    for t in range(7):
+        for k in range(3):
+            e = int(layer["selected_experts"][t, k])
+            w = decode_expert(layer["packed_weights"][e].numpy(), layer["scale_bytes"][e].numpy())
+            p = float(layer["mixture_weights"][t, k])
+            want[t] += p * (w @ x[t, k].double().numpy())
+            bound[t] += abs(p) * (np.abs(w) @ np.abs(x[t, k].double().numpy()))
+    assert np.all(np.abs(got - want) <= 1e-5 * bound)
+
+
+def test_what_the_kernels_take(rng):
+    """qualifies(): uint8 weights of the contract's shapes on the latents' device, groups
+    contiguous; anything else is the torch path's (which checks and reports)."""
+    layer = _on(random_layer(rng, 3, 2, 4, 8, 2))
+    x, p, s = layer["latent_tokens"], layer["packed_weights"], layer["scale_bytes"]
+    assert ti.qualifies(x, p, s) and ti.qualifies(x, list(p), list(s))
+    assert ti.qualifies(x, [t.reshape(8, 32) for t in p], list(s))
+    assert not ti.qualifies(x, p.transpose(2, 3).contiguous().transpose(2, 3), s)
+    assert not ti.qualifies(x, p, s.view(torch.int8))  # 255 would read as -1
+    assert not ti.qualifies(x, p.view(torch.int8), s)
+    assert not ti.qualifies(x[:, :32], p, s)  # G does not match I
+    assert not ti.qualifies(x, p, s[:, :, :1])
+    assert not ti.qualifies(x, p, None)  # 16-byte groups are not GGUF blocks
+    assert not ti.qualifies(x, list(p)[:1] + [p[1][:4]], list(s))
+    assert not ti.qualifies(x, list(p), list(s)[:3])
+    assert not ti.qualifies(x, [], [])
 
 
 def test_a_triton_older_than_the_kernels_is_not_used(monkeypatch, kernel):
