@@ -15,9 +15,10 @@ A pair's output row is the same chain of float32 multiply-adds over its inputs i
 whatever else its tile holds (the tile is padded with zero rows), so a token's bits do
 not depend on its batch.  Calls of few pairs per expert take a second kernel, one pair
 per program, that runs the same chain one ``fma`` at a time.  Experts given as a list
-of tensors are read through a table of their addresses (the same bits as stacked).
-Float64 latents, weights whose bytes are not contiguous within a group, and lists of
-experts whose tensors differ in shape or strides take the torch path.
+of tensors are read through a table of (address, row stride, group stride) per expert
+(the same bits as stacked).  Float64 latents, weights whose bytes are not contiguous
+within a group, lists of tensors of different shapes, and anything ``qualifies`` refuses
+take the torch path.
 """
 import contextlib
 import functools
