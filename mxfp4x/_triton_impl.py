@@ -26,6 +26,8 @@ import importlib.util
 
 import torch
 
+from ._torch_impl import d_out_of
+
 TILE_TOKENS = 16  # pairs per tile: tl.dot needs 16 rows; fewer are padded with zeros
 BLOCK_O = 128  # output rows per tile program; a step is one group (32 inputs)
 # calls with at most this many pairs per expert (on average) take the pair kernel: one
@@ -147,8 +149,7 @@ def pair_products(x, packed, scales, sel):
     p = t*K + k.  ``usable`` must hold; expert ids already checked."""
     n_tokens, top_k = sel.shape
     n_experts = len(packed)
-    first = packed[0] if n_experts else None
-    d_out = packed.shape[1] if isinstance(packed, torch.Tensor) else first.shape[0]
+    d_out = d_out_of(packed) if n_experts or isinstance(packed, torch.Tensor) else 0
     d_in = x.shape[-1]
     n_pairs = n_tokens * top_k
     out = torch.empty((n_pairs, d_out), dtype=torch.float32, device=x.device)
@@ -201,7 +202,7 @@ def experts(x, packed, scales, sel, mix, shared, out_dtype):
     """shared + sum_k p_tk W x, combined as the torch path does (weighted per pair, then
     added to the shared output slot by slot in order)."""
     n_tokens, top_k = sel.shape
-    d_out = packed.shape[1] if isinstance(packed, torch.Tensor) else packed[0].shape[0]
+    d_out = d_out_of(packed)
     y = torch.empty((n_tokens, d_out), dtype=torch.float32, device=x.device)
     y.copy_(shared)
     for t0, t1 in _chunks(n_tokens, top_k, d_out):
@@ -216,7 +217,7 @@ def experts(x, packed, scales, sel, mix, shared, out_dtype):
 def slots(x, packed, scales, sel):
     """(T, K, O) in the latents' dtype: W_{e_tk} x per slot."""
     n_tokens, top_k = sel.shape
-    d_out = packed.shape[1] if isinstance(packed, torch.Tensor) else packed[0].shape[0]
+    d_out = d_out_of(packed)
     out = torch.empty((n_tokens, top_k, d_out), dtype=x.dtype, device=x.device)
     for t0, t1 in _chunks(n_tokens, top_k, d_out):
         out[t0:t1] = pair_products(x[t0:t1], packed, scales, sel[t0:t1]).view(

@@ -21,10 +21,11 @@ def _e8m0(s):
 
 
 @triton.jit
-def _bases(packed_ptr, scale_ptr, expert, stride_pe, stride_po, stride_pg, stride_se,
-           stride_so, stride_sg, LISTED: tl.constexpr):
-    """Expert ``expert``'s first byte and first scale byte, and the row and group strides
-    of each: from the stacked tensors' strides, or from tables of (address, row stride,
+def _row_pointers(packed_ptr, scale_ptr, expert, rows, stride_pe, stride_po, stride_pg,
+                  stride_se, stride_so, stride_sg, LISTED: tl.constexpr):
+    """Expert ``expert``'s ``rows``: the address of each row's first group and first
+    scale byte, and the group strides that step them (64-bit addresses, whatever the
+    strides): from the stacked tensors' strides, or from tables of (address, row stride,
     group stride) per expert (lists of tensors, each with its own strides)."""
     if LISTED:
         w = tl.load(packed_ptr + 3 * expert).to(tl.pointer_type(tl.uint8))
@@ -37,7 +38,18 @@ def _bases(packed_ptr, scale_ptr, expert, stride_pe, stride_po, stride_pg, strid
         w = packed_ptr + expert * stride_pe
         s = scale_ptr + expert * stride_se
         w_row, w_group, s_row, s_group = stride_po, stride_pg, stride_so, stride_sg
-    return w, w_row, w_group, s, s_row, s_group
+    return w + rows * w_row, w_group, s + rows * s_row, s_group
+
+
+@triton.jit
+def _group_scale(w_at, s_at, in_rows, GGUF: tl.constexpr):
+    """The current group's 2^(s - 127) per row: the scale byte leads a GGUF block, or
+    sits in the scale tensor."""
+    if GGUF:
+        s = tl.load(w_at, mask=in_rows, other=127)
+    else:
+        s = tl.load(s_at, mask=in_rows, other=127)
+    return _e8m0(s.to(tl.int32))
 
 
 @triton.jit
@@ -57,13 +69,9 @@ def tile_kernel(x_ptr, x_row_ptr, out_row_ptr, tile_expert_ptr, tile_start_ptr,
         x_rows = tl.load(x_row_ptr + start + slots, mask=in_tile, other=0)
         rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
         in_rows = rows < d_out
-        w_base, w_row, w_group, s_base, s_row, s_group = _bases(
-            packed_ptr, scale_ptr, expert, stride_pe, stride_po, stride_pg, stride_se,
+        w_at, w_group, s_at, s_group = _row_pointers(
+            packed_ptr, scale_ptr, expert, rows, stride_pe, stride_po, stride_pg, stride_se,
             stride_so, stride_sg, LISTED)
-        # each row's group g: pointers stepped by a group's stride (64-bit addresses,
-        # whatever the strides)
-        w_at = w_base + rows * w_row
-        s_at = s_base + rows * s_row
         # position q of a group's 32 holds the low (q even) or high nibble of byte
         # q // 2: element q (gpt-oss) or element q // 2 + 16 (q % 2) (GGUF), whose
         # latent the step loads at q
@@ -75,12 +83,9 @@ def tile_kernel(x_ptr, x_row_ptr, out_row_ptr, tile_expert_ptr, tile_start_ptr,
         for _ in range(0, n_groups):
             byte = tl.load(w_at[:, None] + byte_cols[None, :], mask=in_rows[:, None],
                            other=0).to(tl.int32)
-            if GGUF:
-                s = tl.load(w_at, mask=in_rows, other=127)
-            else:
-                s = tl.load(s_at, mask=in_rows, other=127)
+            scale = _group_scale(w_at, s_at, in_rows, GGUF)
             code = tl.reshape(tl.join(byte & 15, byte >> 4), (BO, 32))
-            w = _e2m1(code) * _e8m0(s.to(tl.int32))[:, None]  # (BO, 32), exact
+            w = _e2m1(code) * scale[:, None]  # (BO, 32), exact
             x = tl.load(x_at, mask=in_tile[:, None], other=0.0)
             acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
             w_at += w_group
@@ -103,19 +108,13 @@ def pair_kernel(x_ptr, sel_ptr, out_ptr, packed_ptr, scale_ptr, n_groups, d_out,
     x_row = pair if PER_SLOT else pair // top_k
     rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
     in_rows = rows < d_out
-    w_base, w_row, w_group, s_base, s_row, s_group = _bases(
-        packed_ptr, scale_ptr, expert, stride_pe, stride_po, stride_pg, stride_se,
+    w_at, w_group, s_at, s_group = _row_pointers(
+        packed_ptr, scale_ptr, expert, rows, stride_pe, stride_po, stride_pg, stride_se,
         stride_so, stride_sg, LISTED)
-    w_at = w_base + rows * w_row
-    s_at = s_base + rows * s_row
     x_at = x_ptr + x_row * stride_x
     acc = tl.zeros((BO,), dtype=tl.float32)
     for _ in range(0, n_groups):
-        if GGUF:
-            s = tl.load(w_at, mask=in_rows, other=127)
-        else:
-            s = tl.load(s_at, mask=in_rows, other=127)
-        scale = _e8m0(s.to(tl.int32))
+        scale = _group_scale(w_at, s_at, in_rows, GGUF)
         for j in tl.static_range(16):
             byte = tl.load(w_at + j + (1 if GGUF else 0), mask=in_rows,
                            other=0).to(tl.int32)
