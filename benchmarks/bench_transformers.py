@@ -93,6 +93,10 @@ def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECO
         import mxfp4x.integrations.transformers as mxt
         model = mxt.from_pretrained(folder, **kwargs)
     else:
+        if (getattr(config, "quantization_config", None) or {}).get("quant_method") == "mxfp4":
+            # dequantized, as on a CPU, even where Triton is installed (transformers would
+            # then fetch kernels from the Hub)
+            kwargs["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     load_s = time.perf_counter() - t0
     load_peak = _rss_peak()

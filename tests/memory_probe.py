@@ -34,6 +34,11 @@ def main(path: str, mode: str, dtype: str = "float32") -> None:
         model = mxt.from_pretrained(path, **kwargs)
     else:
         import transformers
+        quant = getattr(transformers.AutoConfig.from_pretrained(path), "quantization_config",
+                        None) or {}
+        if quant.get("quant_method") == "mxfp4":  # dequantized, as on a CPU, even where
+            # Triton is installed (transformers would then fetch kernels from the Hub)
+            kwargs["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
         model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
     with torch.no_grad():
         model(torch.arange(16).reshape(1, 16))
