@@ -13,7 +13,12 @@ Each case reports in ``extra_info``:
   ``vs_read_floor_torch``: the same against the read bandwidth of torch's memory (4 KiB
   pages where Linux gives huge pages only on request), where these weights sit;
 * ``matmul_s``: ``torch.matmul`` of the same K products on already decoded
-  weights of the latents' dtype, and ``vs_matmul`` = time / matmul_s;
+  weights of the latents' dtype, and ``vs_matmul`` = time / matmul_s (one matrix for
+  all products: a compute roof);
+* ``predecoded_s`` and ``vs_predecoded`` = time / predecoded_s: the same op as torch runs
+  it on experts decoded ahead of time into the latents' dtype (a matmul per selected
+  expert, ``index_add_`` back: ``_bench.Predecoded``), None where those experts would not
+  fit in half the free memory;
 * ``torch_backend_s`` is in the ``impl=torch`` rows (dequantize-then-matmul);
 * ``target`` and ``met``: the case's performance target (``_bench.verdict``); the
   session ends with the table of every case and the cross-case targets (bfloat16 never
@@ -35,6 +40,7 @@ from mxfp4x.testing.layers import assert_matches_reference
 # (`pytest benchmarks --benchmark-disable`); the figures then mean nothing.
 SMALL = os.environ.get("MXFP4X_BENCH_SMALL") == "1"
 _EXPERTS = {}
+_PREDECODED = {}
 
 
 def experts(shape):
@@ -48,6 +54,16 @@ def experts(shape):
         _EXPERTS[shape] = _bench.make_experts(n_experts, d_out, d_in)
     packed, scales = _EXPERTS[shape]
     return packed, scales, n_experts, top_k, d_out, d_in
+
+
+def predecoded(shape, dtype):
+    """The experts of ``shape`` decoded ahead of time into ``dtype`` (kept for the
+    session, one shape and dtype at a time)."""
+    if (shape, dtype) not in _PREDECODED:
+        _PREDECODED.clear()
+        packed, scales = experts(shape)[:2]
+        _PREDECODED[(shape, dtype)] = _bench.Predecoded(packed, scales, dtype)
+    return _PREDECODED[(shape, dtype)]
 
 SHAPES = ["gpt-oss-20b-gate-up", "gpt-oss-20b-down", "kimi-k3-w1", "kimi-k3-w2"]
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -93,10 +109,13 @@ def _case(benchmark, roofs, shape, n_tokens, dtype, threads, impl, form="stacked
     fl = _bench.floors(n_bytes, n_flops, roofs, threads, isa, info["dtype"])
     mm = _bench.matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=dtype, repeats=2)
     target, met = _bench.verdict(n_tokens, info["dtype"], t, fl, mm, isa)
+    pre = (_bench.predecoded_time(predecoded(shape, dtype), calls, threads)
+           if impl == "cpu" and form == "stacked" else None)
     info.update(time_s=t, gbps=n_bytes / t / 1e9, gflops=n_flops / t / 1e9, **fl,
                 vs_read_floor=t / fl["read_floor_s"], vs_floor=t / fl["floor_s"],
                 vs_read_floor_torch=t / fl.get("read_floor_torch_s", float("nan")),
                 fma_share=fl["fma_floor_s"] / t, matmul_s=mm, vs_matmul=t / mm,
+                predecoded_s=pre, vs_predecoded=None if pre is None else t / pre,
                 target=target, met=met)
     if impl == "cpu" and form == "stacked":
         benchmark_rows.append(dict(info))

@@ -60,11 +60,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"{_ROOFS['fma_gflops'][th].get(isa, float('nan')):.0f} GFLOP/s, torch.matmul "
             f"float32 {_ROOFS['matmul_gflops'][th]['float32']:.0f}" for th in _ROOFS["threads"]))
     w(f"{'shape':22s} {'T':>4s} {'dtype':8s} {'thr':>3s} {'ms':>9s} {'GFLOP/s':>8s} "
-      f"{'xread':>6s} {'xrd-t':>6s} {'xfloor':>6s} {'xmatmul':>7s} {'FMA%':>5s}  target")
+      f"{'xread':>6s} {'xrd-t':>6s} {'xfloor':>6s} {'xmatmul':>7s} {'xpredec':>7s} {'FMA%':>5s}"
+      f"  target")
     for r in rows:
         w(f"{r['shape']:22s} {r['tokens']:4d} {r['dtype']:8s} {r['threads']:3d} "
           f"{r['time_s'] * 1e3:9.2f} {r['gflops']:8.1f} {r['vs_read_floor']:6.2f} "
           f"{r['vs_read_floor_torch']:6.2f} {r['vs_floor']:6.2f} {r['vs_matmul']:7.2f} "
+          f"{'    n/a' if r['vs_predecoded'] is None else format(r['vs_predecoded'], '7.2f')} "
           f"{100 * r['fma_share']:5.1f}  "
           f"{'    ' if r['met'] is None else 'met ' if r['met'] else 'MISS'} {r['target']}")
     key = {(r["shape"], r["tokens"], r["dtype"], r["threads"]): r["time_s"] for r in rows}

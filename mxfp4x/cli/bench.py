@@ -4,7 +4,10 @@ One MoE projection of --shape (default: gpt-oss-20b's gate/up), random MXFP4 wei
 in-process. A slice of each result is checked against the float64 reference, then the CPU
 kernels and the torch backend are timed and shown beside the floors of each case, from
 this machine's roofs measured in the same run: bytes / memory read bandwidth, flops / FMA
-peak, and torch.matmul on the decoded weights (x: time / floor).
+peak, and torch.matmul on the decoded weights (x: time / floor). The peer
+"predecoded-experts" is the same op as torch runs it on experts decoded ahead of time
+into the latents' dtype (as a model dequantized at load holds them: a matmul per
+selected expert, index_add_ back), where those fit in half the free memory.
 
 --device cuda times the GPU path instead (the Triton kernel where Triton is installed,
 else the torch backend) and the torch backend, beside the GPU's own roofs (device memory
@@ -43,7 +46,7 @@ def add_arguments(parser):
                         default="float32")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--no-torch", action="store_true",
-                        help="skip the torch backend timing")
+                        help="skip the torch backend and the predecoded-experts timings")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--plot", metavar="PNG",
                         help="also plot GFLOP/s against T (matplotlib)")
@@ -109,8 +112,9 @@ def _check_result(call, packed, scales, d_out):
     assert_matches_reference(y[t, rows], layer, rows=rows)
 
 
-def _measure(args, calls, packed, scales, th, case, roofs, isa):
-    """One row of figures: T tokens on ``th`` threads, beside the case's floors."""
+def _measure(args, calls, packed, scales, th, case, roofs, isa, pre=None):
+    """One row of figures: T tokens on ``th`` threads, beside the case's floors and, with
+    ``pre`` (a ``Predecoded``), torch on experts decoded ahead of time."""
     n_tokens, top_k, d_out, d_in = case
 
     def run(i, backend):
@@ -127,7 +131,12 @@ def _measure(args, calls, packed, scales, th, case, roofs, isa):
     # the peer: torch.matmul of the latents' dtype on weights decoded to it
     t_mm = _bench.matmul_roof(n_tokens, top_k, d_out, d_in, th, getattr(torch, args.dtype),
                               repeats=2)
-    return dict(tokens=n_tokens, threads=th, cpu_ms=t_cpu * 1e3, torch_ms=t_torch * 1e3,
+    t_pre = _bench.predecoded_time(pre, calls, th) if pre is not None else None
+    return dict(predecoded_ms=None if t_pre is None else t_pre * 1e3,
+                vs_predecoded=None if t_pre is None else t_cpu / t_pre,
+                predecoded_gb=None if pre is None else
+                pre.bytes_needed(torch.cat([c[1].reshape(-1) for c in calls])) / 1e9,
+                tokens=n_tokens, threads=th, cpu_ms=t_cpu * 1e3, torch_ms=t_torch * 1e3,
                 gbps=n_bytes / t_cpu / 1e9, gflops=n_flops / t_cpu / 1e9,
                 read_floor_ms=fl["read_floor_s"] * 1e3, floor_ms=fl["floor_s"] * 1e3,
                 matmul_ms=t_mm * 1e3, vs_read=t_cpu / fl["read_floor_s"],
@@ -157,6 +166,7 @@ def run(args):
           f"{(packed.numel() + scales.numel()) / 1e6:.0f} MB (made in "
           f"{time.perf_counter() - t0:.1f} s)")
     bar = Progress(len(args.tokens) * len(threads), "bench")
+    pre = None if args.no_torch else _bench.Predecoded(packed, scales, dtype)
     rows = []
     for n_tokens in args.tokens:
         calls = [_bench.make_tokens(n_tokens, top_k, n_experts, d_in, d_out, dtype, call=i)
@@ -165,7 +175,7 @@ def run(args):
         for th in threads:
             bar.update(len(rows), f"measuring T={n_tokens} threads={th}")
             r = _measure(args, calls, packed, scales, th, (n_tokens, top_k, d_out, d_in),
-                         roofs, isa)
+                         roofs, isa, pre)
             rows.append(r)
             bar.clear()
             print(f"T={n_tokens:<5d} threads={th}  cpu {r['cpu_ms']:9.2f} ms "
@@ -173,8 +183,17 @@ def run(args):
                   f"{r['torch_ms']:9.2f} ms  | floor {r['floor_ms']:8.2f} ms "
                   f"(x{r['vs_floor']:.2f}; read floor x{r['vs_read']:.2f}, on torch's memory "
                   f"x{r['vs_read_torch']:.2f})  decoded-matmul "
-                  f"{r['matmul_ms']:8.2f} ms (x{r['vs_matmul']:.2f})", flush=True)
+                  f"{r['matmul_ms']:8.2f} ms (x{r['vs_matmul']:.2f})" + _predecoded_text(r),
+                  flush=True)
     return _finish(args, rows)
+
+
+def _predecoded_text(r):
+    if r["predecoded_gb"] is None:
+        return ""
+    if r["predecoded_ms"] is None:
+        return f"  predecoded-experts n/a (needs {r['predecoded_gb']:.1f} GB)"
+    return f"  predecoded-experts {r['predecoded_ms']:8.2f} ms (x{r['vs_predecoded']:.2f})"
 
 
 def _finish(args, rows):

@@ -116,6 +116,76 @@ def matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=torch.float32, repe
         torch.set_num_threads(old)
 
 
+def available_memory():
+    """Bytes of memory the system can give without swapping (Linux's MemAvailable), or
+    None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class Predecoded:
+    """The op as torch runs it on experts decoded ahead of time, as a model dequantized
+    when it is loaded holds them (in the latents' dtype: 4x the packed bytes in bfloat16,
+    8x in float32): for each selected expert its tokens gathered, one ``torch.matmul``
+    with its decoded matrix, the weighted rows added back with ``index_add_`` (the loop
+    Hugging Face transformers' expert layers run on CPUs).  Experts are decoded on first
+    use and kept; ``fits`` says whether a routing's experts fit in half the available
+    memory."""
+
+    def __init__(self, packed, scales, dtype):
+        self.packed, self.scales, self.dtype = packed, scales, dtype
+        self.matrix_bytes = packed[0].numel() * 2 * torch.finfo(dtype).bits // 8
+        self.decoded = {}
+
+    def bytes_needed(self, sel):
+        """Bytes of decoded experts the routings in ``sel`` need in all."""
+        return len(set(torch.unique(sel).tolist()) | set(self.decoded)) * self.matrix_bytes
+
+    def fits(self, sel):
+        free = available_memory()
+        kept = len(self.decoded) * self.matrix_bytes
+        budget = 4 * 2**30 if free is None else (free + kept) // 2
+        return self.bytes_needed(sel) <= budget
+
+    def weight(self, e):
+        if e not in self.decoded:
+            from .._torch_impl import decode_expert
+            self.decoded[e] = decode_expert(self.packed[e], self.scales[e], self.dtype)
+        return self.decoded[e]
+
+    def __call__(self, x, sel, mix, shared):
+        out = shared.to(self.dtype, copy=True)
+        for e in torch.unique(sel).tolist():
+            tok, slot = (sel == e).nonzero(as_tuple=True)
+            y = x[tok] @ self.weight(e).T
+            out.index_add_(0, tok, y * mix[tok, slot].unsqueeze(1))
+        return out
+
+
+def predecoded_time(pre, calls, threads, repeats=2):
+    """Seconds of ``pre`` (a ``Predecoded``) on ``calls`` (best of ``repeats`` rounds over
+    them, call after call as the kernels are timed), or None where their experts would not
+    fit in memory decoded."""
+    sel = torch.cat([c[1].reshape(-1) for c in calls])
+    if not pre.fits(sel):
+        return None
+    for c in calls:  # decode (untimed), and a first run
+        pre(*c)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return best_time(lambda i: pre(*calls[i % len(calls)]),
+                         repeats=max(repeats, len(calls)))
+    finally:
+        torch.set_num_threads(old)
+
+
 def floors(n_bytes, n_flops, roofs, threads, isa, dtype="float32"):
     """The two floors of a case from ``_roofline.measure`` figures: B / read bandwidth
     and F / the ISA's FMA peak, both with ``threads`` threads; ``floor_s`` is the larger.

@@ -110,6 +110,37 @@ def test_bf16_latents_take_the_bf16_units_floor():
     assert floor("avx512bf16", "bfloat16", dict(roofs, bf16_dot_gflops={})) == pytest.approx(0.04)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_predecoded_peer_computes_the_op(dtype):
+    """bench's predecoded-experts peer is the op (torch on experts decoded ahead of time):
+    float32 within the op's bound of the float64 reference (bfloat16 rounds each product's
+    rows and each addition, as torch does: within 2^-6 of the largest value), with an
+    expert chosen twice by one token, experts nobody chose left undecoded, and None where
+    its experts would not fit."""
+    from mxfp4x.testing.layers import assert_matches_reference, reference_and_bound
+
+    packed, scales = _bench.make_experts(6, 70, 96, seed=3)
+    x, sel, mix, shared = _bench.make_tokens(9, 3, 6, 96, 70, dtype, call=2)
+    sel[0] = torch.tensor([4, 4, 1])
+    sel[sel == 5] = 2  # expert 5 unused
+    pre = _bench.Predecoded(packed, scales, dtype)
+    y = pre(x, sel, mix, shared)
+    assert y.dtype == dtype and y.shape == shared.shape
+    layer = dict(latent_tokens=x, packed_weights=packed, scale_bytes=scales,
+                 selected_experts=sel, mixture_weights=mix, shared_output=shared)
+    if dtype == torch.float32:
+        assert_matches_reference(y, layer)
+    else:
+        ref = torch.from_numpy(reference_and_bound(layer, torch.float64)[0])
+        assert (y.double() - ref).abs().max() <= 2**-6 * ref.abs().max()
+    assert sorted(pre.decoded) == [0, 1, 2, 3, 4]
+    assert pre.bytes_needed(sel) == 5 * 70 * 96 * torch.finfo(dtype).bits // 8
+    assert _bench.predecoded_time(pre, [(x, sel, mix, shared)], 1) > 0
+    small = _bench.Predecoded(packed, scales, dtype)
+    small.fits = lambda sel: False
+    assert _bench.predecoded_time(small, [(x, sel, mix, shared)], 1) is None
+
+
 def test_bench_device_path_runs_off_a_gpu(tmp_path, capsys):
     """bench --device cuda's measuring code, run on the CPU with small roofs (the CI has
     no GPU; tests/cuda runs the command itself on one): a checked result, one row per T
