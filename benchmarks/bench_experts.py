@@ -17,8 +17,8 @@ Each case reports in ``extra_info``:
   all products: a compute roof);
 * ``predecoded_s`` and ``vs_predecoded`` = time / predecoded_s: the same op as torch runs
   it on experts decoded ahead of time into the latents' dtype (a matmul per selected
-  expert, ``index_add_`` back: ``_bench.Predecoded``), None where those experts would not
-  fit in half the free memory;
+  expert, ``index_add_`` back: ``_bench.Predecoded``), in the CPU rows of stacked
+  experts, None where those experts would not fit in half the free memory;
 * ``torch_backend_s`` is in the ``impl=torch`` rows (dequantize-then-matmul);
 * ``target`` and ``met``: the case's performance target (``_bench.verdict``); the
   session ends with the table of every case and the cross-case targets (bfloat16 never
@@ -57,10 +57,11 @@ def experts(shape):
 
 
 def predecoded(shape, dtype):
-    """The experts of ``shape`` decoded ahead of time into ``dtype`` (kept for the
-    session, one shape and dtype at a time)."""
-    if (shape, dtype) not in _PREDECODED:
+    """The experts of ``shape`` decoded ahead of time into ``dtype``, kept for the pytest
+    session while the shape stays (the cases of one T run every dtype in turn)."""
+    if any(key[0] != shape for key in _PREDECODED):
         _PREDECODED.clear()
+    if (shape, dtype) not in _PREDECODED:
         packed, scales = experts(shape)[:2]
         _PREDECODED[(shape, dtype)] = _bench.Predecoded(packed, scales, dtype)
     return _PREDECODED[(shape, dtype)]

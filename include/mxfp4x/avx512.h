@@ -66,8 +66,11 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_rows_avx512(const mxfp4x_rows *w, 
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
     const uint8_t *b0 = w->blocks + r * sb;
     const uint8_t *s0 = w->scales + r * ss;
-    /* the block after next (or the next call's rows) into L2 or L1: mxfp4x.h */
-    mxfp4x_pf_cursor pf = mxfp4x_pf_next_block_to(w, r, nr, row_end, l1);
+    /* a block ahead (or the next call's rows) into L2 or L1, mxfp4x.h: for 4 rows the one
+     * after next, for 8 the next, so the same distance in rows */
+    mxfp4x_pf_cursor pf =
+        mxfp4x_pf_block_ahead(w, r, nr, row_end, nr == 8 ? 1 : MXFP4X_PF_AHEAD);
+    pf.l1 = l1;
     __m512 a[8], lo, hi, lo2, hi2;
     int64_t g;
     int i;
@@ -93,6 +96,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_rows_avx512(const mxfp4x_rows *w, 
     if (g < G) { /* an odd last group */
         const __m512 xe = _mm512_loadu_ps(x + g * MXFP4X_GROUP);
         const __m512 xo = _mm512_loadu_ps(x + g * MXFP4X_GROUP + 16);
+        for (i = 0; i < nr; i += 4) MXFP4X_PF_STEP(pf, g);
         for (i = 0; i < nr; i++) {
             mxfp4x_decode_group_avx512(b0 + i * sb + g * gb, s0[i * ss + g * gs], &lo, &hi);
             a[i] = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a[i]));
@@ -105,10 +109,11 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_rows_avx512(const mxfp4x_rows *w, 
  * then 4, then one at a time, groups two at a time: the same operations per row as a
  * group at a time in blocks of 4, so the same bits.  On an AMD EPYC Zen 5
  * (benchmarks/kernel_bench.c gemv avx512, one token, alternated builds, medians of 7) a
- * row-group took 0.52 ns in L2 against 0.57, and 0.62 against 0.65 streaming 8 experts
- * of 5760 x 2880 from DRAM; whole one-token gpt-oss-20b calls gained 1-2 %, where the
- * stream from DRAM, not the decode, sets the pace.  8 rows a group at a time were slower
- * than 4 (GCC kept their pointers on the stack). */
+ * row-group took 0.52 ns in L2 against 0.57, and streaming 8 experts of 5760 x 2880 from
+ * DRAM read 27.9 against 25.9 GB/s (GGUF rows: 30.1 against 26.7 in L2, 24.2 against 22.7
+ * from DRAM); whole one-token gpt-oss-20b calls gained 1-2 %, where the stream from DRAM,
+ * not the decode, sets the pace.  8 rows a group at a time were slower than 4 (GCC kept
+ * their pointers on the stack). */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w,
                                                             int64_t row_start, int64_t row_end,
                                                             const float *x, float *out,
@@ -249,8 +254,8 @@ MXFP4X_AVX512_GEMV_FULL(4)
         mxfp4x_gemv_block_avx512(w, r, xs, M, N, o, out_stride, row_end, 0);               \
         break;
 
-/* One token: gemv1 (4 rows interleaved, the next rows prefetched); more: blocks of up to
- * 4 tokens, each over the rows in blocks of 4 (full blocks compiled apart, see above). */
+/* One token: gemv1 (8 or 4 rows interleaved, the next rows prefetched); more: blocks of up
+ * to 4 tokens, each over the rows in blocks of 4 (full blocks compiled apart, see above). */
 MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
                                              int64_t row_end, const float *x, int64_t x_stride,
                                              const int64_t *x_rows, int64_t n_tok, float *out,

@@ -131,17 +131,21 @@ def _measure(args, calls, packed, scales, th, case, roofs, isa, pre=None):
     # the peer: torch.matmul of the latents' dtype on weights decoded to it
     t_mm = _bench.matmul_roof(n_tokens, top_k, d_out, d_in, th, getattr(torch, args.dtype),
                               repeats=2)
+    # the peer: what its experts need decoded, and against what, before they are decoded
+    need = None if pre is None else pre.bytes_needed(torch.cat([c[1].reshape(-1)
+                                                                for c in calls]))
+    budget = None if pre is None else pre.budget()
     t_pre = _bench.predecoded_time(pre, calls, th) if pre is not None else None
-    return dict(predecoded_ms=None if t_pre is None else t_pre * 1e3,
-                vs_predecoded=None if t_pre is None else t_cpu / t_pre,
-                predecoded_gb=None if pre is None else
-                pre.bytes_needed(torch.cat([c[1].reshape(-1) for c in calls])) / 1e9,
-                tokens=n_tokens, threads=th, cpu_ms=t_cpu * 1e3, torch_ms=t_torch * 1e3,
+    return dict(tokens=n_tokens, threads=th, cpu_ms=t_cpu * 1e3, torch_ms=t_torch * 1e3,
                 gbps=n_bytes / t_cpu / 1e9, gflops=n_flops / t_cpu / 1e9,
                 read_floor_ms=fl["read_floor_s"] * 1e3, floor_ms=fl["floor_s"] * 1e3,
                 matmul_ms=t_mm * 1e3, vs_read=t_cpu / fl["read_floor_s"],
                 vs_read_torch=t_cpu / fl.get("read_floor_torch_s", float("nan")),
-                vs_floor=t_cpu / fl["floor_s"], vs_matmul=t_cpu / t_mm)
+                vs_floor=t_cpu / fl["floor_s"], vs_matmul=t_cpu / t_mm,
+                predecoded_ms=None if t_pre is None else t_pre * 1e3,
+                vs_predecoded=None if t_pre is None else t_cpu / t_pre,
+                predecoded_gb=None if need is None else need / 1e9,
+                predecoded_budget_gb=None if budget is None else budget / 1e9)
 
 
 def run(args):
@@ -192,7 +196,8 @@ def _predecoded_text(r):
     if r["predecoded_gb"] is None:
         return ""
     if r["predecoded_ms"] is None:
-        return f"  predecoded-experts n/a (needs {r['predecoded_gb']:.1f} GB)"
+        return (f"  predecoded-experts n/a (needs {r['predecoded_gb']:.1f} GB decoded, "
+                f"half the free memory is {r['predecoded_budget_gb']:.1f})")
     return f"  predecoded-experts {r['predecoded_ms']:8.2f} ms (x{r['vs_predecoded']:.2f})"
 
 

@@ -116,17 +116,36 @@ def matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=torch.float32, repe
         torch.set_num_threads(old)
 
 
+def _read_int(path):
+    try:
+        with open(path) as f:
+            text = f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def available_memory():
-    """Bytes of memory the system can give without swapping (Linux's MemAvailable), or
-    None where it does not say."""
+    """Bytes of memory this process can still take without swapping: Linux's MemAvailable,
+    or less where a cgroup (a container, a CI job) caps the process (v2 memory.max minus
+    memory.current, v1 memory.limit_in_bytes minus memory.usage_in_bytes); None where the
+    system does not say."""
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        cap, used = _read_int(limit), _read_int(usage)
+        if cap is not None and used is not None and cap < 2**60:  # "max" or no limit
+            left = max(cap - used, 0)
+            free = left if free is None else min(free, left)
+    return free
 
 
 class Predecoded:
@@ -134,44 +153,50 @@ class Predecoded:
     when it is loaded holds them (in the latents' dtype: 4x the packed bytes in bfloat16,
     8x in float32): for each selected expert its tokens gathered, one ``torch.matmul``
     with its decoded matrix, the weighted rows added back with ``index_add_`` (the loop
-    Hugging Face transformers' expert layers run on CPUs).  Experts are decoded on first
-    use and kept; ``fits`` says whether a routing's experts fit in half the available
-    memory."""
+    Hugging Face transformers' expert layers run on CPUs).  Experts (stacked or listed;
+    ``scales`` None: GGUF blocks) are decoded on first use and kept; ``fits`` says whether
+    a routing's experts fit in ``budget()``, half the memory left (with what is kept)."""
 
     def __init__(self, packed, scales, dtype):
         self.packed, self.scales, self.dtype = packed, scales, dtype
-        self.matrix_bytes = packed[0].numel() * 2 * torch.finfo(dtype).bits // 8
+        n = packed[0].numel()
+        elements = 2 * n if scales is not None else n // (GROUP_BYTES + 1) * GROUP
+        self.matrix_bytes = elements * torch.finfo(dtype).bits // 8
         self.decoded = {}
 
     def bytes_needed(self, sel):
-        """Bytes of decoded experts the routings in ``sel`` need in all."""
+        """Bytes of decoded experts held once the routings in ``sel`` have run (those kept
+        and those ``sel`` adds)."""
         return len(set(torch.unique(sel).tolist()) | set(self.decoded)) * self.matrix_bytes
 
-    def fits(self, sel):
+    def budget(self):
         free = available_memory()
         kept = len(self.decoded) * self.matrix_bytes
-        budget = 4 * 2**30 if free is None else (free + kept) // 2
-        return self.bytes_needed(sel) <= budget
+        return 4 * 2**30 if free is None else (free + kept) // 2
+
+    def fits(self, sel):
+        return self.bytes_needed(sel) <= self.budget()
 
     def weight(self, e):
         if e not in self.decoded:
             from .._torch_impl import decode_expert
-            self.decoded[e] = decode_expert(self.packed[e], self.scales[e], self.dtype)
+            self.decoded[e] = decode_expert(
+                self.packed[e], None if self.scales is None else self.scales[e], self.dtype)
         return self.decoded[e]
 
     def __call__(self, x, sel, mix, shared):
         out = shared.to(self.dtype, copy=True)
         for e in torch.unique(sel).tolist():
             tok, slot = (sel == e).nonzero(as_tuple=True)
-            y = x[tok] @ self.weight(e).T
-            out.index_add_(0, tok, y * mix[tok, slot].unsqueeze(1))
+            y = x[tok].to(self.dtype) @ self.weight(e).T
+            out.index_add_(0, tok, y * mix[tok, slot].to(self.dtype).unsqueeze(1))
         return out
 
 
 def predecoded_time(pre, calls, threads, repeats=2):
-    """Seconds of ``pre`` (a ``Predecoded``) on ``calls`` (best of ``repeats`` rounds over
-    them, call after call as the kernels are timed), or None where their experts would not
-    fit in memory decoded."""
+    """Seconds of ``pre`` (a ``Predecoded``) on ``calls``: the best of max(repeats,
+    len(calls)) calls, call after call as the kernels are timed (the experts decoded
+    first, untimed); None where the experts would not fit in ``pre.budget()``."""
     sel = torch.cat([c[1].reshape(-1) for c in calls])
     if not pre.fits(sel):
         return None

@@ -13,6 +13,7 @@ import mxfp4x
 from mxfp4x import cli
 from mxfp4x.checkpoints.safetensors import SafeTensorsFile, save_file
 from mxfp4x.testing import bench as _bench
+from mxfp4x.testing.layers import gguf_blocks_of
 
 NAMES = ["info", "bench", "check", "quantize", "verify", "layer", "roofline", "ep-bench"]
 
@@ -111,7 +112,7 @@ def test_bf16_latents_take_the_bf16_units_floor():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_predecoded_peer_computes_the_op(dtype):
+def test_predecoded_peer_computes_the_op(dtype, monkeypatch):
     """bench's predecoded-experts peer is the op (torch on experts decoded ahead of time):
     float32 within the op's bound of the float64 reference (bfloat16 rounds each product's
     rows and each addition, as torch does: within 2^-6 of the largest value), with an
@@ -135,10 +136,20 @@ def test_predecoded_peer_computes_the_op(dtype):
         assert (y.double() - ref).abs().max() <= 2**-6 * ref.abs().max()
     assert sorted(pre.decoded) == [0, 1, 2, 3, 4]
     assert pre.bytes_needed(sel) == 5 * 70 * 96 * torch.finfo(dtype).bits // 8
+    threads = torch.get_num_threads()
     assert _bench.predecoded_time(pre, [(x, sel, mix, shared)], 1) > 0
+    assert torch.get_num_threads() == threads
+    # GGUF blocks: the same matrices, the same products
+    blocks = torch.from_numpy(gguf_blocks_of(packed.numpy(), scales.numpy()))
+    gguf = _bench.Predecoded(blocks, None, dtype)
+    assert gguf.matrix_bytes == pre.matrix_bytes
+    assert torch.equal(gguf(x, sel, mix, shared), y)
+    # half the memory left: 2 experts' worth fits 2 experts, not 5
     small = _bench.Predecoded(packed, scales, dtype)
-    small.fits = lambda sel: False
+    monkeypatch.setattr(_bench, "available_memory", lambda: 4 * small.matrix_bytes)
+    assert small.fits(sel[sel < 2]) and not small.fits(sel)
     assert _bench.predecoded_time(small, [(x, sel, mix, shared)], 1) is None
+    assert not small.decoded
 
 
 def test_bench_device_path_runs_off_a_gpu(tmp_path, capsys):
