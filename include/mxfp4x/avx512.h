@@ -156,6 +156,9 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
  * Per (row, token) the operations are gemv1's: a = fma(hi, xo, fma(lo, xe, a)) per
  * group, then the same reduction tree, so the bits do not depend on the batch. */
 #define MXFP4X_AVX512_NT 4
+/* ... and a last 4 + 1 as one block of 5 (the fifth token would take gemv1 alone: its
+ * rows decoded again) */
+#define MXFP4X_AVX512_NT_MAX 5
 /* The gemv/panel crossover.  With 4 tokens per decode the gemv computes about 100 GFLOP/s
  * per thread at any token count; decode + panel_dot starts slower (the decode writes 128
  * bytes of panel per 17 read, ~3.5 ns per row-group) and passes it near 32 tokens.
@@ -182,7 +185,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
     const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     const uint8_t *b[4], *sc[4];
-    __m512 a[4][MXFP4X_AVX512_NT], lo, hi;
+    __m512 a[4][MXFP4X_AVX512_NT_MAX], lo, hi;
     int64_t g;
     int i, c;
     for (i = 0; i < mr; i++) {
@@ -216,7 +219,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
     }
     for (; g < G; g++) {
         const int64_t ob = g * gb, os = g * gs;
-        __m512 xe[MXFP4X_AVX512_NT], xo[MXFP4X_AVX512_NT];
+        __m512 xe[MXFP4X_AVX512_NT_MAX], xo[MXFP4X_AVX512_NT_MAX];
         MXFP4X_PF_STEP(pf, g);
         for (c = 0; c < nt; c++) {
             xe[c] = _mm512_loadu_ps(xs[c] + g * MXFP4X_GROUP);
@@ -248,6 +251,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
 MXFP4X_AVX512_GEMV_FULL(2)
 MXFP4X_AVX512_GEMV_FULL(3)
 MXFP4X_AVX512_GEMV_FULL(4)
+MXFP4X_AVX512_GEMV_FULL(5)
 
 #define MXFP4X_AVX512_GEMV_EDGE(M, N)                                                      \
     case (M) * 8 + (N):                                                                    \
@@ -255,20 +259,22 @@ MXFP4X_AVX512_GEMV_FULL(4)
         break;
 
 /* One token: gemv1 (8 or 4 rows interleaved, the next rows prefetched); more: blocks of up
- * to 4 tokens, each over the rows in blocks of 4 (full blocks compiled apart, see above). */
+ * to 4 tokens (a last 5 as one), each over the rows in blocks of 4 (full blocks compiled
+ * apart, see above). */
 MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
                                              int64_t row_end, const float *x, int64_t x_stride,
                                              const int64_t *x_rows, int64_t n_tok, float *out,
                                              int64_t out_stride) {
     int64_t t, r;
-    int c;
+    int c, nt;
     if (n_tok == 1) {
         mxfp4x_gemv1_f32_avx512(w, row_start, row_end, x + x_rows[0] * x_stride, out);
         return;
     }
-    for (t = 0; t < n_tok; t += MXFP4X_AVX512_NT) {
-        const int nt = n_tok - t < MXFP4X_AVX512_NT ? (int)(n_tok - t) : MXFP4X_AVX512_NT;
-        const float *xs[MXFP4X_AVX512_NT];
+    for (t = 0; t < n_tok; t += nt) {
+        const float *xs[MXFP4X_AVX512_NT_MAX];
+        nt = n_tok - t < MXFP4X_AVX512_NT ? (int)(n_tok - t) : MXFP4X_AVX512_NT;
+        if (n_tok - t == MXFP4X_AVX512_NT_MAX) nt = MXFP4X_AVX512_NT_MAX;
         for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
         if (nt == 1) {
             mxfp4x_gemv1_f32_avx512(w, row_start, row_end, xs[0], out + t * out_stride);
@@ -278,7 +284,8 @@ MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_s
             float *o = out + t * out_stride + (r - row_start);
             const int mr = row_end - r < 4 ? (int)(row_end - r) : 4;
             if (mr == 4) {
-                if (nt == 4) mxfp4x_gemv_full4_avx512(w, r, xs, o, out_stride, row_end);
+                if (nt == 5) mxfp4x_gemv_full5_avx512(w, r, xs, o, out_stride, row_end);
+                else if (nt == 4) mxfp4x_gemv_full4_avx512(w, r, xs, o, out_stride, row_end);
                 else if (nt == 3) mxfp4x_gemv_full3_avx512(w, r, xs, o, out_stride, row_end);
                 else mxfp4x_gemv_full2_avx512(w, r, xs, o, out_stride, row_end);
                 continue;
@@ -288,7 +295,8 @@ MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_s
                 MXFP4X_AVX512_GEMV_EDGE(3, 4) MXFP4X_AVX512_GEMV_EDGE(2, 2)
                 MXFP4X_AVX512_GEMV_EDGE(2, 3) MXFP4X_AVX512_GEMV_EDGE(2, 4)
                 MXFP4X_AVX512_GEMV_EDGE(1, 2) MXFP4X_AVX512_GEMV_EDGE(1, 3)
-                MXFP4X_AVX512_GEMV_EDGE(1, 4)
+                MXFP4X_AVX512_GEMV_EDGE(1, 4) MXFP4X_AVX512_GEMV_EDGE(3, 5)
+                MXFP4X_AVX512_GEMV_EDGE(2, 5) MXFP4X_AVX512_GEMV_EDGE(1, 5)
             default: break;
             }
         }

@@ -54,6 +54,11 @@
 #define MXFP4X_BF16DP_TILE_ROWS 48
 #define MXFP4X_BF16DP_MR 4
 #define MXFP4X_BF16DP_NT 4  /* tokens per fused block */
+/* ... but a last 4 + 1 tokens as one block of 5: on an AMD EPYC Zen 5 (kernel_bench
+ * gemv_bf16, 40 experts of Kimi K3's 3072 x 3584 from DRAM, 768-row tasks) 5 tokens ran at
+ * 307 against 266 GFLOP/s; blocks of 6 spilled their 24 accumulators (12 tokens as 6 + 6:
+ * 298 against 388 as 4 + 4 + 4). */
+#define MXFP4X_BF16DP_NT_MAX 5
 #define MXFP4X_BF16DP_PNT 6 /* tokens per panel block */
 /* Fused up to this many tokens per expert, decoded panel above.  Streaming gpt-oss-20b
  * gate/up rows from DRAM (one thread, benchmarks/kernel_bench.c gemv_bf16): on an Intel
@@ -213,7 +218,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_reduce_16(const __m512 *v, int n, float 
  * nt = 1 pairs the 4 vectors through levels 1-2 and then each result with itself (quarter
  * k: row k's sum 4 times); 2-4 run 16 vectors (v[4j + k] = a[j][k], absent tokens
  * replaced by token 0) so quarter k is token k's 4 rows. */
-MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_reduce_4xn(__m512 a[MXFP4X_BF16DP_MR][MXFP4X_BF16DP_NT],
+MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_reduce_4xn(__m512 a[MXFP4X_BF16DP_MR][MXFP4X_BF16DP_NT_MAX],
                                                    int nt, float *out, int64_t out_stride) {
     if (nt == 1) {
         const __m512 q = mxfp4x_bf16dp_hsum_l2(mxfp4x_bf16dp_hsum_l1(a[0][0], a[1][0]),
@@ -233,7 +238,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_reduce_4xn(__m512 a[MXFP4X_BF16DP_MR][MX
 
 /* ---- few tokens: each group decoded once in a register, applied to every token ---- */
 
-/* mr <= 4 rows from r x nt <= 4 tokens (xs[t]: d_in words each) over every group:
+/* mr <= 4 rows from r x nt <= 5 tokens (xs[t]: d_in words each) over every group:
  * out[t * out_stride + i] = row r + i . token t; the next rows prefetched meanwhile. */
 MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_gemv_block(const mxfp4x_rows *w, int64_t r,
                                                    const uint16_t *const *xs, int mr, int nt,
@@ -242,7 +247,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_gemv_block(const mxfp4x_rows *w, int64_t
     const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
     const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     const uint8_t *b[MXFP4X_BF16DP_MR], *sc[MXFP4X_BF16DP_MR];
-    __m512 a[MXFP4X_BF16DP_MR][MXFP4X_BF16DP_NT];
+    __m512 a[MXFP4X_BF16DP_MR][MXFP4X_BF16DP_NT_MAX];
     int64_t g;
     int i, t;
     for (i = 0; i < mr; i++) {
@@ -271,7 +276,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_gemv_block(const mxfp4x_rows *w, int64_t
         }
     }
     for (; g < G; g++) {
-        __m512bh x[MXFP4X_BF16DP_NT];
+        __m512bh x[MXFP4X_BF16DP_NT_MAX];
         MXFP4X_PF_STEP(pf, g);
         for (t = 0; t < nt; t++)
             x[t] = (__m512bh)_mm512_loadu_si512((const void *)(xs[t] + g * MXFP4X_GROUP));
@@ -280,8 +285,10 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_gemv_block(const mxfp4x_rows *w, int64_t
             for (t = 0; t < nt; t++) a[i][t] = _mm512_dpbf16_ps(a[i][t], wv, x[t]);
         }
     }
-    if (mr == MXFP4X_BF16DP_MR) {
-        mxfp4x_bf16dp_reduce_4xn(a, nt, out, out_stride);
+    if (mr == MXFP4X_BF16DP_MR) { /* token 4 by hsum16 itself: the same tree */
+        mxfp4x_bf16dp_reduce_4xn(a, nt < 4 ? nt : 4, out, out_stride);
+        for (t = 4; t < nt; t++)
+            for (i = 0; i < mr; i++) out[t * out_stride + i] = mxfp4x_hsum16_avx512(a[i][t]);
         return;
     }
     for (i = 0; i < mr; i++)
@@ -304,6 +311,7 @@ MXFP4X_BF16DP_GEMV_FULL(1)
 MXFP4X_BF16DP_GEMV_FULL(2)
 MXFP4X_BF16DP_GEMV_FULL(3)
 MXFP4X_BF16DP_GEMV_FULL(4)
+MXFP4X_BF16DP_GEMV_FULL(5)
 
 /* ---- many tokens: rows decoded into a bf16 panel, then a register block over it ---- */
 
@@ -505,8 +513,9 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
             pf = mxfp4x_bf16dp_pf_tile(w, r1, row_end);
             pf_per_call = (mxfp4x_bf16dp_pf_count(&pf) + n_calls - 1) / n_calls;
         }
-        for (t = 0; t < n_tok; t += step) {
+        for (t = 0; t < n_tok; t += nt) {
             nt = n_tok - t < step ? (int)(n_tok - t) : step;
+            if (fused && n_tok - t == MXFP4X_BF16DP_NT + 1) nt = MXFP4X_BF16DP_NT + 1;
             for (i = 0; i < nt; i++) xs[i] = xt + (t + i) * d_in;
             if (fused) {
                 for (r = r0; r < r1; r += MXFP4X_BF16DP_MR) {
@@ -514,6 +523,7 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
                     mr = r1 - r < MXFP4X_BF16DP_MR ? (int)(r1 - r) : MXFP4X_BF16DP_MR;
                     if (mr == MXFP4X_BF16DP_MR) {
                         switch (nt) {
+                        case 5: mxfp4x_bf16dp_gemv_full5(w, r, xs, o, out_stride, row_end); break;
                         case 4: mxfp4x_bf16dp_gemv_full4(w, r, xs, o, out_stride, row_end); break;
                         case 3: mxfp4x_bf16dp_gemv_full3(w, r, xs, o, out_stride, row_end); break;
                         case 2: mxfp4x_bf16dp_gemv_full2(w, r, xs, o, out_stride, row_end); break;
