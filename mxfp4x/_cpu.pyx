@@ -71,7 +71,7 @@ cdef enum:
 # float32 latents level at 16x against 4x (509, 498 ms).
 # A bf16 unit's calls widen from WIDE_BF16_FROM tokens per expert on, fused gemv or not:
 # there every pair has its own gathered latents, and an expert with more than one block
-# of 4 tokens read them from L3 again for every 48-row tile.  Alternated in one process,
+# of tokens (4, or a last 5) read them from L3 again for every 48-row tile.  Alternated in one process,
 # AMD EPYC Zen 5, 128 experts top-16: Kimi K3 w1 at T = 144 (18 tokens per expert, the
 # fused gemv) 204 -> 155 ms on 1 thread, 104 -> 86 on 2; K3 w2 114 -> 96; T = 96 157 ->
 # 119 (1 thread), 67 -> 59 (2); gpt-oss-20b gate/up T = 32-128 level to 5 % faster; T =

@@ -151,7 +151,7 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
         mxfp4x_gemv1_f32_avx512_to(w, row_start, row_end, x, out, 0);
 }
 
-/* 2..4 tokens at once: each row's group is decoded once into registers and applied to
+/* 2..5 tokens at once: each row's group is decoded once into registers and applied to
  * every token (4 rows x NT tokens of accumulators), instead of one re-decode per token.
  * Per (row, token) the operations are gemv1's: a = fma(hi, xo, fma(lo, xe, a)) per
  * group, then the same reduction tree, so the bits do not depend on the batch. */
@@ -175,7 +175,7 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
  * 64 tokens, 1 thread): the panel size does not matter within L2; 384 KiB keeps it in
  * any L2 of 1 MiB or more. */
 #define MXFP4X_AVX512_PANEL_BYTES (384 * 1024)
-/* One block of mr <= 4 rows (from row r) x nt <= 4 tokens over every group, the next
+/* One block of mr <= 4 rows (from row r) x nt <= 5 tokens over every group, the next
  * block of the call's rows (up to row_end) or the next call's prefetched meanwhile. */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, int64_t r,
                                                           const float *const *xs, int mr,

@@ -55,9 +55,10 @@
 #define MXFP4X_BF16DP_MR 4
 #define MXFP4X_BF16DP_NT 4  /* tokens per fused block */
 /* ... but a last 4 + 1 tokens as one block of 5: on an AMD EPYC Zen 5 (kernel_bench
- * gemv_bf16, 40 experts of Kimi K3's 3072 x 3584 from DRAM, 768-row tasks) 5 tokens ran at
- * 307 against 266 GFLOP/s; blocks of 6 spilled their 24 accumulators (12 tokens as 6 + 6:
- * 298 against 388 as 4 + 4 + 4). */
+ * gemv_bf16, 40 experts of Kimi K3's 3072 x 3584 from DRAM, 768-row tasks, medians of 5) 5
+ * tokens ran at 315 against 275 GFLOP/s (307 against 266 in another run), 9 at 340 against
+ * 323; blocks of 6 spilled their 24 accumulators (12 tokens as 6 + 6: 298 against 388 as
+ * 4 + 4 + 4). */
 #define MXFP4X_BF16DP_NT_MAX 5
 #define MXFP4X_BF16DP_PNT 6 /* tokens per panel block */
 /* Fused up to this many tokens per expert, decoded panel above.  Streaming gpt-oss-20b
@@ -515,7 +516,7 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
         }
         for (t = 0; t < n_tok; t += nt) {
             nt = n_tok - t < step ? (int)(n_tok - t) : step;
-            if (fused && n_tok - t == MXFP4X_BF16DP_NT + 1) nt = MXFP4X_BF16DP_NT + 1;
+            if (fused && n_tok - t == MXFP4X_BF16DP_NT_MAX) nt = MXFP4X_BF16DP_NT_MAX;
             for (i = 0; i < nt; i++) xs[i] = xt + (t + i) * d_in;
             if (fused) {
                 for (r = r0; r < r1; r += MXFP4X_BF16DP_MR) {

@@ -205,7 +205,7 @@ typedef struct {
 static const mv_case mv_cases[] = {
     {1, 0, 1, 1},   {5, 1, 3, 2},   {13, 2, 17, 3},  {50, 3, 5, 70}, {9, 0, 40, 9},
     {37, 5, 2, 33}, {6, 0, 16, 4},  {64, 0, 3, 5},   {4, 0, 0, 5},   {48, 0, 90, 12},
-    {11, 4, 7, 1},  {23, 0, 1, 64}, {3, 0, 33, 7},
+    {11, 4, 7, 1},  {23, 0, 1, 64}, {3, 0, 33, 7},  {14, 0, 5, 13},
 };
 #define N_MV_CASES ((int)(sizeof mv_cases / sizeof mv_cases[0]))
 
@@ -786,6 +786,13 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
         const int64_t n = counts[c], t0 = (c * 7) % (n_x - n + 1);
         bf16_run(k, &w, n_rows, x, d_in, src + t0, n, 0, other);
         if (memcmp(other, full + t0 * n_rows, (size_t)(n * n_rows) * sizeof(float))) ok = 0;
+    }
+    /* the fused block of 5 tokens over last tiles of 2 and 3 rows */
+    for (c = 98; c <= 99; c++) {
+        bf16_run(k, &w, c, x, d_in, src + 3, 5, 0, other);
+        for (t = 0; t < 5; t++)
+            if (memcmp(other + t * c, full + (3 + t) * n_rows, (size_t)c * sizeof(float)))
+                ok = 0;
     }
     /* tile-aligned split row ranges (as the driver's tasks) */
     bf16_run(k, &w, n_rows, x, d_in, src, n_x, k->tile_rows, other);
