@@ -70,12 +70,13 @@ cdef enum:
 # 262 / - / 248), 2 threads 157 -> 148 / 133 / 129; T = 128 (16 tokens per expert) level;
 # float32 latents level at 16x against 4x (509, 498 ms).
 # A bf16 unit's calls widen from WIDE_BF16_FROM tokens per expert on, fused gemv or not:
-# there every pair has its own gathered latents, and an expert with more than one block
-# of tokens (4, or a last 5) read them from L3 again for every 48-row tile.  Alternated in one process,
-# AMD EPYC Zen 5, 128 experts top-16: Kimi K3 w1 at T = 144 (18 tokens per expert, the
-# fused gemv) 204 -> 155 ms on 1 thread, 104 -> 86 on 2; K3 w2 114 -> 96; T = 96 157 ->
-# 119 (1 thread), 67 -> 59 (2); gpt-oss-20b gate/up T = 32-128 level to 5 % faster; T =
-# 4-48 level.  float32 latents (token rows shared by the experts) level there.
+# there every pair has its own gathered latents, and an expert with more than one
+# block of tokens (4, or a last 5) read them from L3 again for every 48-row tile.
+# Alternated in one process, AMD EPYC Zen 5, 128 experts top-16: Kimi K3 w1 at T = 144
+# (18 tokens per expert, the fused gemv) 204 -> 155 ms on 1 thread, 104 -> 86 on 2; K3
+# w2 114 -> 96; T = 96 157 -> 119 (1 thread), 67 -> 59 (2); gpt-oss-20b gate/up T =
+# 32-128 level to 5 % faster; T = 4-48 level.  float32 latents (token rows shared by the
+# experts) level there.
 # With wide tiles and more than one thread, the last TAIL_TASKS tasks per thread are of the
 # ISA's own tile rows: tasks are handed out in order, and a thread that took the last wide
 # tile kept the others waiting (libgomp's spin was 4 % of a call's samples).  Alternated
