@@ -55,65 +55,7 @@ MXFP4X_AVX512_INLINE void mxfp4x_decode_group_avx512(const uint8_t *b, uint8_t s
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), t);
 }
 
-/* One token, a block of NR rows (a constant where inlined): each row's one accumulator
- * takes a = fma(hi, xo, fma(lo, xe, a)) per group, groups two at a time.  `l1`: where the
- * next rows are prefetched (a constant: compiled twice below). */
-MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_rows_avx512(const mxfp4x_rows *w, int64_t r,
-                                                          int64_t row_end, const float *x,
-                                                          float *out, const int nr,
-                                                          const int l1, const int64_t gb,
-                                                          const int64_t gs) {
-    const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
-    const uint8_t *b0 = w->blocks + r * sb;
-    const uint8_t *s0 = w->scales + r * ss;
-    /* a block ahead (or the next call's rows) into L2 or L1, mxfp4x.h: for 4 rows the one
-     * after next, for 8 the next, so the same distance in rows */
-    mxfp4x_pf_cursor pf =
-        mxfp4x_pf_block_ahead(w, r, nr, row_end, nr == 8 ? 1 : MXFP4X_PF_AHEAD);
-    pf.l1 = l1;
-    __m512 a[8], lo, hi, lo2, hi2;
-    int64_t g;
-    int i;
-    for (i = 0; i < nr; i++) a[i] = _mm512_setzero_ps();
-    for (g = 0; g + 2 <= G; g += 2) {
-        const float *xg = x + g * MXFP4X_GROUP;
-        const __m512 xe = _mm512_loadu_ps(xg), xo = _mm512_loadu_ps(xg + 16);
-        const __m512 ye = _mm512_loadu_ps(xg + 32), yo = _mm512_loadu_ps(xg + 48);
-        const int64_t ob = g * gb, os = g * gs;
-        for (i = 0; i < nr; i += 4) { /* one line per group for every 4 rows */
-            MXFP4X_PF_STEP(pf, g);
-            MXFP4X_PF_STEP(pf, g + 1);
-        }
-        for (i = 0; i < nr; i++) {
-            mxfp4x_decode_group_avx512(b0 + i * sb + ob, s0[i * ss + os], &lo, &hi);
-            mxfp4x_decode_group_avx512(b0 + i * sb + ob + gb, s0[i * ss + os + gs], &lo2,
-                                       &hi2);
-            a[i] = _mm512_fmadd_ps(
-                hi2, yo,
-                _mm512_fmadd_ps(lo2, ye, _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a[i]))));
-        }
-    }
-    if (g < G) { /* an odd last group */
-        const __m512 xe = _mm512_loadu_ps(x + g * MXFP4X_GROUP);
-        const __m512 xo = _mm512_loadu_ps(x + g * MXFP4X_GROUP + 16);
-        for (i = 0; i < nr; i += 4) MXFP4X_PF_STEP(pf, g);
-        for (i = 0; i < nr; i++) {
-            mxfp4x_decode_group_avx512(b0 + i * sb + g * gb, s0[i * ss + g * gs], &lo, &hi);
-            a[i] = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a[i]));
-        }
-    }
-    for (i = 0; i < nr; i++) out[i] = mxfp4x_hsum16_avx512(a[i]);
-}
-
-/* Rows in blocks of 8 (constant group strides where a row's groups are back to back),
- * then 4, then one at a time, groups two at a time: the same operations per row as a
- * group at a time in blocks of 4, so the same bits.  On an AMD EPYC Zen 5
- * (benchmarks/kernel_bench.c gemv avx512, one token, alternated builds, medians of 7) a
- * row-group took 0.52 ns in L2 against 0.57, and streaming 8 experts of 5760 x 2880 from
- * DRAM read 27.9 against 25.9 GB/s (GGUF rows: 30.1 against 26.7 in L2, 24.2 against 22.7
- * from DRAM); whole one-token gpt-oss-20b calls gained 1-2 %, where the stream from DRAM,
- * not the decode, sets the pace.  8 rows a group at a time were slower than 4 (GCC kept
- * their pointers on the stack). */
+/* One token; `l1`: where the next rows are prefetched (a constant: compiled twice below). */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w,
                                                             int64_t row_start, int64_t row_end,
                                                             const float *x, float *out,
@@ -122,14 +64,31 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w
     const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
     int64_t r = row_start, g;
     __m512 lo, hi;
-    if (gb == MXFP4X_GROUP_BYTES && gs == 1) /* groups back to back: constant strides */
-        for (; r + 8 <= row_end; r += 8)
-            mxfp4x_gemv1_rows_avx512(w, r, row_end, x, out + (r - row_start), 8, l1,
-                                     MXFP4X_GROUP_BYTES, 1);
-    for (; r + 8 <= row_end; r += 8)
-        mxfp4x_gemv1_rows_avx512(w, r, row_end, x, out + (r - row_start), 8, l1, gb, gs);
-    for (; r + 4 <= row_end; r += 4)
-        mxfp4x_gemv1_rows_avx512(w, r, row_end, x, out + (r - row_start), 4, l1, gb, gs);
+    for (; r + 4 <= row_end; r += 4) {
+        const uint8_t *b0 = w->blocks + r * sb;
+        const uint8_t *s0 = w->scales + r * ss;
+        /* a 4-row block ahead (or the next call's) into L2 or L1: mxfp4x.h */
+        mxfp4x_pf_cursor pf = mxfp4x_pf_next_block_to(w, r, 4, row_end, l1);
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (g = 0; g < G; g++) {
+            const __m512 xe = _mm512_loadu_ps(x + g * MXFP4X_GROUP);
+            const __m512 xo = _mm512_loadu_ps(x + g * MXFP4X_GROUP + 16);
+            const int64_t ob = g * gb, os = g * gs;
+            MXFP4X_PF_STEP(pf, g);
+            mxfp4x_decode_group_avx512(b0 + ob, s0[os], &lo, &hi);
+            a0 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a0));
+            mxfp4x_decode_group_avx512(b0 + sb + ob, s0[ss + os], &lo, &hi);
+            a1 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a1));
+            mxfp4x_decode_group_avx512(b0 + 2 * sb + ob, s0[2 * ss + os], &lo, &hi);
+            a2 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a2));
+            mxfp4x_decode_group_avx512(b0 + 3 * sb + ob, s0[3 * ss + os], &lo, &hi);
+            a3 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a3));
+        }
+        out[r - row_start] = mxfp4x_hsum16_avx512(a0);
+        out[r - row_start + 1] = mxfp4x_hsum16_avx512(a1);
+        out[r - row_start + 2] = mxfp4x_hsum16_avx512(a2);
+        out[r - row_start + 3] = mxfp4x_hsum16_avx512(a3);
+    }
     for (; r < row_end; r++) {
         const uint8_t *b = w->blocks + r * sb;
         const uint8_t *s = w->scales + r * ss;
@@ -258,8 +217,8 @@ MXFP4X_AVX512_GEMV_FULL(5)
         mxfp4x_gemv_block_avx512(w, r, xs, M, N, o, out_stride, row_end, 0);               \
         break;
 
-/* One token: gemv1 (8 or 4 rows interleaved, the next rows prefetched); more: blocks of up
- * to 4 tokens (a last 5 as one), each over the rows in blocks of 4 (full blocks compiled
+/* One token: gemv1 (4 rows interleaved, the next rows prefetched); more: blocks of up to
+ * 4 tokens (a last 5 as one), each over the rows in blocks of 4 (full blocks compiled
  * apart, see above). */
 MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
                                              int64_t row_end, const float *x, int64_t x_stride,

@@ -271,10 +271,9 @@ MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_gguf(const uint8_t *base, int64_t row_stri
 
 /* ---- streaming the next row block in while the current one is computed ----
  *
- * A gemv call reads blocks of 4 rows (8 in the AVX-512 one-token gemv); while it computes
- * one, it prefetches one ahead (for 4 rows the one after next, MXFP4X_PF_AHEAD below) into
- * L2 one line per group and 4 rows (two every eighth group: a GGUF block of 4 rows is 68
- * bytes per group), in address order, and that block's scale bytes
+ * A gemv call reads blocks of 4 rows; while it computes one, it prefetches the one after
+ * next (MXFP4X_PF_AHEAD below) into L2 one line per group (two every eighth group: a GGUF
+ * block of 4 rows is 68 bytes per group), in address order, and that block's scale bytes
  * (a separate array) into L1 at once.  Measured on an Intel Xeon with AVX-512 (one
  * thread, weights streamed from DRAM, benchmarks/kernel_bench.c): one line per row every
  * 4 groups, the 4 rows interleaved, ran at 2.1 ns per row-group, the lines in address
