@@ -46,7 +46,12 @@
 #if MXFP4X_HAVE_AMX
 #include <immintrin.h>
 
+#ifdef MXFP4X_EMULATE_AMX /* a test build: the tile instructions in C (emulate_amx.h) */
+#include "emulate_amx.h"
+#define MXFP4X_TARGET_AMX MXFP4X_TARGET("avx512f,avx512bw,avx2,fma")
+#else
 #define MXFP4X_TARGET_AMX MXFP4X_TARGET("avx512f,avx512bw,avx2,fma,amx-tile,amx-bf16")
+#endif
 #define MXFP4X_AMX_FN static MXFP4X_TARGET_AMX
 #define MXFP4X_AMX_INLINE static inline MXFP4X_TARGET_AMX MXFP4X_ALWAYS_INLINE
 

@@ -34,11 +34,15 @@
 
 /* AMX (amx.h): Linux on x86-64 (the kernel grants the tile state per process,
  * arch_prctl ARCH_REQ_XCOMP_PERM), GCC >= 11 or clang >= 12 (the AMX intrinsics inside a
- * target region); never in the SIMDe emulation build. */
+ * target region); never in the SIMDe emulation build.  MXFP4X_EMULATE_AMX (a test build
+ * of the C checker, emulate_amx.h): the tile instructions in C, on any GCC or clang. */
 #if MXFP4X_HAVE_X86_SIMD && MXFP4X_GNUC && defined(__linux__) && \
     !defined(MXFP4X_EMULATE_AVX512) && !defined(MXFP4X_NO_AMX) && \
     ((defined(__clang__) && __clang_major__ >= 12) || \
      (!defined(__clang__) && __GNUC__ >= 11))
+#  define MXFP4X_HAVE_AMX 1
+#elif MXFP4X_HAVE_X86_SIMD && MXFP4X_GNUC && defined(MXFP4X_EMULATE_AMX) && \
+    !defined(MXFP4X_EMULATE_AVX512) && !defined(MXFP4X_NO_AMX)
 #  define MXFP4X_HAVE_AMX 1
 #else
 #  define MXFP4X_HAVE_AMX 0

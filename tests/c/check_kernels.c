@@ -29,8 +29,9 @@
  *                   and multiplied by bf16_rows: against float64 within the bound, with
  *                   subnormal, tiny and huge latents and scale bytes 0, 1, 68, 69, 159,
  *                   160, 254, 255 among the rows (the exact path); every token alone,
- *                   the whole batch, counts each side of the unit's switch, and
- *                   tile-aligned split row ranges, bit for bit (gguf_bf16: GGUF blocks)
+ *                   the whole batch, counts each side of the unit's switch, 5 tokens
+ *                   over last tiles of 2 and 3 rows, and tile-aligned split row ranges,
+ *                   bit for bit (gguf_bf16: GGUF blocks); a failure names which
  *   gguf_*          decode, gemv, panel_dot and batch again on llama.cpp's GGUF blocks
  *                   (17 bytes per group, the scale byte first; byte j holds elements j
  *                   and j+16), read in place: gguf_decode, gguf_gemv, gguf_panel,
@@ -48,7 +49,9 @@
  * Usage:  check_kernels [--list] [ISA...]
  *   --list   print "<name> runnable|not-runnable" per compiled entry, nothing else
  * Build:  cc -O2 -std=c11 -ffp-contract=off -Iinclude tests/c/check_kernels.c -lm
- *         (no -march, no fast-math: the SIMD code sits behind target attributes)
+ *         (no -march, no fast-math: the SIMD code sits behind target attributes);
+ *         with -DMXFP4X_EMULATE_AMX the amx entry runs on any AVX-512 (F, BW) CPU, its
+ *         tile instructions in C (include/mxfp4x/emulate_amx.h)
  */
 #include <math.h>
 #include <stdio.h>
@@ -713,7 +716,10 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
     int64_t *src, i, r, t, c, g;
     float *full, *one, *other;
     double worst = 0.0;
-    int ok = 1;
+    /* which comparisons failed, named in the report */
+    enum { F_BOUND = 1, F_ALONE = 2, F_COUNTS = 4, F_BLOCK5 = 8, F_SPLIT = 16 };
+    static const char *const fail_names[] = {"bound", "alone", "counts", "block5", "split"};
+    int fail = 0;
     digest d;
     char detail[160];
     mxfp4x_rows w;
@@ -769,36 +775,45 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
             }
             digest_f32(&d, got);
             if (s != s) {
-                if (got == got) ok = 0;
+                if (got == got) fail |= F_BOUND;
                 continue;
             }
             if (mag >= ldexp(1.0, 127)) continue;
             err = fabs((double)got - s);
-            if (err > error_bound(mag, d_in) || got != got) ok = 0;
+            if (err > error_bound(mag, d_in) || got != got) fail |= F_BOUND;
             if (mag > 0 && err / mag > worst) worst = err / mag;
         }
     /* every token alone, and runs of each count, bit for bit */
     for (t = 0; t < n_x; t++) {
         bf16_run(k, &w, n_rows, x, d_in, src + t, 1, 0, one);
-        if (memcmp(one, full + t * n_rows, (size_t)n_rows * sizeof(float))) ok = 0;
+        if (memcmp(one, full + t * n_rows, (size_t)n_rows * sizeof(float))) fail |= F_ALONE;
     }
     for (c = 0; c < (int64_t)(sizeof counts / sizeof counts[0]); c++) {
         const int64_t n = counts[c], t0 = (c * 7) % (n_x - n + 1);
         bf16_run(k, &w, n_rows, x, d_in, src + t0, n, 0, other);
-        if (memcmp(other, full + t0 * n_rows, (size_t)(n * n_rows) * sizeof(float))) ok = 0;
+        if (memcmp(other, full + t0 * n_rows, (size_t)(n * n_rows) * sizeof(float)))
+            fail |= F_COUNTS;
     }
-    /* the fused block of 5 tokens over last tiles of 2 and 3 rows */
+    /* 5 tokens (the fused block of 5 below the switch, tiles above it) over matrices of
+     * 98 and 99 rows, last tiles of 2 and 3 rows, against each token alone over the same
+     * rows (not against the 101-row run: which rows share a 16-row block, and so a block's
+     * exact-path scan, depends on the matrix's row count, as it does on AMX) */
     for (c = 98; c <= 99; c++) {
         bf16_run(k, &w, c, x, d_in, src + 3, 5, 0, other);
-        for (t = 0; t < 5; t++)
-            if (memcmp(other + t * c, full + (3 + t) * n_rows, (size_t)c * sizeof(float)))
-                ok = 0;
+        for (t = 0; t < 5; t++) {
+            bf16_run(k, &w, c, x, d_in, src + 3 + t, 1, 0, one);
+            if (memcmp(other + t * c, one, (size_t)c * sizeof(float))) fail |= F_BLOCK5;
+        }
     }
     /* tile-aligned split row ranges (as the driver's tasks) */
     bf16_run(k, &w, n_rows, x, d_in, src, n_x, k->tile_rows, other);
-    if (memcmp(other, full, (size_t)(n_x * n_rows) * sizeof(float))) ok = 0;
+    if (memcmp(other, full, (size_t)(n_x * n_rows) * sizeof(float))) fail |= F_SPLIT;
     snprintf(detail, sizeof detail, "max_rel_err=%.3g switch=%lld", worst, (long long)m);
-    report(k->name, named("bf16", "gguf_bf16", nibbles), &d, ok, detail);
+    for (i = 0; i < 5; i++)
+        if (fail & (1 << i))
+            snprintf(detail + strlen(detail), sizeof detail - strlen(detail), " failed:%s",
+                     fail_names[i]);
+    report(k->name, named("bf16", "gguf_bf16", nibbles), &d, fail == 0, detail);
     free(blocks);
     free(scales);
     free(x);

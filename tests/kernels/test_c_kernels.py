@@ -168,3 +168,26 @@ def test_bf16_panel_slices_give_the_same_bits(native, tmp_path):
     for check in BF16_CHECKS:
         assert b[("avx512bf16", check)][1], f"{check} failed with 8-chunk slices:\n{res.stdout}"
         assert a[("avx512bf16", check)][0] == b[("avx512bf16", check)][0], check
+
+
+def test_amx_kernels_with_emulated_tiles(native, tmp_path):
+    """The amx entry on any AVX-512 host: the checker built with -DMXFP4X_EMULATE_AMX runs
+    its tile instructions in C (include/mxfp4x/emulate_amx.h: tdpbf16ps as amx.h models
+    it) and the rest of the entry natively.  Every check passes: the register gemv, the
+    tiles, partial blocks, the exact-path scans and split row ranges give the same bits,
+    and the float32 kernels are avx512's.  On a host with AMX the emulated build's digests
+    are the hardware's, check for check (the model against the unit)."""
+    emulated = [str(build(host_cc(), tmp_path / "check_amx_emulated", ["-DMXFP4X_EMULATE_AMX"]))]
+    if _listed(emulated).get("amx") != "runnable":
+        pytest.skip("the amx entry, emulated tiles or not, needs AVX-512 F and BW")
+    res = _run(emulated, "amx")
+    assert res.returncode == 0, f"rc={res.returncode}\n{res.stdout}\n{res.stderr[-3000:]}"
+    got = parse(res.stdout)
+    for check in CHECKS + BF16_CHECKS + ("bf16_dot_loop",):
+        assert got.get(("amx", check), (None, False))[1], f"amx {check}:\n{res.stdout}"
+    ref = parse(_run(native).stdout)
+    for check in CHECKS:  # the entry's float32 kernels are avx512's
+        assert got[("amx", check)][0] == ref[("avx512", check)][0], check
+    if ("amx", "bf16") in ref:  # a host with the tiles
+        for check in CHECKS + BF16_CHECKS + ("bf16_dot_loop",):
+            assert got[("amx", check)][0] == ref[("amx", check)][0], (check, res.stdout)
