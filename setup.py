@@ -100,6 +100,13 @@ def _emulate_avx512():
     return os.environ.get("MXFP4X_EMULATE_AVX512", "") == "1"
 
 
+def _emulate_amx():
+    """MXFP4X_EMULATE_AMX=1: a test build whose amx entry runs its tile instructions in C
+    (include/mxfp4x/emulate_amx.h) and the rest natively, so that the entry runs, and is
+    tested, on any CPU with AVX-512 F and BW.  Never a build to ship or benchmark."""
+    return os.environ.get("MXFP4X_EMULATE_AMX", "") == "1"
+
+
 def _simde_include():
     """The folder holding simde/x86/avx512.h: MXFP4X_SIMDE_INCLUDE, the simde-py
     package, or the system's (Debian/Ubuntu libsimde-dev).  None for a folder the
@@ -158,6 +165,16 @@ class BuildExt(build_ext):
                 # SIMDe passes 64-byte vectors by value without AVX-512: GCC's ABI note
                 ext.extra_compile_args = list(ext.extra_compile_args or []) + ["-Wno-psabi"]
                 ext.libraries = list(ext.libraries or []) + ["m"]  # fmaf
+        if _emulate_amx():
+            if kind == "msvc" or _emulate_avx512():
+                raise SystemExit("mxfp4x: MXFP4X_EMULATE_AMX=1 needs gcc or clang, and "
+                                 "not MXFP4X_EMULATE_AVX512=1 (the SIMDe build has no amx)")
+            print("mxfp4x: building the amx entry with its tiles in C (a test build)",
+                  file=sys.stderr)
+            for ext in self.extensions:
+                ext.define_macros = list(ext.define_macros or []) + [
+                    ("MXFP4X_EMULATE_AMX", "1")]
+                ext.libraries = list(ext.libraries or []) + ["m"]  # fmaf
         for ext in self.extensions:
             ext.extra_compile_args = base + omp_c + list(ext.extra_compile_args or [])
             ext.extra_link_args = omp_l + list(ext.extra_link_args or [])
@@ -173,8 +190,8 @@ def _extensions():
     here = os.path.dirname(os.path.abspath(__file__))
     headers = [os.path.join("include", "mxfp4x", n) for n in
                ("mxfp4x.h", "config.h", "cpu.h", "scalar.h", "avx2.h", "avx512.h",
-                "emulate_avx512.h", "emulate_amx.h", "neon.h", "amx.h", "avx512bf16.h", "bf16_unit.h",
-                "threads.h", "dispatch.h")]
+                "emulate_avx512.h", "emulate_amx.h", "neon.h", "amx.h", "avx512bf16.h",
+                "bf16_unit.h", "threads.h", "dispatch.h")]
     exts = [Extension(f"mxfp4x.{name}", sources=[f"mxfp4x/{name}.pyx"],
                       include_dirs=[os.path.join(here, "include")], depends=headers)
             for name in ("_cpu", "_probes")]

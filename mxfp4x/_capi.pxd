@@ -137,6 +137,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     int MXFP4X_BUILT_FAST_MATH
     int MXFP4X_BUILT_GLOBAL_ISA
     int MXFP4X_EMULATED_AVX512
+    int MXFP4X_EMULATED_AMX
     const char *MXFP4X_BUILD_CFLAGS
 
     # ---- cpu.h

@@ -254,12 +254,14 @@ def has_bf16_unit(isa=None):
 def build_info():
     """How this extension was compiled: the flags and what the compiler's own
     predefined macros say about fast-math and global ISA flags.  ``emulated`` names the
-    ISA whose kernels run through SIMDe (MXFP4X_EMULATE_AVX512=1, a test build: exact,
-    slow, never to be benchmarked), else None."""
+    ISA a test build emulates (exact, slow, never to be benchmarked): "avx512", its
+    kernels through SIMDe (MXFP4X_EMULATE_AVX512=1), or "amx", its tile instructions in
+    C (MXFP4X_EMULATE_AMX=1); else None."""
     return {"cflags": (<bytes>c.MXFP4X_BUILD_CFLAGS).decode(),
             "fast_math": bool(c.MXFP4X_BUILT_FAST_MATH),
             "global_isa_flags": bool(c.MXFP4X_BUILT_GLOBAL_ISA),
-            "emulated": "avx512" if c.MXFP4X_EMULATED_AVX512 else None}
+            "emulated": "avx512" if c.MXFP4X_EMULATED_AVX512 else
+                        "amx" if c.MXFP4X_EMULATED_AMX else None}
 
 
 # ---- the call description -------------------------------------------------------------

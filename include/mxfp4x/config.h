@@ -93,6 +93,14 @@
 #  define MXFP4X_EMULATED_AVX512 0
 #endif
 
+/* MXFP4X_EMULATE_AMX (a test build, setup.py or the C checker): the amx entry's tile
+ * instructions in C (emulate_amx.h), its AVX-512 code native. */
+#ifdef MXFP4X_EMULATE_AMX
+#  define MXFP4X_EMULATED_AMX 1
+#else
+#  define MXFP4X_EMULATED_AMX 0
+#endif
+
 /* 64-byte alignment of a static table (one cache line, one zmm load): before the
  * declaration, where both GCC/Clang attributes and MSVC's __declspec may stand. */
 #if MXFP4X_GNUC

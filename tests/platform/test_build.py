@@ -30,11 +30,14 @@ def test_build_flags_are_shippable():
 
 
 def test_build_is_not_emulated_unless_asked():
-    """MXFP4X_EMULATE_AVX512=1 builds the AVX-512 kernels through SIMDe (a test build:
-    exact but slow, tests/platform/test_emulation.py); a build without it never is one."""
+    """MXFP4X_EMULATE_AVX512=1 builds the AVX-512 kernels through SIMDe, and
+    MXFP4X_EMULATE_AMX=1 the amx entry with its tiles in C (test builds: exact but slow,
+    tests/platform/test_emulation.py, include/mxfp4x/emulate_amx.h); a build without them
+    never is one."""
     emulated = mxfp4x.backend_info()["build"]["emulated"]
-    asked = os.environ.get("MXFP4X_EMULATE_AVX512") == "1"
-    assert emulated == ("avx512" if asked else None), (emulated, asked)
+    asked = "avx512" if os.environ.get("MXFP4X_EMULATE_AVX512") == "1" else \
+        "amx" if os.environ.get("MXFP4X_EMULATE_AMX") == "1" else None
+    assert emulated == asked, (emulated, asked)
 
 
 def test_version_is_known():
