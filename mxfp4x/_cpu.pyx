@@ -95,7 +95,9 @@ cdef enum:
 # ROW_TASK_ELEMS elements: a pthreads build starts its threads per parallel step, and
 # below about this much work per task (a few tens of microseconds) a started thread
 # costs more than it saves.  A row is converted or combined alone, so the split never
-# changes a bit.
+# changes a bit.  The bf16 unit's gather (one task per active expert) runs on one thread
+# per ROW_TASK_ELEMS latents it copies: at one token it copied 4 x 2880 on 4 threads, a
+# parallel step of its own team size before the call's main one.
 cdef enum:
     ROW_TASK_ELEMS = 1 << 16
 
@@ -143,14 +145,21 @@ cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
     """fn(ctx, task, tid) once for every task in [0, n_tasks), handed out one at a time to
     up to n_threads threads of the build's kind: OpenMP's prange, or threads.h's workers
     (builds without OpenMP); each thread with flush-to-zero off (config.h).  tid < the
-    threads used, for per-thread scratch.  Every parallel step of mxfp4x runs here."""
+    threads used, for per-thread scratch.  Every parallel step of mxfp4x runs here; one
+    of a single thread runs in the calling thread (docs/performance.md: a step of another
+    team size before the main one cost a one-token call on 16 cores half its time)."""
     cdef int64_t task
     cdef int tid = 0
     cdef c.mxfp4x_fpenv fpenv = 0  # (both set in each thread: zero for the compiler's sake)
     if n_tasks <= 0:
         return
     n_threads = <int>max(1, min(<int64_t>n_threads, n_tasks))  # more would only idle
-    if c.MXFP4X_OPENMP:
+    if n_threads == 1:  # in the calling thread: no team to start, resize or wake
+        fpenv = c.mxfp4x_fpenv_enter()
+        for task in range(n_tasks):
+            fn(ctx, task, 0)
+        c.mxfp4x_fpenv_exit(fpenv)
+    elif c.MXFP4X_OPENMP:
         with parallel(num_threads=n_threads):
             tid = threadid()
             fpenv = c.mxfp4x_fpenv_enter()
@@ -1142,7 +1151,9 @@ cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
                     <uint8_t *>w.unsafe
                 gj.nibbles = call.experts.rows[0].nibbles
                 gj.log = NULL if log == NULL else log + STEP_PREPARE * c.MXFP4X_MAX_THREADS
-                parallel_tasks(n_threads, w.r.n_active, _gather_task, &gj)
+                parallel_tasks(<int>max(1, min(<int64_t>n_threads,
+                                               n_pairs * d_in // ROW_TASK_ELEMS)),
+                               w.r.n_active, _gather_task, &gj)
             elif forward:
                 _row_step(call, call.src, layout, n_x_rows, half, n_threads,
                           _prepare_task,
