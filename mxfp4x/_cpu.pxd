@@ -9,7 +9,7 @@ cimport mxfp4x._capi as c
 
 
 cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
-                         void *ctx) noexcept nogil
+                         void *ctx, int team=*) noexcept nogil
 cdef const c.mxfp4x_kernels *kernels_of(isa) except NULL
 cdef void *xmalloc(int64_t n_bytes, bint zero=*) except NULL
 cdef int checked_threads(int n_threads) except -1

@@ -141,13 +141,18 @@ def threads_backend():
 
 
 cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
-                         void *ctx) noexcept nogil:
+                         void *ctx, int team=0) noexcept nogil:
     """fn(ctx, task, tid) once for every task in [0, n_tasks), handed out one at a time to
     up to n_threads threads of the build's kind: OpenMP's prange, or threads.h's workers
-    (builds without OpenMP); each thread with flush-to-zero off (config.h).  tid < the
-    threads used, for per-thread scratch.  Every parallel step of mxfp4x runs here; one
-    of a single thread runs in the calling thread (docs/performance.md: a step of another
-    team size before the main one cost a one-token call on 16 cores half its time)."""
+    (builds without OpenMP); each thread with flush-to-zero off (config.h).  Every
+    parallel step of mxfp4x runs here.
+    ``team`` (0: n_threads): an OpenMP build's team for the step, the call's thread count
+    for every step of a call, so that no step shrinks the team: libgomp ends the pool's
+    threads a smaller team leaves out and starts them again for the next larger one,
+    which cost a one-token bf16 call on 16 cores half its time (docs/performance.md).
+    Any thread of the team may take a task, so tid < max(team, n_threads) indexes
+    per-thread scratch; at most n_tasks threads take one.  A step that one thread would
+    run (n_threads or n_tasks 1) runs in the calling thread, with no team."""
     cdef int64_t task
     cdef int tid = 0
     cdef c.mxfp4x_fpenv fpenv = 0  # (both set in each thread: zero for the compiler's sake)
@@ -160,7 +165,7 @@ cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
             fn(ctx, task, 0)
         c.mxfp4x_fpenv_exit(fpenv)
     elif c.MXFP4X_OPENMP:
-        with parallel(num_threads=n_threads):
+        with parallel(num_threads=max(team, n_threads)):
             tid = threadid()
             fpenv = c.mxfp4x_fpenv_enter()
             for task in prange(n_tasks, schedule='dynamic'):
@@ -1076,7 +1081,8 @@ cdef void _row_step(const c.mxfp4x_call *call, const void *src, void *dst, int64
         c.MXFP4X_NIBBLES_PAIRS
     j.rows_per_task = max(1, <int64_t>ROW_TASK_ELEMS //
                           max(1, call.experts.n_groups * c.MXFP4X_GROUP))
-    parallel_tasks(n_threads, (n_rows + j.rows_per_task - 1) // j.rows_per_task, fn, &j)
+    parallel_tasks(n_threads, (n_rows + j.rows_per_task - 1) // j.rows_per_task, fn, &j,
+                   call.n_threads)
 
 
 cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
@@ -1128,7 +1134,9 @@ cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
             return
         _plan(dummy, &w)
         n_threads = <int>max(1, min(<int64_t>call.n_threads, w.n_tasks))  # more would idle
-        w.scratch_raw = xmalloc(n_threads * w.per_thread + 63)
+        # per-thread scratch for every thread of the call's team (parallel_tasks: any of
+        # them may take a task; at most n_threads do, so no more of it is touched)
+        w.scratch_raw = xmalloc((1 if n_threads == 1 else call.n_threads) * w.per_thread + 63)
         w.scratch = <char *>align64(w.scratch_raw)
         # forward: the latents in the kernel layout (bf16 unit: every pair's latents
         # gathered, 64 bytes of slack for the tile loads); transposed: dx in it (zeroed)
@@ -1153,13 +1161,13 @@ cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
                 gj.log = NULL if log == NULL else log + STEP_PREPARE * c.MXFP4X_MAX_THREADS
                 parallel_tasks(<int>max(1, min(<int64_t>n_threads,
                                                n_pairs * d_in // ROW_TASK_ELEMS)),
-                               w.r.n_active, _gather_task, &gj)
+                               w.r.n_active, _gather_task, &gj, call.n_threads)
             elif forward:
                 _row_step(call, call.src, layout, n_x_rows, half, n_threads,
                           _prepare_task,
                           NULL if log == NULL else log + STEP_PREPARE * c.MXFP4X_MAX_THREADS)
             parallel_tasks(n_threads, w.n_tasks, _task_f32 if real is float else _task_f64,
-                           &w)
+                           &w, call.n_threads)
             if not forward:
                 _row_step(call, layout, call.dst, n_x_rows, half, n_threads,
                           _finish_task,

@@ -322,6 +322,28 @@ def test_every_parallel_step_runs_on_the_threads_asked():
     assert best == dict.fromkeys(steps, 2), best
 
 
+@pytest.mark.skipif(_threads.backend() != "openmp" or not os.path.isdir("/proc/self/task"),
+                    reason="libgomp's thread pool, seen through Linux's /proc/self/task")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_calls_keep_their_openmp_team(rng, dtype):
+    """Every parallel step of a call opens the call's whole team, however few tasks it
+    has: libgomp ends the pool's threads that a smaller team leaves out and starts new
+    ones for the next larger team, which cost a one-token bf16 call on 16 cores half its
+    time.  Here the latents' layout copy (float32: 48 rows of 2048, two tasks) and the
+    bf16 unit's gather run before a main step of more tasks than threads; calls in a row
+    must then run on the same OS threads (new thread ids would be new threads)."""
+    layer = random_layer(rng, 48, 2, 4, 512, 64, dtype=dtype)
+
+    def tasks():
+        return set(os.listdir("/proc/self/task"))
+
+    mxfp4x.mxfp4_experts(**layer, num_threads=4)
+    before = tasks()
+    for _ in range(3):
+        mxfp4x.mxfp4_experts(**layer, num_threads=4)
+    assert tasks() == before, (before, tasks())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_a_call_leaves_no_work_to_torchs_threads(rng, dtype):
     """num_threads bounds a call's threads: the shared output's conversion into the sums and
