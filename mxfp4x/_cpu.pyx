@@ -146,18 +146,21 @@ cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
     up to n_threads threads of the build's kind: OpenMP's prange, or threads.h's workers
     (builds without OpenMP); each thread with flush-to-zero off (config.h).  Every
     parallel step of mxfp4x runs here.
-    ``team`` (0: n_threads): an OpenMP build's team for the step, the call's thread count
-    for every step of a call, so that no step shrinks the team: libgomp ends the pool's
-    threads a smaller team leaves out and starts them again for the next larger one,
-    which cost a one-token bf16 call on 16 cores half its time (docs/performance.md).
-    Any thread of the team may take a task, so tid < max(team, n_threads) indexes
-    per-thread scratch; at most n_tasks threads take one.  A step that one thread would
-    run (n_threads or n_tasks 1) runs in the calling thread, with no team."""
+    ``team`` (0: n_threads as asked, before it is limited to n_tasks): an OpenMP build's
+    team for the step, the call's thread count for every step of a call, so that no step
+    shrinks the team: libgomp ends the pool's threads a smaller team leaves out and
+    starts them again for the next larger one, which cost a one-token bf16 call on 16
+    cores half its time (docs/performance.md).  Any thread of the team may take a task,
+    so tid < max(team, n_threads) indexes per-thread scratch; at most n_tasks threads
+    take one.  A step that one thread would run (n_threads or n_tasks 1) runs in the
+    calling thread, with no team."""
     cdef int64_t task
     cdef int tid = 0
     cdef c.mxfp4x_fpenv fpenv = 0  # (both set in each thread: zero for the compiler's sake)
     if n_tasks <= 0:
         return
+    if team <= 0:
+        team = n_threads
     n_threads = <int>max(1, min(<int64_t>n_threads, n_tasks))  # more would only idle
     if n_threads == 1:  # in the calling thread: no team to start, resize or wake
         fpenv = c.mxfp4x_fpenv_enter()
