@@ -95,9 +95,9 @@ cdef enum:
 # ROW_TASK_ELEMS elements: a pthreads build starts its threads per parallel step, and
 # below about this much work per task (a few tens of microseconds) a started thread
 # costs more than it saves.  A row is converted or combined alone, so the split never
-# changes a bit.  The bf16 unit's gather (one task per active expert) runs on one thread
-# per ROW_TASK_ELEMS latents it copies: at one token it copied 4 x 2880 on 4 threads, a
-# parallel step of its own team size before the call's main one.
+# changes a bit.  The bf16 unit's gather (one task per active expert) runs in the calling
+# thread below 2 x ROW_TASK_ELEMS latents (on pthreads builds: one thread per
+# ROW_TASK_ELEMS), else on the call's team.
 cdef enum:
     ROW_TASK_ELEMS = 1 << 16
 
@@ -143,9 +143,9 @@ def threads_backend():
 cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
                          void *ctx, int team=0) noexcept nogil:
     """fn(ctx, task, tid) once for every task in [0, n_tasks), handed out one at a time to
-    up to n_threads threads of the build's kind: OpenMP's prange, or threads.h's workers
-    (builds without OpenMP); each thread with flush-to-zero off (config.h).  Every
-    parallel step of mxfp4x runs here.
+    the threads of the build's kind: OpenMP's prange over the team below, or up to
+    n_threads of threads.h's workers (builds without OpenMP); each thread with
+    flush-to-zero off (config.h).  Every parallel step of mxfp4x runs here.
     ``team`` (0: n_threads as asked, before it is limited to n_tasks): an OpenMP build's
     team for the step, the call's thread count for every step of a call, so that no step
     shrinks the team: libgomp ends the pool's threads a smaller team leaves out and

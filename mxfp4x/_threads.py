@@ -4,8 +4,8 @@ and is OpenMP there").  Every other module asks here.
 
 What was built is a fact of the extension, read once: the backend (setup.py chose it;
 include/mxfp4x/threads.h runs it) and the cap, threads.h's MXFP4X_MAX_THREADS (the size
-of the pthreads workers's arrays; an OpenMP runtime keeps a team of the largest size ever
-used alive, so a larger request would only leave idle OS threads behind).  What a call
+of the pthreads workers's arrays; libgomp keeps the threads of its last team alive
+between parallel steps, so a larger request would only leave idle OS threads behind).  What a call
 asks for is resolved here: ``num_threads=None`` (or 0, its deferred form) means
 ``torch.get_num_threads()`` when the call runs.  Requests are checked for type and sign
 where the user passes them (``_validation.check_num_threads``), which caps them here.

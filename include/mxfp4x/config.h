@@ -34,8 +34,9 @@
 
 /* AMX (amx.h): Linux on x86-64 (the kernel grants the tile state per process,
  * arch_prctl ARCH_REQ_XCOMP_PERM), GCC >= 11 or clang >= 12 (the AMX intrinsics inside a
- * target region); never in the SIMDe emulation build.  MXFP4X_EMULATE_AMX (a test build
- * of the C checker, emulate_amx.h): the tile instructions in C, on any GCC or clang. */
+ * target region); never in the SIMDe emulation build.  MXFP4X_EMULATE_AMX (test builds:
+ * the C checker, CI's AMX emulation lane; emulate_amx.h): the tile instructions in C, on
+ * any GCC or clang. */
 #if MXFP4X_HAVE_X86_SIMD && MXFP4X_GNUC && defined(__linux__) && \
     !defined(MXFP4X_EMULATE_AVX512) && !defined(MXFP4X_NO_AMX) && \
     ((defined(__clang__) && __clang_major__ >= 12) || \
@@ -95,7 +96,7 @@
 
 /* MXFP4X_EMULATE_AMX (a test build, setup.py or the C checker): the amx entry's tile
  * instructions in C (emulate_amx.h), its AVX-512 code native. */
-#ifdef MXFP4X_EMULATE_AMX
+#if defined(MXFP4X_EMULATE_AMX) && MXFP4X_HAVE_AMX
 #  define MXFP4X_EMULATED_AMX 1
 #else
 #  define MXFP4X_EMULATED_AMX 0

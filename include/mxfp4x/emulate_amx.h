@@ -1,8 +1,9 @@
 /* mxfp4x/emulate_amx.h -- the AMX entry (amx.h) on a CPU without AMX: its tile
  * instructions in portable C, its AVX-512 code native.
  *
- * Built only with -DMXFP4X_EMULATE_AMX: a test build of the C checker
- * (tests/kernels/test_c_kernels.py), never the extension.  amx.h then includes this
+ * Built only with -DMXFP4X_EMULATE_AMX: test builds, never shipped -- the C checker
+ * (tests/kernels/test_c_kernels.py) and the extension of CI's AMX emulation lane
+ * (MXFP4X_EMULATE_AMX=1 python setup.py build_ext).  amx.h then includes this
  * header after <immintrin.h>, compiles its functions for AVX-512 (F, BW) without the
  * amx-tile / amx-bf16 targets, and cpu.h reports the amx entry runnable wherever the
  * avx512 entry and AVX-512 BW are.  The purpose: the entry's logic -- the panel decode,
@@ -19,7 +20,9 @@
  *     E = a[0] b[0] + a[2] b[2] + ... (the even elements of the k pairs),
  *     O = a[1] b[1] + a[3] b[3] + ... (the odd elements),
  *     each a float32 chain in pair order, one round-to-nearest-even per step (a bf16 x
- *     bf16 product is exact in float32: one fused multiply-add per step);
+ *     bf16 product is exact in float32: one fused multiply-add per step; C's rounding
+ *     follows MXCSR, which the kernels' callers set to nearest-even, config.h's
+ *     mxfp4x_fpenv_enter);
  *     C = C + (E + O).
  *
  * With the unit's own rules: bf16 inputs that are subnormal read as zero, and subnormal

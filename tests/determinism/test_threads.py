@@ -331,8 +331,9 @@ def test_calls_keep_their_openmp_team(rng, dtype):
     ones for the next larger team, which cost a one-token bf16 call on 16 cores half its
     time.  Here the latents' layout copy (float32: 48 rows of 2048, two tasks) and the
     bf16 unit's gather run before a main step of more tasks than threads, and a dense
-    product of two row tiles between the calls; calls in a row must then run on the same
-    OS threads (new thread ids would be new threads)."""
+    product of two row tiles between the calls; calls in a row must then keep the OS
+    threads of the first (an ended thread id is an ended thread; threads others start
+    do not count)."""
     layer = random_layer(rng, 48, 2, 4, 512, 64, dtype=dtype)
     x = np.ones((1, 64), np.float32)
     w = np.full((128, 64), 0x3F80, np.uint16)  # bf16 ones: 2 tiles of 64 rows
@@ -346,7 +347,7 @@ def test_calls_keep_their_openmp_team(rng, dtype):
     for _ in range(3):
         _cpu.dense_bf16(x, w, out, n_threads=4)
         mxfp4x.mxfp4_experts(**layer, num_threads=4)
-    assert tasks() == before, (before, tasks())
+    assert before <= tasks(), (before, tasks())
     assert (out == 64).all()
 
 
