@@ -125,17 +125,15 @@ static int mxfp4x_detect_isas(void) {
             f.amx_tile = (r[3] >> 24) & 1;
             f.amx_bf16 = (r[3] >> 22) & 1;
             if (f.amx_tile && f.amx_bf16) f.amx_granted = mxfp4x_amx_request();
-#ifdef MXFP4X_EMULATE_AMX /* (a test build) tiles in C: the tile facts as the CPU's */
-            f.amx_tile = f.amx_bf16 = f.amx_granted = 1;
-#endif
             if (r[0] >= 1) { /* sub-leaf 1 exists */
                 mxfp4x_cpuid(7, 1, r);
                 f.avx512_bf16 = (r[0] >> 5) & 1;
             }
         }
         if (f.osxsave) f.xcr0 = mxfp4x_xgetbv0();
-#ifdef MXFP4X_EMULATE_AMX
-        f.xcr0 |= 0x60000; /* the tile state: in C */
+#ifdef MXFP4X_EMULATE_AMX /* (a test build) tiles in C: the tile facts and state as the CPU's */
+        f.amx_tile = f.amx_bf16 = f.amx_granted = 1;
+        f.xcr0 |= 0x60000;
 #endif
         f.darwin_avx512 = mxfp4x_darwin_avx512();
     }

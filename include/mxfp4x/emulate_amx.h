@@ -39,6 +39,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <immintrin.h>
+#include "mxfp4x.h"
 
 typedef struct {
     uint8_t data[8][16][64];
@@ -51,11 +52,9 @@ static float mxfp4x_emu_ftz(float v) {
     return fabsf(v) < 0x1p-126f ? copysignf(0.0f, v) : v;
 }
 
+/* a bf16 input as the unit reads it: subnormals as zero (sign kept) */
 static float mxfp4x_emu_bf16_daz(uint16_t h) {
-    const uint32_t u = (uint32_t)((h & 0x7F80) ? h : (h & 0x8000)) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return mxfp4x_bf16_to_f32((h & 0x7F80) ? h : (uint16_t)(h & 0x8000));
 }
 
 static void mxfp4x_emu_tile_loadconfig(const void *config) {
