@@ -3,8 +3,10 @@
 One MoE projection of --shape (default: gpt-oss-20b's gate/up), random MXFP4 weights made
 in-process. A slice of each result is checked against the float64 reference, then the CPU
 kernels and the torch backend are timed and shown beside the floors of each case, from
-this machine's roofs measured in the same run: bytes / memory read bandwidth, flops / FMA
-peak, and torch.matmul on the decoded weights (x: time / floor). The peer
+this machine's roofs measured in the same run: bytes / memory read bandwidth (measured
+again just before and after each case, the better of the two: a shared machine's
+bandwidth moves from minute to minute), flops / FMA peak, and torch.matmul on the decoded
+weights (x: time / floor). The peer
 "predecoded-experts" is the same op as torch runs it on experts decoded ahead of time
 into the latents' dtype (as a model dequantized at load holds them: a matmul per
 selected expert, index_add_ back), where those fit in half the free memory.
@@ -33,6 +35,9 @@ from ._process import default_threads, torch_threads
 # the rows of each result checked against the float64 reference: enough to cross several
 # groups of the output, few enough that the reference takes no time beside the timing
 CHECKED_TOKENS, CHECKED_ROWS = 4, 96
+# each of the two buffers the read roofs are measured on beside every case (more than
+# the last-level cache, as the roofline's)
+PROBE_BYTES = 5 << 28
 
 
 def add_arguments(parser):
@@ -112,9 +117,20 @@ def _check_result(call, packed, scales, d_out):
     assert_matches_reference(y[t, rows], layer, rows=rows)
 
 
-def _measure(args, calls, packed, scales, th, case, roofs, isa, pre=None):
+def _adjacent_roofs(roofs, th, before, after):
+    """``roofs`` with the read roofs of ``th`` threads measured beside a case (the better
+    of ``before`` and ``after``, ReadProbe.measure figures)."""
+    out = dict(roofs)
+    for key in ("read_gbps", "read_gbps_torch"):
+        out[key] = {**roofs[key], th: max(before[key], after[key])}
+    return out
+
+
+def _measure(args, calls, packed, scales, th, case, roofs, isa, pre=None, probe=None):
     """One row of figures: T tokens on ``th`` threads, beside the case's floors and, with
-    ``pre`` (a ``Predecoded``), torch on experts decoded ahead of time."""
+    ``pre`` (a ``Predecoded``), torch on experts decoded ahead of time.  ``probe`` (a
+    ReadProbe): the read roofs measured again just before and after the case, so its
+    floors are those of that minute (a noisy host's bandwidth moves)."""
     n_tokens, top_k, d_out, d_in = case
 
     def run(i, backend):
@@ -122,7 +138,10 @@ def _measure(args, calls, packed, scales, th, case, roofs, isa, pre=None):
         mxfp4x.mxfp4_experts(c[0], packed, scales, c[1], c[2], c[3], backend=backend,
                              num_threads=th)
     with torch_threads(th):
+        before = probe.measure(th) if probe is not None else None
         t_cpu = _bench.best_time(lambda i: run(i, "cpu"), repeats=args.repeats)
+        if probe is not None:
+            roofs = _adjacent_roofs(roofs, th, before, probe.measure(th))
         t_torch = (_bench.best_time(lambda i: run(i, "torch"), repeats=2)
                    if not args.no_torch else float("nan"))
     n_bytes = _bench.streamed_bytes(packed, scales, calls[0][1])
@@ -138,6 +157,8 @@ def _measure(args, calls, packed, scales, th, case, roofs, isa, pre=None):
     t_pre = _bench.predecoded_time(pre, calls, th) if pre is not None else None
     return dict(tokens=n_tokens, threads=th, cpu_ms=t_cpu * 1e3, torch_ms=t_torch * 1e3,
                 gbps=n_bytes / t_cpu / 1e9, gflops=n_flops / t_cpu / 1e9,
+                read_gbps=roofs["read_gbps"][th],
+                read_gbps_torch=roofs["read_gbps_torch"][th],
                 read_floor_ms=fl["read_floor_s"] * 1e3, floor_ms=fl["floor_s"] * 1e3,
                 matmul_ms=t_mm * 1e3, vs_read=t_cpu / fl["read_floor_s"],
                 vs_read_torch=t_cpu / fl.get("read_floor_torch_s", float("nan")),
@@ -146,6 +167,20 @@ def _measure(args, calls, packed, scales, th, case, roofs, isa, pre=None):
                 vs_predecoded=None if t_pre is None else t_cpu / t_pre,
                 predecoded_gb=None if need is None else need / 1e9,
                 predecoded_budget_gb=None if budget is None else budget / 1e9)
+
+
+def _read_probe():
+    """A ReadProbe for the cases' own read roofs, where its two buffers leave this process
+    at least as much memory again (else None: every case takes the roofs measured at the
+    start, and the output says so)."""
+    need = 2 * PROBE_BYTES
+    free = _bench.available_memory()
+    if free is not None and free < 2 * need:
+        print(f"read roofs: measured once at the start ({need / 1e9:.1f} GB for measuring "
+              f"them beside each case would leave too little of the {free / 1e9:.1f} GB "
+              "available)")
+        return None
+    return _roofline.ReadProbe(PROBE_BYTES)
 
 
 def run(args):
@@ -169,6 +204,7 @@ def run(args):
           f"I={d_in}, {dtype}, isa={isa}, packed "
           f"{(packed.numel() + scales.numel()) / 1e6:.0f} MB (made in "
           f"{time.perf_counter() - t0:.1f} s)")
+    probe = _read_probe()
     bar = Progress(len(args.tokens) * len(threads), "bench")
     pre = None if args.no_torch else _bench.Predecoded(packed, scales, dtype)
     rows = []
@@ -179,14 +215,14 @@ def run(args):
         for th in threads:
             bar.update(len(rows), f"measuring T={n_tokens} threads={th}")
             r = _measure(args, calls, packed, scales, th, (n_tokens, top_k, d_out, d_in),
-                         roofs, isa, pre)
+                         roofs, isa, pre, probe)
             rows.append(r)
             bar.clear()
             print(f"T={n_tokens:<5d} threads={th}  cpu {r['cpu_ms']:9.2f} ms "
                   f"({r['gbps']:6.2f} GB/s, {r['gflops']:7.1f} GFLOP/s)  torch backend "
                   f"{r['torch_ms']:9.2f} ms  | floor {r['floor_ms']:8.2f} ms "
                   f"(x{r['vs_floor']:.2f}; read floor x{r['vs_read']:.2f}, on torch's memory "
-                  f"x{r['vs_read_torch']:.2f})  decoded-matmul "
+                  f"x{r['vs_read_torch']:.2f}; read {r['read_gbps']:.1f} GB/s)  decoded-matmul "
                   f"{r['matmul_ms']:8.2f} ms (x{r['vs_matmul']:.2f})" + _predecoded_text(r),
                   flush=True)
     return _finish(args, rows)

@@ -9,6 +9,7 @@ import platform
 import time
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 
 from .. import _cpu, _probes, _threads
@@ -45,22 +46,32 @@ def _best(fn, repeats):
     return best
 
 
-def read_bandwidth(threads: int, n_bytes: int = 5 << 28, repeats: int = 3) -> float:
-    """Bytes per second reading a buffer of ``n_bytes`` (> 1 GiB: DRAM, not cache) once:
-    the better of mxfp4x's own read loop (64-bit words, 8 independent sums, on the
-    driver's threads) and ``torch.sum`` (whose one-thread reduction can be slower than
-    memory, which would make the floor too easy)."""
-    import numpy as np
-    buf = np.ones(n_bytes // 8, dtype=np.uint64)
+def _read_numpy(buf, threads: int, repeats: int) -> float:
+    """read_bandwidth's figure over ``buf``: the better of mxfp4x's own read loop and
+    ``torch.sum`` on the same memory."""
     own = _probes.read_peak(buf, threads, repeats)
     tbuf = torch.from_numpy(buf.view(np.float32))
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         tbuf.sum()
-        return max(own, n_bytes / _best(tbuf.sum, repeats))
+        return max(own, buf.nbytes / _best(tbuf.sum, repeats))
     finally:
         torch.set_num_threads(old)
+
+
+def read_bandwidth(threads: int, n_bytes: int = 5 << 28, repeats: int = 3) -> float:
+    """Bytes per second reading a buffer of ``n_bytes`` (> 1 GiB: DRAM, not cache) once:
+    the better of mxfp4x's own read loop (64-bit words, 8 independent sums, on the
+    driver's threads) and ``torch.sum`` (whose one-thread reduction can be slower than
+    memory, which would make the floor too easy)."""
+    return _read_numpy(np.ones(n_bytes // 8, dtype=np.uint64), threads, repeats)
+
+
+def _torch_buffer(n_bytes: int) -> torch.Tensor:
+    buf = torch.empty(n_bytes, dtype=torch.uint8)
+    buf.fill_(1)
+    return buf
 
 
 def read_bandwidth_torch(threads: int, n_bytes: int = 5 << 28, repeats: int = 3) -> float:
@@ -70,9 +81,28 @@ def read_bandwidth_torch(threads: int, n_bytes: int = 5 << 28, repeats: int = 3)
     request (``madvise``, the common default) its memory is in 4 KiB pages, which stream
     slower (an Intel Xeon under KVM: 10.4-10.7 against 14.0 GB/s on one thread, 20.6-21.0
     against 28.1 on two)."""
-    buf = torch.empty(n_bytes, dtype=torch.uint8)
-    buf.fill_(1)
-    return _probes.read_peak(buf.numpy(), threads, repeats)
+    return _probes.read_peak(_torch_buffer(n_bytes).numpy(), threads, repeats)
+
+
+class ReadProbe:
+    """Both read roofs measured again beside each timed case, over two buffers kept for
+    the probe's life (``PROBE_BYTES`` each).  A shared or virtual machine's memory
+    bandwidth can move by 2x within minutes (an AMD EPYC Zen 5 under KVM read 48 GB/s on
+    two threads in one minute and 79 in the next), so a ratio to a roof measured at the
+    start of a run says as much about that minute as about the case; the roof measured
+    just before and just after the case, the better of the two, makes the floor the case
+    had then."""
+
+    def __init__(self, n_bytes: int = 5 << 28):
+        self.n_bytes = n_bytes
+        self._numpy = np.ones(n_bytes // 8, dtype=np.uint64)
+        self._torch = _torch_buffer(n_bytes).numpy()
+
+    def measure(self, threads: int, repeats: int = 2) -> Dict[str, float]:
+        """GB/s read from numpy's memory (``read_gbps``) and torch's (``read_gbps_torch``)
+        with ``threads`` threads, as ``read_bandwidth`` and ``read_bandwidth_torch``."""
+        return {"read_gbps": _read_numpy(self._numpy, threads, repeats) / 1e9,
+                "read_gbps_torch": _probes.read_peak(self._torch, threads, repeats) / 1e9}
 
 
 def matmul_rate(threads: int, dtype, n: int = 2048, repeats: int = 3) -> float:

@@ -111,6 +111,44 @@ def test_bf16_latents_take_the_bf16_units_floor():
     assert floor("avx512bf16", "bfloat16", dict(roofs, bf16_dot_gflops={})) == pytest.approx(0.04)
 
 
+def test_bench_floors_take_the_read_roofs_measured_beside_the_case(monkeypatch, capsys):
+    """bench measures the read roofs again just before and just after each case and takes
+    the better (a noisy host's bandwidth moves between minutes), for that case only; with
+    too little memory for the probe's buffers it keeps the roofs of the start and says so."""
+    from mxfp4x.cli import bench
+    from mxfp4x.testing import roofline
+
+    class Probe:  # 20 GB/s before the case, 30 after; torch's memory 10 and 12
+        seen = []
+
+        def measure(self, threads):
+            self.seen.append(threads)
+            n = len(self.seen)
+            return {"read_gbps": 20.0 if n % 2 else 30.0,
+                    "read_gbps_torch": 10.0 if n % 2 else 12.0}
+    packed, scales = _bench.make_experts(4, 64, 64, seed=5)
+    calls = [_bench.make_tokens(1, 2, 4, 64, 64, call=0)]
+    start = {"read_gbps": {1: 99.0, 2: 50.0}, "read_gbps_torch": {1: 99.0, 2: 40.0},
+             "fma_gflops": {1: {"scalar": 1.0}}}
+    args = argparse.Namespace(repeats=1, no_torch=True, dtype="float32")
+    r = bench._measure(args, calls, packed, scales, 1, (1, 2, 64, 64), start, "scalar",
+                       probe=Probe())
+    assert Probe.seen == [1, 1]
+    assert (r["read_gbps"], r["read_gbps_torch"]) == (30.0, 12.0)
+    n_bytes = _bench.streamed_bytes(packed, scales, calls[0][1])
+    assert r["read_floor_ms"] == pytest.approx(n_bytes / 30e9 * 1e3)
+    assert r["vs_read_torch"] == pytest.approx(r["cpu_ms"] / (n_bytes / 12e9 * 1e3))
+    assert start["read_gbps"] == {1: 99.0, 2: 50.0}  # the start's roofs are left as they were
+    r = bench._measure(args, calls, packed, scales, 1, (1, 2, 64, 64), start, "scalar")
+    assert r["read_gbps"] == 99.0
+    # the probe itself: two buffers, both roofs, positive
+    got = roofline.ReadProbe(1 << 20).measure(1, repeats=1)
+    assert got["read_gbps"] > 0 and got["read_gbps_torch"] > 0
+    monkeypatch.setattr(_bench, "available_memory", lambda: bench.PROBE_BYTES)
+    assert bench._read_probe() is None
+    assert "measured once at the start" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_predecoded_peer_computes_the_op(dtype, monkeypatch):
     """bench's predecoded-experts peer is the op (torch on experts decoded ahead of time):
