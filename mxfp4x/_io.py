@@ -8,9 +8,15 @@ removes the temporary file.  Renaming also keeps readers safe: a process that ma
 file (e.g. ``quantize f.safetensors f.safetensors``, whose unquantized tensors are views of
 the input's mapping) keeps its pages, because the old file's inode lives on until it is
 unmapped.
+
+The path is the user's: a symbolic link is followed (its target is replaced, the link
+stays), and a path that is not a regular file (a device such as ``/dev/null`` or
+``/dev/stdout``, a named pipe) is written straight through, never renamed over: a rename
+would put a regular file where the device or pipe was.
 """
 import contextlib
 import os
+import stat
 import tempfile
 import threading
 from typing import IO, Iterator
@@ -34,18 +40,36 @@ def _umask() -> int:
     return mask
 
 
+def _special(path: str) -> bool:
+    """Whether ``path`` (links followed) exists and is neither a regular file nor a folder:
+    a device, a named pipe, a socket; written straight through."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
 def check_writable(path: str, what: str = "output") -> str:
     """Raise ``ValueError`` naming ``what`` unless ``path`` can be created or replaced: its
-    folder exists and is writable, and it is not a folder.  Checked before any work, so a
-    long job never fails at its last step.  Returns the absolute path."""
-    full = os.path.abspath(os.fspath(path))
-    folder = os.path.dirname(full)
-    if os.path.isdir(full):
+    folder exists and is writable, and it is not a folder (a symbolic link: the same of its
+    target); or it is a device or a named pipe we may write to.  Checked before any work,
+    so a long job never fails at its last step.  Returns the absolute path of the file
+    written (a link's target)."""
+    given = os.path.abspath(os.fspath(path))
+    if os.path.isdir(given):
         raise ValueError(f"{what}: {path!r} is a folder, expected a file path")
+    if _special(given):
+        if not os.access(given, os.W_OK):
+            raise ValueError(f"{what}: {path!r} exists and is not writable")
+        return given
+    full = os.path.realpath(given)
+    folder = os.path.dirname(full)
+    where = "" if full == given else f" (the target of the link, {full!r})"
     if not os.path.isdir(folder):
-        raise ValueError(f"{what}: the folder of {path!r} does not exist")
+        raise ValueError(f"{what}: the folder of {path!r}{where} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{what}: cannot write in the folder of {path!r}")
+        raise ValueError(f"{what}: cannot write in the folder of {path!r}{where}")
     if os.path.exists(full) and not os.access(full, os.W_OK):
         raise ValueError(f"{what}: {path!r} exists and is not writable")
     return full
@@ -54,10 +78,18 @@ def check_writable(path: str, what: str = "output") -> str:
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
     """``with atomic_write(path) as f: ...``: ``f`` is a temporary file beside ``path``
-    (mode ``"wb"`` or ``"w"``), renamed over ``path`` once the block ends normally."""
+    (mode ``"wb"`` or ``"w"``), renamed over ``path`` once the block ends normally.  A
+    symbolic link's target is the file replaced; a device or named pipe is ``f`` itself
+    (see the module's text)."""
     if mode not in ("wb", "w"):
         raise ValueError(f"mode: expected 'wb' or 'w', got {mode!r}")
-    full = os.path.abspath(os.fspath(path))
+    given = os.path.abspath(os.fspath(path))
+    if _special(given):  # nothing to rename over: write through, errors reach the caller
+        with open(given, mode) as f:
+            yield f
+            f.flush()
+        return
+    full = os.path.realpath(given)
     folder, name = os.path.split(full)
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
     try:

@@ -15,6 +15,7 @@ import json
 import math
 import operator
 import os
+import stat
 import struct
 import threading
 import weakref
@@ -236,9 +237,12 @@ def write_file(path: str, entries: Dict[str, Tuple[torch.dtype, Tuple[int, ...],
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     with atomic_write(path, "wb") as f:
+        # a device or a pipe (atomic_write writes those straight through): the bytes in
+        # sequence, unwritten tensors as zeros, no seek
+        regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        base = f.tell()
+        base, written = f.tell() if regular else 0, 0
         for name in order:
             dtype, shape, make = entries[name]
             t = make()
@@ -251,9 +255,24 @@ def write_file(path: str, entries: Dict[str, Tuple[torch.dtype, Tuple[int, ...],
                                  f"{tuple(shape)}")
             if _TORCH_NAME[dtype] in _VIEW_AS:  # no numpy dtype: the same-width integers
                 t = t.view(torch.int16 if t.element_size() == 2 else torch.uint8)
-            f.seek(base + begin)
+            if regular:
+                f.seek(base + begin)
+            else:
+                _write_zeros(f, begin - written)
             f.write(t.numpy().tobytes())
-        f.truncate(base + offset)  # the full length, also when the last tensors are sparse
+            written = end
+        if regular:
+            f.truncate(base + offset)  # the full length, also when the last tensors are sparse
+        else:
+            _write_zeros(f, offset - written)
+
+
+def _write_zeros(f, n: int, chunk: int = 1 << 20) -> None:
+    """``n`` zero bytes to ``f``, a megabyte at a time."""
+    block = bytes(min(n, chunk))
+    while n > 0:
+        f.write(block[:min(n, chunk)])
+        n -= chunk
 
 
 def _shard_name(index: str, key: str, name: object) -> str:

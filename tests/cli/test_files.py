@@ -76,3 +76,43 @@ def test_manifest_written_over_the_one_read(tmp_path, k3, cli_main):
     code, out, _ = cli_main("verify", k3, "--manifest", manifest, "--write-manifest", manifest)
     assert code == 0 and "match the manifest" in out
     assert len(json.loads(manifest.read_text())) == 192
+
+
+def test_output_through_a_symlink_replaces_its_target(tmp_path, cli_main):
+    """A symbolic link as the output: its target is the file replaced (whole, atomically)
+    and the link stays a link (a rename used to put a regular file where the link was)."""
+    src, target, link = tmp_path / "f.safetensors", tmp_path / "t.safetensors", \
+        tmp_path / "link.safetensors"
+    tensors = _float_file(src)
+    save_file({"old": torch.randn(3)}, str(target))
+    link.symlink_to(target.name)
+    code, _, err = cli_main("quantize", src, link, "--only", "experts.w")
+    assert code == 0, err
+    assert link.is_symlink() and os.readlink(link) == target.name
+    packed, _ = mxfp4x.quantize(tensors["experts.w"])
+    assert torch.equal(SafeTensorsFile(str(target)).get("experts.w_blocks"), packed)
+    assert sorted(os.listdir(tmp_path)) == ["f.safetensors", "link.safetensors",
+                                            "t.safetensors"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+def test_output_to_a_named_pipe_is_written_through(tmp_path, cli_main):
+    """A named pipe (or a device: /dev/null, /dev/stdout) as the output is written straight
+    through, in sequence, and stays what it was: the bytes a reader gets are the file a
+    regular output gets (a rename used to replace the pipe by a regular file)."""
+    import stat
+    import threading
+
+    src, fifo, plain = tmp_path / "f.safetensors", tmp_path / "pipe", tmp_path / "q.safetensors"
+    _float_file(src)
+    code, _, err = cli_main("quantize", src, plain, "--only", "experts.w")
+    assert code == 0, err
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    code, _, err = cli_main("quantize", src, fifo, "--only", "experts.w")
+    reader.join(60)
+    assert code == 0, err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert got == [plain.read_bytes()]
