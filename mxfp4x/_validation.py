@@ -69,6 +69,9 @@ def writable_view(arr):
 def as_tensor(name, value):
     """A torch tensor viewing (or, for lists, holding) ``value``; never a write."""
     if isinstance(value, torch.Tensor):
+        if value.is_nested:  # its layout reads strided too
+            raise TypeError(f"{name}: expected a dense tensor, got a nested tensor; pad it "
+                            f"first (.to_padded_tensor(0))")
         if value.layout != torch.strided:
             raise TypeError(f"{name}: expected a dense (strided) tensor, got layout "
                             f"{value.layout}; call .to_dense() first")

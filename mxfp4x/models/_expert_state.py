@@ -9,7 +9,7 @@ compressed-tensors checkpoints': packed bytes and their scale bytes) and ``"gguf
 holds the (O, G, 17) blocks and ``weight_scale`` is None, as ``scale_bytes=None`` in the
 ops).  One module holds one arrangement: a kernel table reads one."""
 import threading
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -68,7 +68,8 @@ class ExpertMatrix(torch.nn.Module):
     or, for GGUF blocks (``scale`` None), ``weight_packed`` (O, in/32, 17) and
     ``weight_scale`` None.  Replacing either (assignment, ``load_state_dict(assign=True)``,
     ``.to()``) is seen by the module that holds it; an in-place change of the bytes is
-    seen as well (the kernels read the tensors' memory)."""
+    seen as well (the kernels read the tensors' memory), and so is other memory given to
+    a buffer in place (``.data =``, ``.set_()``: _Weights.current)."""
 
     weight_packed: torch.Tensor
     weight_scale: Optional[torch.Tensor]
@@ -112,11 +113,20 @@ class _ExpertWeights(torch.nn.Module):
         self.w1, self.w3, self.w2 = w1, w3, w2
 
 
+def _mark(t: Optional[torch.Tensor]):
+    """Where a tensor's bytes are and how they are laid out: what a kernel table built
+    from it points into."""
+    return None if t is None else (t.data_ptr(), t.shape, t.stride())
+
+
 class _Weights:
     """What one state of the module's weights hands to the kernels: the tensors as
     tuples (gate then up, for the one per-slot call of both; the scale tuples None for
     GGUF blocks) and, built on first use, the CPU driver's tables (which own the tensors
-    they point into)."""
+    they point into, not their memory: ``.data =`` or ``.set_()`` on a buffer gives the
+    same tensor other memory and frees the old, without a module-level change to stamp,
+    so ``current`` compares each expert's tensors with where they were, for the experts a
+    call reads)."""
 
     def __init__(self, stamp: int, experts: Sequence[_ExpertWeights]):
         self.stamp = stamp
@@ -138,6 +148,20 @@ class _Weights:
         self.down_scales: Optional[tuple] = None if gguf else tuple(sc for _, sc in d)
         self.tables = None
         self.lock = threading.Lock()
+        self.marks = [self._marks(e) for e in range(len(experts))]
+
+    def _marks(self, e: int):
+        n = len(self.down_packed)
+        ts: Tuple[Optional[torch.Tensor], ...] = (
+            self.gate_up_packed[e], self.gate_up_packed[n + e], self.down_packed[e])
+        if self.gate_up_scales is not None and self.down_scales is not None:
+            ts += (self.gate_up_scales[e], self.gate_up_scales[n + e], self.down_scales[e])
+        return tuple(_mark(t) for t in ts)
+
+    def current(self, ids: Sequence[int]) -> bool:
+        """Whether experts ``ids`` (local indices) still have the memory and layout these
+        tables were built from."""
+        return all(self._marks(e) == self.marks[e] for e in ids)
 
     def cpu_tables(self):
         if self.tables is None:

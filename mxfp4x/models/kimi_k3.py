@@ -163,10 +163,22 @@ class KimiK3Experts(torch.nn.Module):
         self._stamp.value += 1
         return out
 
-    def weights(self) -> _Weights:
-        """The tensors the kernels read now (rebuilt after any change of the weights)."""
+    def __getstate__(self):
+        """Copies and pickles leave out the kernel tables (a lock and the driver's objects,
+        rebuilt by the next call)."""
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else \
+            self.__dict__
+        state = dict(state)
+        state["_weights"] = None
+        return state
+
+    def weights(self, local_ids: Optional[torch.Tensor] = None) -> _Weights:
+        """The tensors the kernels read now (rebuilt after any change of the weights:
+        replaced, moved, or, for the experts ``local_ids`` a call reads, given other
+        memory by ``.data =`` / ``.set_()``)."""
         w = self._weights
-        if w is None or w.stamp != self._stamp.value:
+        if w is None or w.stamp != self._stamp.value or (
+                local_ids is not None and not w.current(torch.unique(local_ids).tolist())):
             self._link()
             w = self._weights = _Weights(self._stamp.value, self._experts())
         return w
@@ -235,7 +247,7 @@ class KimiK3Experts(torch.nn.Module):
         """w2_e (situ(w1_e x) * clip(w3_e x)) per row (P, L), for local expert ids (P,):
         the per-pair work of an expert-parallel owner, in the compute dtype."""
         acc = accumulation_dtype(rows.dtype)
-        w = self.weights()
+        w = self.weights(local_ids)
         ids = local_ids.view(-1, 1).to(torch.int64)
         gu = self._slots(rows, 0, w.gate_up_packed, w.gate_up_scales,
                          torch.cat((ids, ids + self.n_local), dim=1), w).to(acc)
@@ -255,7 +267,7 @@ class KimiK3Experts(torch.nn.Module):
             return out
         h, sel, mix = self._check(h, selected_experts, routing_weights)
         acc = accumulation_dtype(h.dtype)
-        w = self.weights()
+        w = self.weights(sel)
         top_k = sel.shape[1]
         both = torch.cat((sel, sel + self.n_local), dim=1)  # gate slots, then up slots
         gu = self._slots(h, 0, w.gate_up_packed, w.gate_up_scales, both, w).to(acc)

@@ -182,6 +182,13 @@ def test_numpy_uint32_bytes(rng):
                        mxfp4x.mxfp4_experts(**layer))
 
 
+def test_nested_input_is_a_type_error(rng):
+    layer = random_layer(rng, 2, 4, 64, 4, 2)
+    nested = torch.nested.nested_tensor([layer["latent_tokens"][0], layer["latent_tokens"][1]])
+    with pytest.raises(TypeError, match="latent_tokens: expected a dense tensor, got a nested"):
+        mxfp4x.mxfp4_experts(**dict(layer, latent_tokens=nested))
+
+
 def test_sparse_input_is_a_type_error(rng):
     layer = random_layer(rng, 2, 1, 2, 3, 1)
     with pytest.raises(TypeError, match="shared_output.*strided"):

@@ -89,6 +89,69 @@ def test_replaced_expert_weights_are_seen_and_never_freed_under_the_kernels():
     assert out.strip() == "OK"
 
 
+def test_weights_given_new_memory_in_place_are_seen_and_never_freed_under_the_kernels():
+    # ``.data =`` and ``.set_()`` give a buffer other memory without a module-level
+    # change: the tables of a first call pointed into the freed memory (garbage or NaN
+    # from the next forward); each call now checks the experts it reads
+    out = _run("""
+        import gc, numpy as np, torch
+        from mxfp4x.nn import KimiK3Experts
+        rng = np.random.default_rng(11)
+        E, L, F = 3, 1024, 512
+        def mats(rows, cols):
+            return ([torch.from_numpy(rng.integers(0, 256, (rows, cols // 2), np.uint8))
+                     for _ in range(E)],
+                    [torch.from_numpy(rng.integers(118, 134, (rows, cols // 32), np.uint8))
+                     for _ in range(E)])
+        w1, w3, w2 = mats(F, L), mats(F, L), mats(L, F)
+        ex = KimiK3Experts(*(([t.clone() for t in p], [t.clone() for t in s])
+                             for p, s in (w1, w3, w2)))
+        h = torch.from_numpy(rng.standard_normal((3, L))).float()
+        sel = torch.tensor([[0, 1], [2, 0], [1, 1]])
+        w = torch.rand(3, 2)
+        with torch.no_grad():
+            ex(h, sel, w)  # the tables are built
+            n1, n3 = mats(F, L), mats(F, L)
+            ex.get_submodule("0.w1").weight_packed.data = n1[0][0].clone()
+            ex.get_submodule("1.w3").weight_scale.set_(n3[1][1].clone())
+            gc.collect()
+            for _ in range(3):  # freed pages get reused: allocate over them
+                junk = [torch.full((F, L // 2), 0xFF, dtype=torch.uint8) for _ in range(8)]
+            after = ex(h, sel, w)
+            w1[0][0], w3[1][1] = n1[0][0], n3[1][1]
+            expected = KimiK3Experts(w1, w3, w2)(h, sel, w)
+            assert torch.equal(after, expected), (after - expected).abs().max()
+            # the expert-parallel owner's entry point too
+            rows, ids = h[:2], torch.tensor([2, 1])
+            ex.get_submodule("2.w2").weight_packed.data = n1[0][0].new_zeros((L, F // 2))
+            gc.collect()
+            assert torch.equal(ex.mlp(rows, ids)[0], torch.zeros(L))
+        print("OK")
+    """)
+    assert out.strip() == "OK"
+
+
+def test_k3_experts_copy_and_pickle_after_a_call(rng):
+    """A module that has run (its cached tables hold a lock and the driver's objects)
+    deep-copies, pickles and saves as before its first call."""
+    import copy
+    import io
+    import pickle
+
+    E, L, F = 3, 64, 96
+    ex = mxfp4x.nn.KimiK3Experts(*_k3_weights(rng, E, L, F))
+    h, sel, w = _k3_inputs(rng, 5, 2, E, L)
+    with torch.no_grad():
+        y = ex(h, sel, w)
+        for other in (copy.deepcopy(ex), pickle.loads(pickle.dumps(ex))):
+            assert torch.equal(other(h, sel, w), y)
+        buf = io.BytesIO()
+        torch.save(ex, buf)
+        buf.seek(0)
+        assert torch.equal(torch.load(buf, weights_only=False)(h, sel, w), y)
+        assert torch.equal(ex(h, sel, w), y)
+
+
 def test_k3_experts_state_dict_load_and_to(rng):
     E, L, F = 3, 64, 96
     a = mxfp4x.nn.KimiK3Experts(*_k3_weights(rng, E, L, F))
