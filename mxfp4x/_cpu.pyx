@@ -140,6 +140,30 @@ def threads_backend():
     return c.mxfp4x_threads_name().decode()
 
 
+# GNU OpenMP cannot start a team again in a child forked after a team ran: the child's
+# first parallel step waits forever for threads that stayed in the parent (torch's own
+# parallel ops too).  So a process forked after one of our teams ran takes every step in
+# the calling thread (the same bits; _threads.resolve warns once).
+cdef int _teams_ran = 0
+cdef int _forked_after_teams = 0
+
+
+def _after_fork_in_child():
+    global _forked_after_teams
+    if _teams_ran:
+        _forked_after_teams = 1
+
+
+def forked_after_teams():
+    """Whether this process was forked after an OpenMP team of ours ran: every parallel
+    step then runs in the calling thread."""
+    return bool(_forked_after_teams)
+
+
+if c.MXFP4X_OPENMP and hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
                          void *ctx, int team=0) noexcept nogil:
     """fn(ctx, task, tid) once for every task in [0, n_tasks), handed out one at a time to
@@ -153,7 +177,9 @@ cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
     cores half its time (docs/performance.md).  Any thread of the team may take a task,
     so tid < max(team, n_threads) indexes per-thread scratch; at most n_tasks threads
     take one.  A step that one thread would run (n_threads or n_tasks 1) runs in the
-    calling thread, with no team."""
+    calling thread, with no team; so does every step in a process forked after a team
+    ran (above)."""
+    global _teams_ran
     cdef int64_t task
     cdef int tid = 0
     cdef c.mxfp4x_fpenv fpenv = 0  # (both set in each thread: zero for the compiler's sake)
@@ -162,12 +188,13 @@ cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
     if team <= 0:
         team = n_threads
     n_threads = <int>max(1, min(<int64_t>n_threads, n_tasks))  # more would only idle
-    if n_threads == 1:  # in the calling thread: no team to start, resize or wake
+    if n_threads == 1 or _forked_after_teams:  # in the calling thread: no team
         fpenv = c.mxfp4x_fpenv_enter()
         for task in range(n_tasks):
             fn(ctx, task, 0)
         c.mxfp4x_fpenv_exit(fpenv)
     elif c.MXFP4X_OPENMP:
+        _teams_ran = 1
         with parallel(num_threads=max(team, n_threads)):
             tid = threadid()
             fpenv = c.mxfp4x_fpenv_enter()

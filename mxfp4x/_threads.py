@@ -10,6 +10,7 @@ asks for is resolved here: ``num_threads=None`` (or 0, its deferred form) means
 ``torch.get_num_threads()`` when the call runs.  Requests are checked for type and sign
 where the user passes them (``_validation.check_num_threads``), which caps them here.
 """
+import warnings
 from typing import Optional
 
 import torch
@@ -20,6 +21,7 @@ BACKENDS = ("openmp", "pthreads", "serial")  # threads.h's MXFP4X_THREADS_NAME v
 
 _BACKEND: str = _cpu.threads_backend()
 MAX_THREADS: int = _cpu.MAX_THREADS
+_WARNED_FORK = False
 
 
 def backend() -> str:
@@ -45,5 +47,14 @@ def resolve(num_threads: Optional[int] = None) -> int:
     None or 0 (read now, so a torch.set_num_threads between calls is followed), at least
     1 and at most :data:`MAX_THREADS`.  A serial build runs every task on the calling
     thread whatever this says."""
-    n = int(num_threads) if num_threads else torch.get_num_threads()
-    return max(1, min(n, MAX_THREADS))
+    n = max(1, min(int(num_threads) if num_threads else torch.get_num_threads(), MAX_THREADS))
+    if n > 1 and _cpu.forked_after_teams():
+        global _WARNED_FORK
+        if not _WARNED_FORK:
+            _WARNED_FORK = True
+            warnings.warn("mxfp4x: this process was forked after OpenMP threads ran, and "
+                          "GNU OpenMP cannot start them again here: calls run on one "
+                          "thread (the same results); start worker processes with the "
+                          "'spawn' or 'forkserver' method to use more", RuntimeWarning,
+                          stacklevel=4)
+    return n

@@ -366,3 +366,40 @@ def test_seed_is_stable_across_pythonhashseed():
         assert out.returncode == 0, out.stderr
         draws.append(out.stdout.strip())
     assert draws[0] == draws[1]
+
+
+_FORK = r"""
+import os, sys, time, warnings, torch, mxfp4x
+torch.manual_seed(3)
+E, O, G, T, K = 6, 96, 4, 40, 3
+args = (torch.randn(T, 32 * G), torch.randint(0, 256, (E, O, G, 16), dtype=torch.uint8),
+        torch.randint(118, 134, (E, O, G), dtype=torch.uint8), torch.randint(0, E, (T, K)),
+        torch.rand(T, K), torch.randn(T, O))
+y = mxfp4x.mxfp4_experts(*args, num_threads=2)  # an OpenMP team runs in the parent
+pid = os.fork()
+if pid == 0:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        same = torch.equal(mxfp4x.mxfp4_experts(*args, num_threads=2), y)
+    os._exit(0 if same and any("forked" in str(w.message) for w in seen) else 3)
+t0 = time.time()
+while True:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    if time.time() - t0 > 60:
+        os.kill(pid, 9)
+        sys.exit("the child's call hung")
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or mxfp4x._threads.backend() != "openmp",
+                    reason="os.fork and an OpenMP build")
+def test_a_call_in_a_process_forked_after_threads_ran_does_not_hang():
+    """GNU OpenMP cannot start a team again in a child forked after one ran (the child's
+    first parallel step waited forever): such a child runs its calls on one thread, with
+    the same bits, and says so once."""
+    proc = subprocess.run([sys.executable, "-c", _FORK], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
