@@ -140,28 +140,39 @@ def threads_backend():
     return c.mxfp4x_threads_name().decode()
 
 
-# GNU OpenMP cannot start a team again in a child forked after a team ran: the child's
-# first parallel step waits forever for threads that stayed in the parent (torch's own
-# parallel ops too).  So a process forked after one of our teams ran takes every step in
-# the calling thread (the same bits; _threads.resolve warns once).
+# GNU OpenMP cannot start a team again in a child forked after a team ran, ours or
+# torch's (one runtime serves both): the child's first parallel step waits forever for
+# threads that stayed in the parent.  So a process forked after one of our teams ran, or
+# from a parent that had other threads (libgomp's pool stays alive between teams), takes
+# every step in the calling thread (the same bits; _threads.resolve warns once).
 cdef int _teams_ran = 0
 cdef int _forked_after_teams = 0
+_parent_threads = 1
+
+
+def _before_fork():
+    global _parent_threads
+    try:
+        _parent_threads = len(os.listdir("/proc/self/task"))
+    except OSError:  # not known: as if threads ran
+        _parent_threads = 2
 
 
 def _after_fork_in_child():
     global _forked_after_teams
-    if _teams_ran:
+    if _teams_ran or _parent_threads > 1:
         _forked_after_teams = 1
 
 
 def forked_after_teams():
-    """Whether this process was forked after an OpenMP team of ours ran: every parallel
-    step then runs in the calling thread."""
+    """Whether this process was forked after OpenMP threads may have run (a team of ours,
+    or a parent with other threads): every parallel step then runs in the calling
+    thread."""
     return bool(_forked_after_teams)
 
 
 if c.MXFP4X_OPENMP and hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
