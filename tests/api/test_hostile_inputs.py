@@ -46,21 +46,26 @@ def _k3_inputs(rng, n_tokens, top_k, n_experts, d_latent):
     return h, sel, w
 
 
-def test_replaced_expert_weights_are_seen_and_never_freed_under_the_kernels():
-    # the first CPU call builds the driver's tables; a weight replaced afterwards (and the old
-    # tensor collected) must be what the next call reads: no stale bytes, no freed memory,
-    # the same bytes as the autograd path and as a module built with the new weights
-    out = _run("""
+# random KimiK3Experts weights in a fresh interpreter (the tests below add to it)
+_K3_SETUP = """
         import gc, numpy as np, torch
         from mxfp4x.nn import KimiK3Experts
-        rng = np.random.default_rng(7)
-        E, L, F = 4, 4096, 512
+        rng = np.random.default_rng({seed})
+        E, L, F = {E}, {L}, {F}
         def mats(rows, cols):
             return ([torch.from_numpy(rng.integers(0, 256, (rows, cols // 2), np.uint8))
                      for _ in range(E)],
                     [torch.from_numpy(rng.integers(118, 134, (rows, cols // 32), np.uint8))
                      for _ in range(E)])
         w1, w3, w2 = mats(F, L), mats(F, L), mats(L, F)
+"""
+
+
+def test_replaced_expert_weights_are_seen_and_never_freed_under_the_kernels():
+    # the first CPU call builds the driver's tables; a weight replaced afterwards (and the old
+    # tensor collected) must be what the next call reads: no stale bytes, no freed memory,
+    # the same bytes as the autograd path and as a module built with the new weights
+    out = _run(_K3_SETUP.format(seed=7, E=4, L=4096, F=512) + """
         ex = KimiK3Experts(w1, w3, (list(w2[0]), list(w2[1])))
         h = torch.from_numpy(rng.standard_normal((3, L))).float()
         sel = torch.tensor([[0, 1], [2, 0], [0, 0]])
@@ -93,17 +98,7 @@ def test_weights_given_new_memory_in_place_are_seen_and_never_freed_under_the_ke
     # ``.data =`` and ``.set_()`` give a buffer other memory without a module-level
     # change: the tables of a first call pointed into the freed memory (garbage or NaN
     # from the next forward); each call now checks the experts it reads
-    out = _run("""
-        import gc, numpy as np, torch
-        from mxfp4x.nn import KimiK3Experts
-        rng = np.random.default_rng(11)
-        E, L, F = 3, 1024, 512
-        def mats(rows, cols):
-            return ([torch.from_numpy(rng.integers(0, 256, (rows, cols // 2), np.uint8))
-                     for _ in range(E)],
-                    [torch.from_numpy(rng.integers(118, 134, (rows, cols // 32), np.uint8))
-                     for _ in range(E)])
-        w1, w3, w2 = mats(F, L), mats(F, L), mats(L, F)
+    out = _run(_K3_SETUP.format(seed=11, E=3, L=1024, F=512) + """
         ex = KimiK3Experts(*(([t.clone() for t in p], [t.clone() for t in s])
                              for p, s in (w1, w3, w2)))
         h = torch.from_numpy(rng.standard_normal((3, L))).float()
