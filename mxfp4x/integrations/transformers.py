@@ -28,6 +28,7 @@ interface), so the model's own routing, activation and biases run around mxfp4x'
 kernels. Plain ``AutoModelForCausalLM.from_pretrained(path,
 quantization_config=Mxfp4xConfig())`` works for these once this module is imported.
 """
+import copy
 from typing import Any, Dict, Optional
 
 import torch
@@ -207,7 +208,12 @@ def _swap_to_mxfp4(name, module):
             module.register_buffer(weight + "_scales", torch.empty((e, o, i // GROUP),
                                                                    dtype=torch.uint8))
     module._mxfp4x_weights = tuple(shapes)
-    module.config._experts_implementation_internal = QUANT_METHOD
+    # every experts module of the model reads this (shared) config: the ones left dense by
+    # modules_to_not_convert go on with the implementation they had (mxfp4x_experts_forward)
+    config = module.config
+    if not hasattr(config, "_mxfp4x_dense_implementation"):
+        config._mxfp4x_dense_implementation = config._experts_implementation_internal
+    config._experts_implementation_internal = QUANT_METHOD
 
 
 class Mxfp4xQuantize(ConversionOps):
@@ -251,9 +257,16 @@ def mxfp4x_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     norm), its weights MXFP4 (``<w>`` / ``<w>_scales`` uint8 buffers). Accumulates in
     float32 (float64 for float64) and returns the hidden states' dtype."""
     if not hasattr(self, "_mxfp4x_weights"):
-        raise ValueError(f"experts_implementation 'mxfp4x': {type(self).__name__} holds "
-                         f"dense weights; load the model with quantization_config="
-                         f"Mxfp4xConfig() (mxfp4x.integrations.transformers.from_pretrained)")
+        dense = getattr(self.config, "_mxfp4x_dense_implementation", QUANT_METHOD)
+        original = getattr(type(self).forward, "__wrapped__", None)
+        if dense == QUANT_METHOD or original is None:
+            raise ValueError(f"experts_implementation 'mxfp4x': {type(self).__name__} holds "
+                             f"dense weights; load the model with quantization_config="
+                             f"Mxfp4xConfig() (mxfp4x.integrations.transformers."
+                             f"from_pretrained)")
+        # left dense by modules_to_not_convert: the implementation the model had
+        return ALL_EXPERTS_FUNCTIONS.get_interface(dense, original)(
+            self, hidden_states, top_k_index, top_k_weights)
     if getattr(self, "_is_expert_parallel", False):
         raise NotImplementedError("experts_implementation 'mxfp4x' does not run transformers' "
                                   "expert parallelism; use mxfp4x.distributed")
@@ -336,8 +349,13 @@ class Mxfp4xHfQuantizer(HfQuantizer):
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as HfExperts
 
         config = model.config.get_text_config()
-        found = [(name, m) for name, m in model.named_modules() if isinstance(m, HfExperts)]
-        if not found:
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        skip = self.quantization_config.modules_to_not_convert
+        every = [(name, m) for name, m in model.named_modules() if isinstance(m, HfExperts)]
+        # modules_to_not_convert: left as they are (the checkpoint holds them dense)
+        found = [(name, m) for name, m in every if should_convert_module(name, skip)]
+        if not every:
             raise ValueError(f"mxfp4x: no gpt-oss experts in {type(model).__name__}; an "
                              f"MXFP4 checkpoint loads for gpt-oss models (dense checkpoints "
                              f"of other MoE models are quantized at load)")
@@ -425,6 +443,8 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
     if config is None:
         hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
         config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub)
+    else:  # the caller's own is left as it was
+        config = copy.deepcopy(config)
     threads = num_threads if num_threads is not None else getattr(qc, "num_threads", None)
     found = getattr(config, "quantization_config", None)
     if found is None:  # dense experts: quantized at load
@@ -443,6 +463,9 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
                          f"with dense experts")
     skip = (found.get("modules_to_not_convert") if isinstance(found, dict)
             else getattr(found, "modules_to_not_convert", None))
+    # the checkpoint's list (modules it holds dense) and the caller's
+    skip = list(dict.fromkeys(list(skip or []) +
+                              list(getattr(qc, "modules_to_not_convert", None) or []))) or None
     # a dict, as config.json holds it: transformers dispatches on its quant_method
     config.quantization_config = {"quant_method": QUANT_METHOD, "num_threads": threads,
                                   "modules_to_not_convert": skip,

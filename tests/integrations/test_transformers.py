@@ -109,6 +109,39 @@ def test_logits_match_transformers_dequantized(models):
     assert err <= 1e-5 * want.abs().max().item(), err
 
 
+def test_experts_the_checkpoint_keeps_dense_stay_dense(checkpoint, tmp_path):
+    """An MXFP4 checkpoint whose modules_to_not_convert names a layer's experts (stored
+    dense): that layer keeps transformers' module and its weights, as transformers' own
+    loader does (it became an MXFP4 module whose bytes were never loaded: NaN logits);
+    and the config a caller passes is left as it was."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    import mxfp4x
+
+    tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
+    p = "model.layers.1.mlp.experts."
+    for proj in ("gate_up_proj", "down_proj"):  # transformers stores these (E, in, out)
+        w = mxfp4x.dequantize(tensors.pop(p + proj + "_blocks"), tensors.pop(p + proj + "_scales"))
+        tensors[p + proj] = w.transpose(1, 2).contiguous().to(torch.bfloat16)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(checkpoint, "config.json")) as fh:
+        cfg = json.load(fh)
+    cfg["quantization_config"]["modules_to_not_convert"].append("model.layers.1.mlp.experts")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    config = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    before = copy.deepcopy(config.to_dict())
+    ours, dense = _ours(str(tmp_path), config=config), _dense(str(tmp_path))
+    assert config.to_dict() == before
+    assert isinstance(ours.model.layers[0].mlp.experts, mxt.GptOssMxfp4Experts)
+    assert not isinstance(ours.model.layers[1].mlp.experts, mxt.GptOssMxfp4Experts)
+    ids = _tokens()
+    with torch.no_grad():
+        got, want = ours(ids).logits, dense(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
 def test_greedy_generate_matches(models):
     ours, dense = models
     ids = _tokens(n=5, batch=1, seed=2)

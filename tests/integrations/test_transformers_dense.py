@@ -197,10 +197,25 @@ def test_scale_rule_and_modules_to_not_convert(checkpoint):
     assert first.gate_up_proj.dtype == torch.uint8
     assert not torch.equal(first.gate_up_proj_scales, floor.gate_up_proj_scales)
     assert second.gate_up_proj.is_floating_point()  # left dense, transformers' forward
-    assert second.config._experts_implementation == "mxfp4x"  # shared config: the forward
-    with torch.no_grad():  # of a dense module under "mxfp4x" must not run silently
-        with pytest.raises(ValueError, match="dense weights"):
-            ceil(_tokens())
+    assert second.config._experts_implementation == "mxfp4x"  # shared config: a dense
+    # module under "mxfp4x" runs the implementation the model had (it used to raise)
+    dtype = second.gate_up_proj.dtype
+    dense = _experts(_quiet(transformers.AutoModelForCausalLM.from_pretrained, path,
+                            dtype=dtype))[1]
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(7, SMALL["hidden_size"], generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(first.gate_up_proj.shape[0], generator=g)[:2]
+                       for _ in range(7)])
+    w = torch.rand(7, 2, generator=g).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(second(h, ids, w), dense(h, ids, w))
+        assert torch.isfinite(ceil(_tokens()).logits).all()
+    # a model not loaded by mxfp4x, told to use "mxfp4x": its dense experts refuse
+    plain = _quiet(transformers.AutoModelForCausalLM.from_pretrained, path,
+                   dtype=torch.float32)
+    plain.config._experts_implementation = "mxfp4x"
+    with torch.no_grad(), pytest.raises(ValueError, match="dense weights"):
+        plain(_tokens())
     with pytest.raises(ValueError, match="scale_rule"):
         mxt.Mxfp4xConfig(scale_rule="nearest")
 
