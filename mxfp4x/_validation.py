@@ -431,6 +431,8 @@ def parse_expert_range(expert_range) -> Tuple[int, int]:
         raise ValueError(f"expert_range: expected a pair of ints (e0, e1), got {len(values)} "
                          f"values")
     try:
+        if any(isinstance(v, bool) for v in values):
+            raise TypeError
         e0, e1 = (operator.index(v) for v in values)
     except TypeError:
         raise TypeError(f"expert_range: expected a pair of ints (e0, e1), got "

@@ -19,9 +19,10 @@ from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import GGUF_BLOCK_BYTES, GROUP, accumulation_dtype
 from .._progress import Progress
 from .._validation import bytes_by_view as as_bytes
+from .._validation import parse_expert_range
 from ..checkpoints.families import gguf_naming, load_gguf_experts
 from ..checkpoints.safetensors import SafeTensorsCheckpoint
-from ._common import bytes_of, expert_range_of
+from ._common import _positive, bytes_of, check_routing, expert_range_of
 
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32,
                    experts_per_token=4, num_hidden_layers=24, swiglu_limit=7.0)
@@ -35,9 +36,13 @@ class GptOssRouter(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, top_k: int):
         super().__init__()
+        if weight.dim() != 2 or tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"router: expected a weight (n_experts, hidden) and a bias "
+                             f"(n_experts,), got {tuple(weight.shape)} and "
+                             f"{tuple(bias.shape)}")
         self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
-        self.top_k = int(top_k)
+        self.top_k = check_routing(weight.shape[0], top_k, 1, 1, "router")[0]
 
     def forward(self, x: torch.Tensor):
         logits = torch.nn.functional.linear(x.float(), self.weight.float(), self.bias.float())
@@ -160,6 +165,7 @@ class GptOssExperts(torch.nn.Module):
         ckpt = path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
         p = prefix.format(layer=layer)
         rng = kwargs.get("expert_range")
+        rng = None if rng is None else parse_expert_range(rng)
 
         def experts(name):  # bytes typed U8, I8 or F8_E8M0, read by view
             t = ckpt.get(p + name) if rng is None else ckpt.get_rows(p + name, *rng)
@@ -265,13 +271,26 @@ class GptOssMoE(torch.nn.Module):
             return cls(router, _gguf_experts(gguf, layer, expert_range=expert_range,
                                              num_threads=num_threads, group=group))
         ckpt = path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
+        from ..checkpoints.families import read_config
+        try:
+            config = read_config(ckpt.root)
+        except FileNotFoundError:
+            if top_k is None:
+                raise
+            config = {}  # top_k given, a file without its config.json: gpt-oss's clamp
+        source = os.path.join(ckpt.root if os.path.isdir(ckpt.root) else
+                              os.path.dirname(os.path.abspath(ckpt.root)), "config.json")
         if top_k is None:
-            from ..checkpoints.families import read_config
-            top_k = int(read_config(ckpt.root)["experts_per_token"])
+            if "experts_per_token" not in config:
+                raise ValueError(f"{source}: 'experts_per_token' is missing; pass top_k=")
+            top_k = config["experts_per_token"]
+        # the activation's clamp as the checkpoint states it (gpt-oss: 7.0)
+        limit = _positive(f"{source}: swiglu_limit", config.get("swiglu_limit", 7.0))
         r = ROUTER.format(layer=layer)
         router = GptOssRouter(ckpt.get(r + "weight"), ckpt.get(r + "bias"), top_k)
         experts = GptOssExperts.from_checkpoint(ckpt, layer, expert_range=expert_range,
-                                                num_threads=num_threads, group=group)
+                                                num_threads=num_threads, group=group,
+                                                limit=limit)
         return cls(router, experts)
 
 

@@ -37,7 +37,7 @@ from .._validation import (
 )
 from ..checkpoints import families as ck
 from ..checkpoints.gguf import MXFP4, GGUFCheckpoint, is_gguf
-from ._common import _positive, expert_range_of
+from ._common import _flag, _integer, _positive, _real, check_routing, expert_range_of
 from ._expert_state import ExpertMatrix, _ExpertWeights, _matrix_shape, _split, _Stamp, _Weights
 
 
@@ -288,6 +288,37 @@ class KimiK3Experts(torch.nn.Module):
                 f"beta={self.beta}, linear_beta={self.linear_beta}{form}")
 
 
+def block_config(config: dict, source: str) -> Dict[str, Any]:
+    """The block's hyperparameters from ``config`` (config.json's names), each checked:
+    ``num_experts`` and ``num_experts_per_token`` required; the group counts 1 where
+    missing or null (no grouped routing); ``routed_scaling_factor`` 1.0, ``moe_renormalize``
+    true and ``rms_norm_eps`` 1e-5 where missing.  A ValueError naming ``source`` and the
+    key otherwise (a missing key, a string, a null)."""
+    def get(name, default=None, required=False):
+        if name not in config:
+            if required:
+                raise ValueError(f"{source}: {name!r} is missing")
+            return default
+        return config[name]
+
+    n_experts = _integer(f"{source}: num_experts", get("num_experts", required=True))
+    groups = get("num_expert_group")
+    chosen = get("topk_group")
+    top_k, n_group, topk_group = check_routing(
+        n_experts, get("num_experts_per_token", required=True),
+        1 if groups is None else groups, 1 if chosen is None else chosen, source)
+    eps = _real(f"{source}: rms_norm_eps", get("rms_norm_eps", 1e-5))
+    if eps <= 0:
+        raise ValueError(f"{source}: rms_norm_eps: expected a positive number, got {eps!r}")
+    return dict(num_experts=n_experts, num_experts_per_token=top_k, num_expert_group=n_group,
+                topk_group=topk_group,
+                routed_scaling_factor=_real(f"{source}: routed_scaling_factor",
+                                            get("routed_scaling_factor", 1.0)),
+                moe_renormalize=_flag(f"{source}: moe_renormalize",
+                                      get("moe_renormalize", True)),
+                rms_norm_eps=eps)
+
+
 def situ_betas(config: dict, source: str = "config.json"):
     """(beta, linear_beta) of SiTU from a K3 text config.  The released config states
     both (4.0 and 25.0); the public ports disagree on what a missing key means (1.0 in
@@ -318,10 +349,16 @@ class KimiK3Router(torch.nn.Module):
                  renormalize: bool = True, scaling: float = 1.0, n_group: int = 1,
                  topk_group: int = 1):
         super().__init__()
+        if weight.dim() != 2 or tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"router: expected a weight (n_experts, hidden) and a bias "
+                             f"(n_experts,), got {tuple(weight.shape)} and "
+                             f"{tuple(bias.shape)}")
+        routing = check_routing(weight.shape[0], top_k, n_group, topk_group, "router")
         self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
-        self.top_k, self.renormalize, self.scaling = int(top_k), bool(renormalize), scaling
-        self.n_group, self.topk_group = int(n_group), int(topk_group)
+        self.top_k, self.n_group, self.topk_group = routing
+        self.renormalize = _flag("router: renormalize", renormalize)
+        self.scaling = _real("router: scaling", scaling)
         self._wide: tuple = ()  # (what the weight was, the weight in the accumulation dtype)
 
     def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:
@@ -440,12 +477,14 @@ class KimiK3MoE(torch.nn.Module):
         if config is not None:
             raise TypeError("config: only for GGUF files (a safetensors checkpoint's "
                             "hyperparameters come from its config.json)")
-        config = ck.read_config(path if isinstance(path, str) else path.root)
+        root = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path.root
+        config = ck.read_config(root)
+        hyper = block_config(config, os.path.join(root, "config.json"))
         ckpt = ck.open_checkpoint(path)
         layout = ck.KIMI_K3
         prefix = ck.find_prefix(ckpt, layout, layer)
         base = prefix + layout.block.format(layer=layer)
-        n_experts = int(config["num_experts"])
+        n_experts = hyper["num_experts"]
         e0, e1 = (0, n_experts) if expert_range is None else parse_expert_range(expert_range)
         if not 0 <= e0 < e1 <= n_experts:
             raise ValueError(f"expert_range: expected 0 <= e0 < e1 <= {n_experts} (the "
@@ -466,19 +505,22 @@ class KimiK3MoE(torch.nn.Module):
         if use_norm:
             names.append("routed_expert_norm.weight")
         dense = {n[len(base):]: t for n, t in ckpt.get_many([base + n for n in names]).items()}
+        rows = dense["gate.weight"].shape[0]
+        if rows != n_experts:
+            raise ValueError(f"{base}gate.weight: the router scores {rows} experts, "
+                             f"config.json's num_experts is {n_experts}")
         router = KimiK3Router(
             dense["gate.weight"], dense["gate.e_score_correction_bias"],
-            top_k=config["num_experts_per_token"],
-            renormalize=config.get("moe_renormalize", True),
-            scaling=config.get("routed_scaling_factor", 1.0),
-            n_group=config.get("num_expert_group", 1), topk_group=config.get("topk_group", 1))
+            top_k=hyper["num_experts_per_token"], renormalize=hyper["moe_renormalize"],
+            scaling=hyper["routed_scaling_factor"], n_group=hyper["num_expert_group"],
+            topk_group=hyper["topk_group"])
         return cls(router, dense["routed_expert_down_proj.weight"], routed,
                    dense["routed_expert_norm.weight"] if use_norm else None,
                    dense["routed_expert_up_proj.weight"],
                    dense["shared_experts.gate_proj.weight"],
                    dense["shared_experts.up_proj.weight"],
                    dense["shared_experts.down_proj.weight"],
-                   norm_eps=config.get("rms_norm_eps", 1e-5))
+                   norm_eps=hyper["rms_norm_eps"])
 
 
 # ---- GGUF files (llama.cpp's converter, architecture "kimi-k3") -------------------------
@@ -576,8 +618,9 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
     if ckpt.architecture not in naming.architectures:
         raise ValueError(f"{ckpt.root}: general.architecture is {ckpt.architecture!r}, "
                          f"expected {naming.architectures[0]!r} (llama.cpp's Kimi K3)")
-    cfg = gguf_config(ckpt, config)
-    n_experts = int(cfg["num_experts"])
+    raw = gguf_config(ckpt, config)
+    cfg = block_config(raw, f"{ckpt.root} (metadata or config)")
+    n_experts = cfg["num_experts"]
     e0, e1 = (0, n_experts) if expert_range is None else parse_expert_range(expert_range)
     if not 0 <= e0 < e1 <= n_experts:
         raise ValueError(f"expert_range: expected 0 <= e0 < e1 <= {n_experts} (the "
@@ -587,7 +630,7 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
         raise ValueError(f"{ckpt.root}: tensor {name!r} holds {ckpt.tensor(name).shape[0]} "
                          f"experts, the metadata {n_experts}")
     blocks = ck.load_gguf_experts(ckpt, layer, (e0, e1), naming=naming)
-    beta, linear_beta = situ_betas(cfg, f"{ckpt.root} (metadata or config)")
+    beta, linear_beta = situ_betas(raw, f"{ckpt.root} (metadata or config)")
     routed = KimiK3Experts((blocks["gate"], None), (blocks["up"], None),
                            (blocks["down"], None), beta=beta, linear_beta=linear_beta,
                            expert_range=(e0, e1), num_threads=num_threads, group=group)
@@ -619,12 +662,11 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
                      "the shared experts' up")
     sd = _gguf_dense(ckpt, shared_name.format(layer=layer, proj="down"), (hidden, d_shared),
                      "the shared experts' down")
-    router = KimiK3Router(gate_w, bias, top_k=int(cfg["num_experts_per_token"]),
-                          renormalize=bool(cfg["moe_renormalize"]),
-                          scaling=float(cfg["routed_scaling_factor"]),
-                          n_group=int(cfg["num_expert_group"]),
-                          topk_group=int(cfg["topk_group"]))
-    return cls(router, down, routed, norm, up, sg, su, sd, norm_eps=float(cfg["rms_norm_eps"]))
+    router = KimiK3Router(gate_w, bias, top_k=cfg["num_experts_per_token"],
+                          renormalize=cfg["moe_renormalize"],
+                          scaling=cfg["routed_scaling_factor"],
+                          n_group=cfg["num_expert_group"], topk_group=cfg["topk_group"])
+    return cls(router, down, routed, norm, up, sg, su, sd, norm_eps=cfg["rms_norm_eps"])
 
 
 # ---- the released model's sizes (config.json's text_config) ----------------------------

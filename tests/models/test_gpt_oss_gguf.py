@@ -98,3 +98,33 @@ def test_gguf_of_another_architecture_is_refused(tmp_path):
     write_gguf(path, "llama", {"x.weight": rng.standard_normal((4, 4)).astype(np.float32)})
     with pytest.raises(ValueError, match="architecture 'llama'.*gpt-oss"):
         nn.GptOssExperts.from_checkpoint(str(path), 0)
+
+
+def test_safetensors_block_reads_and_checks_its_config(files, tmp_path):
+    """GptOssMoE.from_checkpoint of a folder: top_k (experts_per_token) and the clamp
+    (swiglu_limit) from config.json, each checked (a missing top-k was a bare KeyError,
+    top-k 0 or above the experts ran, the clamp was always 7); expert_range as a range."""
+    import json
+    import os
+
+    st, _ = files
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    os.symlink(st, folder / "model.safetensors")
+    h = _inputs(5)[0]
+
+    def load(config, **kw):
+        (folder / "config.json").write_text(json.dumps(config))
+        return nn.GptOssMoE.from_checkpoint(str(folder), 1, **kw)
+    base = nn.GptOssMoE.from_checkpoint(st, 1, top_k=K)
+    assert torch.equal(load({"experts_per_token": K})(h), base(h))
+    clamped = load({"experts_per_token": K, "swiglu_limit": 0.5})
+    assert clamped.experts.limit == 0.5 and not torch.equal(clamped(h), base(h))
+    assert torch.equal(load({"experts_per_token": K}, expert_range=range(0, E))(h), base(h))
+    with pytest.raises(ValueError, match="'experts_per_token' is missing"):
+        load({})
+    for bad in (0, E + 1, "2"):
+        with pytest.raises(ValueError, match="top_k"):
+            load({"experts_per_token": bad})
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        load({"experts_per_token": K, "swiglu_limit": -1})

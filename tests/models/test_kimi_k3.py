@@ -264,3 +264,60 @@ def test_block_threads_reach_every_compiled_product(tmp_path, rng, monkeypatch):
         # router, down, up, shared gate / up / down
         assert seen == [n] * 6, (n, seen)
     assert torch.equal(outs[1].view(torch.int16), outs[2].view(torch.int16))
+
+
+def _with_config(ckpt, folder, **changes):
+    """The checkpoint ``ckpt`` seen through ``folder``: its files linked, config.json's
+    text config changed (a value None: the key removed)."""
+    for name in os.listdir(ckpt):
+        if name != "config.json":
+            os.symlink(os.path.join(ckpt, name), os.path.join(folder, name))
+    with open(os.path.join(ckpt, "config.json")) as f:
+        config = json.load(f)
+    text = config.get("text_config", config)
+    for key, value in changes.items():
+        if value is None:
+            text.pop(key)
+        else:
+            text[key] = value["null"] if isinstance(value, dict) else value
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(num_experts=None), "'num_experts' is missing"),
+    (dict(num_experts_per_token=None), "'num_experts_per_token' is missing"),
+    (dict(num_experts_per_token=17), "top_k 17 .* more than the 16 experts"),
+    (dict(num_experts_per_token=0), r"num_experts_per_token\): expected an integer >= 1"),
+    (dict(num_experts="16"), "num_experts: expected an integer"),
+    (dict(num_experts=12), "the router scores 16 experts, config.json's num_experts is 12"),
+    (dict(num_expert_group=3), "3 expert groups do not divide 16 experts"),
+    (dict(num_expert_group=4, topk_group=5), "topk_group 5 is more than the 4"),
+    (dict(num_expert_group=8, topk_group=1), "top_k 4 .* more than the 2 experts"),
+    (dict(routed_scaling_factor="2.5"), "routed_scaling_factor: expected a finite number"),
+    (dict(routed_scaling_factor={"null": None}), "routed_scaling_factor: expected a finite"),
+    (dict(rms_norm_eps={"null": None}), "rms_norm_eps: expected a finite number"),
+    (dict(moe_renormalize="false"), "moe_renormalize: expected true or false"),
+])
+def test_config_values_are_checked_and_named(tmp_path, ckpt, changes, match):
+    """Each hyperparameter of config.json is checked where the block is loaded, and a
+    bad one is named (they were KeyErrors, torch's TypeErrors or shape errors at the
+    first forward, or silently accepted: top-k above the experts ran on all of them, 0
+    dropped the routed experts)."""
+    path = _with_config(ckpt, tmp_path, **changes)
+    with pytest.raises(ValueError, match=match):
+        nn.KimiK3MoE.from_checkpoint(path, layer=1, progress=False)
+
+
+def test_from_checkpoint_takes_a_path_object(tmp_path, ckpt, rng):
+    import pathlib
+
+    x = torch.from_numpy(rng.standard_normal((3, 256))).float()
+    want = nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, progress=False)(x)
+    got = nn.KimiK3MoE.from_checkpoint(pathlib.Path(ckpt), layer=1, progress=False)(x)
+    assert torch.equal(got, want)  # it read config.json at the file system's root ("/")
+    # groups that do divide the experts: the block loads and runs
+    grouped = _with_config(ckpt, tmp_path, num_expert_group=4, topk_group=2)
+    assert torch.isfinite(nn.KimiK3MoE.from_checkpoint(pathlib.Path(grouped), layer=1,
+                                                       progress=False)(x)).all()
