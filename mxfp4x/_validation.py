@@ -1,6 +1,7 @@
 """Input coercion and checks.  Every error names the argument, what it got and
 what was expected, and is raised before any kernel runs."""
 import operator
+import weakref
 from typing import Tuple
 
 import numpy as np
@@ -413,6 +414,33 @@ def check_expert_ids(sel, n_experts):
 
 
 _RANGE_LIMIT = 2 ** 62
+
+
+class WeakGroup:
+    """A ``group`` attribute (a torch.distributed process group, or None) held by a weak
+    reference.  An object that outlives ``destroy_process_group()`` (a model kept to the
+    end of a script) would otherwise keep the group to the end of the process, and gloo's
+    group destroyed that late aborted the process at exit ("terminate called without an
+    active exception", 4 runs in 10); torch's own registry keeps a live group alive."""
+
+    def __set_name__(self, owner, name):
+        self.key = f"_{name}_ref"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        ref = obj.__dict__.get(self.key)
+        if ref is None:
+            return None
+        group = ref()
+        if group is None:
+            raise RuntimeError("group: the torch.distributed process group this was built "
+                               "with was destroyed (destroy_process_group); build it again "
+                               "with a live group")
+        return group
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.key] = None if value is None else weakref.ref(value)
 
 
 def parse_expert_range(expert_range) -> Tuple[int, int]:

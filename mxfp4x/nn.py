@@ -9,6 +9,7 @@ import torch
 from ._api import mxfp4_experts
 from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 from ._quantize import quantize
+from ._validation import WeakGroup
 from ._validation import bytes_by_view as as_bytes
 from .checkpoints.safetensors import SafeTensorsCheckpoint
 from .models._common import bytes_of, expert_range_of
@@ -37,6 +38,8 @@ class MXFP4Experts(torch.nn.Module):
     e0..e1-1) and ``group`` (torch.distributed), its forward is
     :func:`mxfp4x.distributed.mxfp4_experts` (bit-identical to one process).
     """
+
+    group = WeakGroup()  # held weakly: _validation.WeakGroup
 
     packed_weights: torch.Tensor
     scale_bytes: Optional[torch.Tensor]

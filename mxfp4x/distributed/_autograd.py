@@ -3,9 +3,14 @@ carries a call (and its gradient) across the all-to-alls."""
 
 import torch
 
-from .. import _cpu, _threads
+from .. import _cpu, _cpu_impl, _threads
 from .._format import GGUF_BLOCK_BYTES, GROUP_BYTES
-from .._ops import mxfp4_experts_grad_latents_list_op, mxfp4_experts_grad_latents_op, slots_op
+from .._ops import (
+    mxfp4_experts_grad_latents_list_op,
+    mxfp4_experts_grad_latents_op,
+    runs_direct,
+    slots_op,
+)
 from .._validation import (
     SKIP,
     as_tensor,
@@ -59,8 +64,21 @@ def _local_products(routing: ExpertRouting, recv_x: torch.Tensor, packed, scales
     sel = routing.recv_expert.view(-1, 1).to(x_pairs.device)
     if sel.shape[0] == 0:
         return torch.empty((0, routing.plan.d_out), dtype=compute, device=x_pairs.device)
+    if runs_direct((x_pairs, sel), (packed, scales)):
+        # the kernels the op would run, without torch's dispatcher: a first custom-op call
+        # imports torch._dynamo, and imported after init_process_group it keeps the
+        # process group alive past destroy_process_group() (gloo's group then destroyed
+        # at exit aborted the process)
+        return _cpu_impl.experts(x_pairs, packed, scales, sel, None, None, threads,
+                                 per_slot_outputs=True, isa=isa or None).reshape(
+            sel.shape[0], -1)
     return slots_op(packed)(x_pairs, packed, scales, sel, threads, isa or "").reshape(
         sel.shape[0], -1)
+
+
+def _grad_latents_direct(grad, packed, scales, sel, mix, x, threads, isa):
+    """The grad_latents op's CPU kernel, without torch's dispatcher (_local_products)."""
+    return _cpu_impl.grad_latents(grad, packed, scales, sel, mix, x, threads, isa=isa or None)
 
 
 def _d_out(packed):
@@ -143,9 +161,11 @@ class _EPFunction(torch.autograd.Function):
         if error is None and n:
             op = mxfp4_experts_grad_latents_op if isinstance(ctx.packed, torch.Tensor) \
                 else mxfp4_experts_grad_latents_list_op
+            ids = routing.recv_expert.view(-1, 1)
+            if runs_direct((sent, ids), (ctx.packed, ctx.scales)):  # as _local_products
+                op = _grad_latents_direct
             try:
-                local = op(sent.view(n, 1, ctx.d_out), ctx.packed, ctx.scales,
-                           routing.recv_expert.view(-1, 1), None,
+                local = op(sent.view(n, 1, ctx.d_out), ctx.packed, ctx.scales, ids, None,
                            torch.empty((n, 1, d_in), dtype=compute), ctx.threads,
                            ctx.isa or "").reshape(n, d_in)
             except BaseException as exc:  # re-raised by agree() below

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .._validation import (
+    WeakGroup,
     expert_id_error,
     index_tensor,
 )
@@ -28,6 +29,8 @@ class ExpertRouting:
     with payloads of the agreed sizes.  A rank that cannot route its pairs (an id outside
     the plan, say) still takes part in the first exchange, flagging its failure in it, so
     every rank raises there and no data moves."""
+
+    group = WeakGroup()  # held weakly: _validation.WeakGroup
 
     def __init__(self, plan: _Plan, sel: torch.Tensor, rows_per_slot: bool, group):
         self.plan, self.group = plan, group

@@ -18,8 +18,8 @@ import torch
 from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import GGUF_BLOCK_BYTES, GROUP, accumulation_dtype
 from .._progress import Progress
+from .._validation import WeakGroup, parse_expert_range
 from .._validation import bytes_by_view as as_bytes
-from .._validation import parse_expert_range
 from ..checkpoints.families import gguf_naming, load_gguf_experts
 from ..checkpoints.safetensors import SafeTensorsCheckpoint
 from ._common import _positive, bytes_of, check_routing, expert_range_of
@@ -75,6 +75,8 @@ class GptOssExperts(torch.nn.Module):
     17) of GGUF block_mxfp4 blocks read in place, the scale buffers None; the gate and
     up products run as two calls, interleaved back into ``gate_up``'s order.
     """
+
+    group = WeakGroup()  # held weakly: _validation.WeakGroup
 
     gate_up_blocks: torch.Tensor
     gate_up_scales: torch.Tensor

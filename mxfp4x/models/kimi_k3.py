@@ -28,6 +28,7 @@ from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import accumulation_dtype
 from .._progress import Progress
 from .._validation import (
+    WeakGroup,
     as_tensor,
     check_isa,
     check_num_threads,
@@ -85,6 +86,8 @@ class KimiK3Experts(torch.nn.Module):
     (one round trip, inference).  ``isa``: the CPU instruction set of its calls (None: the default),
     checked here.
     """
+
+    group = WeakGroup()  # held weakly: _validation.WeakGroup
 
     def __init__(self, w1, w3, w2, beta: float = 4.0, linear_beta: Optional[float] = 25.0,
                  expert_range=None,

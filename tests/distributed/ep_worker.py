@@ -189,6 +189,34 @@ def modules(name, rank, world):
             "local_experts": int(part.gate_up_blocks.shape[0])}
 
 
+KEPT = []  # modules that outlive destroy_process_group(), as a script's model does
+
+
+def outlive(name, rank, world):
+    """An expert-parallel module kept to the end of the process: it must not keep its
+    process group alive past destroy_process_group() (gloo's group destroyed at exit
+    aborted the process, 4 runs in 10); main() checks the group is gone."""
+    import weakref
+
+    from mxfp4x import nn
+    rng = np.random.default_rng(5)
+    n_exp, d_out, d_in = 4, 32, 64
+    packed = torch.from_numpy(rng.integers(0, 256, (n_exp, d_out, d_in // 32, 16), np.uint8))
+    scales = torch.from_numpy(rng.integers(120, 127, (n_exp, d_out, d_in // 32), np.uint8))
+    cuts = split(n_exp, world, uneven=False)
+    e0, e1 = int(cuts[rank]), int(cuts[rank + 1])
+    part = nn.MXFP4Experts(e1 - e0, d_out, d_in, expert_range=(e0, e1),
+                           group=dist.group.WORLD)
+    part.packed_weights.copy_(packed[e0:e1])
+    part.scale_bytes.copy_(scales[e0:e1])
+    x = torch.from_numpy(rng.standard_normal((3, d_in))).float()
+    sel = torch.tensor([[0, 3], [1, 2], [3, 3]])
+    w = torch.ones(3, 2)
+    y = part(x, sel, w)
+    KEPT.extend([part, weakref.ref(dist.group.WORLD)])
+    return {"equal": bool(torch.isfinite(y).all())}
+
+
 def gradcheck(name, rank, world):
     layer = random_layer(np.random.default_rng(8), 3, 2, 4, 7, 1, dtype=torch.float64,
                          repeat_expert=True)
@@ -390,6 +418,7 @@ def faulty(entries, case, rank):
     elif fault == "backward":  # the owners' gradient products
         patches["mxfp4_experts_grad_latents_op"] = raiser(exc)
         patches["mxfp4_experts_grad_latents_list_op"] = raiser(exc)
+        patches["_grad_latents_direct"] = raiser(exc)  # CPU tensors: the kernels directly
     else:  # a bad argument: range, numpy, isa
         bad[fault] = "bogus" if fault == "isa" else True
     return bad, patches
@@ -515,13 +544,25 @@ def main():
     for name in sys.argv[1:]:
         fn = bad_input if name.startswith("bad") else gradcheck if name == "gradcheck" \
             else die if name == "die" else kimi if name.startswith("kimi") \
-            else modules if name == "modules" else scenario
+            else modules if name == "modules" else outlive if name == "outlive" \
+            else scenario
         results[name] = fn(name, rank, world)
     print(json.dumps({"rank": rank, "results": results}), flush=True)
     if "die" in sys.argv:
         os._exit(0)  # the peer is gone: nothing to tear down with it
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
+    if KEPT:  # the kept module holds its group weakly: gone with the group
+        import gc
+        gc.collect()
+        if KEPT[1]() is not None:
+            sys.exit("a module kept its process group alive past destroy_process_group()")
+        try:
+            KEPT[0].group
+        except RuntimeError:
+            pass
+        else:
+            sys.exit("the module's group still answered after destroy_process_group()")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,16 @@ def test_bit_identical_to_one_process(world):
                 assert r[name]["equal"], (world, rank, name, r[name])
 
 
+def test_a_module_kept_past_destroy_process_group_lets_the_process_exit():
+    """A script's expert-parallel model alive when destroy_process_group() runs: the
+    module holds its group weakly, so gloo's group is destroyed there, not at interpreter
+    exit (where it aborted the process, 4 runs in 10); the worker checks the group is
+    gone and the module says so when asked for it."""
+    for rc, out, err in _launch(2, ["outlive"]):
+        assert rc == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["results"]["outlive"]["equal"]
+
+
 def test_gradcheck_across_two_ranks():
     res = _results(_launch(2, ["gradcheck"]))
     assert all(r["gradcheck"]["gradcheck"] for r in res.values())
