@@ -440,7 +440,11 @@ class WeakGroup:
         return group
 
     def __set__(self, obj, value):
-        obj.__dict__[self.key] = None if value is None else weakref.ref(value)
+        try:
+            obj.__dict__[self.key] = None if value is None else weakref.ref(value)
+        except TypeError:
+            raise TypeError(f"group: expected a torch.distributed process group or None, "
+                            f"got {type(value).__name__}") from None
 
 
 def parse_expert_range(expert_range) -> Tuple[int, int]:

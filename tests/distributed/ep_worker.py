@@ -558,10 +558,10 @@ def main():
         if KEPT[1]() is not None:
             sys.exit("a module kept its process group alive past destroy_process_group()")
         try:
-            KEPT[0].group
-        except RuntimeError:
-            pass
-        else:
+            answered = KEPT[0].group
+        except RuntimeError:  # named: the group was destroyed
+            answered = None
+        if answered is not None:
             sys.exit("the module's group still answered after destroy_process_group()")
 
 

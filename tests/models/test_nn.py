@@ -212,3 +212,11 @@ def test_writer_keeps_every_tensor_aligned(tmp_path):
         t = f.get(k)
         assert torch.equal(t, v)
         assert lo <= t.data_ptr() < lo + os.path.getsize(path), k  # a view, not a copy
+
+
+def test_a_group_that_is_not_a_process_group_is_named():
+    """Modules hold their group weakly (so a kept model never keeps a destroyed group):
+    something that is not a process group is a TypeError naming ``group``."""
+    with pytest.raises(TypeError, match="group: expected a torch.distributed process group"):
+        nn.MXFP4Experts(2, 32, 64, expert_range=(0, 2), group="world")
+    assert nn.MXFP4Experts(2, 32, 64).group is None
