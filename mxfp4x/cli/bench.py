@@ -138,6 +138,11 @@ def _measure(args, calls, packed, scales, th, case, roofs, isa, pre=None, probe=
         mxfp4x.mxfp4_experts(c[0], packed, scales, c[1], c[2], c[3], backend=backend,
                              num_threads=th)
     with torch_threads(th):
+        # one pass over the calls first: a process's first calls run slower (at one token
+        # on 2 threads of an AMD EPYC Zen 5 the first ten took 1.1-1.6 ms, the next
+        # 0.8-1.0), and a model runs in the steady state
+        for i in range(len(calls)):
+            run(i, "cpu")
         before = probe.measure(th) if probe is not None else None
         t_cpu = _bench.best_time(lambda i: run(i, "cpu"), repeats=args.repeats)
         if probe is not None:
