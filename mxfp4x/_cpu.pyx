@@ -143,31 +143,39 @@ def threads_backend():
 # GNU OpenMP cannot start a team again in a child forked after a team ran, ours or
 # torch's (one runtime serves both): the child's first parallel step waits forever for
 # threads that stayed in the parent.  So a process forked after one of our teams ran, or
-# from a parent that had other threads (libgomp's pool stays alive between teams), takes
+# from a parent with more threads than it had when this module was imported (libgomp's
+# pool stays alive between teams; importing torch starts one thread of its own), takes
 # every step in the calling thread (the same bits; _threads.resolve warns once).
 cdef int _teams_ran = 0
 cdef int _forked_after_teams = 0
-_parent_threads = 1
+
+
+def _thread_count():
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # not known: as if threads were started
+        return 1 << 30
+
+
+_threads_at_import = _thread_count()
+_threads_at_fork = _threads_at_import
 
 
 def _before_fork():
-    global _parent_threads
-    try:
-        _parent_threads = len(os.listdir("/proc/self/task"))
-    except OSError:  # not known: as if threads ran
-        _parent_threads = 2
+    global _threads_at_fork
+    _threads_at_fork = _thread_count()
 
 
 def _after_fork_in_child():
     global _forked_after_teams
-    if _teams_ran or _parent_threads > 1:
+    if _teams_ran or _threads_at_fork > _threads_at_import:
         _forked_after_teams = 1
 
 
 def forked_after_teams():
     """Whether this process was forked after OpenMP threads may have run (a team of ours,
-    or a parent with other threads): every parallel step then runs in the calling
-    thread."""
+    or threads started in the parent since this module was imported): every parallel step
+    then runs in the calling thread."""
     return bool(_forked_after_teams)
 
 
