@@ -99,25 +99,32 @@ KIMI_K3 = ExpertNaming(
 FAMILIES = {KIMI_K3.name: KIMI_K3}
 
 
+def config_path(path: str) -> str:
+    """Where a checkpoint's ``config.json`` is: in the folder ``path``, or beside the
+    checkpoint file ``path``."""
+    # abspath: the folder of a bare file name is the current one, not ""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    return os.path.join(folder, "config.json")
+
+
 def read_config(path: str) -> dict:
     """The text model's config from ``config.json`` in a checkpoint folder, or beside a
     checkpoint file (the ``text_config`` of a multimodal config, as Kimi K3's)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or folder")
-    # abspath: the folder of a bare file name is the current one, not ""
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
+    where = config_path(path)
+    folder = os.path.dirname(where)
+    if not os.path.isfile(where):
         raise FileNotFoundError(f"{path}: no config.json in {folder} (a checkpoint is a "
                                 f"folder of config.json and .safetensors files)")
-    with open(config_path, "rb") as f:
+    with open(where, "rb") as f:
         try:
             config = json.loads(f.read())
         except ValueError as exc:
-            raise ValueError(f"{config_path}: not valid JSON ({exc})") from None
+            raise ValueError(f"{where}: not valid JSON ({exc})") from None
     text = config.get("text_config", config) if isinstance(config, dict) else None
     if not isinstance(text, dict):
-        raise ValueError(f"{config_path}: expected a JSON object (with an object "
+        raise ValueError(f"{where}: expected a JSON object (with an object "
                          f"text_config if any)")
     return text
 

@@ -273,15 +273,14 @@ class GptOssMoE(torch.nn.Module):
             return cls(router, _gguf_experts(gguf, layer, expert_range=expert_range,
                                              num_threads=num_threads, group=group))
         ckpt = path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
-        from ..checkpoints.families import read_config
+        from ..checkpoints.families import config_path, read_config
         try:
             config = read_config(ckpt.root)
         except FileNotFoundError:
             if top_k is None:
                 raise
             config = {}  # top_k given, a file without its config.json: gpt-oss's clamp
-        source = os.path.join(ckpt.root if os.path.isdir(ckpt.root) else
-                              os.path.dirname(os.path.abspath(ckpt.root)), "config.json")
+        source = config_path(ckpt.root)
         if top_k is None:
             if "experts_per_token" not in config:
                 raise ValueError(f"{source}: 'experts_per_token' is missing; pass top_k=")

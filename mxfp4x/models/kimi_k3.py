@@ -169,9 +169,7 @@ class KimiK3Experts(torch.nn.Module):
     def __getstate__(self):
         """Copies and pickles leave out the kernel tables (a lock and the driver's objects,
         rebuilt by the next call)."""
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else \
-            self.__dict__
-        state = dict(state)
+        state = dict(super().__getstate__())
         state["_weights"] = None
         return state
 
@@ -482,7 +480,7 @@ class KimiK3MoE(torch.nn.Module):
                             "hyperparameters come from its config.json)")
         root = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path.root
         config = ck.read_config(root)
-        hyper = block_config(config, os.path.join(root, "config.json"))
+        hyper = block_config(config, ck.config_path(root))
         ckpt = ck.open_checkpoint(path)
         layout = ck.KIMI_K3
         prefix = ck.find_prefix(ckpt, layout, layer)

@@ -85,8 +85,8 @@ def read_bandwidth_torch(threads: int, n_bytes: int = 5 << 28, repeats: int = 3)
 
 
 class ReadProbe:
-    """Both read roofs measured again beside each timed case, over two buffers kept for
-    the probe's life (``PROBE_BYTES`` each).  A shared or virtual machine's memory
+    """Both read roofs measured again beside each timed case, over two buffers of
+    ``n_bytes`` kept for the probe's life.  A shared or virtual machine's memory
     bandwidth can move by 2x within minutes (an AMD EPYC Zen 5 under KVM read 48 GB/s on
     two threads in one minute and 79 in the next), so a ratio to a roof measured at the
     start of a run says as much about that minute as about the case; the roof measured
@@ -94,7 +94,6 @@ class ReadProbe:
     had then."""
 
     def __init__(self, n_bytes: int = 5 << 28):
-        self.n_bytes = n_bytes
         self._numpy = np.ones(n_bytes // 8, dtype=np.uint64)
         self._torch = _torch_buffer(n_bytes).numpy()
 
