@@ -39,6 +39,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         int nibbles
         const uint8_t *next_blocks
         const uint8_t *next_scales
+        int pf_far
 
     mxfp4x_rows mxfp4x_rows_split(const uint8_t *blocks, const uint8_t *scales,
                                   int64_t row_stride_blocks, int64_t row_stride_scales,

@@ -938,6 +938,7 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
     for a in range(w.r.n_active):
         e = w.r.active[a]
         rows = call.experts.rows[e]
+        rows.pf_far = call.n_tokens == 1  # a call of one token: fetch further ahead
         # where this task reads next, the next expert's rows of the tile: a prefetch hint
         # for the gemv kernels (mxfp4x.h)
         rows.next_blocks = rows.next_scales = NULL
@@ -949,8 +950,7 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
             # the last expert: the first expert's rows of that next task.  Without it
             # each task began on rows nobody had fetched: gpt-oss-20b gate/up, float32,
             # one token on one thread of an AMD Zen 5, medians of 8 alternated processes:
-            # 1.43 -> 1.32 ms (and with avx512.h's 8-row gemv 1.25-1.31; both together on
-            # 2 threads 0.74 -> 0.69)
+            # 1.40-1.43 -> 1.32-1.36 ms
             after = &call.experts.rows[w.r.active[0]]
             rows.next_blocks = after.blocks + _task_row_start(w, next_task) * \
                 after.row_stride_blocks

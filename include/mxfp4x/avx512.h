@@ -62,10 +62,10 @@ MXFP4X_AVX512_INLINE void mxfp4x_decode_group_avx512(const uint8_t *b, uint8_t s
  * row-group: on an AMD Zen 5 they ran at 2.3 (0.56-0.57 ns in L2, 0.62-0.65 streamed from
  * DRAM), whatever the decode.  8 rows at once, addressed from two pointers (rows 0-3 and
  * 4-7, strides 1-3 x the row stride) so that GCC keeps every pointer in a register, and
- * the block 16 rows ahead prefetched two lines per group: 0.51-0.52 in L2 and a median
- * 0.58-0.59 from DRAM against 0.63-0.65 (benchmarks/kernel_bench.c, `gemv avx512 256 1 90`
- * and `5760 1 90 40`, 7-9 rounds alternated).  The same chains, so the same bits.  (A
- * first 8-row form indexed each row from the block's start and ran slower than 4 rows.) */
+ * the next block prefetched two lines per group: 0.51-0.52 in L2 and a median 0.59-0.60
+ * from DRAM against 0.63-0.65 (benchmarks/kernel_bench.c, `gemv avx512 256 1 90` and
+ * `5760 1 90 40`, 7-9 rounds alternated).  The same chains, so the same bits.  (A first
+ * 8-row form indexed each row from the block's start and ran slower than 4 rows.) */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w,
                                                             int64_t row_start, int64_t row_end,
                                                             const float *x, float *out,
@@ -78,9 +78,14 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w
         const uint8_t *p = w->blocks + r * sb, *s = w->scales + r * ss;
         const int64_t sb3 = 3 * sb, ss3 = 3 * ss;
         const float *xg = x;
-        /* the 8-row block after next (or in the next call's rows): 16 rows ahead, as the
-         * 4-row blocks' (mxfp4x.h), two lines per group */
-        mxfp4x_pf_cursor pf = mxfp4x_pf_next_block_to(w, r, 8, row_end, l1);
+        /* the next 8-row block, or with pf_far the one after (or where they fall in the
+         * next call's rows), two lines per group.  gpt-oss-20b gate/up, float32, one
+         * thread of a Zen 5, alternated processes: at one token two blocks ahead took 1.22
+         * -1.26 ms against 1.27-1.36 for one, but at T = 16 13.1-13.2 against 12.9 (the
+         * lines fetched into L1 over those the several-token blocks of other experts
+         * still used); so the driver asks for two in calls of one token only. */
+        mxfp4x_pf_cursor pf = mxfp4x_pf_block_ahead(w, r, 8, row_end, w->pf_far ? 2 : 1);
+        pf.l1 = l1;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
                a7 = a0;
         for (g = 0; g < G; g++) {

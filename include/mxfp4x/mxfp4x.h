@@ -219,7 +219,9 @@ enum {
  * kernel call starts reading (its first row block, fetched with this call's strides).  The
  * gemv kernels fetch it during their last row block, so the call after this one does not
  * start on a cold stream; prefetches never fault, nothing ever reads through the hint,
- * and no result depends on it. */
+ * and no result depends on it.
+ * pf_far: a prefetch hint too, 1 when the caller's work is one token alone: the one-token
+ * gemv then fetches two row blocks ahead instead of one (avx512.h).  0 by default. */
 typedef struct {
     const uint8_t *blocks;
     const uint8_t *scales;
@@ -231,6 +233,7 @@ typedef struct {
     int nibbles; /* MXFP4X_NIBBLES_* */
     const uint8_t *next_blocks;
     const uint8_t *next_scales;
+    int pf_far;
 } mxfp4x_rows;
 
 /* Rows with packed bytes and scales in separate arrays (gpt-oss safetensors). */
@@ -248,6 +251,7 @@ MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_split(const uint8_t *blocks, const uint8_t
     w.nibbles = MXFP4X_NIBBLES_PAIRS;
     w.next_blocks = NULL;
     w.next_scales = NULL;
+    w.pf_far = 0;
     return w;
 }
 
@@ -266,6 +270,7 @@ MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_gguf(const uint8_t *base, int64_t row_stri
     w.nibbles = MXFP4X_NIBBLES_HALVES;
     w.next_blocks = NULL;
     w.next_scales = NULL;
+    w.pf_far = 0;
     return w;
 }
 

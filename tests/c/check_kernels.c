@@ -327,13 +327,15 @@ static void run_mv_case(const mxfp4x_kernels *k, int case_no, int nibbles, mv_re
 
     /* several tokens in one call; one call per token; two row ranges (a thread split) */
     k->gemv_f32(&rows, row_start, row_end, x, x_stride, x_rows, n_tok, out_multi, out_stride);
-    for (t = 0; t < n_tok; t++)
-        k->gemv_f32(&rows, row_start, row_end, x, x_stride, x_rows + t, 1,
-                    out_one + t * out_stride, out_stride);
-    /* ... each with a prefetch hint (mxfp4x_rows.next_*), which must change no bit */
+    /* ... each with the prefetch hints (mxfp4x_rows.next_*, pf_far), which change no bit */
     hinted = rows;
     hinted.next_blocks = rows.blocks + (n_rows - 1) * sb;
     hinted.next_scales = rows.scales + (n_rows - 1) * ss;
+    hinted.pf_far = 1;
+    for (t = 0; t < n_tok; t++)
+        k->gemv_f32(t % 2 ? &hinted : &rows, row_start, row_end, x, x_stride, x_rows + t, 1,
+                    out_one + t * out_stride, out_stride);
+    hinted.pf_far = 0;
     k->gemv_f32(&hinted, row_start, mid, x, x_stride, x_rows, n_tok, out_split, out_stride);
     k->gemv_f32(&hinted, mid, row_end, x, x_stride, x_rows, n_tok,
                 out_split + (mid - row_start), out_stride);
