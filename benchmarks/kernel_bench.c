@@ -144,6 +144,7 @@ int main(int argc, char **argv) {
                              : mxfp4x_rows_split(blocks + e * rows * row_bytes,
                                                  scales + e * rows * groups, row_bytes, groups,
                                                  groups);
+                    w.pf_far = tokens == 1; /* as the driver sets it: every expert one token */
                     if (e + 1 < experts && !getenv("KB_NO_HINT")) { /* the next call's rows */
                         w.next_blocks = w.blocks + rows * row_bytes + r0 * row_bytes;
                         w.next_scales = gguf ? NULL : w.scales + rows * groups + r0 * groups;

@@ -905,7 +905,7 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
                                row_start + (w.task_size if task < w.n_head else w.base_size))
     # the task this thread most likely takes next (tasks go out one at a time, in order)
     cdef int64_t next_task = task + w.threads
-    cdef int64_t a, e, s, n, c0, c1
+    cdef int64_t a, e, nxt, s, n, c0, c1
     cdef bint assign = call.mix == NULL
     cdef c.mxfp4x_rows rows
     cdef const c.mxfp4x_rows *after
@@ -938,10 +938,13 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
     for a in range(w.r.n_active):
         e = w.r.active[a]
         rows = call.experts.rows[e]
-        rows.pf_far = call.n_tokens == 1  # a call of one token: fetch further ahead
         # where this task reads next, the next expert's rows of the tile: a prefetch hint
         # for the gemv kernels (mxfp4x.h)
         rows.next_blocks = rows.next_scales = NULL
+        # ... and how far ahead the one-token gemv fetches: two row blocks, unless the next
+        # expert has several tokens (its blocks' latents then need L1; avx512.h)
+        nxt = w.r.active[a + 1] if a + 1 < w.r.n_active else w.r.active[0]
+        rows.pf_far = w.r.offsets[nxt + 1] - w.r.offsets[nxt] == 1
         if a + 1 < w.r.n_active:
             after = &call.experts.rows[w.r.active[a + 1]]
             rows.next_blocks = after.blocks + row_start * after.row_stride_blocks

@@ -81,9 +81,10 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w
         /* the next 8-row block, or with pf_far the one after (or where they fall in the
          * next call's rows), two lines per group.  gpt-oss-20b gate/up, float32, one
          * thread of a Zen 5, alternated processes: at one token two blocks ahead took 1.22
-         * -1.26 ms against 1.27-1.36 for one, but at T = 16 13.1-13.2 against 12.9 (the
-         * lines fetched into L1 over those the several-token blocks of other experts
-         * still used); so the driver asks for two in calls of one token only. */
+         * -1.26 ms against 1.27-1.36 for one, T = 2 / 4 / 8 2.40 / 4.82 / 9.62 against
+         * 2.61 / 5.01 / 10.5, but T = 16 13.0-13.4 against 12.9-13.0 (the next expert's
+         * rows fetched into L1 over what its several-token blocks still used); so the
+         * driver asks for two unless the next expert has several tokens. */
         mxfp4x_pf_cursor pf = mxfp4x_pf_block_ahead(w, r, 8, row_end, w->pf_far ? 2 : 1);
         pf.l1 = l1;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,

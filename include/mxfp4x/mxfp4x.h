@@ -220,8 +220,9 @@ enum {
  * gemv kernels fetch it during their last row block, so the call after this one does not
  * start on a cold stream; prefetches never fault, nothing ever reads through the hint,
  * and no result depends on it.
- * pf_far: a prefetch hint too, 1 when the caller's work is one token alone: the one-token
- * gemv then fetches two row blocks ahead instead of one (avx512.h).  0 by default. */
+ * pf_far: a prefetch hint too, 1 when the caller's next call is of one token as well: the
+ * one-token gemv then fetches two row blocks ahead instead of one (avx512.h).  0 by
+ * default. */
 typedef struct {
     const uint8_t *blocks;
     const uint8_t *scales;
