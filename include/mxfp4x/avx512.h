@@ -55,6 +55,23 @@ MXFP4X_AVX512_INLINE void mxfp4x_decode_group_avx512(const uint8_t *b, uint8_t s
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), t);
 }
 
+/* One group of 4 rows (bytes from b, row stride sb, sb3 = 3 sb; scale bytes from s, ss,
+ * ss3) against one token's latents xe, xo: a[i] = fma(hi, xo, fma(lo, xe, a[i])). */
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_group4_avx512(const uint8_t *b, const uint8_t *s,
+                                                     int64_t sb, int64_t sb3, int64_t ss,
+                                                     int64_t ss3, __m512 xe, __m512 xo,
+                                                     __m512 *a) {
+    __m512 lo, hi;
+    mxfp4x_decode_group_avx512(b, s[0], &lo, &hi);
+    a[0] = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a[0]));
+    mxfp4x_decode_group_avx512(b + sb, s[ss], &lo, &hi);
+    a[1] = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a[1]));
+    mxfp4x_decode_group_avx512(b + 2 * sb, s[2 * ss], &lo, &hi);
+    a[2] = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a[2]));
+    mxfp4x_decode_group_avx512(b + sb3, s[ss3], &lo, &hi);
+    a[3] = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a[3]));
+}
+
 /* One token; `l1`: where the next rows are prefetched (a constant: compiled twice below).
  *
  * Rows 8 at a time, then 4, then one.  Each row's chain is two dependent FMAs per group
@@ -87,41 +104,20 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w
          * driver asks for two unless the next expert has several tokens. */
         mxfp4x_pf_cursor pf = mxfp4x_pf_block_ahead(w, r, 8, row_end, w->pf_far ? 2 : 1);
         pf.l1 = l1;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-               a7 = a0;
+        __m512 a[8];
+        int i;
+        for (i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
         for (g = 0; g < G; g++) {
             const __m512 xe = _mm512_loadu_ps(xg), xo = _mm512_loadu_ps(xg + 16);
-            const uint8_t *q = p + 4 * sb, *t = s + 4 * ss;
             MXFP4X_PF_STEP(pf, g);
             MXFP4X_PF_STEP(pf, g);
-            mxfp4x_decode_group_avx512(p, s[0], &lo, &hi);
-            a0 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a0));
-            mxfp4x_decode_group_avx512(p + sb, s[ss], &lo, &hi);
-            a1 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a1));
-            mxfp4x_decode_group_avx512(p + 2 * sb, s[2 * ss], &lo, &hi);
-            a2 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a2));
-            mxfp4x_decode_group_avx512(p + sb3, s[ss3], &lo, &hi);
-            a3 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a3));
-            mxfp4x_decode_group_avx512(q, t[0], &lo, &hi);
-            a4 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a4));
-            mxfp4x_decode_group_avx512(q + sb, t[ss], &lo, &hi);
-            a5 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a5));
-            mxfp4x_decode_group_avx512(q + 2 * sb, t[2 * ss], &lo, &hi);
-            a6 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a6));
-            mxfp4x_decode_group_avx512(q + sb3, t[ss3], &lo, &hi);
-            a7 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a7));
+            mxfp4x_group4_avx512(p, s, sb, sb3, ss, ss3, xe, xo, a);
+            mxfp4x_group4_avx512(p + 4 * sb, s + 4 * ss, sb, sb3, ss, ss3, xe, xo, a + 4);
             p += gb;
             s += gs;
             xg += MXFP4X_GROUP;
         }
-        out[r - row_start] = mxfp4x_hsum16_avx512(a0);
-        out[r - row_start + 1] = mxfp4x_hsum16_avx512(a1);
-        out[r - row_start + 2] = mxfp4x_hsum16_avx512(a2);
-        out[r - row_start + 3] = mxfp4x_hsum16_avx512(a3);
-        out[r - row_start + 4] = mxfp4x_hsum16_avx512(a4);
-        out[r - row_start + 5] = mxfp4x_hsum16_avx512(a5);
-        out[r - row_start + 6] = mxfp4x_hsum16_avx512(a6);
-        out[r - row_start + 7] = mxfp4x_hsum16_avx512(a7);
+        for (i = 0; i < 8; i++) out[r - row_start + i] = mxfp4x_hsum16_avx512(a[i]);
     }
     for (; r + 4 <= row_end; r += 4) {
         const uint8_t *b0 = w->blocks + r * sb;
