@@ -272,9 +272,9 @@ MXFP4X_AVX512_GEMV_FULL(5)
         mxfp4x_gemv_block_avx512(w, r, xs, M, N, o, out_stride, row_end, 0);               \
         break;
 
-/* One token: gemv1 (4 rows interleaved, the next rows prefetched); more: blocks of up to
- * 4 tokens (a last 5 as one), each over the rows in blocks of 4 (full blocks compiled
- * apart, see above). */
+/* One token: gemv1 (8 rows interleaved, then 4, then 1; the next rows prefetched); more:
+ * blocks of up to 4 tokens (a last 5 as one), each over the rows in blocks of 4 (full
+ * blocks compiled apart, see above). */
 MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
                                              int64_t row_end, const float *x, int64_t x_stride,
                                              const int64_t *x_rows, int64_t n_tok, float *out,

@@ -286,7 +286,10 @@ MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_gguf(const uint8_t *base, int64_t row_stri
  * order at 2.0, and with the next call's first block (next_blocks) fetched too at
  * 1.75-1.8 (then one block ahead).
  * The AVX-512 kernels are compiled twice, `l1` a constant in each: their lines go into L1
- * on the cores where that measured faster (mxfp4x_pf_into_l1 in cpu.h: AMD Zen 5). */
+ * on the cores where that measured faster (mxfp4x_pf_into_l1 in cpu.h: AMD Zen 5).
+ * The AVX-512 one-token gemv reads blocks of 8 rows and fetches the next block (8 rows
+ * ahead, as here), or with mxfp4x_rows.pf_far the one after, two lines per group
+ * (avx512.h). */
 typedef struct {
     const char *p, *end;
     int l1; /* fetch into L1 (T0) rather than L2 (T1) */
