@@ -54,12 +54,20 @@ def _split(name, weights):
 
 class _Stamp:
     """A counter shared by a module and its expert matrices: bumped whenever a weight
-    tensor is replaced or moved, so cached kernel tables are rebuilt."""
+    tensor is replaced or moved, so cached kernel tables are rebuilt.  Bumped under a
+    lock: where threads run Python at once (a free-threaded build), two changing weights
+    together could otherwise lose a bump, and the counter return to a value a rebuild
+    recorded (its tables then kept)."""
 
     __slots__ = ("value",)
+    _lock = threading.Lock()
 
     def __init__(self):
         self.value = 0
+
+    def bump(self):
+        with _Stamp._lock:
+            self.value += 1
 
 
 class ExpertMatrix(torch.nn.Module):
@@ -88,7 +96,7 @@ class ExpertMatrix(torch.nn.Module):
     def _changed(self):
         stamp = self.__dict__.get("_stamp")
         if stamp is not None:
-            stamp.value += 1
+            stamp.bump()
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)

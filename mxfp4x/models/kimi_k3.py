@@ -154,16 +154,16 @@ class KimiK3Experts(torch.nn.Module):
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         if "_stamp" in self.__dict__ and isinstance(value, torch.nn.Module):
-            self._stamp.value += 1
+            self._stamp.bump()
 
     def add_module(self, name, module):
         super().add_module(name, module)
         if "_stamp" in self.__dict__:
-            self._stamp.value += 1
+            self._stamp.bump()
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        self._stamp.value += 1
+        self._stamp.bump()
         return out
 
     def __getstate__(self):
@@ -370,9 +370,10 @@ class KimiK3Router(torch.nn.Module):
         if w.dtype == dtype or (w.requires_grad and torch.is_grad_enabled()):
             return w.to(dtype)
         key = (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape), dtype)
-        if not self._wide or self._wide[0] != key:
-            self._wide = (key, w.detach().to(dtype))
-        return self._wide[1]
+        wide = self._wide  # read once: a call in another thread may replace it meanwhile
+        if not wide or wide[0] != key:
+            wide = self._wide = (key, w.detach().to(dtype))
+        return wide[1]
 
     def forward(self, x: torch.Tensor, num_threads: Optional[int] = None):
         """``num_threads``: the CPU threads of the scores' compiled product (None:

@@ -321,3 +321,64 @@ def test_from_checkpoint_takes_a_path_object(tmp_path, ckpt, rng):
     grouped = _with_config(ckpt, tmp_path, num_expert_group=4, topk_group=2)
     assert torch.isfinite(nn.KimiK3MoE.from_checkpoint(pathlib.Path(grouped), layer=1,
                                                        progress=False)(x)).all()
+
+
+def _in_threads(fns, rounds):
+    """Each fn called `rounds` times in its own thread, switching threads as often as the
+    interpreter allows; the first exception of any thread is raised."""
+    import threading
+    errors = []
+
+    def run(fn):
+        try:
+            for _ in range(rounds):
+                fn()
+        except Exception as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=run, args=(fn,)) for fn in fns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    if errors:
+        raise errors[0]
+
+
+def test_router_in_threads_with_two_accumulation_dtypes():
+    # float64 and float32 calls at once: each must keep its own converted weight (one
+    # call returned the other's, and the product raised a dtype mismatch)
+    from mxfp4x.models.kimi_k3 import KimiK3Router
+    g = torch.Generator().manual_seed(6)
+    router = KimiK3Router(torch.randn(12, 64, generator=g).bfloat16(),
+                          torch.randn(12, generator=g), top_k=3)
+    xs = [torch.randn(_dense.MAX_TOKENS + 1, 64, generator=g).to(d)
+          for d in (torch.float32, torch.float64)]
+    want = [router(x) for x in xs]
+
+    def call(i):
+        def fn():
+            got = router(xs[i])
+            assert torch.equal(got[0], want[i][0]) and torch.equal(got[1], want[i][1])
+        return fn
+
+    _in_threads([call(0), call(1)], 300)
+
+
+def test_block_forwards_in_threads(ckpt, rng):
+    block = nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, progress=False)
+    xs = [torch.from_numpy(rng.standard_normal((n, 256))).to(d)
+          for n, d in ((1, torch.float32), (5, torch.float64), (9, torch.bfloat16))]
+    want = [block(x) for x in xs]
+
+    def call(i):
+        def fn():
+            assert torch.equal(block(xs[i]), want[i])
+        return fn
+
+    _in_threads([call(i) for i in range(3)], 20)
