@@ -70,7 +70,17 @@ class _Stamp:
             self.value += 1
 
 
-class ExpertMatrix(torch.nn.Module):
+class _Stamped(torch.nn.Module):
+    """A module whose changes bump the stamp it is linked to (the expert module that
+    holds it links it, KimiK3Experts._link)."""
+
+    def _changed(self):
+        stamp = self.__dict__.get("_stamp")
+        if stamp is not None:
+            stamp.bump()
+
+
+class ExpertMatrix(_Stamped):
     """One MXFP4 matrix of one expert: buffers ``weight_packed`` (O, in/2) or (O, in/32,
     16) and ``weight_scale`` (O, in/32), uint8, named as Kimi K3's checkpoint names them;
     or, for GGUF blocks (``scale`` None), ``weight_packed`` (O, in/32, 17) and
@@ -93,11 +103,6 @@ class ExpertMatrix(torch.nn.Module):
         """The bytes' arrangement: "split" (packed bytes and scale bytes) or "gguf"."""
         return "gguf" if self.weight_scale is None else "split"
 
-    def _changed(self):
-        stamp = self.__dict__.get("_stamp")
-        if stamp is not None:
-            stamp.bump()
-
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         if name in ("weight_packed", "weight_scale"):
@@ -113,12 +118,24 @@ class ExpertMatrix(torch.nn.Module):
         return out
 
 
-class _ExpertWeights(torch.nn.Module):
-    """Gate (``w1``), up (``w3``) and down (``w2``) of one expert."""
+class _ExpertWeights(_Stamped):
+    """Gate (``w1``), up (``w3``) and down (``w2``) of one expert.  A matrix put in its
+    place (``experts["3"].w1 = ExpertMatrix(...)``) bumps the stamp of the module that
+    holds it, as a replaced buffer does."""
 
     def __init__(self, w1: ExpertMatrix, w3: ExpertMatrix, w2: ExpertMatrix):
         super().__init__()
+        self._stamp: Optional[_Stamp] = None
         self.w1, self.w3, self.w2 = w1, w3, w2
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if isinstance(value, torch.nn.Module):
+            self._changed()
+
+    def add_module(self, name, module):
+        super().add_module(name, module)
+        self._changed()
 
 
 def _mark(t: Optional[torch.Tensor]):

@@ -145,9 +145,10 @@ class KimiK3Experts(torch.nn.Module):
         return [self._modules[str(e)] for e in self.expert_ids]  # type: ignore[misc]
 
     def _link(self):
-        """Every expert matrix bumps this module's stamp when it changes (also ones put in
-        after construction)."""
+        """Every expert and expert matrix bumps this module's stamp when it changes (also
+        ones put in after construction)."""
         for m in self._experts():
+            m.__dict__["_stamp"] = self._stamp
             for mat in (m.w1, m.w3, m.w2):
                 mat.__dict__["_stamp"] = self._stamp
 

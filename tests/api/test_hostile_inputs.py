@@ -126,6 +126,38 @@ def test_weights_given_new_memory_in_place_are_seen_and_never_freed_under_the_ke
     assert out.strip() == "OK"
 
 
+def test_k3_expert_matrices_and_experts_put_in_place_are_seen(rng):
+    """A matrix module or a whole expert put in place after a first call (its tables
+    built) is what the next call reads: a replaced matrix module below the expert's own
+    module was not seen (the call kept the old weights)."""
+    from mxfp4x.models._expert_state import ExpertMatrix, _ExpertWeights
+
+    E, L, F = 3, 64, 96
+    (g, gs), (u, us), (d, ds) = _k3_weights(rng, E, L, F)
+    ex = mxfp4x.nn.KimiK3Experts((g, gs), (u, us), (d, ds))
+    h, sel, w = _k3_inputs(rng, 6, 2, E, L)
+    sel[0] = torch.tensor([0, 1])  # experts 0 and 1 are read
+    with torch.no_grad():
+        before = ex(h, sel, w)
+        (g2, gs2), (u2, us2), (d2, ds2) = _k3_weights(rng, 2, L, F)
+        ex.get_submodule("0").w1 = ExpertMatrix(g2[0], gs2[0])
+        g[0], gs[0] = g2[0], gs2[0]
+        after = ex(h, sel, w)
+        assert not torch.equal(before, after)
+        assert torch.equal(after, mxfp4x.nn.KimiK3Experts((g, gs), (u, us), (d, ds))(h, sel, w))
+        ex.add_module("1", _ExpertWeights(ExpertMatrix(g2[1], gs2[1]),
+                                          ExpertMatrix(u2[1], us2[1]),
+                                          ExpertMatrix(d2[1], ds2[1])))
+        g[1], gs[1], u[1], us[1], d[1], ds[1] = g2[1], gs2[1], u2[1], us2[1], d2[1], ds2[1]
+        again = ex(h, sel, w)
+        assert torch.equal(again, mxfp4x.nn.KimiK3Experts((g, gs), (u, us), (d, ds))(h, sel, w))
+        # and a matrix replaced in that new expert (linked to the module by the call above)
+        ex.get_submodule("1").w2 = ExpertMatrix(d[0], ds[0])
+        d[1], ds[1] = d[0], ds[0]
+        assert torch.equal(ex(h, sel, w),
+                           mxfp4x.nn.KimiK3Experts((g, gs), (u, us), (d, ds))(h, sel, w))
+
+
 def test_k3_experts_copy_and_pickle_after_a_call(rng):
     """A module that has run (its cached tables hold a lock and the driver's objects)
     deep-copies, pickles and saves as before its first call."""
