@@ -124,25 +124,16 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w
         const uint8_t *s0 = w->scales + r * ss;
         /* a 4-row block ahead (or the next call's) into L2 or L1: mxfp4x.h */
         mxfp4x_pf_cursor pf = mxfp4x_pf_next_block_to(w, r, 4, row_end, l1);
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m512 a[4];
+        int i;
+        for (i = 0; i < 4; i++) a[i] = _mm512_setzero_ps();
         for (g = 0; g < G; g++) {
             const __m512 xe = _mm512_loadu_ps(x + g * MXFP4X_GROUP);
             const __m512 xo = _mm512_loadu_ps(x + g * MXFP4X_GROUP + 16);
-            const int64_t ob = g * gb, os = g * gs;
             MXFP4X_PF_STEP(pf, g);
-            mxfp4x_decode_group_avx512(b0 + ob, s0[os], &lo, &hi);
-            a0 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a0));
-            mxfp4x_decode_group_avx512(b0 + sb + ob, s0[ss + os], &lo, &hi);
-            a1 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a1));
-            mxfp4x_decode_group_avx512(b0 + 2 * sb + ob, s0[2 * ss + os], &lo, &hi);
-            a2 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a2));
-            mxfp4x_decode_group_avx512(b0 + 3 * sb + ob, s0[3 * ss + os], &lo, &hi);
-            a3 = _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, a3));
+            mxfp4x_group4_avx512(b0 + g * gb, s0 + g * gs, sb, 3 * sb, ss, 3 * ss, xe, xo, a);
         }
-        out[r - row_start] = mxfp4x_hsum16_avx512(a0);
-        out[r - row_start + 1] = mxfp4x_hsum16_avx512(a1);
-        out[r - row_start + 2] = mxfp4x_hsum16_avx512(a2);
-        out[r - row_start + 3] = mxfp4x_hsum16_avx512(a3);
+        for (i = 0; i < 4; i++) out[r - row_start + i] = mxfp4x_hsum16_avx512(a[i]);
     }
     for (; r < row_end; r++) {
         const uint8_t *b = w->blocks + r * sb;
