@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from . import _cpu, _cpu_impl, _threads
-from ._ops import experts_op, forward_ad_in_use, runs_direct, slots_op
+from ._ops import experts_op, forward_ad_in_use, functorch_grad_in_use, runs_direct, slots_op
 from ._torch_impl import mxfp4_experts_torch, slots_torch
 from ._validation import check_inputs, check_isa, check_num_threads
 from ._version import __version__
@@ -22,6 +22,11 @@ def _check_backend(backend, isa):
 
 
 def _check_forward_ad(backend, tensors, name):
+    if backend != "torch" and functorch_grad_in_use():
+        raise NotImplementedError(
+            f"mxfp4x.{name}: torch.func.grad / vjp / jacrev are not supported by the "
+            f"compiled kernels' gradient; use .backward() or torch.autograd.grad, or pass "
+            f"backend='torch' (PyTorch ops, which these transforms differentiate)")
     if backend != "torch" and forward_ad_in_use(tensors):
         raise NotImplementedError(
             f"mxfp4x.{name}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is "
@@ -73,8 +78,9 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike,
         latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
         shared_output)
     _check_device(backend, x)
-    if backend == "torch":  # plain PyTorch ops (differentiable; data-dependent routing, so
-        # torch.compile(fullgraph=True) needs the default backend, which goes through the op)
+    if backend == "torch" and not x.is_meta:  # plain PyTorch ops (differentiable;
+        # data-dependent routing, so torch.compile(fullgraph=True) needs the default backend,
+        # which goes through the op; so do meta tensors, which have no ids to route by)
         return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, x.dtype)
     if runs_direct((x, sel, mix, shared), (packed, scales)):  # what the op would run
         # (the ids converted to int64 chunk by chunk, never whole); no forward-mode AD there
@@ -99,7 +105,7 @@ def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
     x, packed, scales, sel, _, _ = check_inputs(latent_tokens, packed_weights, scale_bytes,
                                                 selected_experts)
     _check_device(backend, x)
-    if backend == "torch":
+    if backend == "torch" and not x.is_meta:
         return slots_torch(x, packed, scales, sel)
     if runs_direct((x, sel), (packed, scales)):  # what the op would run
         return _cpu_impl.experts(x, packed, scales, sel, None, None, threads,

@@ -230,6 +230,20 @@ cdef inline void _log_thread(uint64_t *log, int tid) noexcept nogil:
         log[tid] = c.mxfp4x_thread_token()
 
 
+def fpenv_enter():
+    """Clear flush-to-zero, denormals-are-zero and the rounding mode of the calling thread
+    (MXCSR on x86-64, FPCR on AArch64), as the kernels do around their work; returns the
+    previous state for ``fpenv_exit``.  The PyTorch path runs its CPU arithmetic between
+    the two, so a caller's ``torch.set_flush_denormal(True)`` or rounding mode changes
+    none of its bits there either."""
+    return c.mxfp4x_fpenv_enter()
+
+
+def fpenv_exit(saved):
+    """Restore the calling thread's state saved by ``fpenv_enter``."""
+    c.mxfp4x_fpenv_exit(<c.mxfp4x_fpenv>saved)
+
+
 def cpu_features():
     """Optional CPU features no kernel uses yet, for future variants (cpu.h): on
     AArch64 "asimddp", "bf16", "i8mm", "sve" as the OS reports them; [] elsewhere."""

@@ -27,7 +27,7 @@ the PyTorch path before it indexes), so a traced graph checks them too.
 import torch
 
 from . import _cpu_impl, _torch_impl, _triton_impl
-from ._validation import check_expert_ids
+from ._validation import check_expert_ids, check_op_call
 
 _TAIL = 'int num_threads=0, str isa="") -> Tensor'
 
@@ -99,6 +99,23 @@ def forward_ad_in_use(tensors) -> bool:
                for t in tensors)
 
 
+def functorch_grad_in_use() -> bool:
+    """Whether a reverse-mode functorch transform (``torch.func.grad``, ``vjp``,
+    ``jacrev``) is active: the ops' gradient is registered for autograd, which these
+    transforms cannot run (torch raises an internal error), so the facade refuses the
+    call with what to use instead."""
+    if torch.compiler.is_compiling():
+        return False
+    functorch = getattr(torch._C, "_functorch", None)
+    if functorch is None:
+        return False
+    try:
+        stack = functorch.get_interpreter_stack()
+        return bool(stack) and any(i.key() == functorch.TransformType.Grad for i in stack)
+    except AttributeError:  # a torch without these
+        return False
+
+
 def runs_direct(tensors, weights) -> bool:
     """Whether calling the CPU kernel directly is exactly what the op would run: eager
     mode (not traced by dynamo or torch.jit), no torch function or dispatch mode, no
@@ -168,6 +185,8 @@ def _define(suffix, weights):
         f"Tensor shared_output, {_TAIL}"))
     def experts_op(latent_tokens, packed_weights, scale_bytes, selected_experts,
                    mixture_weights, shared_output, num_threads=0, isa=""):
+        check_op_call(latent_tokens, packed_weights, selected_experts, mixture_weights,
+                      shared_output)
         return _torch_impl.mxfp4_experts_torch(latent_tokens, packed_weights, scale_bytes,
                                                selected_experts, mixture_weights,
                                                shared_output, latent_tokens.dtype)
@@ -175,12 +194,16 @@ def _define(suffix, weights):
     @experts_op.register_kernel("cpu")
     def _experts_cpu(latent_tokens, packed_weights, scale_bytes, selected_experts,
                      mixture_weights, shared_output, num_threads=0, isa=""):
+        check_op_call(latent_tokens, packed_weights, selected_experts, mixture_weights,
+                      shared_output)
         return _cpu_impl.experts(latent_tokens, packed_weights, scale_bytes, selected_experts,
                                  mixture_weights, shared_output, num_threads, isa=isa or None)
 
     @experts_op.register_kernel("cuda")
     def _experts_cuda(latent_tokens, packed_weights, scale_bytes, selected_experts,
                       mixture_weights, shared_output, num_threads=0, isa=""):
+        check_op_call(latent_tokens, packed_weights, selected_experts, mixture_weights,
+                      shared_output)
         if not _triton_impl.usable(latent_tokens, packed_weights, scale_bytes,
                                    (selected_experts, mixture_weights, shared_output)):
             return _torch_impl.mxfp4_experts_torch(latent_tokens, packed_weights,
@@ -195,6 +218,8 @@ def _define(suffix, weights):
     @experts_op.register_fake
     def _experts_fake(latent_tokens, packed_weights, scale_bytes, selected_experts,
                       mixture_weights, shared_output, num_threads=0, isa=""):
+        check_op_call(latent_tokens, packed_weights, selected_experts, mixture_weights,
+                      shared_output)
         return latent_tokens.new_empty((latent_tokens.shape[0],
                                         _torch_impl.d_out_of(packed_weights)))
 
@@ -203,12 +228,14 @@ def _define(suffix, weights):
                                     f"{_TAIL}")
     def slots_op(latent_tokens, packed_weights, scale_bytes, selected_experts, num_threads=0,
                  isa=""):
+        check_op_call(latent_tokens, packed_weights, selected_experts)
         return _torch_impl.slots_torch(latent_tokens, packed_weights, scale_bytes,
                                        selected_experts)
 
     @slots_op.register_kernel("cpu")
     def _slots_cpu(latent_tokens, packed_weights, scale_bytes, selected_experts,
                    num_threads=0, isa=""):
+        check_op_call(latent_tokens, packed_weights, selected_experts)
         return _cpu_impl.experts(latent_tokens, packed_weights, scale_bytes, selected_experts,
                                  None, None, num_threads, per_slot_outputs=True,
                                  isa=isa or None)
@@ -216,6 +243,7 @@ def _define(suffix, weights):
     @slots_op.register_kernel("cuda")
     def _slots_cuda(latent_tokens, packed_weights, scale_bytes, selected_experts,
                     num_threads=0, isa=""):
+        check_op_call(latent_tokens, packed_weights, selected_experts)
         if not _triton_impl.usable(latent_tokens, packed_weights, scale_bytes,
                                    (selected_experts,)):
             return _torch_impl.slots_torch(latent_tokens, packed_weights, scale_bytes,
@@ -227,6 +255,7 @@ def _define(suffix, weights):
     @slots_op.register_fake
     def _slots_fake(latent_tokens, packed_weights, scale_bytes, selected_experts,
                     num_threads=0, isa=""):
+        check_op_call(latent_tokens, packed_weights, selected_experts)
         return latent_tokens.new_empty((selected_experts.shape[0], selected_experts.shape[1],
                                         _torch_impl.d_out_of(packed_weights)))
 

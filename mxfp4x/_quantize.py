@@ -94,7 +94,7 @@ def dequantize(packed_weights: Any, scale_bytes: Any,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(..., G, 16) bytes and (..., G) scale bytes -> (..., 32 G) values of ``dtype``
     (decoded exactly in float32, float64 for float64, then cast)."""
-    from ._torch_impl import decode_expert
+    from ._torch_impl import decode_expert, exact_on_cpu
     from ._validation import as_tensor, byte_tensor
 
     packed = byte_tensor("packed_weights", as_tensor("packed_weights", packed_weights))
@@ -106,6 +106,6 @@ def dequantize(packed_weights: Any, scale_bytes: Any,
     lead = tuple(packed.shape[:-2])
     n_groups = packed.shape[-2]
     compute = accumulation_dtype(dtype)
-    flat = decode_expert(packed.reshape(-1, n_groups, GROUP_BYTES),
-                         scales.reshape(-1, n_groups), compute)
+    flat = exact_on_cpu(decode_expert)(packed.reshape(-1, n_groups, GROUP_BYTES),
+                                       scales.reshape(-1, n_groups), compute)
     return flat.reshape(lead + (n_groups * GROUP,)).to(dtype)

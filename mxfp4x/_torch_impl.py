@@ -6,8 +6,11 @@ applied to its tokens with one matmul; the per-pair results are combined in
 slot order k = 0..top_k-1, so the result does not depend on the device's
 reduction order across experts.
 """
+import functools
+
 import torch
 
+from . import _cpu
 from ._format import (
     E2M1_VALUES,
     GGUF_BLOCK_BYTES,
@@ -17,6 +20,26 @@ from ._format import (
     e8m0_table_f32,
 )
 from ._validation import check_expert_ids
+
+
+def exact_on_cpu(fn):
+    """Run ``fn`` (its first argument a tensor) with the calling thread's flush-to-zero,
+    denormals-are-zero and rounding mode cleared when that tensor is on the CPU, then
+    restored (_cpu.fpenv_enter / fpenv_exit, as the compiled kernels do): a caller's
+    ``torch.set_flush_denormal(True)`` would otherwise flush the 2^-127 scale and
+    subnormal latents to zero here.  Skipped while torch.compile traces (a C call is a
+    graph break)."""
+    @functools.wraps(fn)
+    def run(first, *args, **kwargs):
+        if first.device.type != "cpu" or torch.compiler.is_compiling():
+            return fn(first, *args, **kwargs)
+        saved = _cpu.fpenv_enter()
+        try:
+            return fn(first, *args, **kwargs)
+        finally:
+            _cpu.fpenv_exit(saved)
+    return run
+
 
 _TABLES: dict = {}
 
@@ -99,6 +122,7 @@ def _connected(out, *inputs):
     return out
 
 
+@exact_on_cpu
 def slots_torch(x, packed, scales, sel):
     """(T, K, O): W_{e_tk} x_t (x_tk for per-slot latents) per slot, no weights, no sum."""
     check_expert_ids(sel, len(packed))
@@ -119,6 +143,7 @@ def slots_torch(x, packed, scales, sel):
     return out.view(n_tokens, top_k, d_out).to(x.dtype)
 
 
+@exact_on_cpu
 def grad_latents_torch(grad, packed, scales, sel, mix, x):
     """dx = sum_k p_tk W^T grad_t, shaped and typed like x.  Per-slot latents (T, K, I)
     get per-slot gradients; a per-slot grad (T, K, O) (of the slots op) has weight 1 (mix
@@ -148,6 +173,7 @@ def grad_latents_torch(grad, packed, scales, sel, mix, x):
     return dx.to(x.dtype)
 
 
+@exact_on_cpu
 def mxfp4_experts_torch(x, packed, scales, sel, mix, shared, out_dtype):
     """shared + sum_k p W x; x is (T, I), or (T, K, I) with one input row per slot."""
     check_expert_ids(sel, len(packed))

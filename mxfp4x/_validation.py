@@ -81,7 +81,8 @@ def as_tensor(name, value):
         if value.dtype.kind not in "biuf":
             raise TypeError(f"{name}: expected a numeric array, got a numpy array of dtype "
                             f"{value.dtype}")
-        if any(s < 0 for s in value.strides) or not value.dtype.isnative:
+        if any(s < 0 or s % value.itemsize for s in value.strides) or \
+                not value.dtype.isnative:  # torch views neither (e.g. a structured field)
             value = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("="))
         try:
             return torch.from_numpy(writable_view(value))
@@ -133,7 +134,7 @@ def byte_tensor(name, t):
     if _compiling():
         raise TypeError(f"{name}: under torch.compile pass uint8 bytes (got dtype "
                         f"{_dtype_name(t.dtype)}): their range cannot be checked in a graph")
-    if t.numel():
+    if t.numel() and not t.is_meta:  # (meta tensors hold no values to check)
         lo, hi = _min_max(t)
         if lo < 0 or hi > 255:
             raise ValueError(
@@ -160,6 +161,44 @@ def index_tensor(name, t):
         raise TypeError(f"{name}: expected an integer tensor (int32 or int64) of expert ids, "
                         f"got dtype {_dtype_name(t.dtype)}")
     return t
+
+
+def check_op_call(x, packed, sel, mix=None, shared=None):
+    """What a direct ``torch.ops.mxfp4x`` call must satisfy before any implementation
+    runs (the facade checks all of it and more; these are the checks that read no data
+    and cost nothing per expert, so the fake implementation makes them too): float latents
+    (n_tokens, d_in) or (n_tokens, top_k, d_in), integer ids (n_tokens, top_k), and the
+    mixture weights and shared output shaped to match."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"latent_tokens: expected a 2-D tensor (n_tokens, d_in) or a 3-D "
+                         f"tensor (n_tokens, top_k, d_in), got shape {tuple(x.shape)}")
+    float_tensor("latent_tokens", x, allow_int=False)
+    check_rank("selected_experts", sel, 2, "(n_tokens, top_k)")
+    index_tensor("selected_experts", sel)
+    n_tokens = x.shape[0]
+    if sel.shape[0] != n_tokens:
+        raise ValueError(f"selected_experts: expected {n_tokens} rows (n_tokens of "
+                         f"latent_tokens), got shape {tuple(sel.shape)}")
+    if x.dim() == 3 and x.shape[1] != sel.shape[1]:
+        raise ValueError(f"latent_tokens: per-slot latents must be (n_tokens, top_k, d_in) "
+                         f"with top_k = {sel.shape[1]}, got shape {tuple(x.shape)}")
+    if isinstance(packed, torch.Tensor):
+        check_rank("packed_weights", packed, 4, "(n_experts, d_out, n_groups, 16 or 17)")
+        d_out = packed.shape[1]
+    else:
+        if len(packed) == 0:
+            raise ValueError("packed_weights: expected at least one expert")
+        d_out = packed[0].shape[0]
+    if mix is not None:
+        float_tensor("mixture_weights", mix, allow_int=False)
+        if tuple(mix.shape) != tuple(sel.shape):
+            raise ValueError(f"mixture_weights: expected shape {tuple(sel.shape)} to match "
+                             f"selected_experts, got {tuple(mix.shape)}")
+    if shared is not None:
+        float_tensor("shared_output", shared, allow_int=False)
+        if tuple(shared.shape) != (n_tokens, d_out):
+            raise ValueError(f"shared_output: expected shape {(n_tokens, d_out)} (n_tokens, "
+                             f"d_out of packed_weights), got {tuple(shared.shape)}")
 
 
 SKIP = object()  # marks an argument that is not part of this call (per-slot outputs)
@@ -406,8 +445,9 @@ def expert_id_error(bad, n_experts):
 
 def check_expert_ids(sel, n_experts):
     """IndexError unless every id lies in [0, n_experts): before the PyTorch path indexes.
-    (The CPU driver checks while it routes the pairs: one scan either way.)"""
-    if sel.numel():
+    (The CPU driver checks while it routes the pairs: one scan either way.)  Meta tensors
+    hold no values: nothing to check."""
+    if sel.numel() and not sel.is_meta:
         lo, hi = _min_max(sel)
         if lo < 0 or hi >= n_experts:
             raise expert_id_error(lo if lo < 0 else hi, n_experts)

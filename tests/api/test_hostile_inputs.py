@@ -6,6 +6,7 @@ Anything that could crash the interpreter (a use-after-free) or exhaust the mach
 a subprocess with a timeout, so a regression fails its test instead of the suite.
 """
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -503,3 +504,82 @@ def test_loaders_read_int8_typed_blocks_by_view(tmp_path, rng):
                                                      p + "down_proj_scales")
              for f in ("u8.safetensors", "i8.safetensors")]
     assert torch.equal(banks[0].packed_weights, banks[1].packed_weights)
+
+
+def _tiny_op_args():
+    x = torch.ones(3, 32)
+    packed = torch.full((2, 1, 1, 16), 0x22, dtype=torch.uint8)
+    packed[1] = 0x44
+    scales = torch.full((2, 1, 1), 127, dtype=torch.uint8)
+    return x, packed, scales
+
+
+def test_direct_op_calls_are_checked_in_the_kernels_and_the_fake():
+    """torch.ops.mxfp4x.* called directly: ids with other rows than the latents, float
+    ids and mismatched mixture weights are errors naming the argument, in the CPU
+    kernel and in the fake implementation alike (the fake's shape is the real one's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    x, packed, scales = _tiny_op_args()
+    op, slots = torch.ops.mxfp4x.mxfp4_experts, torch.ops.mxfp4x.mxfp4_experts_slots
+    ids2 = torch.zeros(2, 1, dtype=torch.int64)
+    bad = [
+        ((x, packed, scales, ids2, torch.ones(2, 1), torch.zeros(2, 1)), ValueError,
+         "selected_experts: expected 3 rows"),
+        ((x[:2], packed, scales, torch.tensor([[0.9], [1.9]]), torch.ones(2, 1),
+          torch.zeros(2, 1)), TypeError, "selected_experts: expected an integer"),
+        ((x[:2], packed, scales, ids2, torch.ones(2, 2), torch.zeros(2, 1)), ValueError,
+         "mixture_weights: expected shape (2, 1)"),
+        ((x[:2], packed, scales, ids2, torch.ones(2, 1), torch.zeros(2, 3)), ValueError,
+         "shared_output: expected shape (2, 1)"),
+    ]
+    for args, kind, text in bad:
+        with pytest.raises(kind, match=re.escape(text)):
+            op(*args)
+        with FakeTensorMode() as mode, pytest.raises(kind, match=re.escape(text)):
+            op(*[mode.from_tensor(a) for a in args])
+    with pytest.raises(ValueError, match="selected_experts: expected 3 rows"):
+        slots(x, packed, scales, ids2)
+    good = op(x[:2], packed, scales, ids2, torch.ones(2, 1), torch.zeros(2, 1))
+    assert good.tolist() == [[32.0], [32.0]]
+
+
+def test_meta_tensors_on_the_torch_backend_and_with_integer_bytes():
+    """Meta tensors (shape inference) work on every backend, integer-typed bytes too:
+    there are no values to check or route by."""
+    args = [torch.zeros(2, 32), torch.zeros(3, 4, 1, 16, dtype=torch.uint8),
+            torch.zeros(3, 4, 1, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.long),
+            torch.ones(2, 1), torch.zeros(2, 4)]
+    meta = [t.to("meta") for t in args]
+    for backend in ("auto", "torch"):
+        y = mxfp4x.mxfp4_experts(*meta, backend=backend)
+        assert y.is_meta and tuple(y.shape) == (2, 4)
+        s = mxfp4x.mxfp4_experts_slots(*meta[:4], backend=backend)
+        assert s.is_meta and tuple(s.shape) == (2, 1, 4)
+    y = mxfp4x.mxfp4_experts(meta[0], meta[1].long(), *meta[2:])
+    assert y.is_meta and tuple(y.shape) == (2, 4)
+
+
+def test_numpy_views_torch_cannot_view_are_copied(rng):
+    """A numpy field view whose strides are no multiple of its item size (a structured
+    array's column) is read through a copy, with the bits of a contiguous array."""
+    args = random_layer(rng, 3, 2, 4, 64, 2, dtype=torch.float32)
+    rec = np.zeros((3, 64), dtype=[("x", "<f4"), ("flag", "u1")])
+    rec["x"] = args["latent_tokens"].numpy()
+    got = mxfp4x.mxfp4_experts(**{**args, "latent_tokens": rec["x"]})
+    assert torch.equal(got, mxfp4x.mxfp4_experts(**args))
+
+
+def test_functorch_reverse_transforms_get_a_clear_error_on_the_kernels(rng):
+    """torch.func.grad on the compiled kernels' op is refused with what to use instead;
+    backend='torch' and .backward() give the gradient."""
+    args = random_layer(rng, 2, 2, 3, 32, 1, dtype=torch.float32)
+    x = args.pop("latent_tokens")
+
+    def loss(backend):
+        return lambda t: mxfp4x.mxfp4_experts(t, **args, backend=backend).sum()
+    with pytest.raises(NotImplementedError, match=r"backward\(\)"):
+        torch.func.grad(loss("auto"))(x)
+    want = torch.func.grad(loss("torch"))(x)
+    xr = x.clone().requires_grad_()
+    loss("auto")(xr).backward()
+    assert torch.allclose(xr.grad, want, rtol=1e-5, atol=1e-6)

@@ -203,6 +203,32 @@ def test_subnormal_scale_survives_flush_denormal_and_bf16(isa):
         torch.set_flush_denormal(False)
 
 
+def test_torch_path_keeps_subnormal_scale_under_flush_denormal():
+    """The PyTorch path (backend='torch') and dequantize decode scale byte 0 to 2^-127 on
+    the CPU with FTZ/DAZ switched on in the calling thread, as the kernels do; the
+    caller's flushing is still on afterwards."""
+    x = torch.zeros(1, 32)
+    x[0, 2] = 1.0
+    packed = torch.zeros(1, 1, 1, 16, dtype=torch.uint8)
+    packed[0, 0, 0, 1] = 0x05  # element 2: code 5 = 3.0
+    scales = torch.zeros(1, 1, 1, dtype=torch.uint8)
+    want = torch.tensor([[3.0 * 2.0 ** -127]])
+    had = torch.set_flush_denormal(True)
+    try:
+        got = {dtype: mxfp4x.mxfp4_experts(x.to(dtype), packed, scales, [[0]], [[1.0]], [[0.0]],
+                                           backend="torch")
+               for dtype in (torch.float32, torch.bfloat16)}
+        weights = mxfp4x.dequantize(packed[0], scales[0])
+        still_flushes = (torch.tensor([1e-40]) * 1.0).item() == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    # compared by their bits, read with flushing off
+    assert torch.equal(got[torch.float32].view(torch.int32), want.view(torch.int32))
+    assert torch.equal(got[torch.bfloat16], want.bfloat16())
+    assert weights[0, 2].view(torch.int32).item() == want.view(torch.int32).item()
+    assert still_flushes or not had
+
+
 def _libm_rounding():
     """(fesetround, fegetround, FE_UPWARD) of the C library, or None where unknown."""
     import ctypes
