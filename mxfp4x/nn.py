@@ -4,12 +4,13 @@ gpt-oss (GptOssMoE, GptOssRouter, GptOssExperts) and Kimi K3 (KimiK3MoE, KimiK3R
 KimiK3Experts), with checkpoint loading that maps, not copies, the packed bytes."""
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ._api import mxfp4_experts
 from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 from ._quantize import quantize
-from ._validation import WeakGroup
+from ._validation import WeakGroup, as_tensor
 from ._validation import bytes_by_view as as_bytes
 from .checkpoints.safetensors import SafeTensorsCheckpoint
 from .models._common import bytes_of, expert_range_of
@@ -47,6 +48,9 @@ class MXFP4Experts(torch.nn.Module):
     def __init__(self, n_experts: int, d_out: int, d_in: int, num_threads: Optional[int] = None,
                  expert_range=None, group=None):
         super().__init__()
+        for name, v in (("n_experts", n_experts), ("d_out", d_out), ("d_in", d_in)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"{name}: expected a non-negative integer, got {v!r}")
         self.expert_range, self.group = expert_range_of(expert_range, n_experts, group), group
         if d_in % GROUP:
             raise ValueError(f"d_in: must be a multiple of {GROUP}, got {d_in}")
@@ -64,6 +68,9 @@ class MXFP4Experts(torch.nn.Module):
         """Wrap existing bytes (no copy when they are uint8 already).  ``scale_bytes``
         None: ``packed_weights`` (E, d_out, G, 17) holds GGUF block_mxfp4 blocks (e.g. a
         view of a memory-mapped GGUF file), read in place."""
+        packed_weights = as_tensor("packed_weights", packed_weights)
+        if scale_bytes is not None:
+            scale_bytes = as_tensor("scale_bytes", scale_bytes)
         width = GGUF_BLOCK_BYTES if scale_bytes is None else GROUP_BYTES
         if packed_weights.dim() != 4 or packed_weights.shape[-1] != width:
             raise ValueError(f"packed_weights: expected (E, d_out, G, {width})"
@@ -110,7 +117,11 @@ class MXFP4Experts(torch.nn.Module):
                 shared_output: Optional[torch.Tensor] = None) -> torch.Tensor:
         try:
             if shared_output is None:
-                x = torch.as_tensor(latent_tokens)
+                x = as_tensor("latent_tokens", latent_tokens)
+                if x.dim() not in (2, 3):
+                    raise ValueError(f"latent_tokens: expected a 2-D tensor (n_tokens, d_in) "
+                                     f"or a 3-D tensor (n_tokens, top_k, d_in), got shape "
+                                     f"{tuple(x.shape)}")
                 dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
                 shared_output = torch.zeros((x.shape[0], self.packed_weights.shape[1]),
                                             dtype=dtype, device=x.device)

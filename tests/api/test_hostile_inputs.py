@@ -583,3 +583,21 @@ def test_functorch_reverse_transforms_get_a_clear_error_on_the_kernels(rng):
     xr = x.clone().requires_grad_()
     loss("auto")(xr).backward()
     assert torch.allclose(xr.grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_mxfp4experts_module_checks_before_it_builds(rng):
+    """nn.MXFP4Experts: sizes that are no non-negative integers, 0-D latents without a
+    shared output and numpy bytes in from_packed give errors naming the argument (or
+    work), never torch's internal messages."""
+    from mxfp4x import nn
+    for args, name in (((-1, 4, 32), "n_experts"), ((2, 4, 32.0), "d_in"),
+                       ((True, 4, 32), "n_experts")):
+        with pytest.raises(ValueError, match=f"^{name}: expected a non-negative integer"):
+            nn.MXFP4Experts(*args)
+    m = nn.MXFP4Experts.from_float(torch.from_numpy(rng.standard_normal((2, 4, 32))).float())
+    with pytest.raises(ValueError, match="latent_tokens: expected a 2-D tensor"):
+        m(torch.tensor(1.0), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1))
+    n = nn.MXFP4Experts.from_packed(m.packed_weights.numpy(), m.scale_bytes.numpy())
+    x = torch.from_numpy(rng.standard_normal((3, 32))).float()
+    ids, mix = torch.tensor([[0], [1], [0]]), torch.ones(3, 1)
+    assert torch.equal(n(x, ids, mix), m(x, ids, mix))
