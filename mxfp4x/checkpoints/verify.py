@@ -8,10 +8,11 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .families import (
+    ExpertNaming,
+    _name_pattern,
     expert_names,
     family_of,
     gguf_expert_tensors,
-    iter_expert_tensors,
     load_experts,
     num_experts,
     open_checkpoint,
@@ -94,6 +95,8 @@ class _Tally:
         file_path, begin, end = found
         self.hashes[name] = digest = _file_sha256(file_path, begin, end)
         self.n_bytes += end - begin
+        if end == begin:  # hashing it proves nothing: there is nothing the kernels read
+            self.mismatches.append((name, "holds 0 bytes: no expert's weights"))
         if refused is not None:
             self.mismatches.append((name, refused))
         elif name not in loaded:
@@ -104,6 +107,26 @@ class _Tally:
         if self.manifest is not None and self.manifest.get(name) != digest:
             self.mismatches.append((name, "the file's bytes differ from the manifest"
                                     if name in self.manifest else "missing from the manifest"))
+
+    def absent(self, layout: ExpertNaming, prefix: str, layer: int, present: List[int],
+               n_experts: int) -> None:
+        """The experts below ``n_experts`` (config.json's count) with no tensor at all in
+        the checkpoint, one mismatch per run of consecutive ids: a config may claim any
+        count, and a name per missing tensor would be as many."""
+        start = 0
+        for end in present + [n_experts]:
+            if end > start:
+                many = end - start > 1
+                ids = f"{start}..{end - 1}" if many else str(start)
+                name = prefix + layout.expert.format(layer=layer, expert=ids, proj="*",
+                                                     kind="*")
+                self.mismatches.append((name, (
+                    f"missing from the checkpoint: experts {start} to {end - 1} "
+                    f"({end - start} experts)" if many else
+                    f"missing from the checkpoint: expert {start}")
+                    + f" of config.json's num_experts {n_experts}, no tensor of "
+                    + ("any of them" if many else "it")))
+            start = end + 1
 
     def result(self, layers: List[int]) -> dict:
         """The manifest's entries not checked yet (hashed from the file), then the report;
@@ -128,6 +151,17 @@ class _Tally:
                 "mismatches": self.mismatches, "layers": layers, "manifest_other": other}
 
 
+def _expert_ids(layout: ExpertNaming, names: Sequence[str]) -> List[int]:
+    """The expert ids of expert tensor names (``expert_names``'), sorted."""
+    pattern = _name_pattern(layout)
+    ids = set()
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is not None:  # expert_names found each name by this pattern
+            ids.add(int(m["expert"]))
+    return sorted(ids)
+
+
 def verify_experts(path: Union[str, SafeTensorsCheckpoint],
                    layers: Optional[Sequence[int]] = None,
                    manifest: Optional[Dict[str, str]] = None,
@@ -139,13 +173,17 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
     ``layers``: default every layer whose expert tensors the checkpoint holds; a layer
     given that holds none is a ``ValueError``, and so is a checkpoint without experts:
     a verification that checked nothing must not pass.  A layer's tensors are those of
-    the config's ``num_experts`` experts (one absent is a mismatch) and every other
-    expert tensor it holds.  Every manifest entry is checked: one outside these layers
-    against its file's bytes, one the checkpoint lacks is a mismatch.
+    the config's ``num_experts`` experts (one absent is a mismatch; experts with no
+    tensor at all, one mismatch per run of their ids, so that a config's count costs
+    nothing beyond the experts the files hold) and every other expert tensor it holds;
+    an expert tensor of 0 bytes is a mismatch (it holds no expert's weights).  Every
+    manifest entry is checked: one outside these layers against its file's bytes, one
+    the checkpoint lacks is a mismatch.
 
     Returns ``{"checked", "bytes", "hashes", "mismatches", "layers", "manifest_other"}``
-    (``checked``: expert tensors hashed; ``manifest_other``: other manifest entries
-    checked); a mismatch is ``(name, what)``."""
+    (``checked``: expert tensors hashed; ``bytes``: the bytes hashed, 0 when nothing
+    was verified; ``manifest_other``: other manifest entries checked); a mismatch is
+    ``(name, what)``."""
     ckpt = open_checkpoint(path)
     config = read_config(ckpt.root)
     layout = family_of(config)
@@ -168,16 +206,21 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
                          f"{example!r}): nothing to verify")
     tally = _Tally(ckpt, manifest)
     wanted = set(layers)
+    kinds = (layout.packed, layout.scale)
     for prefix, layer in sorted((k for k in held if k[1] in wanted), key=lambda k: k[::-1]):
-        expected = list(iter_expert_tensors(layout, [layer], n_experts, prefix))
+        # the config's experts the files hold (some of their tensors at least), found by
+        # name: lists of the config's num_experts experts would be as long as it claims
+        present = [e for e in _expert_ids(layout, held[prefix, layer]) if e < n_experts]
+        expected = [layout.tensor(prefix, layer, e, role, kind) for e in present
+                    for role in layout.roles for kind in kinds]
         names = expected + sorted(set(held[prefix, layer]) - set(expected))
         where = {name: _locate(ckpt, name) for name in names}
         loaded = handed
         if loaded is None:
             # the loader refuses an expert with a tensor missing: load the complete ones
-            complete = [e for e in range(n_experts) if all(
+            complete = [e for e in present if all(
                 isinstance(where[layout.tensor(prefix, layer, e, role, kind)], tuple)
-                for role in layout.roles for kind in (layout.packed, layout.scale))]
+                for role in layout.roles for kind in kinds)]
             proj = load_experts(ckpt, layout, layer, complete, prefix)
             loaded = {}
             for role, (packed, scales) in proj.items():
@@ -186,6 +229,7 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
                     loaded[layout.tensor(prefix, layer, e, role, layout.scale)] = s
         for name in names:
             tally.check(name, where[name], loaded)
+        tally.absent(layout, prefix, layer, present, n_experts)
     return tally.result(layers)
 
 
@@ -209,7 +253,8 @@ def verify_gguf_experts(path: Union[str, GGUFCheckpoint],
     and against ``manifest`` if given.
 
     A layer's experts are gate, up and down (or gate_up and down): one missing is a
-    mismatch, and so is an expert tensor that is not MXFP4 (the kernels cannot run it).
+    mismatch, and so is an expert tensor that is not MXFP4 (the kernels cannot run it)
+    or one of 0 bytes (a stack of no experts).
     ``layers``, the manifest and the result are as for :func:`verify_experts`; a file
     without expert tensors, or layers it does not hold, are a ``ValueError``."""
     from .families import load_gguf_experts

@@ -3,12 +3,19 @@ checks of paths, sizes and memory that report through the command's ``error`` (a
 ``parser.error``: one line naming the argument, exit status 2)."""
 import argparse
 import os
+import stat
 
 from mxfp4x._io import check_writable
 from mxfp4x._threads import MAX_THREADS
+from mxfp4x.checkpoints.families import config_path
 
 # what reading a checkpoint's config, index and headers raises on a bad one
 CHECKPOINT_ERRORS = (OSError, KeyError, TypeError, ValueError)
+# what a checkpoint's folder is read from: a file of these written there joins the
+# checkpoint (a .safetensors of an index-less folder is opened as one of its shards)
+INDEX = "model.safetensors.index.json"
+CHECKPOINT_SUFFIXES = (".safetensors", ".gguf")
+CHECKPOINT_NAMES = ("config.json", INDEX)
 
 
 def _int_type(lo, hi=None, what="an integer"):
@@ -36,13 +43,76 @@ def message(exc):
     return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
 
 
+def _kind(mode):
+    """What a path that is not a regular file nor a folder is, in words."""
+    for test, kind in ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a file"
+
+
 def existing_file(path, what, error):
+    """An input file: it exists, and is a regular file (links followed) we may read.  A
+    named pipe or a device is refused: reading one waits for a writer that may never
+    come, or never ends."""
     if not os.path.exists(path):
         error(f"{what}: {path!r} does not exist")
     if os.path.isdir(path):
         error(f"{what}: {path!r} is a folder, expected a file")
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        error(f"{what}: {path!r} is not a regular file ({_kind(mode)}), expected a file")
     if not os.access(path, os.R_OK):
         error(f"{what}: {path!r} is not readable")
+
+
+def read_file(path, what, error):
+    """The bytes of an input file, checked as :func:`existing_file` does, and again on
+    the file opened (opened without waiting: a named pipe put in its place meanwhile is
+    refused, not waited on)."""
+    existing_file(path, what, error)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                error(f"{what}: {path!r} is not a regular file ({_kind(mode)}), expected "
+                      f"a file")
+            return f.read()
+    except OSError as exc:
+        error(f"{what}: {exc}")
+
+
+def checkpoint_inputs(path, what, error):
+    """Before a safetensors checkpoint (a folder, or a file with config.json beside it)
+    or a GGUF file is opened: each file opening it reads is a regular file (a named pipe
+    among them would hang the command).  The index's shards are checked once the index
+    is read: :func:`regular_inputs` of ``checkpoint_files``."""
+    existing_path(path, what, error)
+    if os.path.isdir(path):
+        index = os.path.join(path, INDEX)
+        if os.path.lexists(index):
+            existing_file(index, what, error)
+        else:  # every .safetensors of the folder is opened
+            try:
+                names = sorted(os.listdir(path))
+            except OSError as exc:
+                error(f"{what}: {exc}")
+            for name in names:
+                if name.endswith(".safetensors"):
+                    existing_file(os.path.join(path, name), what, error)
+    else:
+        existing_file(path, what, error)
+    regular_inputs([config_path(path)], what, error)
+
+
+def regular_inputs(paths, what, error):
+    """Those of ``paths`` that exist are regular files (a missing one is reported by the
+    command's own checks)."""
+    for path in paths:
+        if os.path.lexists(path):
+            existing_file(path, what, error)
 
 
 def existing_path(path, what, error):
@@ -81,7 +151,49 @@ def writable(path, what, error):
 
 
 def same_file(a, b):
-    return os.path.realpath(a) == os.path.realpath(b)
+    """Whether two paths name one file: the same path once links are followed, or (both
+    existing) the same file under two names (a hard link, a case-insensitive folder)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist (yet)
+        return False
+
+
+def outputs(written, error, reads=(), checkpoints=()):
+    """The one rule for every file a command writes, checked before any work.
+
+    ``written``: (path, what) of each output (a path None: not asked for); each must be
+    writable (:func:`writable`), none the same file as another, nor as a file the command
+    reads (``reads``: (path, description) pairs, e.g. the files of a checkpoint, a
+    manifest), nor a file that would join a checkpoint the command reads
+    (``checkpoints``: their paths, a folder or a file): a ``.safetensors``, ``.gguf``,
+    ``config.json`` or index in its folder.  Writing one of those would replace the
+    input while it is read, or make the folder another checkpoint than the one read."""
+    done = []
+    for path, what in written:
+        if path is None:
+            continue
+        writable(path, what, error)
+        for other, other_what in done:
+            if same_file(path, other):
+                error(f"{what}: {path!r} is the same file as {other_what}'s, expected "
+                      f"another file")
+        for read, described in reads:
+            if same_file(path, read):
+                error(f"{what}: {path!r} is {described}, which this command reads: "
+                      f"expected another file")
+        target = os.path.realpath(path)
+        name = os.path.basename(target)
+        for checkpoint in checkpoints:
+            folder = os.path.dirname(config_path(checkpoint))
+            if (name.endswith(CHECKPOINT_SUFFIXES) or name in CHECKPOINT_NAMES) and \
+                    same_file(os.path.dirname(target), folder):
+                error(f"{what}: {path!r} would be a {name!r} in {folder!r}, the folder of "
+                      f"the checkpoint this command reads: expected a path outside it, "
+                      f"or a name that is not *.safetensors, *.gguf or config.json")
+        done.append((path, what))
 
 
 def expert_count(n_experts, top_k, n_model, model, error):

@@ -29,7 +29,7 @@ from mxfp4x.testing import bench as _bench
 from mxfp4x.testing import roofline as _roofline
 from mxfp4x.testing.layers import assert_matches_reference
 
-from ._args import memory, positive_int, same_file, thread_count, writable
+from ._args import memory, outputs, positive_int, thread_count
 from ._process import default_threads, torch_threads
 
 # the rows of each result checked against the float64 reference: enough to cross several
@@ -59,7 +59,7 @@ def add_arguments(parser):
 
 def _plot_path(path, error):
     """The plot's path as matplotlib would write it (a name without an extension gets
-    ".png"), its format known to matplotlib, its folder writable."""
+    ".png"), its format known to matplotlib (where it may be written: :func:`outputs`)."""
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
@@ -71,11 +71,10 @@ def _plot_path(path, error):
     if fmt not in formats:
         error(f"argument --plot: matplotlib cannot write {fmt!r} images (it writes "
               f"{', '.join(sorted(formats))})")
-    writable(path, "argument --plot", error)
     return path
 
 
-def _check_cuda(args, error, needed):
+def _check_cuda(args, error, shape_bytes, call_bytes):
     if not torch.cuda.is_available():
         error("argument --device: cuda needs a GPU and a CUDA build of torch "
               "(torch.cuda.is_available() is False here)")
@@ -85,26 +84,33 @@ def _check_cuda(args, error, needed):
         error("argument --no-torch: CPU runs only (with --device cuda the torch backend "
               "is the GPU path's baseline)")
     free, total = torch.cuda.mem_get_info()
-    if needed > free:
-        error(f"argument --shape: needs at least {needed / 1e9:.1f} GB of GPU memory, "
-              f"{free / 1e9:.1f} GB of the GPU's {total / 1e9:.1f} GB are free")
+    for needed, what in ((shape_bytes, "argument --shape"),
+                         (shape_bytes + call_bytes, _calls_what(args))):
+        if needed > free:
+            error(f"{what}: needs at least {needed / 1e9:.1f} GB of GPU memory, "
+                  f"{free / 1e9:.1f} GB of the GPU's {total / 1e9:.1f} GB are free")
+
+
+def _calls_what(args):
+    """The arguments that size the calls made ahead of the timing (``--repeats`` calls of
+    up to ``max(--tokens)`` tokens): what a memory check of them names."""
+    return (f"arguments --tokens and --repeats ({args.repeats} calls of up to "
+            f"{max(args.tokens)} tokens, {args.dtype})")
 
 
 def check(args, error):
     n_experts, top_k, d_out, d_in = _bench.SHAPES[args.shape]
     experts = n_experts * matrix_bytes(d_out, d_in)
     memory(experts, "argument --shape", error)
+    # every call's tokens and outputs are made before the timing
     tokens = args.repeats * max(args.tokens) * (d_in + d_out) * getattr(torch, args.dtype).itemsize
-    memory(experts + tokens, "argument --tokens", error)
+    memory(experts + tokens, _calls_what(args), error)
     if args.device == "cuda":
-        # the experts, the tokens, and the peer's top_k decoded float32 matrices
-        _check_cuda(args, error, experts + tokens + top_k * d_out * d_in * 4)
-    if args.json:
-        writable(args.json, "argument --json", error)
+        # the experts and the peer's top_k decoded float32 matrices, and the tokens
+        _check_cuda(args, error, experts + top_k * d_out * d_in * 4, tokens)
     if args.plot:
         args.plot = _plot_path(args.plot, error)
-        if args.json and same_file(args.json, args.plot):
-            error("argument --plot: the same file as --json")
+    outputs([(args.json, "argument --json"), (args.plot, "argument --plot")], error)
 
 
 def _check_result(call, packed, scales, d_out):

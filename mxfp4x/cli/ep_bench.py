@@ -17,18 +17,20 @@ import torch
 import torch.distributed as dist
 
 import mxfp4x
+from mxfp4x._format import GROUP
 from mxfp4x._io import atomic_write
 from mxfp4x.checkpoints import families as ck
 
 from ._args import (
     CHECKPOINT_ERRORS,
-    existing_path,
+    checkpoint_inputs,
     expert_count,
     memory,
     message,
+    outputs,
     positive_int,
+    regular_inputs,
     thread_count,
-    writable,
     writable_folder,
 )
 from ._families import FAMILIES
@@ -50,14 +52,15 @@ def add_arguments(parser):
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--checkpoint", default=None, help="an existing K3 checkpoint folder")
     parser.add_argument("--dir", default=None, help="where to write the layer (default: TMPDIR)")
-    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the layer written (else removed however the run ends)")
     parser.add_argument("--json", metavar="PATH")
 
 
 def _checkpoint_sizes(args, error):
     """The checkpoint's sizes (tokens are made in its shapes, not the released model's)
     and its name prefix."""
-    existing_path(args.checkpoint, "argument --checkpoint", error)
+    checkpoint_inputs(args.checkpoint, "argument --checkpoint", error)
     try:
         config = ck.read_config(args.checkpoint)
         if ck.family_of(config) is not ck.KIMI_K3:
@@ -68,10 +71,43 @@ def _checkpoint_sizes(args, error):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"config.json: {key} is {value!r}, expected a positive int")
             args.sizes[key] = value
+        for key in ("routed_expert_hidden_size", "moe_intermediate_size"):
+            if args.sizes[key] % GROUP:
+                raise ValueError(f"config.json: {key} is {args.sizes[key]}, expected a "
+                                 f"multiple of {GROUP} (a matrix's rows are whole groups)")
         ckpt = ck.open_checkpoint(args.checkpoint)
-        return ckpt, ck.find_prefix(ckpt, ck.KIMI_K3, 1)
     except CHECKPOINT_ERRORS as exc:
         error(f"argument --checkpoint: {message(exc)}")
+    regular_inputs(ck.checkpoint_files(ckpt), "argument --checkpoint", error)
+    try:
+        return ckpt, ck.find_prefix(ckpt, ck.KIMI_K3, K3.layer)
+    except CHECKPOINT_ERRORS as exc:
+        error(f"argument --checkpoint: {message(exc)}")
+
+
+def _check_shapes(args, ckpt, prefix, error):
+    """Every expert matrix the run maps has the shape config.json gives (the tokens are
+    made in those sizes): (out, in/2) packed bytes and (out, in/32) scale bytes, gate and
+    up (ff, latent), down (latent, ff).  Maps the files, reads no byte."""
+    ff, latent = "moe_intermediate_size", "routed_expert_hidden_size"
+    keys = {"gate": (ff, latent), "up": (ff, latent), "down": (latent, ff)}
+    try:
+        proj = ck.load_experts(ckpt, ck.KIMI_K3, K3.layer, range(args.n_experts), prefix)
+    except CHECKPOINT_ERRORS as exc:
+        error(f"argument --checkpoint: {message(exc)}")
+    for role, (packed, scales) in proj.items():
+        out_key, in_key = keys[role]
+        d_out, d_in = args.sizes[out_key], args.sizes[in_key]
+        for e, p, s in zip(range(args.n_experts), packed, scales, strict=True):
+            for t, kind, want, rule in ((p, ck.KIMI_K3.packed, (d_out, d_in // 2), "in/2"),
+                                        (s, ck.KIMI_K3.scale, (d_out, d_in // GROUP),
+                                         f"in/{GROUP}")):
+                if tuple(t.shape) != want:
+                    name = ck.KIMI_K3.tensor(prefix, K3.layer, e, role, kind)
+                    error(f"argument --checkpoint: {name} is {tuple(t.shape)}, expected "
+                          f"{want}: config.json's {out_key} {d_out} and {in_key} {d_in} "
+                          f"make each {role} matrix ({d_out}, {d_in}), its {kind} "
+                          f"(out, {rule})")
 
 
 def check(args, error):
@@ -87,6 +123,7 @@ def check(args, error):
                                            prefix):
             if name not in ckpt:
                 error(f"argument --checkpoint: {args.checkpoint} lacks {name}")
+        _check_shapes(args, ckpt, prefix, error)
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
@@ -97,10 +134,16 @@ def check(args, error):
     if args.dir is not None:
         writable_folder(args.dir, "argument --dir", error)
     # only rank 0 writes the figures (on its own machine: not checked on the others)
-    if args.json and os.environ.get("RANK", "0") == "0":
-        writable(args.json, "argument --json", error)
+    if os.environ.get("RANK", "0") == "0":
+        reads = [] if args.checkpoint is None else [
+            (path, f"a file of the checkpoint {args.checkpoint!r}")
+            for path in ck.checkpoint_files(ckpt)]
+        outputs([(args.json, "argument --json")], error, reads=reads,
+                checkpoints=[args.checkpoint] if args.checkpoint is not None else [])
+    # each token's float32 router scores over the experts and its hidden state in and out
     memory(max(args.tokens) * 4 * (args.n_experts + 2 * args.sizes["hidden_size"]),
-           "argument --tokens", error)
+           "argument --tokens" if args.checkpoint is None else
+           "arguments --tokens and --checkpoint (its hidden_size and experts)", error)
 
 
 def _init_process_group():
@@ -123,15 +166,23 @@ def _share(n, rank, world):
 
 def run(args):
     rank, world = _init_process_group()
+    made = [None]  # the layer rank 0 writes: removed however the run ends, unless --keep
+    try:
+        return _run(args, rank, world, made)
+    finally:
+        if made[0] is not None and not args.keep:
+            shutil.rmtree(made[0], ignore_errors=True)
+
+
+def _run(args, rank, world, made):
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
     n_exp, top_k = args.n_experts, K3.top_k(args.sizes)
     per_expert = K3.expert_bytes(args.sizes)
-    folder = [None]
-    if rank == 0:
-        folder[0] = args.checkpoint or tempfile.mkdtemp(prefix="mxfp4x-ep-", dir=args.dir)
-        if not args.checkpoint:
-            K3.write(folder[0], n_exp)
+    folder = [args.checkpoint]
+    if rank == 0 and not args.checkpoint:
+        folder[0] = made[0] = tempfile.mkdtemp(prefix="mxfp4x-ep-", dir=args.dir)
+        K3.write(folder[0], n_exp)
     dist.broadcast_object_list(folder, src=0)
     dist.barrier()
     e0, e1 = _share(n_exp, rank, world)
@@ -188,6 +239,4 @@ def run(args):
                 json.dump(rows, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0 and not args.checkpoint and not args.keep:
-        shutil.rmtree(folder[0], ignore_errors=True)
     return 0

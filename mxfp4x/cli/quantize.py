@@ -1,12 +1,13 @@
 """float tensors of a .safetensors file -> MXFP4 (<name>_blocks, <name>_scales)
 
 Groups of 32 run along the last dimension; the scale rule is one of OCP MX v1.0's. The
-output may be the input itself: it is replaced whole once written."""
+output may be the input itself: it is replaced whole once written. The input's
+__metadata__ entries are kept, beside ours (mxfp4x, scale_rule), which win on a clash."""
 import mxfp4x
 from mxfp4x._format import GROUP
 from mxfp4x.checkpoints import safetensors as _safetensors
 
-from ._args import existing_file, message, writable
+from ._args import existing_file, message, outputs
 
 
 def add_arguments(parser):
@@ -31,7 +32,8 @@ def check(args, error):
     """Opens the input (headers only) and chooses its tensors: ``args.source``,
     ``args.chosen``."""
     existing_file(args.input, "argument input", error)
-    writable(args.output, "argument output", error)
+    # the input read is no refusal here: written over in place is what quantize f f means
+    outputs([(args.output, "argument output")], error)
     try:
         args.source = _safetensors.SafeTensorsFile(args.input)
         # views of the mapping: no bytes are read, but every entry's dtype is checked
@@ -68,8 +70,9 @@ def run(args):
             out[name] = t
     # the kept tensors are views of the input's mapping: save_file replaces the output
     # whole, so writing over the input itself (output == input) is safe
-    _safetensors.save_file(out, args.output, {"mxfp4x": mxfp4x.__version__,
-                                              "scale_rule": args.scale_rule})
+    metadata = {**args.source.metadata, "mxfp4x": mxfp4x.__version__,
+                "scale_rule": args.scale_rule}
+    _safetensors.save_file(out, args.output, metadata)
     n_q = len(args.chosen)
     print(f"quantized {n_q} tensors, kept {len(out) - 2 * n_q} as they were -> {args.output}")
     return 0

@@ -8,7 +8,9 @@ holding expert tensors) is hashed from its file's byte range and compared with t
 the loader maps for the kernels, and with a manifest if given (each of its entries is
 checked). In a GGUF file the expert tensors are blk.L.ffn_{gate,up,down}_exps.weight,
 hashed as stored (MXFP4 blocks, scale byte first); one in another type than MXFP4 is a
-mismatch. Exit status 1 on any mismatch, and when nothing was checked."""
+mismatch. Exit status 1 on any mismatch, and when nothing was checked (no expert's
+bytes). --write-manifest writes the hashes only when everything matched, and never
+over the --manifest file or a file of the checkpoint."""
 import json
 import os
 import sys
@@ -21,12 +23,12 @@ from mxfp4x.checkpoints.gguf import GGUFCheckpoint, is_gguf
 
 from ._args import (
     CHECKPOINT_ERRORS,
-    existing_file,
-    existing_path,
+    checkpoint_inputs,
     message,
     nonnegative_int,
-    same_file,
-    writable,
+    outputs,
+    read_file,
+    regular_inputs,
 )
 
 
@@ -40,12 +42,9 @@ def add_arguments(parser):
 
 
 def _manifest(path, error):
-    existing_file(path, "argument --manifest", error)
+    raw = read_file(path, "argument --manifest", error)
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
-    except OSError as exc:
-        error(f"argument --manifest: {exc}")
+        doc = json.loads(raw)
     except ValueError as exc:
         error(f"argument --manifest: {path} is not valid JSON ({exc})")
     try:
@@ -57,7 +56,7 @@ def _manifest(path, error):
 def check(args, error):
     """Opens the checkpoint (headers only) and reads the manifest: ``args.opened``,
     ``args.hashes``."""
-    existing_path(args.checkpoint, "argument checkpoint", error)
+    checkpoint_inputs(args.checkpoint, "argument checkpoint", error)
     args.gguf = os.path.isfile(args.checkpoint) and is_gguf(args.checkpoint)
     try:
         if args.gguf:
@@ -75,6 +74,7 @@ def check(args, error):
             files = ck.checkpoint_files(args.opened)
     except CHECKPOINT_ERRORS as exc:
         error(f"argument checkpoint: {message(exc)}")
+    regular_inputs(files, "argument checkpoint", error)
     if not available:
         error(f"argument checkpoint: {args.checkpoint} holds no {kind} expert tensors: "
               f"nothing to verify")
@@ -85,12 +85,13 @@ def check(args, error):
             error(f"argument --layers: layer {layer} has no expert tensors in "
                   f"{args.checkpoint} (its expert layers: {available})")
     args.hashes = _manifest(args.manifest, error) if args.manifest else None
-    if args.write_manifest:
-        writable(args.write_manifest, "argument --write-manifest", error)
-        for path in files:
-            if same_file(args.write_manifest, path):
-                error(f"argument --write-manifest: {args.write_manifest!r} is a file of the "
-                      f"checkpoint")
+    # the manifest read is the reference: writing over it would replace it by the hashes
+    # of the files it is meant to check
+    reads = [(path, f"a file of the checkpoint {args.checkpoint!r}") for path in files]
+    if args.manifest:
+        reads.append((args.manifest, "the manifest of --manifest"))
+    outputs([(args.write_manifest, "argument --write-manifest")], error, reads=reads,
+            checkpoints=[args.checkpoint])
 
 
 def run(args):
@@ -103,7 +104,8 @@ def run(args):
         return 1
     for name, what in report["mismatches"][:20]:
         print(f"MISMATCH {name}: {what}")
-    if args.write_manifest:
+    failed = bool(report["mismatches"]) or not report["bytes"]
+    if args.write_manifest and not failed:
         with atomic_write(args.write_manifest, "w") as f:
             json.dump(report["hashes"], f, indent=0, sort_keys=True)
     other = report["manifest_other"]
@@ -113,4 +115,9 @@ def run(args):
           + ("the bytes handed to the kernels are the file's bytes"
              + (" and match the manifest" if args.hashes is not None else "")
              if not report["mismatches"] else f"{len(report['mismatches'])} MISMATCHES"))
-    return 1 if report["mismatches"] or not report["checked"] else 0
+    if args.write_manifest and failed:
+        # a manifest is a reference: one written from files that failed would vouch for
+        # their bad bytes
+        print(f"--write-manifest: {args.write_manifest} not written: the checkpoint "
+              f"failed verification", file=sys.stderr)
+    return 1 if failed else 0

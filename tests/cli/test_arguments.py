@@ -61,7 +61,10 @@ def files(tmp_path):
     (tmp_path / "list.json").write_text('["a", "b"]')
     (tmp_path / "hex.json").write_text(json.dumps({PREFIX.format(1) + "0.w1.weight_packed":
                                                    "abc"}))
-    for name in ("f.st", "none.st", "clash.st", "garbage", "list.json", "hex.json"):
+    (tmp_path / "sha256.json").write_text(json.dumps({PREFIX.format(1) + "0.w1.weight_packed":
+                                                      "0" * 64}))
+    for name in ("f.st", "none.st", "clash.st", "garbage", "list.json", "hex.json",
+                 "sha256.json"):
         paths[name.replace(".", "_")] = str(tmp_path / name)
     (paths["gguf"],) = tiny_gguf(tmp_path / "m.gguf", layers=(0, 2))
     paths["split"] = tiny_gguf(tmp_path / "s.gguf", split=2)[0]
@@ -96,6 +99,9 @@ BAD = [  # argv ({placeholders}), what the error line must name
     (["bench", "--json", "{tmp}"], "--json"),
     (["bench", "--plot", "{tmp}/gflops.png"], "--plot"),
     pytest.param(["bench", "--tokens", str(10 ** 15)], "--tokens", marks=pytest.mark.skipif(
+        not _memory_known(), reason="no physical memory size here")),
+    # the calls made ahead of the timing: --repeats of them, not --tokens alone
+    pytest.param(["bench", "--repeats", str(10 ** 9)], "--repeats", marks=pytest.mark.skipif(
         not _memory_known(), reason="no physical memory size here")),
     (["info", "--jsn"], "--jsn"),
     (["info", "{missing}.gguf"], "file"),
@@ -135,6 +141,13 @@ BAD = [  # argv ({placeholders}), what the error line must name
     (["verify", "{gguf}", "--write-manifest", "{gguf}"], "--write-manifest"),
     (["verify", "{split}", "--write-manifest", "{tmp}/s-00002-of-00002.gguf"],
      "--write-manifest"),
+    # an output never replaces an input, nor joins the checkpoint folder read
+    (["verify", "{k3}", "--manifest", "{sha256_json}", "--write-manifest", "{sha256_json}"],
+     "--write-manifest"),
+    (["verify", "{k3}", "--write-manifest", "{k3}/sha256.safetensors"], "--write-manifest"),
+    (["verify", "{gguf}", "--write-manifest", "{tmp}/sha256.gguf"], "--write-manifest"),
+    (["verify", "{gguf}", "--manifest", "{sha256_json}", "--write-manifest",
+      "{tmp}/./sha256.json"], "--write-manifest"),
     (["layer", "--experts", "0"], "--experts"),
     (["layer", "--experts", "-5"], "--experts"),
     (["layer", "--experts", "897"], "--experts"),
@@ -156,6 +169,14 @@ BAD = [  # argv ({placeholders}), what the error line must name
     (["ep-bench", "--checkpoint", "{k3}", "--experts", "17"], "--experts"),  # it holds 16
     (["ep-bench", "--dir", "{missing}"], "--dir"),
     (["ep-bench", "--json", "{missing}/x.json"], "--json"),
+    (["ep-bench", "--checkpoint", "{k3}", "--experts", "16", "--json", "{k3}/config.json"],
+     "--json"),
+    (["ep-bench", "--checkpoint", "{k3}", "--experts", "16", "--json",
+      "{k3}/model-00002-of-00002.safetensors"], "--json"),
+    (["ep-bench", "--checkpoint", "{k3}", "--experts", "16", "--json",
+      "{k3}/model.safetensors.index.json"], "--json"),
+    (["ep-bench", "--checkpoint", "{k3}", "--experts", "16", "--json",
+      "{k3}/figures.safetensors"], "--json"),
     (["nonsense"], "nonsense"),
 ]
 
@@ -204,3 +225,37 @@ def test_layer_makes_its_folder(files, no_work, cli_main, keep):
         assert written.startswith("mxfp4x-kimi-k3-")
     else:
         assert not os.path.exists(files["missing"])
+
+
+def _k3_with_config(folder, make_k3, **sizes):
+    """A tiny Kimi K3 checkpoint whose config.json then says ``sizes``."""
+    make_k3(folder, [1])
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["text_config"].update(sizes)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return str(folder)
+
+
+@pytest.mark.parametrize("sizes,names", [
+    # the files' experts are (64, 128) gate/up and (128, 64) down
+    (dict(moe_intermediate_size=96),
+     [PREFIX.format(1) + "0.w1.weight_packed is (64, 64), expected (96, 64)"]),
+    (dict(routed_expert_hidden_size=256),
+     [PREFIX.format(1) + "0.w1.weight_packed is (64, 64), expected (64, 128)"]),
+    (dict(moe_intermediate_size=100), ["moe_intermediate_size is 100", "multiple of 32"]),
+], ids=["ff", "latent", "not-whole-groups"])
+def test_ep_bench_checkpoint_shapes_are_checked_against_its_config(
+        tmp_path, make_k3, no_work, cli_main, sizes, names):
+    """The tokens are made in config.json's sizes: a tensor of another shape is refused
+    with the checkpoint, naming it and the shape expected (it used to be a traceback from
+    the experts' module, exit status 1, after the process group had started)."""
+    folder = _k3_with_config(tmp_path / "ck", make_k3, **sizes)
+    code, _, err = cli_main("ep-bench", "--checkpoint", folder, "--experts", "16")
+    assert code == 2, err
+    (line,) = [line for line in err.splitlines() if "error:" in line]
+    assert "argument --checkpoint: " in line
+    for name in names:
+        assert name in line

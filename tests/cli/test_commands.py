@@ -5,6 +5,8 @@ import argparse
 import json
 import os
 import pkgutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -53,6 +55,53 @@ def test_check_passes(cli_run):
     out = cli_run("check")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all checks passed" in out.stdout
+
+
+# a wrong kernel (every output off by one, or a column short), then the result checks:
+# under python -O, which strips assert statements, they must still fail
+WRONG_UNDER_O = """
+import sys
+import numpy as np
+import mxfp4x
+from mxfp4x import cli
+from mxfp4x.cli import bench
+from mxfp4x.testing.layers import assert_matches_reference, random_layer
+
+if __debug__:
+    sys.exit("not run with python -O")
+right = mxfp4x.mxfp4_experts
+layer = random_layer(np.random.default_rng(0), 3, 2, 4, 40, 2)
+y = right(**layer)
+passed = []
+for what, wrong in (("values", y + 1.0), ("shape", y[:, :-1])):
+    try:
+        assert_matches_reference(wrong, layer)
+        passed.append(what)
+    except AssertionError:
+        pass
+mxfp4x.mxfp4_experts = lambda *a, **k: right(*a, **k) + 1.0
+call = tuple(layer[k] for k in ("latent_tokens", "selected_experts", "mixture_weights",
+                                "shared_output"))
+try:
+    bench._check_result(call, layer["packed_weights"], layer["scale_bytes"], 40)
+    passed.append("bench")
+except AssertionError:
+    pass
+print("passed wrongly:", passed)
+sys.exit(cli.main(["check"]))
+"""
+
+
+def test_result_checks_fail_on_wrong_results_under_python_O(tmp_path):
+    """The self-test and bench's result check test something under ``python -O`` too:
+    assert_matches_reference was bare ``assert`` statements, which -O strips (``check``
+    passed a kernel off by one)."""
+    out = subprocess.run([sys.executable, "-O", "-c", WRONG_UNDER_O], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert "passed wrongly: []" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "checks FAILED" in out.stdout and "all checks passed" not in out.stdout
+    assert "FAILED: AssertionError: error " in out.stdout
 
 
 def test_quantize_file(tmp_path, cli_run):
