@@ -13,7 +13,7 @@ from ._quantize import quantize
 from ._validation import WeakGroup, as_tensor
 from ._validation import bytes_by_view as as_bytes
 from .checkpoints.safetensors import SafeTensorsCheckpoint
-from .models._common import bytes_of, expert_range_of
+from .models._common import BytesByView, bytes_of, expert_range_of
 from .models.gpt_oss import (  # noqa: F401
     GptOssExperts,
     GptOssMoE,
@@ -26,7 +26,7 @@ __all__ = ["MXFP4Experts", "GptOssExperts", "GptOssMoE", "GptOssRouter",
            "load_gpt_oss_experts", "KimiK3Experts", "KimiK3MoE", "KimiK3Router"]
 
 
-class MXFP4Experts(torch.nn.Module):
+class MXFP4Experts(BytesByView):
     """E experts W_e (d_out x d_in) stored in MXFP4: buffers ``packed_weights``
     (E, d_out, d_in/32, 16) and ``scale_bytes`` (E, d_out, d_in/32), uint8; or, built by
     ``from_packed(blocks, None)``, ``packed_weights`` (E, d_out, d_in/32, 17) holding GGUF
@@ -38,9 +38,13 @@ class MXFP4Experts(torch.nn.Module):
     Expert-parallel: built with ``expert_range=(e0, e1)`` (the buffers then hold experts
     e0..e1-1) and ``group`` (torch.distributed), its forward is
     :func:`mxfp4x.distributed.mxfp4_experts` (bit-identical to one process).
+
+    ``load_state_dict`` reads int8 and float8_e8m0fnu entries for the buffers by view
+    (the bytes themselves), as the checkpoint readers do.
     """
 
     group = WeakGroup()  # held weakly: _validation.WeakGroup
+    _byte_buffers = ("packed_weights", "scale_bytes")
 
     packed_weights: torch.Tensor
     scale_bytes: Optional[torch.Tensor]

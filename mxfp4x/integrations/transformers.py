@@ -49,6 +49,8 @@ from .. import _dense
 from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import GROUP, GROUP_BYTES, accumulation_dtype
 from .._quantize import SCALE_RULES, quantize
+from .._validation import bytes_by_view
+from ..models._common import BytesByView, view_loaded_bytes_hook
 from ..models.gpt_oss import gpt_oss_experts
 
 __all__ = ["from_pretrained", "Mxfp4xConfig", "Mxfp4xHfQuantizer", "GptOssMxfp4Experts",
@@ -103,7 +105,7 @@ class Mxfp4xConfig(QuantizationConfigMixin):
                 f"modules_to_not_convert={self.modules_to_not_convert})")
 
 
-class GptOssMxfp4Experts(torch.nn.Module):
+class GptOssMxfp4Experts(BytesByView):
     """transformers' ``GptOssExperts`` with its experts in MXFP4: the same forward
     signature ``(hidden_states (T, H), router_indices (T, K), routing_weights (T, K))``,
     computed as :class:`mxfp4x.nn.GptOssExperts` computes it (autograd included: the
@@ -114,8 +116,17 @@ class GptOssMxfp4Experts(torch.nn.Module):
     ``gate_up_proj_scales`` (E, 2F, H/32), ``down_proj_blocks`` (E, H, F/32, 16),
     ``down_proj_scales`` (E, H, F/32), uint8; parameters ``gate_up_proj_bias`` (E, 2F) and
     ``down_proj_bias`` (E, H). Built empty (on the meta device while transformers loads),
-    filled by the loader."""
+    filled by the loader.
 
+    The bytes are read by view, never cast by value: a tensor put in a buffer's place
+    (transformers' loader assigns them) or loaded by ``load_state_dict``, typed int8 or
+    float8_e8m0fnu as checkpoints may store them, becomes its uint8 view (a cast would turn
+    E8M0 byte s into the integer part of 2^(s-127), 0 below 127); any other dtype is a
+    TypeError naming the buffer."""
+
+    _byte_buffers = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                     "down_proj_scales")
+    _mxfp4x_name = ""  # the module's name in the model, for errors ("model.layers.0...")
     gate_up_proj_blocks: torch.Tensor
     gate_up_proj_scales: torch.Tensor
     down_proj_blocks: torch.Tensor
@@ -140,6 +151,15 @@ class GptOssMxfp4Experts(torch.nn.Module):
         self.register_buffer("down_proj_scales", torch.zeros((e, h, f // GROUP), dtype=u8))
         self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros((e, 2 * f), dtype=bias_dtype))
         self.down_proj_bias = torch.nn.Parameter(torch.zeros((e, h), dtype=bias_dtype))
+
+    def __setattr__(self, name, value):
+        if name in self._byte_buffers and isinstance(value, torch.Tensor) and \
+                value.dtype != torch.uint8:
+            viewed = bytes_by_view(self._mxfp4x_name + name, value)
+            if getattr(value, "_is_hf_initialized", False):  # transformers' loaded mark
+                viewed._is_hf_initialized = True  # type: ignore[attr-defined]
+            value = viewed
+        super().__setattr__(name, value)
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
@@ -208,6 +228,9 @@ def _swap_to_mxfp4(name, module):
             module.register_buffer(weight + "_scales", torch.empty((e, o, i // GROUP),
                                                                    dtype=torch.uint8))
     module._mxfp4x_weights = tuple(shapes)
+    # load_state_dict reads int8 / float8_e8m0fnu entries for the bytes by view
+    module._mxfp4x_byte_buffers = tuple(shapes) + tuple(w + "_scales" for w in shapes)
+    module.register_load_state_dict_pre_hook(view_loaded_bytes_hook)
     # every experts module of the model reads this (shared) config: the ones left dense by
     # modules_to_not_convert go on with the implementation they had (mxfp4x_experts_forward)
     config = module.config
@@ -363,8 +386,22 @@ class Mxfp4xHfQuantizer(HfQuantizer):
             with torch.device("meta"):
                 new = GptOssMxfp4Experts(config, bias_dtype=module.gate_up_proj_bias.dtype,
                                          num_threads=self.quantization_config.num_threads)
+            new._mxfp4x_name = name + "."
             model.set_submodule(name, new)
         return model
+
+    def get_new_dtype(self, converter, param, dtype):
+        """The dtype transformers' loader casts a checkpoint tensor to on its way to the
+        model: none for the MXFP4 bytes of an MXFP4 checkpoint.  The loader casts a
+        float-typed tensor (F8_E8M0 scales among them) by value to its parameter's dtype,
+        which would turn each E8M0 scale byte s into the integer part of 2^(s-127), 0 for
+        every scale below 127; the bytes arrive as stored and :class:`GptOssMxfp4Experts`
+        views them (or names a dtype that is not bytes)."""
+        targets = getattr(converter, "target_patterns", None) or ()
+        if any(str(t).rsplit(".", 1)[-1] in GptOssMxfp4Experts._byte_buffers
+               for t in targets):
+            return None
+        return super().get_new_dtype(converter, param, dtype)
 
     def _dense_before_loading(self, model):
         found = _dense_experts_modules(model, self.quantization_config.modules_to_not_convert)

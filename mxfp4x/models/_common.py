@@ -1,16 +1,82 @@
 """What every model family's modules share: the range of experts a module holds, bytes
-checked as the op checks them, and the routing hyperparameters checked."""
+checked as the op checks them (and read by view where a state dict loads them), the
+shapes of a block's tensors and the routing hyperparameters checked."""
 import math
-from typing import Tuple
+import reprlib
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
+import torch
 
-from .._validation import as_tensor, byte_tensor, parse_expert_range
+from .._validation import as_tensor, byte_tensor, bytes_by_view, parse_expert_range
 
 
 def bytes_of(name, t):
     """uint8 bytes, checked as the op checks them (never a silent wrap-around)."""
     return byte_tensor(name, as_tensor(name, t))
+
+
+def view_loaded_bytes(state_dict: dict, prefix: str, names: Iterable[str]) -> None:
+    """The entries ``prefix + name`` of a state dict being loaded into byte buffers, typed
+    int8 or float8_e8m0fnu, replaced by their uint8 views: the bytes themselves, never a
+    cast by value (which turns E8M0 byte s into the integer part of 2^(s-127): 0 for
+    every scale below 127, the usual ones).  Another dtype is a TypeError naming the
+    entry.  torch's ``load_state_dict`` hands each module a dict of its own, so the
+    caller's is untouched (and the replacement is a view of the same bytes anyway)."""
+    for name in names:
+        key = prefix + name
+        t = state_dict.get(key)
+        if isinstance(t, torch.Tensor) and t.dtype != torch.uint8:
+            state_dict[key] = bytes_by_view(f"state_dict[{key!r}]", t)
+
+
+class BytesByView(torch.nn.Module):
+    """A module whose uint8 buffers (``_byte_buffers``) hold MXFP4 bytes: ``load_state_dict``
+    reads int8 and float8_e8m0fnu entries for them by view (:func:`view_loaded_bytes`), as
+    the checkpoint readers do, with ``assign=True`` too."""
+
+    _byte_buffers: Tuple[str, ...] = ()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        view_loaded_bytes(state_dict, prefix, self._byte_buffers)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def view_loaded_bytes_hook(module, state_dict, prefix, *args) -> None:
+    """:func:`view_loaded_bytes` as a ``register_load_state_dict_pre_hook`` hook, for the
+    byte buffers a module of another library's class names in ``_mxfp4x_byte_buffers``
+    (a module-level function: the module still pickles)."""
+    view_loaded_bytes(state_dict, prefix, getattr(module, "_mxfp4x_byte_buffers", ()))
+
+
+def check_tensor(label: str, t, shape: Sequence[Optional[int]], what: str = "",
+                 floating: bool = True) -> torch.Tensor:
+    """``t`` as a tensor of ``shape`` (None: any size along that axis; the rank always
+    counts), a float tensor where ``floating``; a ValueError naming ``label``, its shape
+    and the shape expected otherwise (a wrong shape would broadcast, or index past the
+    tensor, at the first forward)."""
+    want = "(" + ", ".join("*" if n is None else str(n) for n in shape) + \
+        ("," if len(shape) == 1 else "") + ")"
+    about = f" ({what})" if what else ""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{label}: expected a torch tensor of shape {want}{about}, got "
+                        f"{type(t).__name__}")
+    if t.dim() != len(shape) or any(n is not None and n != m
+                                    for n, m in zip(shape, t.shape, strict=True)):
+        raise ValueError(f"{label}: expected shape {want}{about}, got {tuple(t.shape)}")
+    if floating and not t.is_floating_point():
+        raise ValueError(f"{label}: expected a float tensor{about}, got {t.dtype}")
+    return t
+
+
+def check_dims(source: str, expected: Dict[str, Tuple[Optional[int], int, str]]) -> None:
+    """Sizes a config (or GGUF metadata) states against the ones the tensors have:
+    ``expected`` maps the key to (the stated value or None when absent, the tensors'
+    value, which tensors say so); a ValueError naming ``source`` and the key on a
+    difference."""
+    for key, (stated, found, where) in expected.items():
+        if stated is not None and stated != found:
+            raise ValueError(f"{source}: {key} is {stated}, but {where} {found}")
 
 
 def expert_range_of(expert_range, n_local: int, group, *, subset_without_group: bool = False
@@ -53,6 +119,28 @@ def _integer(name: str, value, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
     return int(value)
+
+
+def gguf_integer(ckpt, key: str, low: int = 1) -> int:
+    """GGUF metadata value ``key`` as an int of at least ``low``, stored as one of GGUF's
+    integer types: a float (even 2.0), a bool, a string or an array is refused, never
+    rounded or parsed (llama.cpp reads these keys as integers).  A ValueError naming the
+    file and the key otherwise, a missing key included."""
+    if key not in ckpt.metadata:
+        raise ValueError(f"{ckpt.root}: no {key!r} in the GGUF metadata")
+    value = ckpt.metadata[key]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{ckpt.root}: metadata key {key!r}: expected an integer, got "
+                         f"{type(value).__name__} {reprlib.repr(value)}")
+    if value < low:
+        raise ValueError(f"{ckpt.root}: metadata key {key!r}: expected an integer >= {low}, "
+                         f"got {value}")
+    return int(value)
+
+
+def gguf_integer_if_any(ckpt, key: str, low: int = 1) -> Optional[int]:
+    """:func:`gguf_integer` of a key the file may lack (None then)."""
+    return gguf_integer(ckpt, key, low) if key in ckpt.metadata else None
 
 
 def _real(name: str, value) -> float:

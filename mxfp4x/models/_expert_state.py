@@ -15,6 +15,7 @@ import torch
 
 from .._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 from .._validation import bytes_by_view
+from ._common import BytesByView
 
 
 def _split(name, weights):
@@ -80,15 +81,17 @@ class _Stamped(torch.nn.Module):
             stamp.bump()
 
 
-class ExpertMatrix(_Stamped):
+class ExpertMatrix(BytesByView, _Stamped):
     """One MXFP4 matrix of one expert: buffers ``weight_packed`` (O, in/2) or (O, in/32,
     16) and ``weight_scale`` (O, in/32), uint8, named as Kimi K3's checkpoint names them;
     or, for GGUF blocks (``scale`` None), ``weight_packed`` (O, in/32, 17) and
     ``weight_scale`` None.  Replacing either (assignment, ``load_state_dict(assign=True)``,
     ``.to()``) is seen by the module that holds it; an in-place change of the bytes is
     seen as well (the kernels read the tensors' memory), and so is other memory given to
-    a buffer in place (``.data =``, ``.set_()``: _Weights.current)."""
+    a buffer in place (``.data =``, ``.set_()``: _Weights.current).  ``load_state_dict``
+    reads int8 and float8_e8m0fnu entries by view, as the checkpoint readers do."""
 
+    _byte_buffers = ("weight_packed", "weight_scale")
     weight_packed: torch.Tensor
     weight_scale: Optional[torch.Tensor]
 

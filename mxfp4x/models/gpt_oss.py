@@ -11,18 +11,29 @@ blocks, gate and up split (``blk.L.ffn_{gate,up,down}_exps.{weight,bias}``, the 
 """
 import functools
 import os
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .._api import mxfp4_experts, mxfp4_experts_slots
-from .._format import GGUF_BLOCK_BYTES, GROUP, accumulation_dtype
+from .._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES, accumulation_dtype
 from .._progress import Progress
 from .._validation import WeakGroup, parse_expert_range
 from .._validation import bytes_by_view as as_bytes
 from ..checkpoints.families import gguf_naming, load_gguf_experts
 from ..checkpoints.safetensors import SafeTensorsCheckpoint
-from ._common import _positive, bytes_of, check_routing, expert_range_of
+from ._common import (
+    BytesByView,
+    _integer,
+    _positive,
+    bytes_of,
+    check_dims,
+    check_routing,
+    check_tensor,
+    expert_range_of,
+    gguf_integer,
+    gguf_integer_if_any,
+)
 
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32,
                    experts_per_token=4, num_hidden_layers=24, swiglu_limit=7.0)
@@ -36,10 +47,8 @@ class GptOssRouter(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, top_k: int):
         super().__init__()
-        if weight.dim() != 2 or tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"router: expected a weight (n_experts, hidden) and a bias "
-                             f"(n_experts,), got {tuple(weight.shape)} and "
-                             f"{tuple(bias.shape)}")
+        check_tensor("router weight", weight, (None, None), "n_experts by hidden")
+        check_tensor("router bias", bias, (weight.shape[0],), "one per row of the weight")
         self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.top_k = check_routing(weight.shape[0], top_k, 1, 1, "router")[0]
@@ -50,7 +59,77 @@ class GptOssRouter(torch.nn.Module):
         return idx, torch.softmax(values, dim=-1)
 
 
-class GptOssExperts(torch.nn.Module):
+# the experts' tensors by constructor argument (split layout, then llama.cpp's GGUF form)
+_SPLIT = ("gate_up_blocks", "gate_up_scales", "gate_up_bias", "down_blocks", "down_scales",
+          "down_bias")
+_GGUF = ("gate_blocks", "up_blocks", "gate_bias", "up_bias", "down_blocks", "down_bias")
+
+
+def _bias_rows(name: str, bias, width: int, e_local: int, expert_range) -> int:
+    """The experts a gate/up bias holds (all of them: a module of a range indexes the
+    biases by global id), checked against the blocks' ``e_local`` and ``expert_range``."""
+    check_tensor(name, bias, (None, width), "n_experts by the blocks' rows")
+    rows = bias.shape[0]
+    if expert_range is None and rows != e_local:
+        raise ValueError(f"{name}: expected shape {(e_local, width)} (a row per expert of "
+                         f"the blocks), got {tuple(bias.shape)}")
+    if expert_range is not None and parse_expert_range(expert_range)[1] > rows:
+        raise ValueError(f"{name}: {rows} experts, fewer than expert_range "
+                         f"{parse_expert_range(expert_range)} needs")
+    return rows
+
+
+def check_experts(tensors: Dict[str, torch.Tensor], expert_range=None,
+                  names: Optional[Dict[str, str]] = None) -> Tuple[int, int, int]:
+    """(n_experts, hidden, intermediate) of a gpt-oss experts block's tensors, each one
+    checked against the shapes the others imply: the split layout (``gate_up_blocks``
+    (E, 2F, H/32, 16), ``gate_up_scales`` (E, 2F, H/32), ``down_blocks`` (E, H, F/32,
+    16), ``down_scales`` (E, H, F/32)) or llama.cpp's (``gate_blocks`` and ``up_blocks``
+    (E, F, H/32, 17), ``down_blocks`` (E, H, F/32, 17)); the biases (n_experts, 2F) (or
+    gate and up (n_experts, F)) and (n_experts, H), n_experts = E or, with
+    ``expert_range``, at least its end.  A ValueError naming the tensor (``names``: the
+    file's names for the arguments), its shape and the shape expected."""
+    n = {k: (names or {}).get(k, k) for k in tensors}
+    gguf = "gate_blocks" in tensors
+    width = GGUF_BLOCK_BYTES if gguf else GROUP_BYTES
+    first = "gate_blocks" if gguf else "gate_up_blocks"
+    blocks = check_tensor(n[first], tensors[first], (None, None, None, width),
+                          f"MXFP4 blocks: n_experts, rows, hidden/32, {width}",
+                          floating=False)
+    e, rows, g_h, _ = blocks.shape
+    if gguf:
+        f = rows
+        check_tensor(n["up_blocks"], tensors["up_blocks"], tuple(blocks.shape),
+                     "the up experts, as the gate's", floating=False)
+    else:
+        if rows % 2:
+            raise ValueError(f"{n[first]}: {rows} rows (shape {tuple(blocks.shape)}), "
+                             f"expected an even number (gate and up rows interleaved)")
+        f = rows // 2
+        check_tensor(n["gate_up_scales"], tensors["gate_up_scales"], (e, rows, g_h),
+                     "a scale byte per group of the blocks", floating=False)
+    h = GROUP * g_h
+    if f % GROUP:
+        raise ValueError(f"{n[first]}: an intermediate size of {f} (shape "
+                         f"{tuple(blocks.shape)}), expected a multiple of {GROUP} (the down "
+                         f"experts' groups)")
+    check_tensor(n["down_blocks"], tensors["down_blocks"], (e, h, f // GROUP, width),
+                 f"MXFP4 blocks: n_experts, hidden, intermediate/32, {width}, the "
+                 f"gate/up blocks' sizes", floating=False)
+    if gguf:
+        total = _bias_rows(n["gate_bias"], tensors["gate_bias"], f, e, expert_range)
+        check_tensor(n["up_bias"], tensors["up_bias"], (total, f), "as the gate's bias")
+    else:
+        check_tensor(n["down_scales"], tensors["down_scales"], (e, h, f // GROUP),
+                     "a scale byte per group of the down blocks", floating=False)
+        total = _bias_rows(n["gate_up_bias"], tensors["gate_up_bias"], 2 * f, e,
+                           expert_range)
+    check_tensor(n["down_bias"], tensors["down_bias"], (total, h),
+                 "n_experts by hidden, as the gate/up bias and the blocks")
+    return total, h, f
+
+
+class GptOssExperts(BytesByView):
     """The experts block of gpt-oss, with its expert matrices in MXFP4.
 
     forward(hidden_states (T, H), router_indices (T, K), routing_weights (T, K)) -> (T, H):
@@ -77,6 +156,9 @@ class GptOssExperts(torch.nn.Module):
     """
 
     group = WeakGroup()  # held weakly: _validation.WeakGroup
+    # load_state_dict reads these by view (int8, float8_e8m0fnu), never by value
+    _byte_buffers = ("gate_up_blocks", "gate_up_scales", "gate_blocks", "up_blocks",
+                     "down_blocks", "down_scales")
 
     gate_up_blocks: torch.Tensor
     gate_up_scales: torch.Tensor
@@ -91,13 +173,11 @@ class GptOssExperts(torch.nn.Module):
                  alpha: float = 1.702, num_threads: Optional[int] = None, expert_range=None,
                  group=None):
         super().__init__()
-        e, two_f, g_h, _ = gate_up_blocks.shape
+        self.n_experts, self.hidden_size, self.intermediate_size = check_experts(dict(zip(
+            _SPLIT, (gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
+                     down_bias), strict=True)), expert_range)
+        e = gate_up_blocks.shape[0]
         self.expert_range, self.group = expert_range_of(expert_range, e, group), group
-        if two_f % 2 or down_blocks.shape[:2] != (e, GROUP * g_h) or \
-                down_blocks.shape[2] * GROUP != two_f // 2 or (expert_range is None and
-                                                                gate_up_bias.shape[0] != e):
-            raise ValueError(f"gate_up_blocks {tuple(gate_up_blocks.shape)} and down_blocks "
-                             f"{tuple(down_blocks.shape)} do not form a gpt-oss block")
         self.limit, self.alpha, self.num_threads = float(limit), float(alpha), num_threads
         self.register_buffer("gate_up_blocks", bytes_of("gate_up_blocks", gate_up_blocks))
         self.register_buffer("gate_up_scales", bytes_of("gate_up_scales", gate_up_scales))
@@ -117,27 +197,14 @@ class GptOssExperts(torch.nn.Module):
         """The block from llama.cpp's tensors: GGUF block_mxfp4 blocks gate and up (E, F,
         H/32, 17), down (E, H, F/32, 17), read in place; biases gate, up (E, F) and down
         (E, H). ``kwargs`` as the constructor's."""
-        for name, t in (("gate_blocks", gate_blocks), ("up_blocks", up_blocks),
-                        ("down_blocks", down_blocks)):
-            if t.dim() != 4 or t.shape[3] != GGUF_BLOCK_BYTES:
-                raise ValueError(f"{name}: expected GGUF blocks (E, O, G, {GGUF_BLOCK_BYTES})"
-                                 f", got {tuple(t.shape)}")
-        e, f, g_h, _ = gate_blocks.shape
-        if up_blocks.shape != gate_blocks.shape or tuple(down_blocks.shape[:3]) != (
-                e, GROUP * g_h, f // GROUP) or f % GROUP:
-            raise ValueError(f"gate_blocks {tuple(gate_blocks.shape)}, up_blocks "
-                             f"{tuple(up_blocks.shape)} and down_blocks "
-                             f"{tuple(down_blocks.shape)} do not form a gpt-oss block")
-        if tuple(gate_bias.shape) != tuple(up_bias.shape):
-            raise ValueError(f"gate_bias {tuple(gate_bias.shape)} and up_bias "
-                             f"{tuple(up_bias.shape)} differ")
+        rng, group = kwargs.pop("expert_range", None), kwargs.pop("group", None)
+        dims = check_experts(dict(zip(_GGUF, (gate_blocks, up_blocks, gate_bias, up_bias,
+                                              down_blocks, down_bias), strict=True)), rng)
         gate_up_bias = torch.stack((gate_bias, up_bias), dim=-1).flatten(-2)  # interleaved
         m = cls.__new__(cls)
         torch.nn.Module.__init__(m)
-        rng, group = kwargs.pop("expert_range", None), kwargs.pop("group", None)
-        m.expert_range, m.group = expert_range_of(rng, e, group), group
-        if rng is None and gate_up_bias.shape[0] != e:
-            raise ValueError(f"gate_bias: {gate_bias.shape[0]} experts, the blocks {e}")
+        m.n_experts, m.hidden_size, m.intermediate_size = dims
+        m.expert_range, m.group = expert_range_of(rng, gate_blocks.shape[0], group), group
         m.limit = float(kwargs.pop("limit", 7.0))
         m.alpha = float(kwargs.pop("alpha", 1.702))
         m.num_threads = kwargs.pop("num_threads", None)
@@ -169,13 +236,21 @@ class GptOssExperts(torch.nn.Module):
         rng = kwargs.get("expert_range")
         rng = None if rng is None else parse_expert_range(rng)
 
-        def experts(name):  # bytes typed U8, I8 or F8_E8M0, read by view
-            t = ckpt.get(p + name) if rng is None else ckpt.get_rows(p + name, *rng)
-            return as_bytes(p + name, t)
+        # constructor argument -> the checkpoint's name (gate_up_blocks: gate_up_proj_blocks)
+        names = {arg: p + arg.replace("_blocks", "_proj_blocks").replace(
+            "_scales", "_proj_scales").replace("_bias", "_proj_bias") for arg in _SPLIT}
 
-        return cls(experts("gate_up_proj_blocks"), experts("gate_up_proj_scales"),
-                   ckpt.get(p + "gate_up_proj_bias"), experts("down_proj_blocks"),
-                   experts("down_proj_scales"), ckpt.get(p + "down_proj_bias"), **kwargs)
+        def get(arg):
+            name = names[arg]
+            if arg.endswith("_bias"):
+                return ckpt.get(name)
+            # bytes typed U8, I8 or F8_E8M0, read by view
+            return as_bytes(name, ckpt.get(name) if rng is None else ckpt.get_rows(name, *rng))
+
+        t = {arg: get(arg) for arg in _SPLIT}
+        check_experts(t, kwargs.get("expert_range"),
+                      {arg: _where(ckpt, name) for arg, name in names.items()})
+        return cls(*(t[arg] for arg in _SPLIT), **kwargs)
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
@@ -247,6 +322,7 @@ class GptOssMoE(torch.nn.Module):
 
     def __init__(self, router: GptOssRouter, experts: GptOssExperts):
         super().__init__()
+        check_router(router.weight, router.bias, experts)
         self.router, self.experts = router, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,12 +342,19 @@ class GptOssMoE(torch.nn.Module):
         if gguf is not None:
             naming = gguf_naming(gguf.architecture)
             if top_k is None:
-                top_k = _gguf_int(gguf, "expert_used_count")
-            bias = naming.router_bias or ""  # gpt-oss's router has a bias
-            router = GptOssRouter(gguf.get(naming.router.format(layer=layer)),
-                                  gguf.get(bias.format(layer=layer)), top_k)
-            return cls(router, _gguf_experts(gguf, layer, expert_range=expert_range,
-                                             num_threads=num_threads, group=group))
+                top_k = gguf_integer(gguf, f"{gguf.architecture}.expert_used_count")
+            experts = _gguf_experts(gguf, layer, expert_range=expert_range,
+                                    num_threads=num_threads, group=group)
+            names = (naming.router.format(layer=layer),
+                     (naming.router_bias or "").format(layer=layer))  # gpt-oss's has a bias
+            for name in names:
+                if name not in gguf:
+                    raise ValueError(f"{gguf.root}: no tensor {name!r} (the router of layer "
+                                     f"{layer})")
+            weight, bias = (gguf.get(name) for name in names)
+            check_router(weight, bias, experts,
+                         [f"{gguf.tensor(name).path}: tensor {name!r}" for name in names])
+            return cls(GptOssRouter(weight, bias, top_k), experts)
         ckpt = path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
         from ..checkpoints.families import config_path, read_config
         try:
@@ -287,12 +370,23 @@ class GptOssMoE(torch.nn.Module):
             top_k = config["experts_per_token"]
         # the activation's clamp as the checkpoint states it (gpt-oss: 7.0)
         limit = _positive(f"{source}: swiglu_limit", config.get("swiglu_limit", 7.0))
-        r = ROUTER.format(layer=layer)
-        router = GptOssRouter(ckpt.get(r + "weight"), ckpt.get(r + "bias"), top_k)
         experts = GptOssExperts.from_checkpoint(ckpt, layer, expert_range=expert_range,
                                                 num_threads=num_threads, group=group,
                                                 limit=limit)
-        return cls(router, experts)
+        def stated(key):
+            return _integer(f"{source}: {key}", config[key]) if key in config else None
+        check_dims(source, {
+            "num_local_experts": (stated("num_local_experts"), experts.n_experts,
+                                  "the experts' biases hold"),
+            "hidden_size": (stated("hidden_size"), experts.hidden_size,
+                            "the experts' blocks are"),
+            "intermediate_size": (stated("intermediate_size"), experts.intermediate_size,
+                                  "the experts' blocks are")})
+        r = ROUTER.format(layer=layer)
+        weight, bias = ckpt.get(r + "weight"), ckpt.get(r + "bias")
+        check_router(weight, bias, experts, [_where(ckpt, r + "weight"),
+                                             _where(ckpt, r + "bias")])
+        return cls(GptOssRouter(weight, bias, top_k), experts)
 
 
 def load_gpt_oss_experts(path: str, layers: Optional[Sequence[int]] = None,
@@ -324,11 +418,20 @@ def _gguf_of(path):
     return None
 
 
-def _gguf_int(ckpt, key: str) -> int:
-    full = f"{ckpt.architecture}.{key}"
-    if full not in ckpt.metadata:
-        raise ValueError(f"{ckpt.root}: no {full!r} in the GGUF metadata")
-    return int(ckpt.metadata[full])
+def _where(ckpt: SafeTensorsCheckpoint, name: str) -> str:
+    """A checkpoint tensor named as errors name it: its file and its name."""
+    return f"{ckpt.byte_range(name)[0] if name in ckpt else ckpt.root}: tensor {name!r}"
+
+
+def check_router(weight: torch.Tensor, bias: torch.Tensor, experts: GptOssExperts,
+                 names: Sequence[str] = ("router weight", "router bias")) -> None:
+    """The router's weight (n_experts, hidden) and bias (n_experts,) against the experts
+    they route to: a row per expert the experts' biases hold, the blocks' hidden size (a
+    row short and an expert is never chosen; a row over and a token routed there fails,
+    or reaches an expert of another rank)."""
+    n, h = experts.n_experts, experts.hidden_size
+    check_tensor(names[0], weight, (n, h), "n_experts by hidden, as the experts hold")
+    check_tensor(names[1], bias, (n,), "one per expert")
 
 
 def _gguf_experts(ckpt, layer: int, **kwargs) -> GptOssExperts:
@@ -338,13 +441,26 @@ def _gguf_experts(ckpt, layer: int, **kwargs) -> GptOssExperts:
                          f"'gpt-oss' (llama.cpp's name for gpt-oss GGUF files)")
     naming = gguf_naming(ckpt.architecture)
     blocks = load_gguf_experts(ckpt, layer, kwargs.get("expert_range"), naming=naming)
-
-    def bias(role):
-        name = naming.expert_bias.format(layer=layer, proj=naming.roles[role])
+    names = {f"{role}_blocks": naming.experts.format(layer=layer, proj=naming.roles[role])
+             for role in ("gate", "up", "down")}
+    names.update({f"{role}_bias": str(naming.expert_bias).format(layer=layer,
+                                                                 proj=naming.roles[role])
+                  for role in ("gate", "up", "down")})
+    t = {f"{role}_blocks": blocks[role] for role in ("gate", "up", "down")}
+    for role in ("gate", "up", "down"):
+        name = names[f"{role}_bias"]
         if name not in ckpt:
             raise ValueError(f"{ckpt.root}: no tensor {name!r} (the {role} experts' bias "
                              f"of layer {layer})")
-        return ckpt.get(name)
-
-    return GptOssExperts.from_gguf_blocks(blocks["gate"], blocks["up"], bias("gate"),
-                                          bias("up"), blocks["down"], bias("down"), **kwargs)
+        t[f"{role}_bias"] = ckpt.get(name)
+    total, hidden, ff = check_experts(
+        t, kwargs.get("expert_range"),
+        {arg: f"{ckpt.tensor(name).path}: tensor {name!r}" for arg, name in names.items()})
+    # the sizes the metadata states, where it does (llama.cpp's converter writes them)
+    sizes = ((f"{ckpt.architecture}.expert_count", total, "the experts' biases hold"),
+             (f"{ckpt.architecture}.embedding_length", hidden, "the experts' blocks are"),
+             (f"{ckpt.architecture}.expert_feed_forward_length", ff,
+              "the experts' blocks are"))
+    check_dims(str(ckpt.root), {key: (gguf_integer_if_any(ckpt, key), found, what)
+                                for key, found, what in sizes})
+    return GptOssExperts.from_gguf_blocks(*(t[arg] for arg in _GGUF), **kwargs)

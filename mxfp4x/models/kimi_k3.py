@@ -17,7 +17,7 @@ files (architecture ``kimi-k3``; :func:`from_gguf`): there the experts stay GGUF
 read in place.
 """
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 import torch
@@ -38,7 +38,18 @@ from .._validation import (
 )
 from ..checkpoints import families as ck
 from ..checkpoints.gguf import MXFP4, GGUFCheckpoint, is_gguf
-from ._common import _flag, _integer, _positive, _real, check_routing, expert_range_of
+from ._common import (
+    _flag,
+    _integer,
+    _positive,
+    _real,
+    check_dims,
+    check_routing,
+    check_tensor,
+    expert_range_of,
+    gguf_integer,
+    gguf_integer_if_any,
+)
 from ._expert_state import ExpertMatrix, _ExpertWeights, _matrix_shape, _split, _Stamp, _Weights
 
 
@@ -201,7 +212,9 @@ class KimiK3Experts(torch.nn.Module):
         inside = (sel >= 0) & (sel < len(lookup))
         local = torch.where(inside, lookup[sel.clamp(0, len(lookup) - 1)], -1)
         if bool((local < 0).any()):
-            bad = int(selected_experts[local < 0][0])
+            bad = int(sel[local < 0][0])
+            if bad < 0 and selected_experts.dtype == getattr(torch, "uint64", None):
+                bad += 1 << 64  # an id >= 2^63, wrapped by the int64 view: as passed
             if self.expert_ids == list(range(self.n_local)):
                 raise IndexError(f"selected_experts: expert id {bad} is outside [0, "
                                  f"{self.n_local}) (this module holds {self.n_local} experts)")
@@ -405,6 +418,53 @@ class KimiK3Router(torch.nn.Module):
         return selected, weights * self.scaling
 
 
+# the block's dense tensors: KimiK3MoE's arguments, what each is, and the checkpoint's name
+DENSE_PARTS = {
+    "down_proj": ("the latent down projection", "routed_expert_down_proj.weight"),
+    "norm_weight": ("the latent norm", "routed_expert_norm.weight"),
+    "up_proj": ("the latent up projection", "routed_expert_up_proj.weight"),
+    "shared_gate": ("the shared experts' gate", "shared_experts.gate_proj.weight"),
+    "shared_up": ("the shared experts' up", "shared_experts.up_proj.weight"),
+    "shared_down": ("the shared experts' down", "shared_experts.down_proj.weight"),
+}
+
+
+def dense_shapes(hidden: int, latent: int, d_shared: int) -> Dict[str, tuple]:
+    """The shape of each dense tensor of a block (by :data:`DENSE_PARTS` name) that the
+    router's hidden size, the routed experts' latent size and the shared experts' width
+    imply: what a checkpoint's tensors are checked against, from either file format."""
+    return {"down_proj": (latent, hidden), "norm_weight": (latent,),
+            "up_proj": (hidden, latent), "shared_gate": (d_shared, hidden),
+            "shared_up": (d_shared, hidden), "shared_down": (hidden, d_shared)}
+
+
+def check_block(router_weight: torch.Tensor, experts: "KimiK3Experts",
+                dense: Mapping[str, Optional[torch.Tensor]],
+                names: Optional[Dict[str, str]] = None) -> Dict[str, int]:
+    """Every dense tensor of a block (``dense``: by :data:`DENSE_PARTS` name, the norm
+    None for none) against the shape the router (n_experts, hidden), the routed experts'
+    latent size and the shared experts' gate (d_shared, hidden) imply; the router's
+    experts against the ids ``experts`` holds.  A ValueError naming the tensor (``names``:
+    as the file names it), its shape and the shape expected: a tensor of one row would
+    broadcast, silently, in the forward.  Returns the sizes (hidden, latent, d_shared)."""
+    def name(k):
+        return (names or {}).get(k, k)
+
+    rows, hidden = check_tensor(name("router"), router_weight, (None, None),
+                                "the router: n_experts by hidden").shape
+    if experts.expert_range[1] > rows:
+        raise ValueError(f"{name('router')}: the router scores {rows} experts, but the "
+                         f"routed experts hold ids {experts.expert_range[0]} to "
+                         f"{experts.expert_range[1] - 1}")
+    gate = check_tensor(name("shared_gate"), dense["shared_gate"], (None, hidden),
+                        DENSE_PARTS["shared_gate"][0] + ": d_shared by hidden")
+    shapes = dense_shapes(hidden, experts.d_latent, gate.shape[0])
+    for k, (what, _) in DENSE_PARTS.items():
+        if dense[k] is not None or k != "norm_weight":
+            check_tensor(name(k), dense[k], shapes[k], what)
+    return dict(hidden=hidden, latent=experts.d_latent, d_shared=gate.shape[0])
+
+
 def _rms_norm(y, weight, eps):
     """Moonshot's KimiRMSNorm: normalise in float32 (float64 for float64), then weight."""
     z = y.to(accumulation_dtype(y.dtype))
@@ -434,6 +494,9 @@ class KimiK3MoE(torch.nn.Module):
                  up_proj: torch.Tensor, shared_gate: torch.Tensor, shared_up: torch.Tensor,
                  shared_down: torch.Tensor, norm_eps: float = 1e-5):
         super().__init__()
+        check_block(router.weight, experts, dict(
+            down_proj=down_proj, norm_weight=norm_weight, up_proj=up_proj,
+            shared_gate=shared_gate, shared_up=shared_up, shared_down=shared_down))
         self.router, self.experts = router, experts
         frozen = dict(requires_grad=False)
         self.down_proj = torch.nn.Parameter(down_proj.detach(), **frozen)
@@ -499,30 +562,52 @@ class KimiK3MoE(torch.nn.Module):
         routed = KimiK3Experts(proj["gate"], proj["up"], proj["down"], beta=beta,
                                linear_beta=linear_beta, expert_range=(e0, e1),
                                num_threads=num_threads, group=group)
-        names = ["gate.weight", "gate.e_score_correction_bias",
-                 "routed_expert_down_proj.weight", "routed_expert_up_proj.weight",
-                 "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
-                 "shared_experts.down_proj.weight"]
-        use_norm = config.get("latent_moe_use_norm") and base + "routed_expert_norm.weight" \
-            in ckpt
-        if use_norm:
-            names.append("routed_expert_norm.weight")
-        dense = {n[len(base):]: t for n, t in ckpt.get_many([base + n for n in names]).items()}
-        rows = dense["gate.weight"].shape[0]
+        source = ck.config_path(root)
+        norm_flag = config.get("latent_moe_use_norm")  # missing or null: no norm
+        use_norm = norm_flag is not None and _flag(f"{source}: latent_moe_use_norm",
+                                                   norm_flag)
+        # router, then the dense parts by KimiK3MoE's argument names
+        parts = {"router": "gate.weight", "router_bias": "gate.e_score_correction_bias"}
+        parts.update({k: v[1] for k, v in DENSE_PARTS.items()
+                      if use_norm or k != "norm_weight"})
+        for k, n in parts.items():
+            if base + n not in ckpt:
+                why = (f" ({source} sets latent_moe_use_norm)" if k == "norm_weight" else "")
+                raise ValueError(f"{ckpt.root}: no tensor {base + n!r} "
+                                 f"({DENSE_PARTS.get(k, ('the router',))[0]} of layer "
+                                 f"{layer}){why}")
+        got = ckpt.get_many([base + n for n in parts.values()])
+        dense = {k: got[base + n] for k, n in parts.items()}
+        names = {k: f"{ckpt.byte_range(base + n)[0]}: tensor {base + n!r}"
+                 for k, n in parts.items()}
+        rows = check_tensor(names["router"], dense["router"], (None, None),
+                            "the router: n_experts by hidden").shape[0]
         if rows != n_experts:
-            raise ValueError(f"{base}gate.weight: the router scores {rows} experts, "
+            raise ValueError(f"{names['router']}: the router scores {rows} experts, "
                              f"config.json's num_experts is {n_experts}")
+        norm = dense.get("norm_weight")
+        sizes = check_block(dense["router"], routed, {**dense, "norm_weight": norm}, names)
+
+        def stated(key):
+            return _integer(f"{source}: {key}", config[key]) if key in config else None
+        shared = stated("num_shared_experts")
+        check_dims(source, {
+            "hidden_size": (stated("hidden_size"), sizes["hidden"],
+                            f"tensor {base + parts['router']!r} has columns"),
+            "routed_expert_hidden_size": (stated("routed_expert_hidden_size"),
+                                          sizes["latent"], "the routed experts' latents are"),
+            "moe_intermediate_size": (stated("moe_intermediate_size"), routed.d_ff,
+                                      "the routed experts' width is"),
+            "moe_intermediate_size x num_shared_experts": (
+                None if shared is None else routed.d_ff * shared, sizes["d_shared"],
+                f"tensor {base + parts['shared_gate']!r} has rows")})
         router = KimiK3Router(
-            dense["gate.weight"], dense["gate.e_score_correction_bias"],
+            dense["router"], dense["router_bias"],
             top_k=hyper["num_experts_per_token"], renormalize=hyper["moe_renormalize"],
             scaling=hyper["routed_scaling_factor"], n_group=hyper["num_expert_group"],
             topk_group=hyper["topk_group"])
-        return cls(router, dense["routed_expert_down_proj.weight"], routed,
-                   dense["routed_expert_norm.weight"] if use_norm else None,
-                   dense["routed_expert_up_proj.weight"],
-                   dense["shared_experts.gate_proj.weight"],
-                   dense["shared_experts.up_proj.weight"],
-                   dense["shared_experts.down_proj.weight"],
+        return cls(router, dense["down_proj"], routed, norm, dense["up_proj"],
+                   dense["shared_gate"], dense["shared_up"], dense["shared_down"],
                    norm_eps=hyper["rms_norm_eps"])
 
 
@@ -545,6 +630,7 @@ GGUF_KEYS: Dict[str, str] = {
     "activation_situ_linear_beta": "{arch}.activation.situ_linear_beta",
 }
 _GGUF_OPTIONAL = {"num_expert_group": 1, "topk_group": 1}
+_GGUF_COUNTS = ("num_experts", "num_experts_per_token", "num_expert_group", "topk_group")
 GGUF_GATING_FUNC_KEY = "{arch}.expert_gating_func"
 GGUF_GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -567,7 +653,9 @@ def gguf_config(ckpt: GGUFCheckpoint, config: Optional[dict] = None) -> Dict[str
     for name, key in GGUF_KEYS.items():
         key = key.format(arch=arch)
         if key in ckpt.metadata:
-            value = ckpt.metadata[key]
+            # counts: stored as integers (a float, a bool or a string is refused, as
+            # llama.cpp reads them as integers); the rest checked by block_config
+            value = gguf_integer(ckpt, key) if name in _GGUF_COUNTS else ckpt.metadata[key]
             if name in config and not _same(value, config[name]):
                 raise ValueError(f"{ckpt.root}: {key} is {value!r}, but config gives "
                                  f"{name} = {config[name]!r}")
@@ -580,7 +668,7 @@ def gguf_config(ckpt: GGUFCheckpoint, config: Optional[dict] = None) -> Dict[str
             raise ValueError(f"{ckpt.root}: metadata key {key!r} is missing; pass "
                              f"config={{{name!r}: ...}} (config.json's value) to "
                              f"from_checkpoint")
-    gating = ckpt.metadata.get(GGUF_GATING_FUNC_KEY.format(arch=arch))
+    gating = gguf_integer_if_any(ckpt, GGUF_GATING_FUNC_KEY.format(arch=arch), low=0)
     if gating is not None and gating != GGUF_GATING_SIGMOID:
         raise ValueError(f"{ckpt.root}: {GGUF_GATING_FUNC_KEY.format(arch=arch)} is "
                          f"{gating!r}; Kimi K3's router is sigmoid ({GGUF_GATING_SIGMOID})")
@@ -650,21 +738,30 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
     gate_w = _gguf_dense(ckpt, router_name, (n_experts, hidden), "the router")
     bias = _gguf_dense(ckpt, str(naming.router_bias).format(layer=layer), (n_experts,),
                        "the router's score-correction bias")
-    down_name, up_name, norm_name = (n.format(layer=layer) for n in naming.other)
-    down = _gguf_dense(ckpt, down_name, (latent, hidden), "the latent down projection")
-    up = _gguf_dense(ckpt, up_name, (hidden, latent), "the latent up projection")
-    norm = _gguf_dense(ckpt, norm_name, (latent,), "the latent norm") \
-        if norm_name in ckpt else None
     shared_name = str(naming.shared)
     sg_name = shared_name.format(layer=layer, proj="gate")
     if sg_name not in ckpt:
         raise ValueError(f"{ckpt.root}: no tensor {sg_name!r} (the shared experts' gate)")
     d_shared = ckpt.tensor(sg_name).shape[0]
-    sg = _gguf_dense(ckpt, sg_name, (d_shared, hidden), "the shared experts' gate")
-    su = _gguf_dense(ckpt, shared_name.format(layer=layer, proj="up"), (d_shared, hidden),
-                     "the shared experts' up")
-    sd = _gguf_dense(ckpt, shared_name.format(layer=layer, proj="down"), (hidden, d_shared),
-                     "the shared experts' down")
+    # the shapes the safetensors path and KimiK3MoE check too (dense_shapes)
+    shapes = dense_shapes(hidden, latent, d_shared)
+    down_name, up_name, norm_name = (n.format(layer=layer) for n in naming.other)
+    gguf_names = {"down_proj": down_name, "up_proj": up_name, "norm_weight": norm_name,
+                  **{f"shared_{p}": shared_name.format(layer=layer, proj=p)
+                     for p in ("gate", "up", "down")}}
+    dense = {k: _gguf_dense(ckpt, gguf_names[k], shapes[k], DENSE_PARTS[k][0])
+             for k in DENSE_PARTS if k != "norm_weight" or norm_name in ckpt}
+    down, up, norm = dense["down_proj"], dense["up_proj"], dense.get("norm_weight")
+    sg, su, sd = dense["shared_gate"], dense["shared_up"], dense["shared_down"]
+    # the sizes the metadata states, where it does
+    sizes = ((f"{ckpt.architecture}.embedding_length", hidden,
+              f"tensor {router_name!r} has columns"),
+             (f"{ckpt.architecture}.expert_latent_length", latent,
+              "the routed experts' latents are"),
+             (f"{ckpt.architecture}.expert_feed_forward_length", routed.d_ff,
+              "the routed experts' width is"))
+    check_dims(str(ckpt.root), {key: (gguf_integer_if_any(ckpt, key), found, what)
+                                for key, found, what in sizes})
     router = KimiK3Router(gate_w, bias, top_k=cfg["num_experts_per_token"],
                           renormalize=cfg["moe_renormalize"],
                           scaling=cfg["routed_scaling_factor"],

@@ -601,3 +601,18 @@ def test_mxfp4experts_module_checks_before_it_builds(rng):
     x = torch.from_numpy(rng.standard_normal((3, 32))).float()
     ids, mix = torch.tensor([[0], [1], [0]]), torch.ones(3, 1)
     assert torch.equal(n(x, ids, mix), m(x, ids, mix))
+
+
+def test_k3_experts_report_uint64_ids_at_or_above_2_63_as_passed(rng):
+    """KimiK3Experts checks its ids as the op does: a uint64 id >= 2^63 is an IndexError
+    with the value passed, not an overflow of its int64 view."""
+    if getattr(torch, "uint64", None) is None:
+        pytest.skip("this torch has no uint64")
+    from mxfp4x import nn
+
+    def q(o, i):
+        return mxfp4x.quantize(torch.from_numpy(rng.standard_normal((2, o, i))).float())
+    m = nn.KimiK3Experts(q(32, 32), q(32, 32), q(32, 32))
+    sel = torch.tensor([[2 ** 63 + 1]], dtype=torch.uint64)
+    with pytest.raises(IndexError, match=f"expert id {2 ** 63 + 1} is outside"):
+        m(torch.ones(1, 32), sel, torch.ones(1, 1))

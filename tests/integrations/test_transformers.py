@@ -233,6 +233,75 @@ def test_torch_compile_forward(models, backend):
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
+def _retyped(checkpoint, folder, retype):
+    """The checkpoint with each expert tensor passed through ``retype(name, tensor)``."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: retype(k, v).contiguous() for k, v in tensors.items()},
+              os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(os.path.join(checkpoint, "config.json"), folder)
+    return str(folder)
+
+
+E8M0 = getattr(torch, "float8_e8m0fnu", None)
+BYTE_TENSORS = tuple(t for t in EXPERT_TENSORS if not t.endswith("_bias"))
+
+
+@pytest.mark.skipif(E8M0 is None, reason="no float8_e8m0fnu in this torch")
+def test_expert_bytes_typed_e8m0_or_int8_load_by_view(models, checkpoint, tmp_path):
+    """Scales stored F8_E8M0 and blocks I8 (the same bytes, as other files of the format
+    type them): transformers' loader cast the scales by value into the uint8 buffers
+    (byte s -> 2^(s-127) truncated: 0 below 127, wrong logits, silently), and int8 blocks
+    failed at the first forward.  They arrive by view: the same buffers and logits."""
+    def retype(name, t):
+        if name.endswith("_scales"):
+            return t.view(E8M0)
+        return t.view(torch.int8) if name.endswith("_blocks") else t
+    folder = _retyped(checkpoint, tmp_path / "typed", retype)
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.experts.down_proj_scales").dtype == E8M0
+    ours, _ = models
+    typed = _ours(folder)
+    for layer in range(SIZES["num_hidden_layers"]):
+        got, want = typed.model.layers[layer].mlp.experts, ours.model.layers[layer].mlp.experts
+        for name in BYTE_TENSORS:
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == torch.uint8 and torch.equal(a, b), (layer, name)
+    ids = _tokens(seed=6)
+    with torch.no_grad():
+        assert torch.equal(typed(ids).logits, ours(ids).logits)
+    # scales stored as float numbers are not bytes: refused, naming the buffer
+    floats = _retyped(checkpoint, tmp_path / "floats",
+                      lambda n, t: t.float() if n.endswith("_scales") else t)
+    with pytest.raises(TypeError, match=r"model\.layers\.0\.mlp\.experts\."
+                                        r"(gate_up|down)_proj_scales: expected bytes"):
+        _ours(floats)
+
+
+@pytest.mark.skipif(E8M0 is None, reason="no float8_e8m0fnu in this torch")
+def test_load_state_dict_reads_typed_bytes_by_view(models):
+    import copy
+
+    ours, _ = models
+    experts = ours.model.layers[0].mlp.experts
+    state = experts.state_dict()
+    typed = {k: v.view(E8M0) if k.endswith("_scales") else
+             v.view(torch.int8) if k.endswith("_blocks") else v for k, v in state.items()}
+    for assign in (False, True):
+        other = copy.deepcopy(experts)
+        with torch.no_grad():
+            for name in BYTE_TENSORS:
+                getattr(other, name).zero_()
+        other.load_state_dict(typed, assign=assign)
+        for name in BYTE_TENSORS:
+            assert getattr(other, name).dtype == torch.uint8
+            assert torch.equal(getattr(other, name), state[name]), (assign, name)
+
+
 def test_refuses_a_checkpoint_quantized_otherwise(tmp_path):
     config = transformers.GptOssConfig(**SIZES)
     config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}

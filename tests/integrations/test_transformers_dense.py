@@ -98,6 +98,28 @@ def test_experts_are_mxfp4_buffers(loaded):
             assert any(".experts.3.gate_proj.weight" in k for k in f.keys())
 
 
+@pytest.mark.skipif(getattr(torch, "float8_e8m0fnu", None) is None,
+                    reason="no float8_e8m0fnu in this torch")
+def test_load_state_dict_reads_typed_bytes_by_view(loaded):
+    """A state dict whose scale bytes are typed float8_e8m0fnu (and the packed bytes
+    int8): loaded by view, not cast by value (byte s -> 2^(s-127))."""
+    import copy
+
+    module = _experts(loaded[2])[0]
+    names = [n for w in module._mxfp4x_weights for n in (w, w + "_scales")]
+    state = module.state_dict()
+    typed = {k: v.view(torch.float8_e8m0fnu) if k.endswith("_scales") else
+             v.view(torch.int8) if k in names else v for k, v in state.items()}
+    other = copy.deepcopy(module)
+    with torch.no_grad():
+        for name in names:
+            getattr(other, name).zero_()
+    other.load_state_dict(typed)
+    for name in names:
+        assert getattr(other, name).dtype == torch.uint8
+        assert torch.equal(getattr(other, name), state[name]), name
+
+
 def test_logits_match_the_dequantized_model_and_report_the_cost(loaded):
     family, _, ours, dense, deq = loaded
     ids = _tokens()
