@@ -64,6 +64,7 @@ from .._format import GROUP_BYTES
 from .._progress import Progress
 from .._validation import bytes_by_view as as_bytes
 from .._validation import parse_expert_range
+from ._header import open_regular_file
 from .gguf import MXFP4, GGUFCheckpoint
 from .safetensors import SafeTensorsCheckpoint
 
@@ -114,10 +115,10 @@ def read_config(path: str) -> dict:
         raise FileNotFoundError(f"{path}: no such file or folder")
     where = config_path(path)
     folder = os.path.dirname(where)
-    if not os.path.isfile(where):
+    if not os.path.exists(where):
         raise FileNotFoundError(f"{path}: no config.json in {folder} (a checkpoint is a "
                                 f"folder of config.json and .safetensors files)")
-    with open(where, "rb") as f:
+    with open_regular_file(where) as f:  # a named pipe would block: refused
         try:
             config = json.loads(f.read())
         except ValueError as exc:

@@ -39,9 +39,15 @@ is checked against the bytes left in the file before anything proportional to it
 allocated, arrays nest at most ``MAX_ARRAY_DEPTH`` deep, keys and tensor names are unique,
 every tensor's byte range lies inside the data section and overlaps no other, and every
 read is bounded by its own tensor's range.  A malformed file is a ``ValueError`` naming
-the file and the key or tensor.  The file is opened read-only and never written: the
-mapping is copy-on-write, so a tensor is a view of the file's pages until someone
-writes to it (as the safetensors reader does).
+the file and the key or tensor.  Only regular files are opened (symbolic links
+followed): a named pipe, a device or a folder is a ``ValueError`` naming it.  The file
+is opened read-only and never written.  Every call that hands out tensors makes a new
+copy-on-write mapping of just their bytes (as the safetensors reader does): a tensor is
+a view of the file's pages, and a write to it copies the page it touches for that
+call's tensors alone.  Each call checks the file's size then: a file truncated after it
+was opened is a ``ValueError``.  A file truncated or rewritten in place while tensors
+already handed out are in use cannot be guarded against (a bus error, or changed
+numbers): replace a model's file by renaming a new one over it.
 """
 import math
 import operator
@@ -57,7 +63,7 @@ import numpy as np
 import torch
 
 from .._format import E2M1_TABLE, E8M0_BIAS, E8M0_NAN, GROUP
-from ._header import _short
+from ._header import _short, check_regular_file, map_file_bytes, open_regular_file
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -443,12 +449,14 @@ class GGUFFile:
     ``metadata`` (key -> value), ``value_types`` (key -> GGUF value type id),
     ``architecture`` (``general.architecture`` or None), ``tensors`` (name ->
     :class:`GGUFTensorInfo`, in the file's order).  ``get`` returns zero-copy tensors
-    (dequantized ones for block types other than MXFP4).  The file stays open: every
-    mapping is of the file whose header was checked, even if the path is replaced."""
+    (dequantized ones for block types other than MXFP4), each call its own copy-on-write
+    mapping (a write to one never reaches another).  The file stays open until
+    :meth:`close`: every mapping is of the file whose header was checked, even if the
+    path is replaced."""
 
     def __init__(self, path: str):
         self.path = os.fspath(path)
-        fh = open(self.path, "rb")
+        fh = open_regular_file(self.path)
         try:
             size = os.fstat(fh.fileno()).st_size
             version, metadata, types, alignment, data_start, tensors = _parse(
@@ -467,12 +475,13 @@ class GGUFFile:
         arch = metadata.get(ARCHITECTURE_KEY)
         self.architecture: Optional[str] = arch if isinstance(arch, str) else None
         self._size = size
-        self._lock = threading.Lock()
-        self._whole: Optional[np.ndarray] = None
+        self._lock = threading.Lock()  # a mapping and close() never interleave
 
     def close(self) -> None:
-        """Close the file; tensors already returned stay valid (their mappings hold it)."""
-        self._closer()
+        """Close the file; tensors already returned stay valid (their mappings outlive it),
+        and reading another is a ``ValueError`` naming the file."""
+        with self._lock:
+            self._closer()
 
     def __enter__(self) -> "GGUFFile":
         return self
@@ -498,55 +507,61 @@ class GGUFFile:
 
     def get(self, name: str) -> torch.Tensor:
         """A tensor: MXFP4 as its blocks, uint8 ``(..., d_out, n_groups, 17)``, and dense
-        types as themselves, both views of the mapped file; other block types
-        dequantized to float32 (a copy)."""
-        t = self.tensor(name)
-        whole = self._whole
-        if whole is None and t.n_bytes:
-            with self._lock:  # one mapping, published once, whoever asks first
-                if self._whole is None:
-                    self._whole = self._map(0, self._size)
-                whole = self._whole
-        return self._typed(t, self._view(t, whole, 0, None))
+        types as themselves, both views of a new copy-on-write mapping of just its bytes
+        (the caller's own: writes to it are seen by no other call's tensors); other
+        block types dequantized to float32 (a copy)."""
+        t = self._readable(name)
+        mapped = self._map(t.begin, t.end, [name]) if t.n_bytes else None
+        return self._typed(t, self._view(t, mapped, t.begin, None))
 
     def get_raw(self, name: str) -> torch.Tensor:
         """A tensor's bytes, uint8 ``byte_shape`` (for MXFP4 ``(..., n_groups, 17)``;
         a dense type's elements as their bytes, a trailing dimension of the item size),
-        a view of a mapping of just those bytes."""
-        t = self.tensor(name)
-        mapped = self._map(t.begin, t.end) if t.n_bytes else None
+        a view of a new mapping of just those bytes."""
+        t = self._readable(name)
+        mapped = self._map(t.begin, t.end, [name]) if t.n_bytes else None
         return self._view(t, mapped, t.begin, None)
 
     def get_rows(self, name: str, start: int, end: int) -> torch.Tensor:
         """Indices [start, end) of a tensor's first dimension (for a stacked expert
         tensor: experts start..end-1), as :meth:`get` returns them, from a mapping of
         just their bytes."""
-        t = self.tensor(name)
+        t = self._readable(name)
         start, end = operator.index(start), operator.index(end)
         if not _has_rows(t) or not 0 <= start <= end <= t.shape[0]:
             raise ValueError(f"{self.path}: rows [{start}, {end}) of {name!r} "
                              f"({t.type_name} {list(t.shape)})")
         lo, hi = t.begin + start * t.row_bytes, t.begin + end * t.row_bytes
-        mapped = self._map(lo, hi) if hi > lo else None
+        mapped = self._map(lo, hi, [name]) if hi > lo else None
         return self._typed(t, self._view(t, mapped, lo, (start, end)))
 
     def dequantize(self, name: str) -> torch.Tensor:
         """A tensor's values as float32 in its row-major shape (a copy).  MXFP4 under
         mxfp4x's rule (:func:`decode_mxfp4_blocks`: scale byte 255 is NaN); other block
         types through the gguf package."""
-        t = self.tensor(name)
+        t = self._readable(name)
         if t.ggml_type == MXFP4:
             raw = self.get_raw(name).numpy()
             return torch.from_numpy(decode_mxfp4_blocks(raw).reshape(t.shape))
         return self.get(name).to(torch.float32)
 
-    def _map(self, begin: int, end: int) -> np.ndarray:
-        """A copy-on-write mapping of file bytes [begin, end) (absolute)."""
-        try:
-            return np.memmap(self._fh, dtype=np.uint8, mode="c", offset=begin,
-                             shape=(end - begin,))
-        except (ValueError, OSError) as exc:  # e.g. the file was truncated under us
-            raise ValueError(f"{self.path}: cannot map bytes [{begin}, {end}): {exc}") from None
+    def _readable(self, name: str) -> GGUFTensorInfo:
+        """The tensor about to be read (the file must still be open)."""
+        if self._fh.closed:
+            raise self._closed()
+        return self.tensor(name)
+
+    def _closed(self) -> ValueError:
+        return ValueError(f"{self.path}: the file was closed; tensors already read stay "
+                          f"valid, reading another needs the file opened again")
+
+    def _map(self, begin: int, end: int, names: Iterable[str]) -> np.ndarray:
+        """A new private mapping of file bytes [begin, end) (absolute), the bytes of
+        tensors ``names`` (:func:`map_file_bytes`: checked against the file's size)."""
+        with self._lock:  # the file stays open while it is mapped
+            if self._fh.closed:
+                raise self._closed()
+            return map_file_bytes(self._fh, self.path, begin, end, self._size, names)
 
     def _view(self, t: GGUFTensorInfo, mapped: Optional[np.ndarray], mapped_at: int,
               rows: Optional[Tuple[int, int]]) -> torch.Tensor:
@@ -638,13 +653,15 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str):
         self.root = os.fspath(path)
-        if not os.path.isfile(self.root):
+        if not os.path.exists(self.root):
             raise FileNotFoundError(f"{self.root}: no such file")
+        check_regular_file(self.root)
         paths = split_files(self.root)
         for p in paths:
-            if not os.path.isfile(p):
+            if not os.path.exists(p):
                 raise ValueError(f"{self.root}: split file {os.path.basename(p)!r} of "
                                  f"{len(paths)} is missing")
+            check_regular_file(p)
         self.files: List[GGUFFile] = []
         try:
             for p in paths:
@@ -723,9 +740,10 @@ class GGUFCheckpoint:
 
 
 def is_gguf(path: str) -> bool:
-    """Whether ``path`` is a file that starts with the GGUF magic."""
+    """Whether ``path`` is a regular file that starts with the GGUF magic (a named pipe
+    or a device is not opened: False)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular_file(os.fspath(path)) as f:
             return f.read(4) == MAGIC
-    except OSError:
+    except (OSError, ValueError):
         return False

@@ -3,7 +3,21 @@
 The format: an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``,
 then the tensors' bytes (offsets relative to the end of the header).  Reading maps the
-file copy-on-write: a tensor is a view of the file's pages until someone writes to it.
+file copy-on-write, a new mapping of just the bytes asked for on every call: a tensor is a
+view of the file's pages, no byte is read before it is used, and a write to a tensor
+copies the page it touches, for that call's tensors alone (no other call's tensors,
+however many times the name is read, see it).  A mapping lasts as long as a tensor of
+it, and holds no file descriptor; a process holding tens of thousands of tensors from
+separate calls holds as many mappings (Linux allows 65530 by default,
+``vm.max_map_count``): ``get_many`` maps many tensors at once.  Every call checks the
+file's current size against the bytes it maps: a file truncated after it was opened is
+a ``ValueError``, not a mapping past the end of the file (SIGBUS when read).  What no
+reader can guard against: a file truncated or rewritten in place while tensors already
+handed out are in use (a bus error, or changed numbers); replace a checkpoint by
+renaming a new file over it.
+
+Only regular files are read (symbolic links followed): a named pipe, a device or a
+folder is a ``ValueError`` naming it, before it is opened.
 
 Files are untrusted input.  Every number of a header is checked with exact Python ints
 (numpy products wrap around), entries may not share bytes, and every read is bounded by
@@ -36,6 +50,8 @@ from ._header import (  # noqa: F401 (UnsupportedDtypeError, MAX_HEADER_BYTES: p
     _Entry,
     _parse_json,
     _short,
+    map_file_bytes,
+    open_regular_file,
 )
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -44,14 +60,15 @@ _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint1
        "BOOL": np.bool_}
 # dtypes numpy lacks: stored as same-width integers, viewed back (never cast by value)
 class SafeTensorsFile:
-    """Read access to one .safetensors file; ``get`` returns zero-copy tensors.
+    """Read access to one .safetensors file; ``get`` returns zero-copy tensors, each call
+    its own copy-on-write mapping (a write to one never reaches another).
 
-    The file stays open: every mapping is of the file whose header was checked, even if
-    the path is replaced meanwhile."""
+    The file stays open until :meth:`close`: every mapping is of the file whose header
+    was checked, even if the path is replaced meanwhile."""
 
     def __init__(self, path: str):
         self.path = path
-        fh = open(path, "rb")
+        fh = open_regular_file(path)
         try:
             size = os.fstat(fh.fileno()).st_size
             head = fh.read(8)
@@ -89,12 +106,13 @@ class SafeTensorsFile:
         self._entries: Dict[str, _Entry] = entries
         self._base = 8 + n
         self._size = size
-        self._lock = threading.Lock()
-        self._whole: Optional[np.ndarray] = None  # the whole file, mapped on first get()
+        self._lock = threading.Lock()  # a mapping and close() never interleave
 
     def close(self) -> None:
-        """Close the file; tensors already returned stay valid (their mappings hold it)."""
-        self._closer()
+        """Close the file; tensors already returned stay valid (their mappings outlive it),
+        and reading another is a ``ValueError`` naming the file."""
+        with self._lock:
+            self._closer()
 
     def __enter__(self) -> "SafeTensorsFile":
         return self
@@ -109,26 +127,24 @@ class SafeTensorsFile:
         return name in self._entries
 
     def get(self, name: str) -> torch.Tensor:
-        """One tensor, a view of a copy-on-write mapping of the whole file."""
+        """One tensor, a view of a new copy-on-write mapping of just its bytes: the
+        caller's own (writes to it are seen by no other call's tensors)."""
         e = self._entry(name)
-        whole = self._whole
-        if whole is None and e.end > e.begin:
-            with self._lock:  # one mapping, published once, whoever asks first
-                if self._whole is None:
-                    self._whole = self._map(0, self._size)
-                whole = self._whole
-        return self._view(name, e, whole, 0, e.shape, e.begin, e.end)
+        begin = self._base + e.begin
+        window = self._map(begin, self._base + e.end, [name]) if e.end > e.begin else None
+        return self._view(name, e, window, begin, e.shape, e.begin, e.end)
 
     def get_many(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        """Several tensors as views of one mapping of just the span of the file that holds
-        them: a process that serves some of the experts maps only (about) their bytes."""
+        """Several tensors as views of one new mapping of just the span of the file that
+        holds them: a process that serves some of the experts maps only (about) their
+        bytes.  The tensors hold disjoint bytes, and the mapping is this call's alone."""
         found = {n: self._entry(n) for n in names}
         full = [e for e in found.values() if e.end > e.begin]
         if not full:
             return {n: self._view(n, e, None, 0, e.shape, e.begin, e.end)
                     for n, e in found.items()}
         begin = self._base + min(e.begin for e in full)
-        window = self._map(begin, self._base + max(e.end for e in full))
+        window = self._map(begin, self._base + max(e.end for e in full), found)
         return {n: self._view(n, e, window, begin, e.shape, e.begin, e.end)
                 for n, e in found.items()}
 
@@ -143,7 +159,7 @@ class SafeTensorsFile:
         row = math.prod(e.shape[1:]) * np.dtype(_NP[e.dtype]).itemsize
         lo, hi = e.begin + start * row, e.begin + end * row
         shape = (end - start,) + e.shape[1:]
-        window = self._map(self._base + lo, self._base + hi) if hi > lo else None
+        window = self._map(self._base + lo, self._base + hi, [name]) if hi > lo else None
         return self._view(name, e, window, self._base + lo, shape, lo, hi)
 
     def byte_range(self, name: str) -> Tuple[int, int]:
@@ -154,6 +170,9 @@ class SafeTensorsFile:
         return self._base + e.begin, self._base + e.end
 
     def _entry(self, name: str) -> _Entry:
+        """The entry of a tensor about to be read (the file must still be open)."""
+        if self._fh.closed:
+            raise self._closed()
         if name not in self._entries:
             raise KeyError(f"{self.path}: no tensor named {name!r}")
         e = self._entries[name]
@@ -162,13 +181,17 @@ class SafeTensorsFile:
                                         f"dtype {_short.repr(e.dtype)}")
         return e
 
-    def _map(self, begin: int, end: int) -> np.ndarray:
-        """A copy-on-write mapping of file bytes [begin, end) (absolute)."""
-        try:
-            return np.memmap(self._fh, dtype=np.uint8, mode="c", offset=begin,
-                             shape=(end - begin,))
-        except ValueError as exc:  # e.g. the file was truncated under us
-            raise ValueError(f"{self.path}: cannot map bytes [{begin}, {end}): {exc}") from None
+    def _closed(self) -> ValueError:
+        return ValueError(f"{self.path}: the file was closed; tensors already read stay "
+                          f"valid, reading another needs the file opened again")
+
+    def _map(self, begin: int, end: int, names: Iterable[str]) -> np.ndarray:
+        """A new private mapping of file bytes [begin, end) (absolute), the bytes of
+        tensors ``names`` (:func:`map_file_bytes`: checked against the file's size)."""
+        with self._lock:  # the file stays open while it is mapped
+            if self._fh.closed:
+                raise self._closed()
+            return map_file_bytes(self._fh, self.path, begin, end, self._size, names)
 
     def _view(self, name: str, e: _Entry, mapped: Optional[np.ndarray], mapped_at: int,
               shape: Tuple[int, ...], begin: int, end: int) -> torch.Tensor:
@@ -321,7 +344,7 @@ class SafeTensorsCheckpoint:
 
     @staticmethod
     def _read_index(index: str) -> Dict[str, object]:
-        with open(index, "rb") as f:
+        with open_regular_file(index) as f:
             raw = f.read(MAX_HEADER_BYTES + 1)
         if len(raw) > MAX_HEADER_BYTES:
             raise ValueError(f"{index}: larger than {MAX_HEADER_BYTES} bytes")
