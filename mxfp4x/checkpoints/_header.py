@@ -152,6 +152,29 @@ def map_file_bytes(fh: BinaryIO, path: str, begin: int, end: int, size_at_open: 
     return np.asarray(_Mapping(addr, end - start, begin - start, end - begin))
 
 
+class MappedFile:
+    """What the two readers share (SafeTensorsFile, GGUFFile): every read maps bytes of
+    their open file ``_fh`` (``path``, ``_size`` bytes when opened) under ``_lock``, and
+    is refused once the file is closed."""
+
+    path: str
+    _fh: BinaryIO
+    _lock: Any
+    _size: int
+
+    def _closed(self) -> ValueError:
+        return ValueError(f"{self.path}: the file was closed; tensors already read stay "
+                          f"valid, reading another needs the file opened again")
+
+    def _map(self, begin: int, end: int, names: Iterable[str]) -> np.ndarray:
+        """A new private mapping of file bytes [begin, end) (absolute), the bytes of
+        tensors ``names`` (:func:`map_file_bytes`: checked against the file's size)."""
+        with self._lock:  # the file stays open while it is mapped
+            if self._fh.closed:
+                raise self._closed()
+            return map_file_bytes(self._fh, self.path, begin, end, self._size, names)
+
+
 class UnsupportedDtypeError(ValueError, TypeError):
     """A well-formed entry whose dtype this reader cannot view (the other tensors of the
     file stay readable).  A ``TypeError`` too, as it was before files were validated."""

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from .._format import E2M1_TABLE, E8M0_BIAS, E8M0_NAN, GROUP
-from ._header import _short, check_regular_file, map_file_bytes, open_regular_file
+from ._header import MappedFile, _short, check_regular_file, open_regular_file
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -443,7 +443,7 @@ def decode_mxfp4_blocks(blocks: np.ndarray) -> np.ndarray:
     return values.reshape(blocks.shape[:-2] + (blocks.shape[-2] * GROUP,))
 
 
-class GGUFFile:
+class GGUFFile(MappedFile):
     """Read access to one .gguf file.
 
     ``metadata`` (key -> value), ``value_types`` (key -> GGUF value type id),
@@ -550,18 +550,6 @@ class GGUFFile:
         if self._fh.closed:
             raise self._closed()
         return self.tensor(name)
-
-    def _closed(self) -> ValueError:
-        return ValueError(f"{self.path}: the file was closed; tensors already read stay "
-                          f"valid, reading another needs the file opened again")
-
-    def _map(self, begin: int, end: int, names: Iterable[str]) -> np.ndarray:
-        """A new private mapping of file bytes [begin, end) (absolute), the bytes of
-        tensors ``names`` (:func:`map_file_bytes`: checked against the file's size)."""
-        with self._lock:  # the file stays open while it is mapped
-            if self._fh.closed:
-                raise self._closed()
-            return map_file_bytes(self._fh, self.path, begin, end, self._size, names)
 
     def _view(self, t: GGUFTensorInfo, mapped: Optional[np.ndarray], mapped_at: int,
               rows: Optional[Tuple[int, int]]) -> torch.Tensor:

@@ -44,13 +44,13 @@ from ._header import (  # noqa: F401 (UnsupportedDtypeError, MAX_HEADER_BYTES: p
     _TORCH_NAME,
     _VIEW_AS,
     MAX_HEADER_BYTES,
+    MappedFile,
     UnsupportedDtypeError,
     _check_disjoint,
     _check_entry,
     _Entry,
     _parse_json,
     _short,
-    map_file_bytes,
     open_regular_file,
 )
 
@@ -59,7 +59,7 @@ _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint1
        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
        "BOOL": np.bool_}
 # dtypes numpy lacks: stored as same-width integers, viewed back (never cast by value)
-class SafeTensorsFile:
+class SafeTensorsFile(MappedFile):
     """Read access to one .safetensors file; ``get`` returns zero-copy tensors, each call
     its own copy-on-write mapping (a write to one never reaches another).
 
@@ -180,18 +180,6 @@ class SafeTensorsFile:
             raise UnsupportedDtypeError(f"{self.path}: tensor {name!r} has unsupported "
                                         f"dtype {_short.repr(e.dtype)}")
         return e
-
-    def _closed(self) -> ValueError:
-        return ValueError(f"{self.path}: the file was closed; tensors already read stay "
-                          f"valid, reading another needs the file opened again")
-
-    def _map(self, begin: int, end: int, names: Iterable[str]) -> np.ndarray:
-        """A new private mapping of file bytes [begin, end) (absolute), the bytes of
-        tensors ``names`` (:func:`map_file_bytes`: checked against the file's size)."""
-        with self._lock:  # the file stays open while it is mapped
-            if self._fh.closed:
-                raise self._closed()
-            return map_file_bytes(self._fh, self.path, begin, end, self._size, names)
 
     def _view(self, name: str, e: _Entry, mapped: Optional[np.ndarray], mapped_at: int,
               shape: Tuple[int, ...], begin: int, end: int) -> torch.Tensor:
