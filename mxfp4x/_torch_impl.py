@@ -8,6 +8,7 @@ reduction order across experts.
 """
 import functools
 
+import numpy as np
 import torch
 
 from . import _cpu
@@ -18,6 +19,7 @@ from ._format import (
     GROUP_BYTES,
     accumulation_dtype,
     e8m0_table_f32,
+    e8m0_to_float64,
 )
 from ._validation import check_expert_ids
 
@@ -61,11 +63,31 @@ def _tables(device, dtype):
     return _TABLES[key]
 
 
+def _scaled_f32(device):
+    """(4096, 1) float32: E2M1[c] * 2^(s - 127) at row s * 16 + c, every value exact
+    (subnormal for scale bytes 0-2, infinite past float32's range, NaN for s = 255),
+    computed once with flush-to-zero cleared.  Decoding by looking these up copies bits
+    and computes nothing, so no thread's flush mode can change a weight."""
+    key = ("scaled", str(device))
+    if key not in _TABLES:
+        saved = _cpu.fpenv_enter()
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                v = (e8m0_to_float64(np.arange(256))[:, None]
+                     * np.array(E2M1_VALUES)[None, :]).astype(np.float32)
+        finally:
+            _cpu.fpenv_exit(saved)
+        _TABLES[key] = torch.from_numpy(v.reshape(-1, 1)).to(device)
+    return _TABLES[key]
+
+
 def decode_expert(packed, scales, dtype=torch.float32):
     """(O, G, 16) (or (O, G*16)) uint8 bytes and (O, G) uint8 scales -> (O, 32 G) matrix
     of ``dtype``.  ``scales`` None: ``packed`` holds GGUF block_mxfp4 blocks, (O, G, 17)
     or (O, G*17): each the scale byte, then 16 bytes whose byte j holds elements j (low
     nibble) and j+16 (high nibble)."""
+    if dtype == torch.float32:
+        return _decode_f32(packed, scales)
     pairs, e8m0 = _tables(packed.device, dtype)
     if scales is None:
         d_out = packed.shape[0]
@@ -81,6 +103,24 @@ def decode_expert(packed, scales, dtype=torch.float32):
         values = torch.nn.functional.embedding(packed.reshape(-1).int(), pairs)
         values = values.reshape(d_out, n_groups, GROUP)
     values.mul_(e8m0[scales.int()].unsqueeze(-1))
+    return values.reshape(d_out, n_groups * GROUP)
+
+
+def _decode_f32(packed, scales):
+    """decode_expert for float32: each element looked up in _scaled_f32 by its scale
+    byte and code (the same bits as the product, whatever the flush mode)."""
+    d_out = packed.shape[0]
+    if scales is None:  # GGUF blocks: byte j holds elements j (low) and j + 16 (high)
+        n_groups = packed.shape[1] if packed.dim() == 3 else packed.shape[1] // GGUF_BLOCK_BYTES
+        blocks = packed.reshape(d_out, n_groups, GGUF_BLOCK_BYTES)
+        scales, qs = blocks[..., 0], blocks[..., 1:]
+        codes = torch.cat((qs & 15, qs >> 4), dim=-1)
+    else:  # byte j holds elements 2j (low) and 2j + 1 (high)
+        n_groups = scales.shape[1]
+        qs = packed.reshape(d_out, n_groups, GROUP_BYTES)
+        codes = torch.stack((qs & 15, qs >> 4), dim=-1).reshape(d_out, n_groups, GROUP)
+    index = scales.int().unsqueeze(-1) * 16 + codes.int()
+    values = torch.nn.functional.embedding(index, _scaled_f32(packed.device))
     return values.reshape(d_out, n_groups * GROUP)
 
 

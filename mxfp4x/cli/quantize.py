@@ -36,8 +36,10 @@ def check(args, error):
     outputs([(args.output, "argument output")], error)
     try:
         args.source = _safetensors.SafeTensorsFile(args.input)
-        # views of the mapping: no bytes are read, but every entry's dtype is checked
-        tensors = {name: args.source.get(name) for name in args.source.keys()}
+        # views of one mapping (get_many: one per tensor would meet the kernel's cap on
+        # mappings, ~65000, in a file of that many tensors): no bytes are read, but every
+        # entry's dtype is checked
+        tensors = args.source.get_many(list(args.source.keys()))
     except (OSError, TypeError, ValueError) as exc:
         error(f"argument input: {message(exc)}")
     for part in args.only or ():
@@ -61,8 +63,7 @@ def check(args, error):
 
 def run(args):
     out = {}
-    for name in args.source.keys():
-        t = args.source.get(name)
+    for name, t in args.source.get_many(list(args.source.keys())).items():
         if name in args.chosen:
             packed, scales = mxfp4x.quantize(t, args.scale_rule)
             out[name + "_blocks"], out[name + "_scales"] = packed, scales

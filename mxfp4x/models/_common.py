@@ -58,13 +58,14 @@ def check_tensor(label: str, t, shape: Sequence[Optional[int]], what: str = "",
     want = "(" + ", ".join("*" if n is None else str(n) for n in shape) + \
         ("," if len(shape) == 1 else "") + ")"
     about = f" ({what})" if what else ""
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, (torch.Tensor, np.ndarray)):  # numpy bytes are taken by view
         raise TypeError(f"{label}: expected a torch tensor of shape {want}{about}, got "
                         f"{type(t).__name__}")
-    if t.dim() != len(shape) or any(n is not None and n != m
-                                    for n, m in zip(shape, t.shape, strict=True)):
+    if t.ndim != len(shape) or any(n is not None and n != m
+                                   for n, m in zip(shape, t.shape, strict=True)):
         raise ValueError(f"{label}: expected shape {want}{about}, got {tuple(t.shape)}")
-    if floating and not t.is_floating_point():
+    is_float = t.is_floating_point() if isinstance(t, torch.Tensor) else t.dtype.kind == "f"
+    if floating and not is_float:
         raise ValueError(f"{label}: expected a float tensor{about}, got {t.dtype}")
     return t
 

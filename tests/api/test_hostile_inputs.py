@@ -582,7 +582,9 @@ def test_functorch_reverse_transforms_get_a_clear_error_on_the_kernels(rng):
     want = torch.func.grad(loss("torch"))(x)
     xr = x.clone().requires_grad_()
     loss("auto")(xr).backward()
-    assert torch.allclose(xr.grad, want, rtol=1e-5, atol=1e-6)
+    # the two backends sum in other orders: equal within float32 rounding of the terms
+    scale = float(want.abs().max()) + 1.0
+    assert torch.allclose(xr.grad, want, rtol=0, atol=1e-4 * scale)
 
 
 def test_mxfp4experts_module_checks_before_it_builds(rng):

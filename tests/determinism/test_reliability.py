@@ -3,6 +3,7 @@ special values under a hostile floating-point environment, huge tensors, no leak
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -227,6 +228,26 @@ def test_torch_path_keeps_subnormal_scale_under_flush_denormal():
     assert torch.equal(got[torch.bfloat16], want.bfloat16())
     assert weights[0, 2].view(torch.int32).item() == want.view(torch.int32).item()
     assert still_flushes or not had
+
+
+def test_dequantize_keeps_subnormal_scale_on_torchs_worker_threads():
+    """torch's worker threads started after torch.set_flush_denormal(True) flush too;
+    dequantize decodes by lookup (bits copied, nothing computed), so a large decode
+    split across them keeps 2^-127 as well (in a subprocess: a fresh pool)."""
+    code = textwrap.dedent("""
+        import torch, mxfp4x
+        torch.set_num_threads(2)
+        torch.set_flush_denormal(True)
+        torch.ones(1 << 22).sum()  # the pool starts with the flush mode on
+        packed = torch.full((1 << 16, 1, 16), 0x55, dtype=torch.uint8)  # code 5: 3.0
+        w = mxfp4x.dequantize(packed, torch.zeros((1 << 16, 1), dtype=torch.uint8))
+        want = torch.tensor([3.0 * 2.0 ** -127]).view(torch.int32).item()
+        print(int((w.view(torch.int32) != want).sum()))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0", out.stdout
 
 
 def _libm_rounding():

@@ -436,3 +436,19 @@ def test_gpt_oss_and_generic_experts_load_typed_bytes_by_view():
     empty.load_state_dict(_typed(bank.state_dict(), E8M0))
     assert torch.equal(empty.scale_bytes, bank.scale_bytes)
     assert torch.equal(empty.packed_weights, bank.packed_weights)
+
+
+def test_gpt_oss_experts_take_numpy_bytes(rng):
+    """GptOssExperts built from numpy byte arrays (read by view) runs as from tensors."""
+    e, f, h = 2, 32, 32
+    gub = rng.integers(0, 256, (e, 2 * f, h // 32, 16), dtype=np.uint8)
+    gus = rng.integers(120, 130, (e, 2 * f, h // 32), dtype=np.uint8)
+    db = rng.integers(0, 256, (e, h, f // 32, 16), dtype=np.uint8)
+    ds = rng.integers(120, 130, (e, h, f // 32), dtype=np.uint8)
+    biases = torch.zeros(e, 2 * f), torch.zeros(e, h)
+    a = nn.GptOssExperts(gub, gus, biases[0], db, ds, biases[1])
+    b = nn.GptOssExperts(*(torch.from_numpy(t) for t in (gub, gus)), biases[0],
+                         *(torch.from_numpy(t) for t in (db, ds)), biases[1])
+    x = torch.from_numpy(rng.standard_normal((3, h))).float()
+    ids, mix = torch.tensor([[0], [1], [1]]), torch.ones(3, 1)
+    assert torch.equal(a(x, ids, mix), b(x, ids, mix))
