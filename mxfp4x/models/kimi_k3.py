@@ -374,7 +374,7 @@ class KimiK3Router(torch.nn.Module):
         self.top_k, self.n_group, self.topk_group = routing
         self.renormalize = _flag("router: renormalize", renormalize)
         self.scaling = _real("router: scaling", scaling)
-        self._wide: tuple = ()  # (what the weight was, the weight in the accumulation dtype)
+        self._wide: tuple = ()  # (what the weight was, it in the accumulation dtype, its memory)
 
     def _weight_in(self, dtype: torch.dtype) -> torch.Tensor:
         """The router weight in the accumulation dtype, converted once (not per call: at
@@ -386,8 +386,16 @@ class KimiK3Router(torch.nn.Module):
         key = (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape), dtype)
         wide = self._wide  # read once: a call in another thread may replace it meanwhile
         if not wide or wide[0] != key:
-            wide = self._wide = (key, w.detach().to(dtype))
+            # the entry keeps the converted weight's source memory alive: a weight put in
+            # its place later cannot reuse that address and pass for it
+            wide = self._wide = (key, w.detach().to(dtype), w.detach())
         return wide[1]
+
+    def __getstate__(self):
+        """Copies and pickles leave the converted weight out (made again when needed)."""
+        state = self.__dict__.copy()
+        state["_wide"] = ()
+        return state
 
     def forward(self, x: torch.Tensor, num_threads: Optional[int] = None):
         """``num_threads``: the CPU threads of the scores' compiled product (None:

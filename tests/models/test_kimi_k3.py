@@ -239,6 +239,13 @@ def test_router_weight_converted_once_and_again_when_it_changes():
     assert router._wide[1] is not wide
     router.to(torch.float16)  # another dtype: converted again from it
     assert same(router(x.half()), KimiK3Router((-w).half(), bias.half(), top_k=3)(x.half()))
+    # a weight put in place of the converted one cannot take its address: the cache
+    # holds that memory, so (address, version) never names two weights
+    held = router.weight.data_ptr()
+    router.weight = torch.nn.Parameter(w.clone().half(), requires_grad=False)
+    router.weight = torch.nn.Parameter(w.clone().half(), requires_grad=False)
+    assert router._wide[2].data_ptr() == held != router.weight.data_ptr()
+    assert same(router(x.half()), KimiK3Router(w.half(), bias.half(), top_k=3)(x.half()))
 
 
 def test_block_threads_reach_every_compiled_product(tmp_path, rng, monkeypatch):
