@@ -249,10 +249,10 @@ def test_every_entry_and_step(worlds, entry, fault, exception):
     # passes its own (set here after construction) to it
     ("parallel", "isa", "ValueError"),
     ("kimi", "isa", "ValueError"),
-    # a module's own preparation before (or between) its distributed calls: latents torch
-    # cannot read when MXFP4Experts makes the zero shared output; routing weights torch
-    # cannot read between GptOssExperts' two calls
-    ("mxfp4experts", "prep", "RuntimeError"),
+    # a module's own preparation before (or between) its distributed calls: latents that
+    # are no array when MXFP4Experts makes the zero shared output (its TypeError naming
+    # latent_tokens); routing weights torch cannot read between GptOssExperts' two calls
+    ("mxfp4experts", "prep", "TypeError"),
     ("gptoss", "prep", "RuntimeError"),
 ])
 def test_a_bad_argument_on_one_rank_is_an_error_on_every_rank(worlds, entry, fault, want):
