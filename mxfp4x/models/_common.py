@@ -3,7 +3,7 @@ checked as the op checks them (and read by view where a state dict loads them), 
 shapes of a block's tensors and the routing hyperparameters checked."""
 import math
 import reprlib
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ def view_loaded_bytes_hook(module, state_dict, prefix, *args) -> None:
 
 
 def check_tensor(label: str, t, shape: Sequence[Optional[int]], what: str = "",
-                 floating: bool = True) -> torch.Tensor:
+                 floating: bool = True) -> Any:
     """``t`` as a tensor of ``shape`` (None: any size along that axis; the rank always
     counts), a float tensor where ``floating``; a ValueError naming ``label``, its shape
     and the shape expected otherwise (a wrong shape would broadcast, or index past the
