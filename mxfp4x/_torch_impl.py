@@ -63,21 +63,24 @@ def _tables(device, dtype):
     return _TABLES[key]
 
 
-def _scaled_f32(device):
-    """(4096, 1) float32: E2M1[c] * 2^(s - 127) at row s * 16 + c, every value exact
-    (subnormal for scale bytes 0-2, infinite past float32's range, NaN for s = 255),
-    computed once with flush-to-zero cleared.  Decoding by looking these up copies bits
-    and computes nothing, so no thread's flush mode can change a weight."""
-    key = ("scaled", str(device))
+def _scaled_pairs(device):
+    """(65536, 2) float32: row s * 256 + b holds the values of byte b's low and high
+    nibble times 2^(s - 127), every one exact (subnormal for scale bytes 0-2, infinite
+    past float32's range, NaN for s = 255), computed once with flush-to-zero cleared.
+    Decoding by looking these up copies bits and computes nothing, so no thread's flush
+    mode can change a weight (the table is 512 KiB: it stays in cache)."""
+    key = ("scaled pairs", str(device))
     if key not in _TABLES:
         saved = _cpu.fpenv_enter()
         try:
+            e2m1 = np.array(E2M1_VALUES)
+            pairs = np.stack((np.tile(e2m1, 16), np.repeat(e2m1, 16)), axis=1)  # byte b
             with np.errstate(over="ignore", invalid="ignore"):
-                v = (e8m0_to_float64(np.arange(256))[:, None]
-                     * np.array(E2M1_VALUES)[None, :]).astype(np.float32)
+                v = (e8m0_to_float64(np.arange(256))[:, None, None] * pairs[None]).astype(
+                    np.float32)
         finally:
             _cpu.fpenv_exit(saved)
-        _TABLES[key] = torch.from_numpy(v.reshape(-1, 1)).to(device)
+        _TABLES[key] = torch.from_numpy(v.reshape(65536, 2)).to(device)
     return _TABLES[key]
 
 
@@ -107,20 +110,20 @@ def decode_expert(packed, scales, dtype=torch.float32):
 
 
 def _decode_f32(packed, scales):
-    """decode_expert for float32: each element looked up in _scaled_f32 by its scale
-    byte and code (the same bits as the product, whatever the flush mode)."""
+    """decode_expert for float32: each byte looked up with its scale byte in
+    _scaled_pairs (the same bits as the products, whatever the flush mode)."""
     d_out = packed.shape[0]
     if scales is None:  # GGUF blocks: byte j holds elements j (low) and j + 16 (high)
         n_groups = packed.shape[1] if packed.dim() == 3 else packed.shape[1] // GGUF_BLOCK_BYTES
         blocks = packed.reshape(d_out, n_groups, GGUF_BLOCK_BYTES)
-        scales, qs = blocks[..., 0], blocks[..., 1:]
-        codes = torch.cat((qs & 15, qs >> 4), dim=-1)
+        index = blocks[..., :1].int() * 256 + blocks[..., 1:].int()
+        values = torch.nn.functional.embedding(index, _scaled_pairs(packed.device))
+        values = values.transpose(2, 3)
     else:  # byte j holds elements 2j (low) and 2j + 1 (high)
         n_groups = scales.shape[1]
-        qs = packed.reshape(d_out, n_groups, GROUP_BYTES)
-        codes = torch.stack((qs & 15, qs >> 4), dim=-1).reshape(d_out, n_groups, GROUP)
-    index = scales.int().unsqueeze(-1) * 16 + codes.int()
-    values = torch.nn.functional.embedding(index, _scaled_f32(packed.device))
+        index = scales.int().unsqueeze(-1) * 256 + \
+            packed.reshape(d_out, n_groups, GROUP_BYTES).int()
+        values = torch.nn.functional.embedding(index, _scaled_pairs(packed.device))
     return values.reshape(d_out, n_groups * GROUP)
 
 
