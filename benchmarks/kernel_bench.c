@@ -9,6 +9,12 @@
  *                                                    (E > 1: weights stream from DRAM)
  *   ./kernel_bench gemv_gguf ISA ROWS TOKENS GROUPS [E]  the same on GGUF block_mxfp4
  *                                                    blocks (17 bytes per group, in place)
+ *   ./kernel_bench dense ISA ROWS TOKENS COLS [M]     the dense bf16 product (dense_bf16)
+ *                                                    of M matrices of ROWS x COLS bf16
+ *                                                    weights, in the driver's 64-row tasks
+ *                                                    (KB_XBF16=1: bf16 tokens, dense_bf16x;
+ *                                                    KB_OFFSET=N: the weights N bytes into
+ *                                                    a cache line, as a checkpoint maps them)
  *   ./kernel_bench gemv_bf16 ISA ROWS TOKENS GROUPS [E]  bf16 latents on the ISA's bf16
  *                                                    unit (bf16_rows: amx, avx512bf16), in
  *                                                    tasks of its own tile_rows
@@ -57,10 +63,11 @@ int main(int argc, char **argv) {
     int rep, reps, ki;
     if (argc < 6 ||
         (strcmp(argv[1], "panel") && strcmp(argv[1], "gemv") && strcmp(argv[1], "gemv_gguf") &&
-         strcmp(argv[1], "gemv_bf16"))) {
+         strcmp(argv[1], "gemv_bf16") && strcmp(argv[1], "dense"))) {
         fprintf(stderr,
-                "usage: %s panel|gemv|gemv_gguf|gemv_bf16 ISA ROWS TOKENS GROUPS [EXPERTS]\n",
-                argv[0]);
+                "usage: %s panel|gemv|gemv_gguf|gemv_bf16 ISA ROWS TOKENS GROUPS [EXPERTS]\n"
+                "       %s dense ISA ROWS TOKENS COLS [MATRICES]\n",
+                argv[0], argv[0]);
         return 2;
     }
     for (ki = 0; ki < mxfp4x_n_kernels(); ki++)
@@ -74,6 +81,44 @@ int main(int argc, char **argv) {
     tokens = atoll(argv[4]);
     groups = atoll(argv[5]);
     experts = argc > 6 ? atoll(argv[6]) : 1;
+    if (!strcmp(argv[1], "dense")) { /* GROUPS is COLS here, EXPERTS the matrices */
+        const int64_t cols = groups, n_mat = experts, off = getenv("KB_OFFSET") ? atoll(getenv("KB_OFFSET")) : 0;
+        const int xbf16 = getenv("KB_XBF16") && k->dense_bf16x;
+        const size_t mat_bytes = (size_t)(rows * cols) * 2;
+        uint8_t *wbuf = (uint8_t *)xmalloc((size_t)n_mat * mat_bytes + 64);
+        uint16_t *xb = (uint16_t *)xmalloc((size_t)(tokens * cols) * 2);
+        float *xf = (float *)xmalloc((size_t)(tokens * cols) * sizeof(float));
+        float *o = (float *)xmalloc((size_t)(tokens * rows) * sizeof(float));
+        for (i = 0; i < (int64_t)(n_mat * mat_bytes / 2); i++) { /* bf16 values near 1 */
+            const uint16_t v = (uint16_t)(0x3f00 + (i * 37) % 255);
+            memcpy(wbuf + off + 2 * i, &v, 2);
+        }
+        for (i = 0; i < tokens * cols; i++) {
+            uint32_t u;
+            xb[i] = (uint16_t)(0x3e00 + (i * 13) % 511);
+            u = (uint32_t)xb[i] << 16;
+            memcpy(&xf[i], &u, 4);
+        }
+        for (rep = 0; rep < 9; rep++) {
+            const double t0 = now();
+            for (e = 0; e < n_mat; e++) {
+                const uint16_t *w = (const uint16_t *)(wbuf + off + (size_t)e * mat_bytes);
+                for (r0 = 0; r0 < rows; r0 += 64) {
+                    const int64_t r1 = r0 + 64 < rows ? r0 + 64 : rows;
+                    if (xbf16)
+                        k->dense_bf16x(w, cols, r0, r1, cols, xb, cols, tokens, o + r0, rows);
+                    else
+                        k->dense_bf16(w, cols, r0, r1, cols, xf, cols, tokens, o + r0, rows);
+                }
+            }
+            if (now() - t0 < best) best = now() - t0;
+        }
+        printf("%s dense rows=%lld tokens=%lld cols=%lld matrices=%lld x=%s offset=%lld: "
+               "%.3f ms, %.1f GB/s of weights\n", k->name, (long long)rows, (long long)tokens,
+               (long long)cols, (long long)n_mat, xbf16 ? "bf16" : "float32", (long long)off,
+               best * 1e3, (double)(n_mat * mat_bytes) / best / 1e9);
+        return 0;
+    }
     d_in = groups * MXFP4X_GROUP;
     x = (float *)xmalloc((size_t)(tokens * d_in) * sizeof(float));
     /* rows of a task (48, or the bf16 unit's tile_rows) even when fewer are asked for */

@@ -63,6 +63,10 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
                                           int64_t row_start, int64_t row_end, int64_t d_in,
                                           const float *x, int64_t x_stride, int64_t n_tok,
                                           float *out, int64_t out_stride) noexcept nogil
+    ctypedef void (*mxfp4x_dense_bf16x_fn)(const uint16_t *w, int64_t row_stride,
+                                           int64_t row_start, int64_t row_end, int64_t d_in,
+                                           const uint16_t *x, int64_t x_stride, int64_t n_tok,
+                                           float *out, int64_t out_stride) noexcept nogil
     ctypedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows,
                                              int64_t width, const float *coef,
                                              float *dst) noexcept nogil
@@ -92,6 +96,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         mxfp4x_axpy_rows_f32_fn axpy_rows_f32
         mxfp4x_fma_loop_fn fma_loop
         mxfp4x_dense_bf16_fn dense_bf16
+        mxfp4x_dense_bf16x_fn dense_bf16x
         mxfp4x_bf16_gather_fn bf16_gather
         mxfp4x_bf16_rows_fn bf16_rows
         mxfp4x_bf16_scratch_fn bf16_scratch_bytes

@@ -42,23 +42,34 @@ def takes(x: torch.Tensor, weight: torch.Tensor, max_tokens: Optional[int] = Non
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-           num_threads: Optional[int] = None,
-           max_tokens: Optional[int] = None) -> torch.Tensor:
+           num_threads: Optional[int] = None, max_tokens: Optional[int] = None,
+           out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, the weight (and bias) brought to the input's dtype
     as ``.to(x.dtype)`` would; bfloat16 weights at up to ``max_tokens`` tokens on CPU
     through the compiled kernels (see the module docstring; a bias is added in float32
-    before the one rounding)."""
+    before the one rounding).  ``out_dtype`` float32 (None: x's dtype): ``F.linear`` of
+    x widened to float32, without the rounding to x's dtype (a bf16 x is read as it is:
+    half the bytes of its widened copy, and the same bits)."""
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"out_dtype: expected None, {x.dtype} or torch.float32, got "
+                         f"{out_dtype}")
+    wide = out_dtype == torch.float32 and x.dtype != torch.float32
     if not takes(x, weight, max_tokens) or (bias is not None and (
             bias.device.type != "cpu" or bias.shape != (weight.shape[0],)
             or (torch.is_grad_enabled() and bias.requires_grad))):
+        if wide:
+            x = x.to(torch.float32)
         return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype),
                         None if bias is None or bias.dtype == x.dtype else bias.to(x.dtype))
     d_in = weight.shape[1]
-    x2 = x.reshape(-1, d_in).to(torch.float32).contiguous()
+    x2 = x.reshape(-1, d_in)
+    # bf16 tokens go as their bits (the kernels widen them exactly): half the bytes
+    x2 = (x2.contiguous().view(torch.uint16) if x2.dtype == torch.bfloat16
+          else x2.to(torch.float32).contiguous())
     w = weight.contiguous()
     out = torch.empty((x2.shape[0], weight.shape[0]), dtype=torch.float32)
     _cpu.dense_bf16(x2.numpy(), w.view(torch.uint16).numpy(), out.numpy(),
                     n_threads=_threads.resolve(num_threads))
     if bias is not None:
         out += bias.to(torch.float32)
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return (out if wide else out.to(x.dtype)).reshape(*x.shape[:-1], weight.shape[0])

@@ -466,112 +466,277 @@ MXFP4X_AVX512_FN float mxfp4x_fma_loop_avx512(int64_t iters, float seed, int64_t
     return out[0];
 }
 
-/* ---- dense bf16 rows x float32 tokens (mxfp4x.h, mxfp4x_dense_bf16_fn) ----
+/* ---- dense bf16 rows x float32 or bf16 tokens (mxfp4x.h, mxfp4x_dense_bf16_fn) ----
  *
- * One 16-lane accumulator per (row, token): lane l sums w[i] x[i] over i = l (mod 16)
- * ascending, with FMA (a bf16 weight widened by vpmovzxwd + a 16-bit shift is exact);
- * the last d_in % 16 elements read through zero-filled copies (their zero lanes add
- * +0); lanes reduced by mxfp4x_hsum16_avx512.  Blocks of up to 4 rows x 4 tokens (8 rows
- * at one token): each row chunk is widened once and used for every token of the block.  At one token the
- * 4 rows are 4 independent FMA chains and 4 sequential streams; the work per byte is
- * far under the read time, so the rows stream at the memory's rate. */
-MXFP4X_AVX512_INLINE_ALWAYS __m512 mxfp4x_bf16x16_avx512(const uint16_t *p) {
-#ifdef MXFP4X_EMULATE_AVX512 /* the same widening, without SIMDe's 256-bit types */
-    uint32_t u[16];
-    int i;
-    for (i = 0; i < 16; i++) u[i] = (uint32_t)p[i] << 16;
-    return _mm512_castsi512_ps(_mm512_loadu_si512((const void *)u));
-#else
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-#endif
+ * Two 16-lane accumulators per (row, token), e and o: chunk m of the row (32 elements,
+ * the last one zero-filled) adds its even elements (32m + 2l in lane l) to e and its odd
+ * ones (32m + 2l + 1) to o, m ascending, with FMA; then mxfp4x_hsum16_avx512(e + o).  A
+ * bf16 weight widens exactly from one 64-byte load (the even ones by a 16-bit shift of each
+ * 32-bit lane, the odd ones by masking the low half off); bf16 tokens widen the same way,
+ * float32 tokens are split into even and odd halves by two vpermt2ps.  Any blocking of
+ * rows and tokens gives the same bits.
+ *
+ * One token: with bf16 tokens one row at a time (one sequential stream, two chains; the
+ * aligned form below); with float32 tokens blocks of 8 rows, which share the split of each
+ * token chunk.  AMD EPYC Zen 5 (one thread reads ~40 GB/s), one thread,
+ * `kernel_bench dense avx512 6144 1 7168 8` (0.7 GB of Kimi K3-wide rows), three
+ * alternated rounds: the former 8-row form (one accumulator per row, 32-byte loads, a
+ * 1 KiB prefetch into L2) 29.0-29.3 GB/s, 26.7-27.3 with the weights 40 bytes into a line
+ * (KB_OFFSET=40, as the K3 checkpoint maps them); bf16 tokens one row at a time with a
+ * non-temporal prefetch 8 KiB ahead 40.9-41.7 at either offset (L2 hint 31 at best; two
+ * threads of Kimi K3's own matrices in the block: 40 -> 50 GB/s).  Float32 tokens: 8-row
+ * blocks 30.1-30.3 and 24.5-26.1 at offset 40; one row at a time 25.2-26.6 and 27.3-28.3
+ * (a token's 28 KiB does not stay in L1 under a row stream).  The far non-temporal
+ * prefetch is what that core takes (mxfp4x_dense_pf_far in cpu.h); elsewhere the 1 KiB
+ * one into L2 (measured on an Intel Xeon with the 8-row form). */
+#define MXFP4X_AVX512_DENSE_ODD_MASK ((int)0xFFFF0000u)
+
+/* 32 bf16 weights or tokens at p: their even and odd elements as float32 */
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_bf16x32_eo_avx512_v(__m512i v, __m512 *e, __m512 *o) {
+    *e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *o = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(MXFP4X_AVX512_DENSE_ODD_MASK)));
+}
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_bf16x32_eo_avx512(const uint16_t *p, __m512 *e,
+                                                         __m512 *o) {
+    mxfp4x_bf16x32_eo_avx512_v(_mm512_loadu_si512((const void *)p), e, o);
 }
 
+/* 32 float32 tokens at p: their even and odd elements */
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_f32x32_eo_avx512(const float *p, __m512 *e, __m512 *o) {
+    const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+    const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    *e = _mm512_permutex2var_ps(a, ie, b);
+    *o = _mm512_permutex2var_ps(a, io, b);
+}
+
+/* Token chunk at element k of token c (xb16: bf16 tokens, a constant) */
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_x_eo_avx512(const void *x, int64_t off,
+                                                         const int xb16, __m512 *e, __m512 *o) {
+    if (xb16)
+        mxfp4x_bf16x32_eo_avx512((const uint16_t *)x + off, e, o);
+    else
+        mxfp4x_f32x32_eo_avx512((const float *)x + off, e, o);
+}
+
+/* One block of mr rows x nt tokens (constants after inlining), every chunk; pf: 0 the
+ * 1 KiB T1 prefetch of each row's line (MXFP4X_DENSE_PREFETCH), 1 the far non-temporal
+ * one (MXFP4X_DENSE_PREFETCH_FAR). */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, int64_t rs,
-                                                           int64_t d_in, const float *x,
-                                                           int64_t xs, int mr, int nt,
-                                                           float *out, int64_t os) {
-    __m512 a[8][4], xv[4], wv; /* up to 8 rows x 1 token or 4 x 4 */
-    const int64_t body = d_in & ~(int64_t)15;
+                                                           int64_t d_in, const void *x,
+                                                           int64_t xs, const int xb16,
+                                                           const int mr, const int nt,
+                                                           float *out, int64_t os,
+                                                           const int pf) {
+    __m512 e[8][4], o[8][4], xe[4], xo[4], we, wo; /* up to 8 rows x 1 token, 4 x 2, 2 x 4 */
+    const int64_t body = d_in & ~(int64_t)31;
     int64_t k;
     int i, c;
     for (i = 0; i < mr; i++)
-        for (c = 0; c < nt; c++) a[i][c] = _mm512_setzero_ps();
-    for (k = 0; k < body; k += 16) {
-        if (!(k & 31)) /* one line per row, MXFP4X_DENSE_PREFETCH bytes ahead (config.h) */
-            for (i = 0; i < mr; i++)
-                MXFP4X_PREFETCH_L2((const char *)(w + i * rs + k) + MXFP4X_DENSE_PREFETCH);
-        for (c = 0; c < nt; c++) xv[c] = _mm512_loadu_ps(x + c * xs + k);
+        for (c = 0; c < nt; c++) e[i][c] = o[i][c] = _mm512_setzero_ps();
+    for (k = 0; k < body; k += 32) {
+        for (c = 0; c < nt; c++) mxfp4x_dense_x_eo_avx512(x, c * xs + k, xb16, &xe[c], &xo[c]);
         for (i = 0; i < mr; i++) {
-            wv = mxfp4x_bf16x16_avx512(w + i * rs + k);
-            for (c = 0; c < nt; c++) a[i][c] = _mm512_fmadd_ps(wv, xv[c], a[i][c]);
+            const uint16_t *p = w + i * rs + k;
+            if (pf)
+                _mm_prefetch((const char *)p + MXFP4X_DENSE_PREFETCH_FAR, _MM_HINT_NTA);
+            else
+                MXFP4X_PREFETCH_L2((const char *)p + MXFP4X_DENSE_PREFETCH);
+            mxfp4x_bf16x32_eo_avx512(p, &we, &wo);
+            for (c = 0; c < nt; c++) {
+                e[i][c] = _mm512_fmadd_ps(we, xe[c], e[i][c]);
+                o[i][c] = _mm512_fmadd_ps(wo, xo[c], o[i][c]);
+            }
         }
     }
-    if (body < d_in) {
+    if (body < d_in) { /* the last chunk through zero-filled copies: its zero lanes add +0 */
         const int n = (int)(d_in - body);
-        uint16_t wt[16];
-        float xt[16];
+        MXFP4X_ALIGN64 uint16_t wt[32];
+        MXFP4X_ALIGN64 float xt[32];
+        MXFP4X_ALIGN64 uint16_t xbt[32];
         for (c = 0; c < nt; c++) {
-            memset(xt, 0, sizeof xt);
-            memcpy(xt, x + c * xs + body, (size_t)n * sizeof(float));
-            xv[c] = _mm512_loadu_ps(xt);
+            if (xb16) {
+                memset(xbt, 0, sizeof xbt);
+                memcpy(xbt, (const uint16_t *)x + c * xs + body, (size_t)n * sizeof(uint16_t));
+                mxfp4x_bf16x32_eo_avx512(xbt, &xe[c], &xo[c]);
+            } else {
+                memset(xt, 0, sizeof xt);
+                memcpy(xt, (const float *)x + c * xs + body, (size_t)n * sizeof(float));
+                mxfp4x_f32x32_eo_avx512(xt, &xe[c], &xo[c]);
+            }
         }
         for (i = 0; i < mr; i++) {
             memset(wt, 0, sizeof wt);
             memcpy(wt, w + i * rs + body, (size_t)n * sizeof(uint16_t));
-            wv = mxfp4x_bf16x16_avx512(wt);
-            for (c = 0; c < nt; c++) a[i][c] = _mm512_fmadd_ps(wv, xv[c], a[i][c]);
+            mxfp4x_bf16x32_eo_avx512(wt, &we, &wo);
+            for (c = 0; c < nt; c++) {
+                e[i][c] = _mm512_fmadd_ps(we, xe[c], e[i][c]);
+                o[i][c] = _mm512_fmadd_ps(wo, xo[c], o[i][c]);
+            }
         }
     }
     for (i = 0; i < mr; i++)
-        for (c = 0; c < nt; c++) out[c * os + i] = mxfp4x_hsum16_avx512(a[i][c]);
+        for (c = 0; c < nt; c++)
+            out[c * os + i] = mxfp4x_hsum16_avx512(_mm512_add_ps(e[i][c], o[i][c]));
 }
 
-#define MXFP4X_AVX512_DENSE_CASE(M, N)                                                     \
-    case (M) * 8 + (N):                                                                    \
-        mxfp4x_dense_block_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride, M, N,  \
-                                  o, out_stride);                                          \
-        break;
-#define MXFP4X_AVX512_DENSE_ROW(M)                                                         \
-    MXFP4X_AVX512_DENSE_CASE(M, 1) MXFP4X_AVX512_DENSE_CASE(M, 2)                          \
-    MXFP4X_AVX512_DENSE_CASE(M, 3) MXFP4X_AVX512_DENSE_CASE(M, 4)
+/* One row x one token of bf16 tokens, its weights read by 64-byte aligned loads: a row
+ * that starts inside a line (a checkpoint's tensors start wherever its header and the
+ * tensors before them end) would split every 64-byte load across two lines.  With the
+ * row's first element at element `off` of its line, chunk m is the 32 elements from
+ * element off of line m on: its 32-bit pairs start at pair off / 2 of lines m, m + 1,
+ * picked by one vpermt2d (AVX512F); for an odd off the even elements are the high halves
+ * of those pairs and the odd ones the low halves of the pairs one further on, a second
+ * vpermt2d (`odd`, a constant).  The partial first and last lines come from zero-filled
+ * copies, so nothing outside the row is read.  The same chunks as the unaligned form, so
+ * the same bits.  Kimi K3's dense matrices as its checkpoint maps them (40 bytes into a
+ * line), one token, one thread of an AMD Zen 5, through _cpu.dense_bf16: 27.7 GB/s with
+ * unaligned loads, 38.5 with these. */
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t *w,
+                                                                 int64_t d_in, const void *x,
+                                                                 const int xb16, float *out,
+                                                                 const int pf, const int odd) {
+    const int off = (int)(((uintptr_t)w & 63) >> 1);
+    const uint16_t *base = w - off; /* 64-byte aligned: line j at base + 32 j */
+    const int64_t end = off + d_in, n_lines = (end + 31) >> 5, full = end >> 5;
+    const int64_t n_chunks = (d_in + 31) >> 5;
+    const __m512i ia = _mm512_add_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(off >> 1));
+    const __m512i ib = _mm512_add_epi32(ia, _mm512_set1_epi32(1));
+    const __m512i hi = _mm512_set1_epi32(MXFP4X_AVX512_DENSE_ODD_MASK);
+    MXFP4X_ALIGN64 uint16_t t[32];
+    __m512 e = _mm512_setzero_ps(), o = _mm512_setzero_ps(), we, wo, xe, xo;
+    __m512i prev, cur, pa;
+    int64_t m, j;
+#define MXFP4X_DENSE_JOIN                                                                  \
+    pa = _mm512_permutex2var_epi32(prev, ia, cur);                                         \
+    if (odd) {                                                                             \
+        we = _mm512_castsi512_ps(_mm512_and_si512(pa, hi));                                \
+        wo = _mm512_castsi512_ps(                                                          \
+            _mm512_slli_epi32(_mm512_permutex2var_epi32(prev, ib, cur), 16));             \
+    } else {                                                                               \
+        mxfp4x_bf16x32_eo_avx512_v(pa, &we, &wo);                                          \
+    }
+    memset(t, 0, sizeof t); /* line 0: the row's first elements from element off on */
+    memcpy(t + off, w, (size_t)(d_in < 32 - off ? d_in : 32 - off) * sizeof(uint16_t));
+    prev = _mm512_load_si512((const void *)t);
+    for (m = 0; m + 1 < full && 32 * m + 32 <= d_in; m++) { /* whole lines, whole chunks */
+        const uint16_t *line = base + 32 * (m + 1);
+        if (pf)
+            _mm_prefetch((const char *)line + MXFP4X_DENSE_PREFETCH_FAR, _MM_HINT_NTA);
+        else
+            MXFP4X_PREFETCH_L2((const char *)line + MXFP4X_DENSE_PREFETCH);
+        cur = _mm512_load_si512((const void *)line);
+        MXFP4X_DENSE_JOIN
+        mxfp4x_dense_x_eo_avx512(x, 32 * m, xb16, &xe, &xo);
+        e = _mm512_fmadd_ps(we, xe, e);
+        o = _mm512_fmadd_ps(wo, xo, o);
+        prev = cur;
+    }
+    for (; m < n_chunks; m++) { /* the last chunks: partial lines and tokens zero-filled */
+        MXFP4X_ALIGN64 float xt[32];
+        j = m + 1;
+        if (j < full) {
+            cur = _mm512_load_si512((const void *)(base + 32 * j));
+        } else if (j < n_lines) {
+            memset(t, 0, sizeof t);
+            memcpy(t, base + 32 * j, (size_t)(end - 32 * j) * sizeof(uint16_t));
+            cur = _mm512_load_si512((const void *)t);
+        } else {
+            cur = _mm512_setzero_si512();
+        }
+        MXFP4X_DENSE_JOIN
+        {
+            const size_t n = (size_t)(d_in - 32 * m < 32 ? d_in - 32 * m : 32);
+            memset(xt, 0, sizeof xt);
+            if (xb16)
+                memcpy(xt, (const uint16_t *)x + 32 * m, n * sizeof(uint16_t));
+            else
+                memcpy(xt, (const float *)x + 32 * m, n * sizeof(float));
+            mxfp4x_dense_x_eo_avx512(xt, 0, xb16, &xe, &xo);
+        }
+        e = _mm512_fmadd_ps(we, xe, e);
+        o = _mm512_fmadd_ps(wo, xo, o);
+        prev = cur;
+    }
+#undef MXFP4X_DENSE_JOIN
+    *out = mxfp4x_hsum16_avx512(_mm512_add_ps(e, o));
+}
+
+/* Rows [row_start, row_end) x n_tok tokens: one token as above; more in blocks of 4 rows
+ * x 2 tokens or 2 rows x 4 (a 3-token tail: 2 x 3), accumulators in registers. */
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_avx512_to(const uint16_t *w, int64_t row_stride,
+                                                        int64_t row_start, int64_t row_end,
+                                                        int64_t d_in, const void *x,
+                                                        int64_t x_stride, int64_t n_tok,
+                                                        float *out, int64_t out_stride,
+                                                        const int xb16, const int pf) {
+    const int esz = xb16 ? 2 : 4;
+    int64_t t, r;
+    for (t = 0; t < n_tok;) {
+        const int64_t left = n_tok - t;
+        const int nt = left >= 4 ? 4 : left == 3 ? 3 : (int)left;
+        const void *xt = (const char *)x + t * x_stride * esz;
+        float *o0 = out + t * out_stride;
+#define MXFP4X_AVX512_DENSE_RUN(M, N, PF)                                                  \
+    for (; r + (M) <= row_end; r += (M))                                                   \
+        mxfp4x_dense_block_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride, xb16,  \
+                                  M, N, o0 + (r - row_start), out_stride, PF);
+        r = row_start;
+        if (nt == 1 && xb16) {
+            for (; r < row_end; r++) {
+                const uint16_t *wr = w + r * row_stride;
+                if (!((uintptr_t)wr & 3))
+                    mxfp4x_dense_row_aligned_avx512(wr, d_in, xt, xb16, o0 + (r - row_start),
+                                                    pf, 0);
+                else if (!((uintptr_t)wr & 1))
+                    mxfp4x_dense_row_aligned_avx512(wr, d_in, xt, xb16, o0 + (r - row_start),
+                                                    pf, 1);
+                else /* an odd address: no whole elements to join */
+                    mxfp4x_dense_block_avx512(wr, row_stride, d_in, xt, x_stride, xb16, 1, 1,
+                                              o0 + (r - row_start), out_stride, pf);
+            }
+        } else if (nt == 1) {
+            MXFP4X_AVX512_DENSE_RUN(8, 1, 0)
+            MXFP4X_AVX512_DENSE_RUN(1, 1, 0)
+        } else if (nt == 2) {
+            MXFP4X_AVX512_DENSE_RUN(4, 2, 0)
+            MXFP4X_AVX512_DENSE_RUN(1, 2, 0)
+        } else if (nt == 3) {
+            MXFP4X_AVX512_DENSE_RUN(2, 3, 0)
+            MXFP4X_AVX512_DENSE_RUN(1, 3, 0)
+        } else {
+            MXFP4X_AVX512_DENSE_RUN(2, 4, 0)
+            MXFP4X_AVX512_DENSE_RUN(1, 4, 0)
+        }
+#undef MXFP4X_AVX512_DENSE_RUN
+        t += nt;
+    }
+}
 
 MXFP4X_AVX512_FN void mxfp4x_dense_bf16_avx512(const uint16_t *w, int64_t row_stride,
                                                int64_t row_start, int64_t row_end,
                                                int64_t d_in, const float *x, int64_t x_stride,
                                                int64_t n_tok, float *out,
                                                int64_t out_stride) {
-    int64_t t, r;
-    for (t = 0; t < n_tok; t += 4) {
-        const int nt = n_tok - t < 4 ? (int)(n_tok - t) : 4;
-        const float *xt = x + t * x_stride;
-        if (nt == 1) { /* one token: blocks of up to 8 rows, eight row streams in flight
-                          * (the same chain per row, so the same bits as blocks of 4) */
-            for (r = row_start; r < row_end; r += 8) {
-                const int mr = row_end - r < 8 ? (int)(row_end - r) : 8;
-                float *o = out + t * out_stride + (r - row_start);
-                switch (mr * 8 + 1) {
-                    MXFP4X_AVX512_DENSE_CASE(8, 1) MXFP4X_AVX512_DENSE_CASE(7, 1)
-                    MXFP4X_AVX512_DENSE_CASE(6, 1) MXFP4X_AVX512_DENSE_CASE(5, 1)
-                    MXFP4X_AVX512_DENSE_CASE(4, 1) MXFP4X_AVX512_DENSE_CASE(3, 1)
-                    MXFP4X_AVX512_DENSE_CASE(2, 1) MXFP4X_AVX512_DENSE_CASE(1, 1)
-                default: break;
-                }
-            }
-            continue;
-        }
-        for (r = row_start; r < row_end; r += 4) {
-            const int mr = row_end - r < 4 ? (int)(row_end - r) : 4;
-            float *o = out + t * out_stride + (r - row_start);
-            switch (mr * 8 + nt) {
-                MXFP4X_AVX512_DENSE_ROW(4)
-                MXFP4X_AVX512_DENSE_ROW(3)
-                MXFP4X_AVX512_DENSE_ROW(2)
-                MXFP4X_AVX512_DENSE_ROW(1)
-            default: break;
-            }
-        }
-    }
+    mxfp4x_dense_avx512_to(w, row_stride, row_start, row_end, d_in, x, x_stride, n_tok, out,
+                           out_stride, 0, 0);
+}
+
+/* The same with bf16 tokens (their bits): the same bits as mxfp4x_dense_bf16_avx512 on the
+ * tokens widened to float32. */
+MXFP4X_AVX512_FN void mxfp4x_dense_bf16x_avx512(const uint16_t *w, int64_t row_stride,
+                                                int64_t row_start, int64_t row_end,
+                                                int64_t d_in, const uint16_t *x,
+                                                int64_t x_stride, int64_t n_tok, float *out,
+                                                int64_t out_stride) {
+    if (mxfp4x_dense_pf_far())
+        mxfp4x_dense_avx512_to(w, row_stride, row_start, row_end, d_in, x, x_stride, n_tok,
+                               out, out_stride, 1, 1);
+    else
+        mxfp4x_dense_avx512_to(w, row_stride, row_start, row_end, d_in, x, x_stride, n_tok,
+                               out, out_stride, 1, 0);
 }
 
 #endif /* MXFP4X_HAVE_X86_SIMD */

@@ -272,6 +272,20 @@ static inline int mxfp4x_pf_into_l1(void) {
 #endif
 }
 
+/* Whether the AVX-512 dense bf16 kernel (avx512.h) streams a row with the far
+ * non-temporal prefetch (MXFP4X_DENSE_PREFETCH_FAR bytes ahead, _MM_HINT_NTA) rather than
+ * the 1 KiB one into L2: on an AMD Zen 5 (family 1Ah), where it read Kimi K3's dense
+ * matrices at one token at 40 GB/s against 31 at best with the L2 hint (one thread; one
+ * thread reads ~40 GB/s there).  Zen 4 and Intel are unmeasured and keep the L2 hint.
+ * -DMXFP4X_DENSE_FAR=0 or 1 forces it. */
+static inline int mxfp4x_dense_pf_far(void) {
+#ifdef MXFP4X_DENSE_FAR
+    return MXFP4X_DENSE_FAR;
+#else
+    return mxfp4x_cpu_amd_family() == 0x1A;
+#endif
+}
+
 /* The ISAs a call may run by default on this CPU (mxfp4x_isa_default_mask); cached like
  * mxfp4x_cpu_isas. */
 static int mxfp4x_cpu_default_isas(void) {

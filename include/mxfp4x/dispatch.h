@@ -25,7 +25,7 @@
     .decode_f32 = mxfp4x_decode_f32_avx512, .panel_dot_f32 = mxfp4x_panel_dot_f32_avx512,  \
     .panel_scratch_floats = mxfp4x_panel_scratch_f32_avx512,                               \
     .axpy_rows_f32 = mxfp4x_axpy_rows_f32_avx512, .fma_loop = mxfp4x_fma_loop_avx512,      \
-    .dense_bf16 = mxfp4x_dense_bf16_avx512
+    .dense_bf16 = mxfp4x_dense_bf16_avx512, .dense_bf16x = mxfp4x_dense_bf16x_avx512
 
 /* Fields by name (mxfp4x.h says what each means): a reordered struct cannot shift a value
  * into the wrong field. */

@@ -402,6 +402,12 @@ typedef void (*mxfp4x_dense_bf16_fn)(const uint16_t *w, int64_t row_stride, int6
                                      int64_t row_end, int64_t d_in, const float *x,
                                      int64_t x_stride, int64_t n_tok, float *out,
                                      int64_t out_stride);
+/* The same with bf16 tokens (x: their uint16 bits): the same bits as the entry's
+ * dense_bf16 on the tokens widened to float32. */
+typedef void (*mxfp4x_dense_bf16x_fn)(const uint16_t *w, int64_t row_stride,
+                                      int64_t row_start, int64_t row_end, int64_t d_in,
+                                      const uint16_t *x, int64_t x_stride, int64_t n_tok,
+                                      float *out, int64_t out_stride);
 
 /* bfloat16 latents on a bf16 dot-product unit (amx.h): gather n pairs' latents (token
  * rows src[i] of x, bf16 bits) into the unit's blocks at dst (n * d_in elements, 64 bytes
@@ -437,6 +443,8 @@ typedef struct {
     mxfp4x_axpy_rows_f32_fn axpy_rows_f32;
     mxfp4x_fma_loop_fn fma_loop;          /* roofline only */
     mxfp4x_dense_bf16_fn dense_bf16;      /* dense bf16 rows x float32 tokens */
+    mxfp4x_dense_bf16x_fn dense_bf16x;    /* ... x bf16 tokens (NULL: widen them to
+                                             float32 for dense_bf16) */
     /* bf16 latents of a float32 forward call (NULL: converted to float32 for gemv_f32 /
      * panel_dot_f32): the gather of an expert's tokens and the rows' product (amx.h) */
     mxfp4x_bf16_gather_fn bf16_gather;

@@ -404,8 +404,8 @@ class KimiK3Router(torch.nn.Module):
         if acc == torch.float32 and _dense.takes(x, self.weight):
             # a few tokens, bf16 weight: the product of the float32-widened weight, read
             # as bf16 at the memory's rate (mxfp4x._dense)
-            scores = torch.sigmoid(_dense.linear(x.to(acc), self.weight,
-                                                 num_threads=num_threads))
+            scores = torch.sigmoid(_dense.linear(x, self.weight, num_threads=num_threads,
+                                                 out_dtype=acc))
         else:
             scores = torch.sigmoid(F.linear(x.to(acc), self._weight_in(acc)))
         choice = scores + self.bias.to(acc)

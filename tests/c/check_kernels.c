@@ -442,7 +442,9 @@ static void check_axpy(const mxfp4x_kernels *k) {
 
 /* Against float64 within the bound; bit-identity of every (row, token) across one-token
  * calls, the several-token call and a split of the rows (batch and thread invariance);
- * padded strides; widths off every lane count; zero, subnormal and large values. */
+ * padded strides; widths off every lane count; zero, subnormal and large values.  Where
+ * the entry has dense_bf16x: bf16 tokens (subnormals among them) give, one token at a
+ * time and in a split of the rows, the bits of dense_bf16 on them widened. */
 static void check_dense(const mxfp4x_kernels *k) {
     static const int64_t cases[][3] = {/* rows, tokens, d_in */
                                        {1, 1, 1},   {5, 1, 7},   {4, 4, 16},  {9, 3, 17},
@@ -502,6 +504,34 @@ static void check_dense(const mxfp4x_kernels *k) {
                              (unsigned)f32_bits(part[t * os + r]), (unsigned)f32_bits(got));
                 }
             }
+        }
+        if (k->dense_bf16x) { /* bf16 tokens: the bits of the same tokens widened */
+            uint16_t *xb = xcalloc(n_tok * xs + 1, sizeof(uint16_t));
+            for (i = 0; i < n_tok * xs; i++) {
+                const uint64_t pick = next_u64() % 16;
+                xb[i] = pick == 0 ? (uint16_t)(next_u64() & 0x807F) /* subnormal or zero */
+                                  : (uint16_t)(f32_bits(next_float() * 4.0f) >> 16);
+                x[i] = mxfp4x_bf16_to_f32(xb[i]);
+            }
+            k->dense_bf16(w, rs, 0, n_rows, d_in, x, xs, n_tok, out, os);
+            k->dense_bf16x(w, rs, 0, split, d_in, xb, xs, n_tok, part, os);
+            k->dense_bf16x(w, rs, split, n_rows, d_in, xb, xs, n_tok, part + split, os);
+            for (t = 0; t < n_tok; t++) {
+                k->dense_bf16x(w, rs, 0, n_rows, d_in, xb + t * xs, xs, 1, one, n_rows);
+                for (r = 0; r < n_rows; r++) {
+                    const float got = out[t * os + r];
+                    digest_f32(&d, got);
+                    if ((f32_bits(one[r]) != f32_bits(got) ||
+                         f32_bits(part[t * os + r]) != f32_bits(got)) && ok) {
+                        ok = 0;
+                        snprintf(why, sizeof why, "case %d row %lld token %lld: bf16 tokens "
+                                 "%08x one token, %08x split rows, %08x widened", ci,
+                                 (long long)r, (long long)t, (unsigned)f32_bits(one[r]),
+                                 (unsigned)f32_bits(part[t * os + r]), (unsigned)f32_bits(got));
+                    }
+                }
+            }
+            free(xb);
         }
         free(w); free(x); free(out); free(one); free(part);
     }

@@ -56,6 +56,66 @@ def test_bits_do_not_depend_on_threads_batch_or_rows(isa, rng):
     assert np.array_equal(top.view(np.uint32), full[:, :100].view(np.uint32))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows,cols", [(1, 1), (9, 31), (17, 32), (70, 33), (5, 1031),
+                                       (66, 7168)])
+def test_bf16_tokens_give_the_bits_of_their_float32_widening(isa, rows, cols, rng):
+    """bf16 tokens passed as their bits (dense_bf16x where the ISA has it, else widened in
+    the wrapper) against the same tokens widened to float32, bit for bit, at 1-6 tokens
+    (every blocking of rows and tokens), and each token alone as in the batch."""
+    w = bf16_weight(rng, rows, cols)
+    xb = torch.from_numpy(rng.standard_normal((6, cols)) * 3).bfloat16()
+    xb.view(-1)[3::13] = torch.tensor(-1e-39).bfloat16()    # subnormal tokens
+    xb.view(-1)[7::29] = 0.0
+    for n in range(1, 7):
+        bits = np.empty((n, rows), np.float32)
+        _cpu.dense_bf16(xb[:n].view(torch.uint16).numpy(), w.view(torch.uint16).numpy(), bits,
+                        isa=isa)
+        wide = run(xb[:n].float(), w, isa)
+        assert np.array_equal(bits.view(np.uint32), wide.view(np.uint32)), n
+        ref, mag = reference(xb[:n].float(), w)
+        assert np.all(np.abs(bits - ref) <= error_bound(mag, cols))
+    for t in range(6):
+        one = np.empty((1, rows), np.float32)
+        _cpu.dense_bf16(xb[t:t + 1].view(torch.uint16).numpy(), w.view(torch.uint16).numpy(),
+                        one, isa=isa, n_threads=2)
+        assert np.array_equal(one[0].view(np.uint32), bits[t].view(np.uint32))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_rows_anywhere_in_a_line_give_the_same_bits(isa, rng):
+    """A weight that starts at any byte of a cache line (a checkpoint's tensors start
+    wherever the header and the tensors before them end; the one-token bf16 path joins
+    64-byte aligned loads), odd addresses included, against the same weight aligned."""
+    for cols in (7, 32, 45, 100, 333):
+        w = bf16_weight(rng, 5, cols).view(torch.uint16).numpy()
+        x = torch.from_numpy(rng.standard_normal((1, cols))).bfloat16().view(torch.uint16)
+        want = np.empty((1, 5), np.float32)
+        _cpu.dense_bf16(x.numpy(), np.ascontiguousarray(w), want, isa=isa)
+        buf = np.zeros(w.nbytes + 128, np.uint8)
+        lead = (-buf.ctypes.data) % 64
+        for at in range(64):
+            placed = np.frombuffer(buf, np.uint16, count=w.size,
+                                   offset=lead + at).reshape(w.shape)
+            placed[...] = w
+            got = np.full((1, 5), np.nan, np.float32)
+            _cpu.dense_bf16(x.numpy(), placed, got, isa=isa)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (cols, at)
+
+
+def test_linear_reads_bf16_tokens_as_they_are(rng):
+    """_dense.linear of bf16 tokens: out_dtype float32 gives the float32-widened product
+    unrounded (the router's scores), the default rounds it to bf16 once."""
+    w = bf16_weight(rng, 40, 96)
+    x = torch.from_numpy(rng.standard_normal((3, 96))).bfloat16()
+    wide = _dense.linear(x, w, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide, _dense.linear(x.float(), w))
+    assert torch.equal(_dense.linear(x, w), wide.bfloat16())
+    with pytest.raises(ValueError, match="out_dtype"):
+        _dense.linear(x, w, out_dtype=torch.float16)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_linear_matches_f_linear_within_the_bound(dtype, rng):
     w = bf16_weight(rng, 96, 160)
@@ -102,5 +162,7 @@ def test_bad_arrays_are_refused():
         _cpu.dense_bf16(np.zeros((1, 7), np.float32), w, np.zeros((1, 4), np.float32))
     with pytest.raises(ValueError, match="out"):
         _cpu.dense_bf16(np.zeros((1, 8), np.float32), w, np.zeros((1, 5), np.float32))
-    with pytest.raises(ValueError, match="x, out"):
+    with pytest.raises(ValueError, match="x: expected float32 tokens or bfloat16 bits"):
         _cpu.dense_bf16(np.zeros((1, 8), np.int32), w, np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError, match="out: expected a writable float32"):
+        _cpu.dense_bf16(np.zeros((1, 8), np.uint16), w, np.zeros((1, 4), np.int32))
