@@ -476,9 +476,11 @@ MXFP4X_AVX512_FN float mxfp4x_fma_loop_avx512(int64_t iters, float seed, int64_t
  * float32 tokens are split into even and odd halves by two vpermt2ps.  Any blocking of
  * rows and tokens gives the same bits.
  *
- * One token: with bf16 tokens one row at a time (one sequential stream, two chains; the
- * aligned form below); with float32 tokens blocks of 8 rows, which share the split of each
- * token chunk.  AMD EPYC Zen 5 (one thread reads ~40 GB/s), one thread,
+ * One token: with bf16 tokens where mxfp4x_dense_pf_far says so (an AMD Zen 5) one row
+ * at a time (one sequential stream, two chains; the aligned form below); otherwise, and
+ * with float32 tokens, blocks of 8 rows, which share the widening or split of each token
+ * chunk (eight streams: on a Zen 4 with the 1 KiB L2 prefetch, 8 rows read 22 GB/s where
+ * 4 read 17; Zen 4 and Intel are unmeasured with one row at a time).  AMD EPYC Zen 5 (one thread reads ~40 GB/s), one thread,
  * `kernel_bench dense avx512 6144 1 7168 8` (0.7 GB of Kimi K3-wide rows), three
  * alternated rounds: the former 8-row form (one accumulator per row, 32-byte loads, a
  * 1 KiB prefetch into L2) 29.0-29.3 GB/s, 26.7-27.3 with the weights 40 bytes into a line
@@ -684,7 +686,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_avx512_to(const uint16_t *w, int64
         mxfp4x_dense_block_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride, xb16,  \
                                   M, N, o0 + (r - row_start), out_stride, PF);
         r = row_start;
-        if (nt == 1 && xb16) {
+        if (nt == 1 && xb16 && pf) { /* where the far prefetch is measured: one row at a time */
             for (; r < row_end; r++) {
                 const uint16_t *wr = w + r * row_stride;
                 if (!((uintptr_t)wr & 3))

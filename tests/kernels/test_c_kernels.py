@@ -191,3 +191,23 @@ def test_amx_kernels_with_emulated_tiles(native, tmp_path):
     if ("amx", "bf16") in ref:  # a host with the tiles
         for check in CHECKS + BF16_CHECKS + ("bf16_dot_loop",):
             assert got[("amx", check)][0] == ref[("amx", check)][0], (check, res.stdout)
+
+
+def test_dense_bits_do_not_depend_on_the_row_stream(tmp_path):
+    """The AVX-512 dense product at one token streams one row at a time from aligned loads
+    where cpu.h's mxfp4x_dense_pf_far says so (an AMD Zen 5), in blocks of 8 rows
+    elsewhere: the checker built both ways (MXFP4X_DENSE_FAR) passes and gives the same
+    dense digest, so both forms are checked whichever CPU runs the tests."""
+    cc = host_cc()
+    if cc is None:
+        pytest.skip("no C compiler (cc, gcc, clang) on PATH")
+    got = {}
+    for far in (0, 1):
+        exe = build(cc, tmp_path / f"check_far{far}", [f"-DMXFP4X_DENSE_FAR={far}"])
+        if _listed([str(exe)]).get("avx512") != "runnable":
+            pytest.skip("this CPU cannot run avx512")
+        res = _run([str(exe)], "avx512")
+        assert res.returncode == 0, res.stdout + res.stderr
+        got[far] = parse(res.stdout)[("avx512", "dense_bf16")]
+        assert got[far][1], res.stdout
+    assert got[0][0] == got[1][0], got
