@@ -595,11 +595,14 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
  * line), one token, one thread of an AMD Zen 5, through _cpu.dense_bf16: 27.7 GB/s with
  * unaligned loads, 38.5 with these. */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t *w,
-                                                                 int64_t d_in, const void *x,
-                                                                 const int xb16, float *out,
-                                                                 const int pf, const int odd) {
-    const int off = (int)(((uintptr_t)w & 63) >> 1);
-    const uint16_t *base = w - off; /* 64-byte aligned: line j at base + 32 j */
+                                                                 int64_t rs, int64_t d_in,
+                                                                 const void *x, int64_t xs,
+                                                                 const int xb16, const int mr,
+                                                                 const int nt, float *out,
+                                                                 int64_t os, const int pf,
+                                                                 const int odd) {
+    const int off = (int)(((uintptr_t)w & 63) >> 1); /* the same for the mr rows */
+    const int esz = xb16 ? 2 : 4;
     const int64_t end = off + d_in, n_lines = (end + 31) >> 5, full = end >> 5;
     const int64_t n_chunks = (d_in + 31) >> 5;
     const __m512i ia = _mm512_add_epi32(
@@ -608,66 +611,101 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
     const __m512i ib = _mm512_add_epi32(ia, _mm512_set1_epi32(1));
     const __m512i hi = _mm512_set1_epi32(MXFP4X_AVX512_DENSE_ODD_MASK);
     MXFP4X_ALIGN64 uint16_t t[32];
-    __m512 e = _mm512_setzero_ps(), o = _mm512_setzero_ps(), we, wo, xe, xo;
-    __m512i prev, cur, pa;
+    __m512 e[4][2], o[4][2], xe[2], xo[2], we, wo; /* mr x nt <= 4 x 2, or 1 x 2 */
+    __m512i prev[4], cur, pa;
     int64_t m, j;
-#define MXFP4X_DENSE_JOIN                                                                  \
-    pa = _mm512_permutex2var_epi32(prev, ia, cur);                                         \
+    int i, c;
+    for (i = 0; i < mr; i++) {
+        for (c = 0; c < nt; c++) e[i][c] = o[i][c] = _mm512_setzero_ps();
+        memset(t, 0, sizeof t); /* line 0: the row's first elements from element off on */
+        memcpy(t + off, w + i * rs,
+               (size_t)(d_in < 32 - off ? d_in : 32 - off) * sizeof(uint16_t));
+        prev[i] = _mm512_load_si512((const void *)t);
+    }
+#define MXFP4X_DENSE_JOIN(I)                                                               \
+    pa = _mm512_permutex2var_epi32(prev[I], ia, cur);                                      \
     if (odd) {                                                                             \
         we = _mm512_castsi512_ps(_mm512_and_si512(pa, hi));                                \
         wo = _mm512_castsi512_ps(                                                          \
-            _mm512_slli_epi32(_mm512_permutex2var_epi32(prev, ib, cur), 16));             \
+            _mm512_slli_epi32(_mm512_permutex2var_epi32(prev[I], ib, cur), 16));          \
     } else {                                                                               \
         mxfp4x_bf16x32_eo_avx512_v(pa, &we, &wo);                                          \
-    }
-    memset(t, 0, sizeof t); /* line 0: the row's first elements from element off on */
-    memcpy(t + off, w, (size_t)(d_in < 32 - off ? d_in : 32 - off) * sizeof(uint16_t));
-    prev = _mm512_load_si512((const void *)t);
+    }                                                                                      \
+    for (c = 0; c < nt; c++) {                                                             \
+        e[I][c] = _mm512_fmadd_ps(we, xe[c], e[I][c]);                                     \
+        o[I][c] = _mm512_fmadd_ps(wo, xo[c], o[I][c]);                                     \
+    }                                                                                      \
+    prev[I] = cur;
     for (m = 0; m + 1 < full && 32 * m + 32 <= d_in; m++) { /* whole lines, whole chunks */
-        const uint16_t *line = base + 32 * (m + 1);
-        if (pf)
-            _mm_prefetch((const char *)line + MXFP4X_DENSE_PREFETCH_FAR, _MM_HINT_NTA);
-        else
-            MXFP4X_PREFETCH_L2((const char *)line + MXFP4X_DENSE_PREFETCH);
-        cur = _mm512_load_si512((const void *)line);
-        MXFP4X_DENSE_JOIN
-        mxfp4x_dense_x_eo_avx512(x, 32 * m, xb16, &xe, &xo);
-        e = _mm512_fmadd_ps(we, xe, e);
-        o = _mm512_fmadd_ps(wo, xo, o);
-        prev = cur;
+        for (c = 0; c < nt; c++) mxfp4x_dense_x_eo_avx512(x, c * xs + 32 * m, xb16, &xe[c], &xo[c]);
+        for (i = 0; i < mr; i++) {
+            const uint16_t *line = w - off + i * rs + 32 * (m + 1);
+            if (pf)
+                _mm_prefetch((const char *)line + MXFP4X_DENSE_PREFETCH_FAR, _MM_HINT_NTA);
+            else
+                MXFP4X_PREFETCH_L2((const char *)line + MXFP4X_DENSE_PREFETCH);
+            cur = _mm512_load_si512((const void *)line);
+            MXFP4X_DENSE_JOIN(i)
+        }
     }
     for (; m < n_chunks; m++) { /* the last chunks: partial lines and tokens zero-filled */
         MXFP4X_ALIGN64 float xt[32];
+        const size_t n = (size_t)(d_in - 32 * m < 32 ? d_in - 32 * m : 32);
         j = m + 1;
-        if (j < full) {
-            cur = _mm512_load_si512((const void *)(base + 32 * j));
-        } else if (j < n_lines) {
-            memset(t, 0, sizeof t);
-            memcpy(t, base + 32 * j, (size_t)(end - 32 * j) * sizeof(uint16_t));
-            cur = _mm512_load_si512((const void *)t);
-        } else {
-            cur = _mm512_setzero_si512();
-        }
-        MXFP4X_DENSE_JOIN
-        {
-            const size_t n = (size_t)(d_in - 32 * m < 32 ? d_in - 32 * m : 32);
+        for (c = 0; c < nt; c++) {
             memset(xt, 0, sizeof xt);
-            if (xb16)
-                memcpy(xt, (const uint16_t *)x + 32 * m, n * sizeof(uint16_t));
-            else
-                memcpy(xt, (const float *)x + 32 * m, n * sizeof(float));
-            mxfp4x_dense_x_eo_avx512(xt, 0, xb16, &xe, &xo);
+            memcpy(xt, (const char *)x + (c * xs + 32 * m) * esz, n * (size_t)esz);
+            mxfp4x_dense_x_eo_avx512(xt, 0, xb16, &xe[c], &xo[c]);
         }
-        e = _mm512_fmadd_ps(we, xe, e);
-        o = _mm512_fmadd_ps(wo, xo, o);
-        prev = cur;
+        for (i = 0; i < mr; i++) {
+            const uint16_t *line = w - off + i * rs + 32 * j;
+            if (j < full) {
+                cur = _mm512_load_si512((const void *)line);
+            } else if (j < n_lines) {
+                memset(t, 0, sizeof t);
+                memcpy(t, line, (size_t)(end - 32 * j) * sizeof(uint16_t));
+                cur = _mm512_load_si512((const void *)t);
+            } else {
+                cur = _mm512_setzero_si512();
+            }
+            MXFP4X_DENSE_JOIN(i)
+        }
     }
 #undef MXFP4X_DENSE_JOIN
-    *out = mxfp4x_hsum16_avx512(_mm512_add_ps(e, o));
+    for (i = 0; i < mr; i++)
+        for (c = 0; c < nt; c++)
+            out[c * os + i] = mxfp4x_hsum16_avx512(_mm512_add_ps(e[i][c], o[i][c]));
 }
 
-/* Rows [row_start, row_end) x n_tok tokens: one token as above; more in blocks of 4 rows
- * x 2 tokens or 2 rows x 4 (a 3-token tail: 2 x 3), accumulators in registers. */
+/* One row from r for nt tokens (constants): the aligned form where the row starts on an
+ * even byte, else the block form (an odd address: no whole elements to join). */
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_avx512(const uint16_t *wr, int64_t row_stride,
+                                                         int64_t d_in, const void *x,
+                                                         int64_t xs, const int xb16,
+                                                         const int mr, const int nt,
+                                                         float *out, int64_t os,
+                                                         const int pf) {
+    if (mr > 1 && (row_stride & 31)) /* rows at different offsets in their lines */
+        mxfp4x_dense_block_avx512(wr, row_stride, d_in, x, xs, xb16, mr, nt, out, os, pf);
+    else if (!((uintptr_t)wr & 3))
+        mxfp4x_dense_row_aligned_avx512(wr, row_stride, d_in, x, xs, xb16, mr, nt, out, os,
+                                        pf, 0);
+    else if (!((uintptr_t)wr & 1))
+        mxfp4x_dense_row_aligned_avx512(wr, row_stride, d_in, x, xs, xb16, mr, nt, out, os,
+                                        pf, 1);
+    else
+        mxfp4x_dense_block_avx512(wr, row_stride, d_in, x, xs, xb16, mr, nt, out, os, pf);
+}
+
+/* Rows [row_start, row_end) x n_tok tokens, in groups of up to 4 tokens: one or two bf16
+ * tokens one row at a time on an AMD Zen 5 (two tokens: 32-33 GB/s against 24-27 for the
+ * former 4 x 4 blocks, `kernel_bench dense avx512 6144 2 7168 4`, offsets 0 and 40); one
+ * float32 token in blocks of 8 rows; otherwise blocks of 4 rows x 2 tokens, for 3 or 4
+ * tokens run twice over each block while its rows are in cache (16 accumulators: 4 x 4
+ * would need 32).  Three or four tokens read at 18-22 GB/s there against the former
+ * blocks' 22-24: two accumulators per (row, token) cost their products more work per
+ * byte at four tokens than they save at one (one row at a time, 17 GB/s; 2 x 4 blocks
+ * 15-18). */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_avx512_to(const uint16_t *w, int64_t row_stride,
                                                         int64_t row_start, int64_t row_end,
                                                         int64_t d_in, const void *x,
@@ -686,18 +724,15 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_avx512_to(const uint16_t *w, int64
         mxfp4x_dense_block_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride, xb16,  \
                                   M, N, o0 + (r - row_start), out_stride, PF);
         r = row_start;
-        if (nt == 1 && xb16 && pf) { /* where the far prefetch is measured: one row at a time */
+        if (nt <= 2 && xb16 && pf) { /* one row at a time (where the far prefetch is
+                                      * measured: an AMD Zen 5) */
             for (; r < row_end; r++) {
-                const uint16_t *wr = w + r * row_stride;
-                if (!((uintptr_t)wr & 3))
-                    mxfp4x_dense_row_aligned_avx512(wr, d_in, xt, xb16, o0 + (r - row_start),
-                                                    pf, 0);
-                else if (!((uintptr_t)wr & 1))
-                    mxfp4x_dense_row_aligned_avx512(wr, d_in, xt, xb16, o0 + (r - row_start),
-                                                    pf, 1);
-                else /* an odd address: no whole elements to join */
-                    mxfp4x_dense_block_avx512(wr, row_stride, d_in, xt, x_stride, xb16, 1, 1,
-                                              o0 + (r - row_start), out_stride, pf);
+                if (nt == 1)
+                    mxfp4x_dense_row_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride,
+                                            xb16, 1, 1, o0 + (r - row_start), out_stride, pf);
+                else
+                    mxfp4x_dense_row_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride,
+                                            xb16, 1, 2, o0 + (r - row_start), out_stride, pf);
             }
         } else if (nt == 1) {
             MXFP4X_AVX512_DENSE_RUN(8, 1, 0)
@@ -705,12 +740,25 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_avx512_to(const uint16_t *w, int64
         } else if (nt == 2) {
             MXFP4X_AVX512_DENSE_RUN(4, 2, 0)
             MXFP4X_AVX512_DENSE_RUN(1, 2, 0)
-        } else if (nt == 3) {
-            MXFP4X_AVX512_DENSE_RUN(2, 3, 0)
-            MXFP4X_AVX512_DENSE_RUN(1, 3, 0)
-        } else {
-            MXFP4X_AVX512_DENSE_RUN(2, 4, 0)
-            MXFP4X_AVX512_DENSE_RUN(1, 4, 0)
+        } else { /* 3 or 4 tokens: each block of 4 rows for 2 tokens, then for the rest,
+                  * while its rows are still in cache */
+            for (; r + 4 <= row_end; r += 4) {
+                const void *x2 = (const char *)xt + 2 * x_stride * esz;
+                float *o2 = o0 + 2 * out_stride + (r - row_start);
+                mxfp4x_dense_row_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride,
+                                        xb16, 4, 2, o0 + (r - row_start), out_stride, 0);
+                if (nt == 4)
+                    mxfp4x_dense_row_avx512(w + r * row_stride, row_stride, d_in, x2,
+                                            x_stride, xb16, 4, 2, o2, out_stride, 0);
+                else
+                    mxfp4x_dense_row_avx512(w + r * row_stride, row_stride, d_in, x2,
+                                            x_stride, xb16, 4, 1, o2, out_stride, 0);
+            }
+            if (nt == 4) {
+                MXFP4X_AVX512_DENSE_RUN(1, 4, 0)
+            } else {
+                MXFP4X_AVX512_DENSE_RUN(1, 3, 0)
+            }
         }
 #undef MXFP4X_AVX512_DENSE_RUN
         t += nt;
