@@ -530,7 +530,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
                                                            const int mr, const int nt,
                                                            float *out, int64_t os,
                                                            const int pf) {
-    __m512 e[8][4], o[8][4], xe[4], xo[4], we, wo; /* up to 8 rows x 1 token, 4 x 2, 2 x 4 */
+    __m512 e[8][4], o[8][4], xe[4], xo[4], we, wo; /* 8 x 1, 4 x 2 or 4 x 1, 1 x 1..4 */
     const int64_t body = d_in & ~(int64_t)31;
     int64_t k;
     int i, c;
@@ -677,8 +677,9 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
             out[c * os + i] = mxfp4x_hsum16_avx512(_mm512_add_ps(e[i][c], o[i][c]));
 }
 
-/* One row from r for nt tokens (constants): the aligned form where the row starts on an
- * even byte, else the block form (an odd address: no whole elements to join). */
+/* mr rows from wr (1, or 4 that share their offset in a line) x nt tokens (constants):
+ * the aligned form where the rows start on an even byte and share that offset, else the
+ * block form (an odd address: no whole elements to join). */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_avx512(const uint16_t *wr, int64_t row_stride,
                                                          int64_t d_in, const void *x,
                                                          int64_t xs, const int xb16,

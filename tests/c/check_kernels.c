@@ -449,7 +449,7 @@ static void check_dense(const mxfp4x_kernels *k) {
     static const int64_t cases[][3] = {/* rows, tokens, d_in */
                                        {1, 1, 1},   {5, 1, 7},   {4, 4, 16},  {9, 3, 17},
                                        {7, 6, 33},  {13, 5, 100}, {3, 9, 257}, {6, 2, 0},
-                                       {11, 7, 64}, {2, 1, 1031}};
+                                       {11, 7, 64}, {2, 1, 1031}, {9, 4, 29}, {10, 7, 61}};
     const int n_cases = (int)(sizeof cases / sizeof cases[0]);
     digest d;
     int ok = 1, ci;

@@ -85,12 +85,14 @@ def test_bf16_tokens_give_the_bits_of_their_float32_widening(isa, rows, cols, rn
 @pytest.mark.parametrize("isa", ISAS)
 def test_rows_anywhere_in_a_line_give_the_same_bits(isa, rng):
     """A weight that starts at any byte of a cache line (a checkpoint's tensors start
-    wherever the header and the tensors before them end; the one-token bf16 path joins
-    64-byte aligned loads), odd addresses included, against the same weight aligned."""
-    for cols in (7, 32, 45, 100, 333):
-        w = bf16_weight(rng, 5, cols).view(torch.uint16).numpy()
-        x = torch.from_numpy(rng.standard_normal((1, cols))).bfloat16().view(torch.uint16)
-        want = np.empty((1, 5), np.float32)
+    wherever the header and the tensors before them end; the bf16 paths join 64-byte
+    aligned loads), odd addresses included, 1-4 tokens, rows that share their offset in a
+    line (widths of 32, 64, 96) and rows that do not: the bits of the same weight aligned,
+    and of the tokens widened to float32."""
+    for cols, n_tok in ((7, 1), (32, 4), (45, 2), (64, 3), (100, 1), (333, 4), (96, 2)):
+        w = bf16_weight(rng, 9, cols).view(torch.uint16).numpy()
+        x = torch.from_numpy(rng.standard_normal((n_tok, cols))).bfloat16().view(torch.uint16)
+        want = np.empty((n_tok, 9), np.float32)
         _cpu.dense_bf16(x.numpy(), np.ascontiguousarray(w), want, isa=isa)
         buf = np.zeros(w.nbytes + 128, np.uint8)
         lead = (-buf.ctypes.data) % 64
@@ -98,9 +100,13 @@ def test_rows_anywhere_in_a_line_give_the_same_bits(isa, rng):
             placed = np.frombuffer(buf, np.uint16, count=w.size,
                                    offset=lead + at).reshape(w.shape)
             placed[...] = w
-            got = np.full((1, 5), np.nan, np.float32)
+            got = np.full((n_tok, 9), np.nan, np.float32)
             _cpu.dense_bf16(x.numpy(), placed, got, isa=isa)
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (cols, at)
+            wide = np.empty((n_tok, 9), np.float32)
+            _cpu.dense_bf16((x.numpy().astype(np.uint32) << 16).view(np.float32), placed, wide,
+                            isa=isa)
+            assert np.array_equal(wide.view(np.uint32), want.view(np.uint32)), (cols, at)
 
 
 def test_linear_reads_bf16_tokens_as_they_are(rng):
