@@ -82,8 +82,10 @@ int main(int argc, char **argv) {
     groups = atoll(argv[5]);
     experts = argc > 6 ? atoll(argv[6]) : 1;
     if (!strcmp(argv[1], "dense")) { /* GROUPS is COLS here, EXPERTS the matrices */
-        const int64_t cols = groups, n_mat = experts, off = getenv("KB_OFFSET") ? atoll(getenv("KB_OFFSET")) : 0;
-        const int xbf16 = getenv("KB_XBF16") && k->dense_bf16x;
+        const int64_t cols = groups, n_mat = experts,
+                      off = getenv("KB_OFFSET") ? atoll(getenv("KB_OFFSET")) & 63 : 0;
+        const int xbf16 = getenv("KB_XBF16") && !strcmp(getenv("KB_XBF16"), "1") &&
+                          k->dense_bf16x;
         const size_t mat_bytes = (size_t)(rows * cols) * 2;
         uint8_t *wbuf = (uint8_t *)xmalloc((size_t)n_mat * mat_bytes + 64);
         uint16_t *xb = (uint16_t *)xmalloc((size_t)(tokens * cols) * 2);

@@ -1312,11 +1312,12 @@ def dense_bf16(x, w, out, *, isa=None, int n_threads=1):
     cdef int nt = checked_threads(n_threads)
     job.k = kernels_of(isa)
     job.x_bf16 = x.dtype == np.uint16
-    if job.x_bf16 and job.k.dense_bf16x == NULL:  # this ISA widens them first
-        x = (np.ascontiguousarray(x).astype(np.uint32) << 16).view(np.float32)
-        job.x_bf16 = False
     cdef uintptr_t xa = _address(x, "x", (n_tok, d_in), 2 if job.x_bf16 else 4,
                                  "bfloat16 bits" if job.x_bf16 else "float32")
+    if job.x_bf16 and job.k.dense_bf16x == NULL:  # this ISA widens them first
+        x = (x.astype(np.uint32) << 16).view(np.float32)
+        job.x_bf16 = False
+        xa = _address(x, "x", (n_tok, d_in), 4, "float32")
     cdef uintptr_t wa = _address(w, "w", (d_out, d_in), 2, "bfloat16 bits")
     cdef uintptr_t oa = _address(out, "out", (n_tok, d_out), 4, "float32")
     if out.dtype != np.float32 or not out.flags.writeable:

@@ -620,7 +620,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
         memset(t, 0, sizeof t); /* line 0: the row's first elements from element off on */
         memcpy(t + off, w + i * rs,
                (size_t)(d_in < 32 - off ? d_in : 32 - off) * sizeof(uint16_t));
-        prev[i] = _mm512_load_si512((const void *)t);
+        prev[i] = _mm512_loadu_si512((const void *)t);
     }
 #define MXFP4X_DENSE_JOIN(I)                                                               \
     pa = _mm512_permutex2var_epi32(prev[I], ia, cur);                                      \
@@ -639,7 +639,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
     for (m = 0; m + 1 < full && 32 * m + 32 <= d_in; m++) { /* whole lines, whole chunks */
         for (c = 0; c < nt; c++) mxfp4x_dense_x_eo_avx512(x, c * xs + 32 * m, xb16, &xe[c], &xo[c]);
         for (i = 0; i < mr; i++) {
-            const uint16_t *line = w - off + i * rs + 32 * (m + 1);
+            const uint16_t *line = w + (i * rs + 32 * (m + 1) - off); /* inside the row */
             if (pf)
                 _mm_prefetch((const char *)line + MXFP4X_DENSE_PREFETCH_FAR, _MM_HINT_NTA);
             else
@@ -658,13 +658,13 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
             mxfp4x_dense_x_eo_avx512(xt, 0, xb16, &xe[c], &xo[c]);
         }
         for (i = 0; i < mr; i++) {
-            const uint16_t *line = w - off + i * rs + 32 * j;
+            const uint16_t *line = w + (i * rs + 32 * j - off); /* j >= 1: inside the row */
             if (j < full) {
                 cur = _mm512_load_si512((const void *)line);
             } else if (j < n_lines) {
                 memset(t, 0, sizeof t);
                 memcpy(t, line, (size_t)(end - 32 * j) * sizeof(uint16_t));
-                cur = _mm512_load_si512((const void *)t);
+                cur = _mm512_loadu_si512((const void *)t);
             } else {
                 cur = _mm512_setzero_si512();
             }

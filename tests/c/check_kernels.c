@@ -444,7 +444,8 @@ static void check_axpy(const mxfp4x_kernels *k) {
  * calls, the several-token call and a split of the rows (batch and thread invariance);
  * padded strides; widths off every lane count; zero, subnormal and large values.  Where
  * the entry has dense_bf16x: bf16 tokens (subnormals among them) give, one token at a
- * time and in a split of the rows, the bits of dense_bf16 on them widened. */
+ * time and in a split of the rows, with the weights 0, 2, 6, 40 and 1 bytes into a cache
+ * line, the bits of dense_bf16 on them widened (the digest takes the one-token bits). */
 static void check_dense(const mxfp4x_kernels *k) {
     static const int64_t cases[][3] = {/* rows, tokens, d_in */
                                        {1, 1, 1},   {5, 1, 7},   {4, 4, 16},  {9, 3, 17},
@@ -505,8 +506,13 @@ static void check_dense(const mxfp4x_kernels *k) {
                 }
             }
         }
-        if (k->dense_bf16x) { /* bf16 tokens: the bits of the same tokens widened */
+        if (k->dense_bf16x) { /* bf16 tokens: the bits of the same tokens widened, with
+                                * the weights at several byte offsets of a cache line */
+            static const int shifts[] = {0, 2, 6, 40, 1};
+            const size_t w_bytes = (size_t)(n_rows * rs) * sizeof(uint16_t);
             uint16_t *xb = xcalloc(n_tok * xs + 1, sizeof(uint16_t));
+            uint8_t *raw = xcalloc(w_bytes + 128, 1);
+            int si;
             for (i = 0; i < n_tok * xs; i++) {
                 const uint64_t pick = next_u64() % 16;
                 xb[i] = pick == 0 ? (uint16_t)(next_u64() & 0x807F) /* subnormal or zero */
@@ -514,24 +520,32 @@ static void check_dense(const mxfp4x_kernels *k) {
                 x[i] = mxfp4x_bf16_to_f32(xb[i]);
             }
             k->dense_bf16(w, rs, 0, n_rows, d_in, x, xs, n_tok, out, os);
-            k->dense_bf16x(w, rs, 0, split, d_in, xb, xs, n_tok, part, os);
-            k->dense_bf16x(w, rs, split, n_rows, d_in, xb, xs, n_tok, part + split, os);
-            for (t = 0; t < n_tok; t++) {
-                k->dense_bf16x(w, rs, 0, n_rows, d_in, xb + t * xs, xs, 1, one, n_rows);
-                for (r = 0; r < n_rows; r++) {
-                    const float got = out[t * os + r];
-                    digest_f32(&d, got);
-                    if ((f32_bits(one[r]) != f32_bits(got) ||
-                         f32_bits(part[t * os + r]) != f32_bits(got)) && ok) {
-                        ok = 0;
-                        snprintf(why, sizeof why, "case %d row %lld token %lld: bf16 tokens "
-                                 "%08x one token, %08x split rows, %08x widened", ci,
-                                 (long long)r, (long long)t, (unsigned)f32_bits(one[r]),
-                                 (unsigned)f32_bits(part[t * os + r]), (unsigned)f32_bits(got));
+            for (si = 0; si < (int)(sizeof shifts / sizeof shifts[0]); si++) {
+                uint16_t *wp = (uint16_t *)(void *)(raw + ((64 - ((uintptr_t)raw & 63)) & 63) +
+                                                    shifts[si]);
+                memcpy(wp, w, w_bytes);
+                k->dense_bf16x(wp, rs, 0, split, d_in, xb, xs, n_tok, part, os);
+                k->dense_bf16x(wp, rs, split, n_rows, d_in, xb, xs, n_tok, part + split, os);
+                for (t = 0; t < n_tok; t++) {
+                    k->dense_bf16x(wp, rs, 0, n_rows, d_in, xb + t * xs, xs, 1, one, n_rows);
+                    for (r = 0; r < n_rows; r++) {
+                        const float got = out[t * os + r];
+                        if (si == 0) digest_f32(&d, one[r]);
+                        if ((f32_bits(one[r]) != f32_bits(got) ||
+                             f32_bits(part[t * os + r]) != f32_bits(got)) && ok) {
+                            ok = 0;
+                            snprintf(why, sizeof why, "case %d row %lld token %lld, weights %d "
+                                     "bytes into a line: bf16 tokens %08x one token, %08x "
+                                     "split rows, %08x widened", ci, (long long)r,
+                                     (long long)t, shifts[si], (unsigned)f32_bits(one[r]),
+                                     (unsigned)f32_bits(part[t * os + r]),
+                                     (unsigned)f32_bits(got));
+                        }
                     }
                 }
             }
             free(xb);
+            free(raw);
         }
         free(w); free(x); free(out); free(one); free(part);
     }

@@ -196,8 +196,10 @@ def test_amx_kernels_with_emulated_tiles(native, tmp_path):
 def test_dense_bits_do_not_depend_on_the_row_stream(tmp_path):
     """The AVX-512 dense product at one token streams one row at a time from aligned loads
     where cpu.h's mxfp4x_dense_pf_far says so (an AMD Zen 5), in blocks of 8 rows
-    elsewhere: the checker built both ways (MXFP4X_DENSE_FAR) passes and gives the same
-    dense digest, so both forms are checked whichever CPU runs the tests."""
+    elsewhere: the checker built both ways (MXFP4X_DENSE_FAR) passes (bf16 tokens against
+    their float32 widening, the weights at several offsets in a line) and gives the same
+    dense digest (which hashes the one-token bf16 results), so both forms are checked
+    whichever CPU runs the tests."""
     cc = host_cc()
     if cc is None:
         pytest.skip("no C compiler (cc, gcc, clang) on PATH")

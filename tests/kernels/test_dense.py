@@ -89,7 +89,8 @@ def test_rows_anywhere_in_a_line_give_the_same_bits(isa, rng):
     aligned loads), odd addresses included, 1-4 tokens, rows that share their offset in a
     line (widths of 32, 64, 96) and rows that do not: the bits of the same weight aligned,
     and of the tokens widened to float32."""
-    for cols, n_tok in ((7, 1), (32, 4), (45, 2), (64, 3), (100, 1), (333, 4), (96, 2)):
+    for cols, n_tok in ((7, 1), (32, 4), (45, 2), (64, 3), (100, 1), (333, 4), (96, 2),
+                        (333, 2)):
         w = bf16_weight(rng, 9, cols).view(torch.uint16).numpy()
         x = torch.from_numpy(rng.standard_normal((n_tok, cols))).bfloat16().view(torch.uint16)
         want = np.empty((n_tok, 9), np.float32)
