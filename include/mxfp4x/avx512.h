@@ -480,8 +480,9 @@ MXFP4X_AVX512_FN float mxfp4x_fma_loop_avx512(int64_t iters, float seed, int64_t
  * at a time (one sequential stream, two chains; the aligned form below); otherwise, and
  * with float32 tokens, blocks of 8 rows, which share the widening or split of each token
  * chunk (eight streams: on a Zen 4 with the 1 KiB L2 prefetch, 8 rows read 22 GB/s where
- * 4 read 17; Zen 4 and Intel are unmeasured with one row at a time).  AMD EPYC Zen 5 (one thread reads ~40 GB/s), one thread,
- * `kernel_bench dense avx512 6144 1 7168 8` (0.7 GB of Kimi K3-wide rows), three
+ * 4 read 17; Zen 4 and Intel are unmeasured with one row at a time).  AMD EPYC Zen 5
+ * (one thread reads ~40 GB/s), one thread, `kernel_bench dense avx512 6144 1 7168 8`
+ * (0.7 GB of Kimi K3-wide rows), three
  * alternated rounds: the former 8-row form (one accumulator per row, 32-byte loads, a
  * 1 KiB prefetch into L2) 29.0-29.3 GB/s, 26.7-27.3 with the weights 40 bytes into a line
  * (KB_OFFSET=40, as the K3 checkpoint maps them); bf16 tokens one row at a time with a
@@ -582,9 +583,10 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
             out[c * os + i] = mxfp4x_hsum16_avx512(_mm512_add_ps(e[i][c], o[i][c]));
 }
 
-/* One row x one token of bf16 tokens, its weights read by 64-byte aligned loads: a row
- * that starts inside a line (a checkpoint's tensors start wherever its header and the
- * tensors before them end) would split every 64-byte load across two lines.  With the
+/* mr rows (1, or 4 at the same offset in their lines) x nt <= 2 tokens, the weights read
+ * by 64-byte aligned loads: a row that starts inside a line (a checkpoint's tensors start
+ * wherever its header and the tensors before them end) would split every 64-byte load
+ * across two lines.  With the
  * row's first element at element `off` of its line, chunk m is the 32 elements from
  * element off of line m on: its 32-bit pairs start at pair off / 2 of lines m, m + 1,
  * picked by one vpermt2d (AVX512F); for an odd off the even elements are the high halves
