@@ -638,7 +638,9 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
         o[I][c] = _mm512_fmadd_ps(wo, xo[c], o[I][c]);                                     \
     }                                                                                      \
     prev[I] = cur;
-    for (m = 0; m + 1 < full && 32 * m + 32 <= d_in; m++) { /* whole lines, whole chunks */
+    /* chunk m whole in lines m, m + 1: line m + 1 inside the row (off < 32, so its chunk
+     * and the token chunk are whole too) */
+    for (m = 0; m + 1 < full; m++) {
         for (c = 0; c < nt; c++) mxfp4x_dense_x_eo_avx512(x, c * xs + 32 * m, xb16, &xe[c], &xo[c]);
         for (i = 0; i < mr; i++) {
             const uint16_t *line = w + (i * rs + 32 * (m + 1) - off); /* inside the row */
@@ -650,7 +652,8 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
             MXFP4X_DENSE_JOIN(i)
         }
     }
-    for (; m < n_chunks; m++) { /* the last chunks: partial lines and tokens zero-filled */
+    for (; m < n_chunks; m++) { /* the last chunks (line m + 1 >= full: partial or past the
+                                 * row): lines and tokens through zero-filled copies */
         MXFP4X_ALIGN64 float xt[32];
         const size_t n = (size_t)(d_in - 32 * m < 32 ? d_in - 32 * m : 32);
         j = m + 1;
@@ -660,12 +663,9 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
             mxfp4x_dense_x_eo_avx512(xt, 0, xb16, &xe[c], &xo[c]);
         }
         for (i = 0; i < mr; i++) {
-            const uint16_t *line = w + (i * rs + 32 * j - off); /* j >= 1: inside the row */
-            if (j < full) {
-                cur = _mm512_load_si512((const void *)line);
-            } else if (j < n_lines) {
+            if (j < n_lines) { /* j >= 1: the line's start is inside the row */
                 memset(t, 0, sizeof t);
-                memcpy(t, line, (size_t)(end - 32 * j) * sizeof(uint16_t));
+                memcpy(t, w + (i * rs + 32 * j - off), (size_t)(end - 32 * j) * sizeof(uint16_t));
                 cur = _mm512_loadu_si512((const void *)t);
             } else {
                 cur = _mm512_setzero_si512();
