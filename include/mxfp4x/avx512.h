@@ -480,7 +480,11 @@ MXFP4X_AVX512_FN float mxfp4x_fma_loop_avx512(int64_t iters, float seed, int64_t
  * at a time (one sequential stream, two chains; the aligned form below); otherwise, and
  * with float32 tokens, blocks of 8 rows, which share the widening or split of each token
  * chunk (eight streams: on a Zen 4 with the 1 KiB L2 prefetch, 8 rows read 22 GB/s where
- * 4 read 17; Zen 4 and Intel are unmeasured with one row at a time).  AMD EPYC Zen 5
+ * 4 read 17).  One row at a time with the far prefetch is slower on a Zen 4: one thread
+ * of an AMD EPYC Zen 4 (reads 32 GB/s), `kernel_bench dense avx512 6144 1 7168 4` with
+ * bf16 tokens, 17.5-19.4 GB/s against the 8-row blocks' 25-27 at offsets 0 and 40 (two
+ * tokens 11 against 19-20; far distances of 2, 4 and 16 KiB 22, 20-22 and 17; the L2
+ * hint at 0.5-4 KiB 24-27).  Intel is unmeasured with one row at a time.  AMD EPYC Zen 5
  * (one thread reads ~40 GB/s), one thread, `kernel_bench dense avx512 6144 1 7168 8`
  * (0.7 GB of Kimi K3-wide rows), three
  * alternated rounds: the former 8-row form (one accumulator per row, 32-byte loads, a

@@ -66,29 +66,35 @@
  * Xeon, with the panel before its slices, fused 2.1 / 3.8 / 7.7 / 11.3 ns per row-group at
  * 1 / 4 / 8 / 12 tokens, the panel 4.5 / 6.5 / 9.5 / 11.0; on an AMD EPYC Zen 5, with the
  * sliced panel, fused 1.4 / 1.8 / 2.3 / 2.5 / 3.3 at 6 / 8 / 10 / 12 / 16 tokens, the panel
- * 2.4 / 2.9 / 3.0 / 3.2 / 3.9.  12: the Xeon's crossover, and every CPU's but a Zen 5's.
- * A Zen 5 (AMD family 1Ah) takes 32: there, in alternated runs (kernel_bench, 8 experts
- * from DRAM, medians of 5), fused against the panel in 48-row tiles took 2.6 / 2.8 / 3.5 /
- * 4.1 / 5.6 / 7.1 ns per row-group against 3.7 / 3.7 / 4.9 / 4.9 / 6.5 / 8.2 at 13 / 16 /
- * 20 / 24 / 32 / 40 tokens, level at 48-128; whole calls in the driver's wide tiles
- * (alternated in one process, 2 threads, medians), switch 12 / 24 / 32: gpt-oss-20b
+ * 2.4 / 2.9 / 3.0 / 3.2 / 3.9.  12: the Xeon's crossover, and every CPU's but an AMD Zen 4's
+ * or Zen 5's.  A Zen 5 (AMD family 1Ah) takes 32: there, in alternated runs (kernel_bench,
+ * 8 experts from DRAM, medians of 5), fused against the panel in 48-row tiles took 2.6 /
+ * 2.8 / 3.5 / 4.1 / 5.6 / 7.1 ns per row-group against 3.7 / 3.7 / 4.9 / 4.9 / 6.5 / 8.2 at
+ * 13 / 16 / 20 / 24 / 32 / 40 tokens, level at 48-128; whole calls in the driver's wide
+ * tiles (alternated in one process, 2 threads, medians), switch 12 / 24 / 32: gpt-oss-20b
  * gate/up T = 128 41.2 / 37.4 / - ms, T = 192 51.3 / 48.8 / -, then 24 / 32 / 48: T = 256
  * 62.9 / 59.3 / 59.5; Kimi K3 w1 (128 experts, top-16) T = 144 100.6 / 92.2 / -, T = 384
- * 235 / 228 / 233.  MXFP4X_BF16DP_GEMV_MAX_TOKENS set from outside sets every CPU's. */
+ * 235 / 228 / 233.  A Zen 4 (family 19h; its Zen 3 siblings have no AVX-512) takes 32 too:
+ * there (kernel_bench gemv_bf16 avx512bf16 5760 T 90 8, the two switches' builds
+ * alternated, three rounds) 4.6-4.7 / 5.6-5.7 / 7.0-7.1 / 8.4-8.6 / 11.1-11.4 ns per
+ * row-group against 5.8 / 6.4-6.6 / 7.8 / 9.0-9.1 / 11.6 at 13 / 16 / 20 / 24 / 32 tokens,
+ * and fused or panel level at 40-48 tokens.  MXFP4X_BF16DP_GEMV_MAX_TOKENS set from
+ * outside sets every CPU's. */
 #ifdef MXFP4X_BF16DP_GEMV_MAX_TOKENS
-#ifndef MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5
-#define MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5 MXFP4X_BF16DP_GEMV_MAX_TOKENS
+#ifndef MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN
+#define MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN MXFP4X_BF16DP_GEMV_MAX_TOKENS
 #endif
 #else
 #define MXFP4X_BF16DP_GEMV_MAX_TOKENS 12
 #endif
-#ifndef MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5
-#define MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5 32
+#ifndef MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN
+#define MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN 32
 #endif
 
 /* This CPU's switch (above): the kernel table's bf16_gemv_max_tokens. */
 static int mxfp4x_bf16dp_gemv_max_tokens(void) {
-    return mxfp4x_cpu_amd_family() == 0x1A ? MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN5
+    const int family = mxfp4x_cpu_amd_family();
+    return family == 0x19 || family == 0x1A ? MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN
                                            : MXFP4X_BF16DP_GEMV_MAX_TOKENS;
 }
 MXFP4X_STATIC_ASSERT(MXFP4X_BF16DP_TILE_ROWS % MXFP4X_BF16DP_MR == 0,

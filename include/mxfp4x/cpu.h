@@ -259,11 +259,15 @@ static int mxfp4x_cpu_amd_family(void) {
  * on an AMD Zen 5 (family 1Ah); elsewhere into L2.  On a Zen 5 (one thread reads ~40 GB/s)
  * whole gpt-oss-20b gate/up calls, the two builds alternated process by process (six
  * rounds, medians, the order rotated): float32 T = 1 1.49 -> 1.42 ms on one thread, T = 4
- * 5.21 -> 5.02 on one and 3.01 -> 2.84 on two; bf16 within +-3 %.  On a Zen 4 one block
- * ahead into L2 had measured faster; Intel is unmeasured.  The kernels that prefetch so
- * are compiled twice, the hint a constant in each: a run-time test per line made GCC
- * duplicate the loops and spill their pointers, and gave the gain back.  -DMXFP4X_PF_L1=0
- * or 1 forces it (benchmarks/kernel_bench.c). */
+ * 5.21 -> 5.02 on one and 3.01 -> 2.84 on two; bf16 within +-3 %.  On a Zen 4 L2 is the
+ * faster target: one thread, Kimi K3 w1 rows from DRAM (`kernel_bench gemv_bf16 avx512bf16
+ * 3072 1 112 40` and `gemv avx512 ...`), three rounds, into L1 bf16 1.22-1.27 ns per
+ * row-group against 0.94-1.07 into L2 (once 1.39), float32 1.58-1.61 against 1.26-1.45
+ * (one, three or four blocks ahead measured level with two); Intel is unmeasured.  The
+ * kernels that prefetch so are compiled twice, the hint a constant in each: a run-time
+ * test per line made GCC duplicate the loops and spill their pointers, and gave the gain
+ * back.
+ * -DMXFP4X_PF_L1=0 or 1 forces it (benchmarks/kernel_bench.c). */
 static inline int mxfp4x_pf_into_l1(void) {
 #ifdef MXFP4X_PF_L1
     return MXFP4X_PF_L1;
@@ -276,7 +280,9 @@ static inline int mxfp4x_pf_into_l1(void) {
  * non-temporal prefetch (MXFP4X_DENSE_PREFETCH_FAR bytes ahead, _MM_HINT_NTA) rather than
  * the 1 KiB one into L2: on an AMD Zen 5 (family 1Ah), where it read Kimi K3's dense
  * matrices at one token at 40 GB/s against 31 at best with the L2 hint (one thread; one
- * thread reads ~40 GB/s there).  Zen 4 and Intel are unmeasured and keep the L2 hint.
+ * thread reads ~40 GB/s there).  On an AMD Zen 4 it is slower (17.5-19.4 against 25-27
+ * GB/s, one thread; avx512.h), so Zen 4 keeps the L2 hint; Intel is unmeasured and keeps
+ * it too.
  * -DMXFP4X_DENSE_FAR=0 or 1 forces it. */
 static inline int mxfp4x_dense_pf_far(void) {
 #ifdef MXFP4X_DENSE_FAR
