@@ -441,6 +441,20 @@ static const mxfp4x_bf16dp_panel_fn mxfp4x_bf16dp_panel_full[MXFP4X_BF16DP_PNT +
 #ifndef MXFP4X_BF16DP_KC
 #define MXFP4X_BF16DP_KC 64
 #endif
+/* ... but on an AMD Zen 4 (family 19h) whole rows, one slice: there the slices ran slower,
+ * their latents in L1 or not (one thread, in cache, `kernel_bench gemv_bf16 avx512bf16
+ * 768 66 G`, two rounds): G = 90 192 GFLOP/s in slices of 64 against 208 whole, G = 96
+ * (Kimi K3 w2) 184-191 against 203-209, G = 112 (w1) 196 against 210-211, G = 224 183-190
+ * against 214-215 (slices of 112: 202-207), 36 tokens at G = 90 186 against 199-201.
+ * MXFP4X_BF16DP_KC_ZEN4 = 0 means whole rows. */
+#ifndef MXFP4X_BF16DP_KC_ZEN4
+#define MXFP4X_BF16DP_KC_ZEN4 0
+#endif
+
+/* This CPU's slice (above), in chunks; 0: whole rows. */
+static int64_t mxfp4x_bf16dp_kc(void) {
+    return mxfp4x_cpu_amd_family() == 0x19 ? MXFP4X_BF16DP_KC_ZEN4 : MXFP4X_BF16DP_KC;
+}
 
 /* Float32 partials of the tile's row blocks between slices (64-byte aligned vectors). */
 #define MXFP4X_BF16DP_ACC_FLOATS                                                            \
@@ -503,7 +517,8 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
     const int step = fused ? MXFP4X_BF16DP_NT : MXFP4X_BF16DP_PNT;
     /* the panel's slices: as few as KC allows, of equal length but the last; one (empty)
      * slice for rows of no groups, so their sums (zero) are still written */
-    const int64_t n_slices = G > MXFP4X_BF16DP_KC ? (G + MXFP4X_BF16DP_KC - 1) / MXFP4X_BF16DP_KC : 1;
+    const int64_t kc_max = mxfp4x_bf16dp_kc();
+    const int64_t n_slices = kc_max > 0 && G > kc_max ? (G + kc_max - 1) / kc_max : 1;
     const int64_t kc = G > 0 ? (G + n_slices - 1) / n_slices : 1;
     int64_t r0, r1, r, t, i, c0, c1, pf_per_call = 0;
     int nt, mr, any_unsafe = 0;

@@ -153,14 +153,16 @@ def test_bits_agree_across_builds(native, emulated_aarch64):
 
 def test_bf16_panel_slices_give_the_same_bits(native, tmp_path):
     """avx512bf16's panel path walks a row's chunks in slices of at most MXFP4X_BF16DP_KC
-    (the partials kept in memory between slices).  The checker's rows have 37 groups, one
-    slice at the default length; built with slices of 8 (five slices, the last of 5) every
+    (the partials kept in memory between slices; whole rows on an AMD Zen 4, where
+    MXFP4X_BF16DP_KC_ZEN4 applies).  The checker's rows have 37 groups, one slice at the
+    default lengths; built with slices of 8 on every CPU (five slices, the last of 5) every
     bf16 check must pass and give the default build's digests."""
     from mxfp4x import _cpu
 
     if "avx512bf16" not in _cpu.runnable_isas():
         pytest.skip("this CPU cannot run avx512bf16")
-    sliced = [str(build(host_cc(), tmp_path / "check_kc8", ["-DMXFP4X_BF16DP_KC=8"]))]
+    flags = ["-DMXFP4X_BF16DP_KC=8", "-DMXFP4X_BF16DP_KC_ZEN4=8"]
+    sliced = [str(build(host_cc(), tmp_path / "check_kc8", flags))]
     a = parse(_run(native, "avx512bf16").stdout)
     res = _run(sliced, "avx512bf16")
     assert res.returncode == 0, res.stdout + res.stderr
