@@ -527,14 +527,15 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_x_eo_avx512(const void *x, int64_t
 }
 
 /* One block of mr rows x nt tokens (constants after inlining), every chunk; pf: 0 the
- * 1 KiB T1 prefetch of each row's line (MXFP4X_DENSE_PREFETCH), 1 the far non-temporal
- * one (MXFP4X_DENSE_PREFETCH_FAR). */
+ * T1 prefetch of each row's line pfd bytes ahead (MXFP4X_DENSE_PREFETCH, or cpu.h's
+ * mxfp4x_dense_pf_near for blocks under 8 rows), 1 the far non-temporal one
+ * (MXFP4X_DENSE_PREFETCH_FAR). */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, int64_t rs,
                                                            int64_t d_in, const void *x,
                                                            int64_t xs, const int xb16,
                                                            const int mr, const int nt,
                                                            float *out, int64_t os,
-                                                           const int pf) {
+                                                           const int pf, int64_t pfd) {
     __m512 e[8][4], o[8][4], xe[4], xo[4], we, wo; /* 8 x 1, 4 x 2 or 4 x 1, 1 x 1..4 */
     const int64_t body = d_in & ~(int64_t)31;
     int64_t k;
@@ -548,7 +549,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
             if (pf)
                 _mm_prefetch((const char *)p + MXFP4X_DENSE_PREFETCH_FAR, _MM_HINT_NTA);
             else
-                MXFP4X_PREFETCH_L2((const char *)p + MXFP4X_DENSE_PREFETCH);
+                MXFP4X_PREFETCH_L2((const char *)p + pfd);
             mxfp4x_bf16x32_eo_avx512(p, &we, &wo);
             for (c = 0; c < nt; c++) {
                 e[i][c] = _mm512_fmadd_ps(we, xe[c], e[i][c]);
@@ -606,7 +607,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
                                                                  const int xb16, const int mr,
                                                                  const int nt, float *out,
                                                                  int64_t os, const int pf,
-                                                                 const int odd) {
+                                                                 int64_t pfd, const int odd) {
     const int off = (int)(((uintptr_t)w & 63) >> 1); /* the same for the mr rows */
     const int esz = xb16 ? 2 : 4;
     const int64_t end = off + d_in, n_lines = (end + 31) >> 5, full = end >> 5;
@@ -651,7 +652,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
             if (pf)
                 _mm_prefetch((const char *)line + MXFP4X_DENSE_PREFETCH_FAR, _MM_HINT_NTA);
             else
-                MXFP4X_PREFETCH_L2((const char *)line + MXFP4X_DENSE_PREFETCH);
+                MXFP4X_PREFETCH_L2((const char *)line + pfd);
             cur = _mm512_load_si512((const void *)line);
             MXFP4X_DENSE_JOIN(i)
         }
@@ -691,17 +692,17 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_avx512(const uint16_t *wr, int
                                                          int64_t xs, const int xb16,
                                                          const int mr, const int nt,
                                                          float *out, int64_t os,
-                                                         const int pf) {
+                                                         const int pf, int64_t pfd) {
     if (mr > 1 && (row_stride & 31)) /* rows at different offsets in their lines */
-        mxfp4x_dense_block_avx512(wr, row_stride, d_in, x, xs, xb16, mr, nt, out, os, pf);
+        mxfp4x_dense_block_avx512(wr, row_stride, d_in, x, xs, xb16, mr, nt, out, os, pf, pfd);
     else if (!((uintptr_t)wr & 3))
         mxfp4x_dense_row_aligned_avx512(wr, row_stride, d_in, x, xs, xb16, mr, nt, out, os,
-                                        pf, 0);
+                                        pf, pfd, 0);
     else if (!((uintptr_t)wr & 1))
         mxfp4x_dense_row_aligned_avx512(wr, row_stride, d_in, x, xs, xb16, mr, nt, out, os,
-                                        pf, 1);
+                                        pf, pfd, 1);
     else
-        mxfp4x_dense_block_avx512(wr, row_stride, d_in, x, xs, xb16, mr, nt, out, os, pf);
+        mxfp4x_dense_block_avx512(wr, row_stride, d_in, x, xs, xb16, mr, nt, out, os, pf, pfd);
 }
 
 /* Rows [row_start, row_end) x n_tok tokens, in groups of up to 4 tokens: one or two bf16
@@ -712,7 +713,10 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_avx512(const uint16_t *wr, int
  * would need 32).  Three or four tokens read at 18-22 GB/s there against the former
  * blocks' 22-24: two accumulators per (row, token) cost their products more work per
  * byte at four tokens than they save at one (one row at a time, 17 GB/s; 2 x 4 blocks
- * 15-18). */
+ * 15-18).  On an AMD Zen 4 too (`kernel_bench dense avx512 6144 T 7168 4`, one thread):
+ * three / four tokens 13-14 / 12-12.5 GB/s in 4 x 2 blocks, 11.4-11.8 / 10.3-10.8 in 2 x
+ * 4, 8.9-9.0 / 8.3-9.0 one row at a time; 8-row blocks token by token 13.0-13.4 /
+ * 10.6-11.0.  There the blocks under 8 rows prefetch 2 KiB ahead (mxfp4x_dense_pf_near). */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_avx512_to(const uint16_t *w, int64_t row_stride,
                                                         int64_t row_start, int64_t row_end,
                                                         int64_t d_in, const void *x,
@@ -720,51 +724,54 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_avx512_to(const uint16_t *w, int64
                                                         float *out, int64_t out_stride,
                                                         const int xb16, const int pf) {
     const int esz = xb16 ? 2 : 4;
+    const int64_t pfn = mxfp4x_dense_pf_near(); /* blocks under 8 rows: their distance */
     int64_t t, r;
     for (t = 0; t < n_tok;) {
         const int64_t left = n_tok - t;
         const int nt = left >= 4 ? 4 : left == 3 ? 3 : (int)left;
         const void *xt = (const char *)x + t * x_stride * esz;
         float *o0 = out + t * out_stride;
-#define MXFP4X_AVX512_DENSE_RUN(M, N, PF)                                                  \
+#define MXFP4X_AVX512_DENSE_RUN(M, N, PF, PFD)                                             \
     for (; r + (M) <= row_end; r += (M))                                                   \
         mxfp4x_dense_block_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride, xb16,  \
-                                  M, N, o0 + (r - row_start), out_stride, PF);
+                                  M, N, o0 + (r - row_start), out_stride, PF, PFD);
         r = row_start;
         if (nt <= 2 && xb16 && pf) { /* one row at a time (where the far prefetch is
                                       * measured: an AMD Zen 5) */
             for (; r < row_end; r++) {
                 if (nt == 1)
                     mxfp4x_dense_row_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride,
-                                            xb16, 1, 1, o0 + (r - row_start), out_stride, pf);
+                                            xb16, 1, 1, o0 + (r - row_start), out_stride, pf,
+                                            pfn);
                 else
                     mxfp4x_dense_row_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride,
-                                            xb16, 1, 2, o0 + (r - row_start), out_stride, pf);
+                                            xb16, 1, 2, o0 + (r - row_start), out_stride, pf,
+                                            pfn);
             }
         } else if (nt == 1) {
-            MXFP4X_AVX512_DENSE_RUN(8, 1, 0)
-            MXFP4X_AVX512_DENSE_RUN(1, 1, 0)
+            MXFP4X_AVX512_DENSE_RUN(8, 1, 0, MXFP4X_DENSE_PREFETCH)
+            MXFP4X_AVX512_DENSE_RUN(1, 1, 0, pfn)
         } else if (nt == 2) {
-            MXFP4X_AVX512_DENSE_RUN(4, 2, 0)
-            MXFP4X_AVX512_DENSE_RUN(1, 2, 0)
+            MXFP4X_AVX512_DENSE_RUN(4, 2, 0, pfn)
+            MXFP4X_AVX512_DENSE_RUN(1, 2, 0, pfn)
         } else { /* 3 or 4 tokens: each block of 4 rows for 2 tokens, then for the rest,
                   * while its rows are still in cache */
             for (; r + 4 <= row_end; r += 4) {
                 const void *x2 = (const char *)xt + 2 * x_stride * esz;
                 float *o2 = o0 + 2 * out_stride + (r - row_start);
                 mxfp4x_dense_row_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride,
-                                        xb16, 4, 2, o0 + (r - row_start), out_stride, 0);
+                                        xb16, 4, 2, o0 + (r - row_start), out_stride, 0, pfn);
                 if (nt == 4)
                     mxfp4x_dense_row_avx512(w + r * row_stride, row_stride, d_in, x2,
-                                            x_stride, xb16, 4, 2, o2, out_stride, 0);
+                                            x_stride, xb16, 4, 2, o2, out_stride, 0, pfn);
                 else
                     mxfp4x_dense_row_avx512(w + r * row_stride, row_stride, d_in, x2,
-                                            x_stride, xb16, 4, 1, o2, out_stride, 0);
+                                            x_stride, xb16, 4, 1, o2, out_stride, 0, pfn);
             }
             if (nt == 4) {
-                MXFP4X_AVX512_DENSE_RUN(1, 4, 0)
+                MXFP4X_AVX512_DENSE_RUN(1, 4, 0, pfn)
             } else {
-                MXFP4X_AVX512_DENSE_RUN(1, 3, 0)
+                MXFP4X_AVX512_DENSE_RUN(1, 3, 0, pfn)
             }
         }
 #undef MXFP4X_AVX512_DENSE_RUN

@@ -148,6 +148,15 @@
 #ifndef MXFP4X_DENSE_PREFETCH_FAR
 #define MXFP4X_DENSE_PREFETCH_FAR 8192
 #endif
+/* ... and on an AMD Zen 4 (cpu.h's mxfp4x_dense_pf_near) blocks of fewer than 8 rows (two to
+ * four tokens) this far ahead, the same 8 KiB in flight as 8 rows at 1 KiB: one thread,
+ * `kernel_bench dense avx512 6144 T 7168 4` with bf16 tokens 40 bytes into a line, three
+ * rounds, 1 / 1.5 / 2 / 3 / 4 KiB read 17.3-18.8 / 18.5-21.3 / 20.2-21.2 / 19.3-21.7 /
+ * 20.6-21.5 GB/s at two tokens and 11.6-12.4 / 12.6-12.8 / 13.3-13.7 / 13.5-13.7 /
+ * 12.6-13.3 at four (one token, 8 rows: 24.5-25.4 at 1 KiB, 24.8-26.0 at 2). */
+#ifndef MXFP4X_DENSE_PREFETCH_ZEN4
+#define MXFP4X_DENSE_PREFETCH_ZEN4 2048
+#endif
 
 /* Floating-point environment of a kernel thread: flush-to-zero off (a process may
  * have turned it on, e.g. torch.set_flush_denormal(True); it would flush the 2^-127

@@ -292,6 +292,21 @@ static inline int mxfp4x_dense_pf_far(void) {
 #endif
 }
 
+/* The T1 prefetch distance of the AVX-512 dense kernel's blocks under 8 rows (two to four
+ * tokens, avx512.h): MXFP4X_DENSE_PREFETCH_ZEN4 (2 KiB) on an AMD Zen 4 (family 19h), where
+ * it read two to four tokens 10-22 % faster (config.h); elsewhere MXFP4X_DENSE_PREFETCH
+ * (1 KiB; 8-row blocks take that everywhere).  A run-time value, not a compiled variant:
+ * a third copy of the kernels (a constant distance) built with -fwrapv, as the extension
+ * is, spilled in the four-token blocks and read 8 GB/s instead of 13.
+ * -DMXFP4X_DENSE_NEAR=N forces N. */
+static inline int64_t mxfp4x_dense_pf_near(void) {
+#ifdef MXFP4X_DENSE_NEAR
+    return MXFP4X_DENSE_NEAR;
+#else
+    return mxfp4x_cpu_amd_family() == 0x19 ? MXFP4X_DENSE_PREFETCH_ZEN4 : MXFP4X_DENSE_PREFETCH;
+#endif
+}
+
 /* The ISAs a call may run by default on this CPU (mxfp4x_isa_default_mask); cached like
  * mxfp4x_cpu_isas. */
 static int mxfp4x_cpu_default_isas(void) {
