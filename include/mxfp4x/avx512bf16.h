@@ -93,9 +93,8 @@
 
 /* This CPU's switch (above): the kernel table's bf16_gemv_max_tokens. */
 static int mxfp4x_bf16dp_gemv_max_tokens(void) {
-    const int family = mxfp4x_cpu_amd_family();
-    return family == 0x19 || family == 0x1A ? MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN
-                                           : MXFP4X_BF16DP_GEMV_MAX_TOKENS;
+    return mxfp4x_cpu_amd_zen4_or_5() ? MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN
+                                      : MXFP4X_BF16DP_GEMV_MAX_TOKENS;
 }
 MXFP4X_STATIC_ASSERT(MXFP4X_BF16DP_TILE_ROWS % MXFP4X_BF16DP_MR == 0,
                      "avx512bf16: tasks of whole row blocks");

@@ -255,6 +255,14 @@ static int mxfp4x_cpu_amd_family(void) {
     return v;
 }
 
+/* An AMD Zen 4 (family 19h: its Zen 3 siblings have no AVX-512, so only Zen 4 reaches the
+ * kernels that ask) or Zen 5 (1Ah): the cores where the gemv/panel switches of
+ * avx512bf16.h and dispatch.h were measured to sit higher than the Xeon's. */
+static inline int mxfp4x_cpu_amd_zen4_or_5(void) {
+    const int family = mxfp4x_cpu_amd_family();
+    return family == 0x19 || family == 0x1A;
+}
+
 /* Whether the AVX-512 gemv kernels prefetch the row block after next (mxfp4x.h) into L1:
  * on an AMD Zen 5 (family 1Ah); elsewhere into L2.  On a Zen 5 (one thread reads ~40 GB/s)
  * whole gpt-oss-20b gate/up calls, the two builds alternated process by process (six

@@ -139,8 +139,7 @@ static const mxfp4x_kernels *mxfp4x_kernel_at(int i) {
  * expert (the driver and the tests read it here). */
 static int mxfp4x_gemv_switch(const mxfp4x_kernels *k) {
 #if MXFP4X_HAVE_X86_SIMD
-    if (k->gemv_f32 == mxfp4x_gemv_f32_avx512 &&
-        (mxfp4x_cpu_amd_family() == 0x19 || mxfp4x_cpu_amd_family() == 0x1A))
+    if (k->gemv_f32 == mxfp4x_gemv_f32_avx512 && mxfp4x_cpu_amd_zen4_or_5())
         return MXFP4X_AVX512_GEMV_MAX_TOKENS_ZEN;
 #endif
     return k->gemv_max_tokens;
