@@ -28,6 +28,8 @@ Every case checks its result once against the float64 reference (a slice of rows
 Successive rounds route to other experts, so weights come from memory, not cache.
 """
 import os
+import statistics
+import time
 
 import pytest
 import torch
@@ -156,3 +158,60 @@ def test_list_form(benchmark, roofs, n_tokens, threads):
     shape = "gpt-oss-20b-gate-up"
     benchmark.group = f"{shape} T={n_tokens} float32"
     _case(benchmark, roofs, shape, n_tokens, torch.float32, threads, "cpu", form="list")
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("n_tokens", [1, 64])
+def test_bf16_small_latents(benchmark, n_tokens, threads):
+    """bfloat16 tokens each holding a few latents under 2^-60 in magnitude (what a SwiGLU
+    leaves where a gate is far negative) on gpt-oss-20b's down projection.  A bf16
+    dot-product unit would flush their products, so such a token leaves the unit for the
+    unit's arithmetic in float32 FMAs.  ``extra_info``: ``time_s`` beside ``unit_s``, the
+    same calls with those latents zeroed (every token on the unit), timed interleaved with
+    them; the target: ``vs_unit`` <= 2.2 (an FMA takes one product per lane where the
+    unit's instruction takes two, at the same issue rate on an AMD Zen 4: 2x is the floor
+    where the products dominate)."""
+    shape = "gpt-oss-20b-down"
+    benchmark.group = f"{shape} T={n_tokens} bfloat16, small latents"
+    packed, scales, n_experts, top_k, d_out, d_in = experts(shape)
+    calls, plain = [], []
+    for i in range(4):
+        x, sel, mix, shared = _bench.make_tokens(n_tokens, top_k, n_experts, d_in, d_out,
+                                                 torch.bfloat16, call=i)
+        small = x.clone()
+        small[:, 5::613] = 1e-20  # under 2^-60, nonzero: a few per token
+        calls.append((small, sel, mix, shared))
+        x = x.clone()
+        x[:, 5::613] = 0
+        plain.append((x, sel, mix, shared))
+    rows = slice(0, min(d_out, 64))
+    layer = dict(latent_tokens=calls[0][0][:3], packed_weights=packed, scale_bytes=scales,
+                 selected_experts=calls[0][1][:3], mixture_weights=calls[0][2][:3],
+                 shared_output=calls[0][3][:3])
+    y = mxfp4x.mxfp4_experts(calls[0][0], packed, scales, *calls[0][1:], num_threads=threads)
+    assert_matches_reference(y[:3, rows], layer, rows=rows)
+    state = {"i": 0}
+    unit_times: list = []
+
+    def unit_call():  # pedantic's setup, untimed: the unit's call on the same experts
+        p = plain[state["i"] % len(plain)]
+        t0 = time.perf_counter()
+        mxfp4x.mxfp4_experts(p[0], packed, scales, *p[1:], num_threads=threads)
+        unit_times.append(time.perf_counter() - t0)
+
+    def run():
+        c = calls[state["i"] % len(calls)]
+        state["i"] += 1
+        return mxfp4x.mxfp4_experts(c[0], packed, scales, *c[1:], num_threads=threads)
+
+    benchmark.pedantic(run, setup=unit_call, rounds=1 if SMALL else 12, iterations=1,
+                       warmup_rounds=1)
+    info = benchmark.extra_info
+    info.update(shape=shape, tokens=n_tokens, dtype="bfloat16", threads=threads,
+                isa=mxfp4x.backend_info()["isa"])
+    if benchmark.stats is None:
+        return
+    t = statistics.median(benchmark.stats.stats.data)
+    unit = statistics.median(unit_times[1:] or unit_times)
+    info.update(time_s=t, unit_s=unit, vs_unit=t / unit, target="<= 2.2 x unit",
+                met=t / unit <= 2.2)

@@ -30,9 +30,20 @@
  * least 2^-59, nonzero finite latents at least 2^-60, so every product and partial sum is
  * a multiple of 2^-126; scale bytes under 160 and latents under 2^64, so nothing
  * overflows).  A token outside them (flagged by the gather) and a row outside them (a
- * scan of its scale bytes) take the exact path: float64 products and sums in pair order
- * (elements 2k, 2k + 1; GGUF: k, k + 16), rounded once -- the same for that token or row
- * whatever the batch. */
+ * scan of its scale bytes) leave the unit, for every row or token, whatever the batch:
+ *   - small values only (a latent under 2^-60, a nonzero code under a scale byte < 69):
+ *     the unit's own arithmetic in float32 FMAs, which keep subnormals (per chunk and
+ *     lane, acc = fma(even product, fma(odd product, acc)), then hsum16) -- the unit's
+ *     bits wherever nothing is subnormal (vdpbf16ps matched it on every one of 3.2e6
+ *     random cells on an Intel Xeon and on an AMD EPYC Zen 4), and where something is,
+ *     a float32 sum within the float32 bound instead of a flushed one.  Four rows by
+ *     four tokens at a time: gpt-oss-20b's down projection, bf16 tokens each holding a
+ *     few latents under 2^-60 (a SwiGLU's far-negative gates), took 1.2-1.4x the unit's
+ *     time at one token and 1.9x at 64 on an AMD EPYC Zen 4, where the float64 path it
+ *     took before ran 20-26x the unit's time at one token, 70-74x at 64;
+ *   - values that could overflow a float32 product or sum (a latent of 2^64 or more, inf,
+ *     NaN; a scale byte of 160 or more): the exact path, float64 products and sums in
+ *     pair order (elements 2k, 2k + 1; GGUF: k, k + 16), rounded once. */
 #ifndef MXFP4X_AVX512BF16_H
 #define MXFP4X_AVX512BF16_H
 
@@ -176,6 +187,120 @@ static float mxfp4x_bf16dp_exact_dot(const mxfp4x_rows *w, int64_t r, const uint
         }
     }
     return (float)acc;
+}
+
+/* The unit's arithmetic in float32 FMAs (subnormals kept), for one chunk of one row and
+ * one token: lane i adds the odd product W[2i + 1] X[2i + 1], then the even one W[2i]
+ * X[2i], each rounded -- what vdpbf16ps does with operands and results that are not
+ * subnormal.  Both products are exact in float32 (bf16 times a scaled E2M1 value), so
+ * each FMA is the unit's add.  The words widen to floats in place: the odd word of a
+ * dword is its top half, the even one its bottom half shifted up. */
+#define MXFP4X_BF16DP_F32_ODD(v)                                                           \
+    _mm512_castsi512_ps(_mm512_and_si512((v), _mm512_set1_epi32((int)0xFFFF0000)))
+#define MXFP4X_BF16DP_F32_EVEN(v) _mm512_castsi512_ps(_mm512_slli_epi32((v), 16))
+
+/* Rows [r, r + mr) x tokens xs[0 .. nt) (mr, nt <= 4, constants where inlined) by the
+ * unit's arithmetic in float32: outs[c][r - r0 + i] = row r + i . token c.  Every row's
+ * chunks in the unit's order (decode2 for pairs rows, then the one-group decode), each
+ * decoded once for the nt tokens; then hsum16, whose bits the unit's reductions give. */
+MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_f32_block(const mxfp4x_rows *w, int64_t r, int mr,
+                                                  int64_t row_end, const uint16_t *const *xs,
+                                                  int nt, float *const *outs, int64_t at) {
+    const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
+    __m512 a[MXFP4X_BF16DP_MR][MXFP4X_BF16DP_NT], we[MXFP4X_BF16DP_MR], wo[MXFP4X_BF16DP_MR];
+    __m512i hi[MXFP4X_BF16DP_MR];
+    int64_t g = 0;
+    int i, t;
+    mxfp4x_pf_cursor pf = mxfp4x_pf_next_block_to(w, r, mr, row_end, 0);
+    for (i = 0; i < mr; i++)
+        for (t = 0; t < nt; t++) a[i][t] = _mm512_setzero_ps();
+/* the chunk at word offset `off` of each token against we, wo */
+#define MXFP4X_BF16DP_F32_TOKENS(off)                                                     \
+    for (t = 0; t < nt; t++) {                                                             \
+        const __m512i xv = _mm512_loadu_si512((const void *)(xs[t] + (off)));              \
+        const __m512 xe = MXFP4X_BF16DP_F32_EVEN(xv), xo = MXFP4X_BF16DP_F32_ODD(xv);      \
+        for (i = 0; i < mr; i++)                                                           \
+            a[i][t] = _mm512_fmadd_ps(we[i], xe, _mm512_fmadd_ps(wo[i], xo, a[i][t]));     \
+    }
+    if (mxfp4x_bf16dp_paired(w->nibbles))
+        for (; g + 2 <= G; g += 2) { /* chunks g (the pair's lo) and g + 1 (its hi) */
+            MXFP4X_PF_STEP(pf, g);
+            MXFP4X_PF_STEP(pf, g + 1);
+            for (i = 0; i < mr; i++) {
+                const uint8_t *sc = w->scales + (r + i) * ss + g * gs;
+                __m512i lo;
+                mxfp4x_bf16dp_decode2(w->blocks + (r + i) * sb + g * gb, sc[0], sc[gs], &lo,
+                                      &hi[i]);
+                we[i] = MXFP4X_BF16DP_F32_EVEN(lo);
+                wo[i] = MXFP4X_BF16DP_F32_ODD(lo);
+            }
+            MXFP4X_BF16DP_F32_TOKENS(g * MXFP4X_GROUP)
+            for (i = 0; i < mr; i++) {
+                we[i] = MXFP4X_BF16DP_F32_EVEN(hi[i]);
+                wo[i] = MXFP4X_BF16DP_F32_ODD(hi[i]);
+            }
+            MXFP4X_BF16DP_F32_TOKENS((g + 1) * MXFP4X_GROUP)
+        }
+    for (; g < G; g++) { /* one group per chunk */
+        MXFP4X_PF_STEP(pf, g);
+        for (i = 0; i < mr; i++) {
+            const __m512i v = mxfp4x_bf16dp_decode(w->blocks + (r + i) * sb + g * gb,
+                                                   w->scales[(r + i) * ss + g * gs]);
+            we[i] = MXFP4X_BF16DP_F32_EVEN(v);
+            wo[i] = MXFP4X_BF16DP_F32_ODD(v);
+        }
+        MXFP4X_BF16DP_F32_TOKENS(g * MXFP4X_GROUP)
+    }
+#undef MXFP4X_BF16DP_F32_TOKENS
+    for (i = 0; i < mr; i++)
+        for (t = 0; t < nt; t++) outs[t][at + i] = mxfp4x_hsum16_avx512(a[i][t]);
+}
+
+/* Full blocks (4 rows x 4 tokens, and x 1 token) compiled apart, their accumulators in
+ * registers; the edges through the inlined form. */
+MXFP4X_BF16DP_NOINLINE void mxfp4x_bf16dp_f32_full(const mxfp4x_rows *w, int64_t r,
+                                                   int64_t row_end, const uint16_t *const *xs,
+                                                   float *const *outs, int64_t at) {
+    mxfp4x_bf16dp_f32_block(w, r, MXFP4X_BF16DP_MR, row_end, xs, MXFP4X_BF16DP_NT, outs, at);
+}
+MXFP4X_BF16DP_NOINLINE void mxfp4x_bf16dp_f32_full1(const mxfp4x_rows *w, int64_t r,
+                                                    int64_t row_end, const uint16_t *const *xs,
+                                                    float *const *outs, int64_t at) {
+    mxfp4x_bf16dp_f32_block(w, r, MXFP4X_BF16DP_MR, row_end, xs, 1, outs, at);
+}
+MXFP4X_BF16DP_NOINLINE void mxfp4x_bf16dp_f32_edge(const mxfp4x_rows *w, int64_t r, int mr,
+                                                   int64_t row_end, const uint16_t *const *xs,
+                                                   int nt, float *const *outs, int64_t at) {
+    mxfp4x_bf16dp_f32_block(w, r, mr, row_end, xs, nt, outs, at);
+}
+
+/* Rows [r0, r1) . the tokens xs[0 .. n) off the unit, outs[c][r - r0] = row r . token
+ * c: the float32 path above, 4 rows x 4 tokens at a time, or with `large` the float64
+ * exact path (where a product or a sum could overflow in float32). */
+MXFP4X_BF16DP_NOINLINE void mxfp4x_bf16dp_off_unit(const mxfp4x_rows *w, int64_t r0,
+                                                   int64_t r1, const uint16_t *const *xs,
+                                                   int n, int large, float *const *outs) {
+    int64_t r;
+    int t, nt;
+    for (t = 0; t < n; t += nt) {
+        nt = n - t < MXFP4X_BF16DP_NT ? n - t : MXFP4X_BF16DP_NT;
+        for (r = r0; r < r1; r += MXFP4X_BF16DP_MR) {
+            const int mr = r1 - r < MXFP4X_BF16DP_MR ? (int)(r1 - r) : MXFP4X_BF16DP_MR;
+            int c, i;
+            if (large) {
+                for (c = 0; c < nt; c++)
+                    for (i = 0; i < mr; i++)
+                        outs[t + c][r - r0 + i] = mxfp4x_bf16dp_exact_dot(w, r + i, xs[t + c]);
+            } else if (mr == MXFP4X_BF16DP_MR && nt == MXFP4X_BF16DP_NT) {
+                mxfp4x_bf16dp_f32_full(w, r, r1, xs + t, outs + t, r - r0);
+            } else if (mr == MXFP4X_BF16DP_MR && nt == 1) {
+                mxfp4x_bf16dp_f32_full1(w, r, r1, xs + t, outs + t, r - r0);
+            } else {
+                mxfp4x_bf16dp_f32_edge(w, r, mr, r1, xs + t, nt, outs + t, r - r0);
+            }
+        }
+    }
 }
 
 /* hsum16's tree (avx512.h: lanes (j, j + 8), then (j, j + 4), (j, j + 2), (0, 1)) run on
@@ -499,11 +624,41 @@ static inline void mxfp4x_bf16dp_pf_lines(mxfp4x_bf16dp_pf *c, int64_t n) {
     for (; n > 0 && c->ps < c->pe; n--, c->ps += 64) MXFP4X_PREFETCH_L2(c->ps);
 }
 
+/* Rows [r0, r1) . every token t whose flags (unsafe[t] | row_flags) send it off the unit
+ * (all of them when row_flags is nonzero), into out[t * out_stride + r - row_start]: the
+ * float32 path in blocks of tokens, the tokens that need float64 one by one. */
+static void mxfp4x_bf16dp_off_tokens(const mxfp4x_rows *w, int64_t r0, int64_t r1,
+                                     int64_t row_start, const uint16_t *xt,
+                                     const uint8_t *unsafe, int64_t n_tok, int row_flags,
+                                     float *out, int64_t out_stride) {
+    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
+    const uint16_t *xs[MXFP4X_BF16DP_NT];
+    float *outs[MXFP4X_BF16DP_NT];
+    int64_t t;
+    int n = 0;
+    for (t = 0; t <= n_tok; t++) {
+        const int f = t < n_tok ? unsafe[t] | row_flags : 0;
+        if (f & MXFP4X_BF16_LARGE) {
+            const uint16_t *x1 = xt + t * d_in;
+            float *o1 = out + t * out_stride + (r0 - row_start);
+            mxfp4x_bf16dp_off_unit(w, r0, r1, &x1, 1, 1, &o1);
+        } else if (f) {
+            xs[n] = xt + t * d_in;
+            outs[n++] = out + t * out_stride + (r0 - row_start);
+        }
+        if (n == MXFP4X_BF16DP_NT || (t == n_tok && n > 0)) {
+            mxfp4x_bf16dp_off_unit(w, r0, r1, xs, n, 0, outs);
+            n = 0;
+        }
+    }
+}
+
 /* out[t * out_stride + r - row_start] = W[r] . x_t for r in [row_start, row_end), t <
- * n_tok (x_t at xt + t * d_in, in the pairing), unsafe[t] nonzero for a token on the exact
- * path.  row_start a multiple of 4 apart from the rows' origin (the driver's tasks are),
- * so the 4-row blocks do not depend on the split; the rows go through the panel in
- * chunks of MXFP4X_BF16DP_TILE_ROWS.  `scratch`: mxfp4x_bf16dp_scratch_bytes(G) bytes. */
+ * n_tok (x_t at xt + t * d_in, in the pairing), unsafe[t] nonzero for a token the unit
+ * may not take (the gather's flags).  row_start a multiple of 4 apart from the rows'
+ * origin (the driver's tasks are), so the 4-row blocks do not depend on the split; the
+ * rows go through the panel in chunks of MXFP4X_BF16DP_TILE_ROWS.  `scratch`:
+ * mxfp4x_bf16dp_scratch_bytes(G) bytes. */
 MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start,
                                          int64_t row_end, const uint16_t *xt,
                                          const uint8_t *unsafe, int64_t n_tok, float *out,
@@ -519,7 +674,7 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
     const int64_t kc_max = mxfp4x_bf16dp_kc();
     const int64_t n_slices = kc_max > 0 && G > kc_max ? (G + kc_max - 1) / kc_max : 1;
     const int64_t kc = G > 0 ? (G + n_slices - 1) / n_slices : 1;
-    int64_t r0, r1, r, t, i, c0, c1, pf_per_call = 0;
+    int64_t r0, r1, r, t, i, c0, c1, run_end, pf_per_call = 0;
     int nt, mr, any_unsafe = 0;
     mxfp4x_bf16dp_pf pf = {NULL, NULL, NULL, NULL};
     for (t = 0; t < n_tok; t++) any_unsafe |= unsafe[t];
@@ -534,9 +689,17 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
             pf = mxfp4x_bf16dp_pf_tile(w, r1, row_end);
             pf_per_call = (mxfp4x_bf16dp_pf_count(&pf) + n_calls - 1) / n_calls;
         }
-        for (t = 0; t < n_tok; t += nt) {
-            nt = n_tok - t < step ? (int)(n_tok - t) : step;
-            if (fused && n_tok - t == MXFP4X_BF16DP_NT_MAX) nt = MXFP4X_BF16DP_NT_MAX;
+        /* the unit takes the tokens in runs of consecutive ones it may take (every token,
+         * as a rule), each run in blocks; the others go off the unit below */
+        for (t = 0, run_end = 0; t < n_tok; t += nt) {
+            if (t >= run_end) {
+                while (t < n_tok && unsafe[t]) t++;
+                if (t == n_tok) break;
+                for (run_end = t; run_end < n_tok && !unsafe[run_end]; run_end++) {
+                }
+            }
+            nt = run_end - t < step ? (int)(run_end - t) : step;
+            if (fused && run_end - t == MXFP4X_BF16DP_NT_MAX) nt = MXFP4X_BF16DP_NT_MAX;
             for (i = 0; i < nt; i++) xs[i] = xt + (t + i) * d_in;
             if (fused) {
                 for (r = r0; r < r1; r += MXFP4X_BF16DP_MR) {
@@ -574,25 +737,26 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
                 c0 = c1;
             } while (c0 < G);
         }
-        /* the exact path: rows outside the conditions, for every token; tokens outside
-         * them, for every row */
+        /* off the unit: tokens outside the conditions, for every row of the tile, four
+         * at a time (the float32 path) or one by one (float64); then rows outside them,
+         * for every token (their unit results overwritten) */
         if (!any_unsafe && mxfp4x_bf16_rows_safe(w, r0, r1)) continue;
+        mxfp4x_bf16dp_off_tokens(w, r0, r1, row_start, xt, unsafe, n_tok, 0, out, out_stride);
+        if (mxfp4x_bf16_rows_safe(w, r0, r1)) continue;
         for (r = r0; r < r1; r++) {
             const int row_bad = mxfp4x_bf16_row_unsafe(w, r);
-            if (!row_bad && !any_unsafe) continue; /* the common case: no loop over tokens */
-            for (t = 0; t < n_tok; t++)
-                if (row_bad || unsafe[t])
-                    out[t * out_stride + (r - row_start)] =
-                        mxfp4x_bf16dp_exact_dot(w, r, xt + t * d_in);
+            if (row_bad)
+                mxfp4x_bf16dp_off_tokens(w, r, r + 1, row_start, xt, unsafe, n_tok, row_bad,
+                                         out, out_stride);
         }
     }
 }
 
 /* Gather the latents of n pairs (token rows src[0..n) of x, natural order, bf16 bits,
  * row stride x_stride elements) to dst (pair i at i * d_in words) in the pairing of
- * arrangement `nibbles`; unsafe[i] = whether token i needs the exact path (amx.h's test:
- * a nonzero finite latent under 2^-60 in magnitude, or one of at least 2^64, infinities
- * and NaNs included). */
+ * arrangement `nibbles`; unsafe[i] = what token i needs instead of the unit (bf16_unit.h):
+ * MXFP4X_BF16_SMALL for a nonzero finite latent under 2^-60 in magnitude,
+ * MXFP4X_BF16_LARGE for one of at least 2^64, infinities and NaNs included; 0 if none. */
 MXFP4X_BF16DP_FN void mxfp4x_bf16dp_gather(const uint16_t *x, int64_t x_stride,
                                            const int64_t *src, int64_t n, int64_t n_groups,
                                            int nibbles, uint16_t *dst, uint8_t *unsafe) {
@@ -613,14 +777,15 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_gather(const uint16_t *x, int64_t x_stride,
     for (i = 0; i < n; i++) {
         const uint16_t *row = x + src[i] * x_stride;
         uint16_t *d = dst + i * d_in;
-        __mmask32 bad = 0;
+        __mmask32 small = 0, large = 0;
         g = 0;
         if (paired)
             for (; g + 2 <= n_groups; g += 2) {
                 const __m512i v0 = _mm512_loadu_si512((const void *)(row + g * MXFP4X_GROUP));
                 const __m512i v1 =
                     _mm512_loadu_si512((const void *)(row + (g + 1) * MXFP4X_GROUP));
-                bad |= mxfp4x_bf16_latents_unsafe(v0) | mxfp4x_bf16_latents_unsafe(v1);
+                small |= mxfp4x_bf16_latents_small(v0) | mxfp4x_bf16_latents_small(v1);
+                large |= mxfp4x_bf16_latents_large(v0) | mxfp4x_bf16_latents_large(v1);
                 _mm512_storeu_si512((void *)(d + g * MXFP4X_GROUP),
                                     _mm512_permutex2var_epi16(v0, lo_idx, v1));
                 _mm512_storeu_si512((void *)(d + (g + 1) * MXFP4X_GROUP),
@@ -628,11 +793,12 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_gather(const uint16_t *x, int64_t x_stride,
             }
         for (; g < n_groups; g++) {
             __m512i v = _mm512_loadu_si512((const void *)(row + g * MXFP4X_GROUP));
-            bad |= mxfp4x_bf16_latents_unsafe(v);
+            small |= mxfp4x_bf16_latents_small(v);
+            large |= mxfp4x_bf16_latents_large(v);
             if (nibbles == MXFP4X_NIBBLES_HALVES) v = _mm512_permutexvar_epi16(halves, v);
             _mm512_storeu_si512((void *)(d + g * MXFP4X_GROUP), v);
         }
-        unsafe[i] = bad != 0;
+        unsafe[i] = (uint8_t)((small ? MXFP4X_BF16_SMALL : 0) | (large ? MXFP4X_BF16_LARGE : 0));
     }
 }
 

@@ -13,10 +13,19 @@
 #define MXFP4X_BF16_UNIT_INLINE \
     static inline MXFP4X_TARGET("avx512f,avx512bw,avx2") MXFP4X_ALWAYS_INLINE
 
-/* Whether row r needs the exact path: a scale byte >= MXFP4X_AMX_MAX_SCALE, or a group
- * with a nonzero magnitude code under a scale byte < MXFP4X_AMX_MIN_SCALE (its weights
- * could be or become subnormal).  The scale bytes are scanned first (64 at a time where
- * they are contiguous), the groups' bytes only under a small scale. */
+/* What a row or a token needs instead of the unit (0: the unit takes it).  Both units
+ * take any nonzero value as "not the unit"; avx512bf16.h tells the two kinds apart: a
+ * value the unit could flush (MXFP4X_BF16_SMALL) takes the unit's own arithmetic in
+ * float32 FMAs, which keep subnormals; one that could overflow a float32 product or sum
+ * (MXFP4X_BF16_LARGE, with or without SMALL) takes the float64 exact path. */
+#define MXFP4X_BF16_SMALL 1
+#define MXFP4X_BF16_LARGE 2
+
+/* Row r: MXFP4X_BF16_LARGE for a scale byte >= MXFP4X_AMX_MAX_SCALE (255, NaN, included),
+ * else MXFP4X_BF16_SMALL for a group with a nonzero magnitude code under a scale byte <
+ * MXFP4X_AMX_MIN_SCALE (its weights could be or become subnormal), else 0.  The scale
+ * bytes are scanned first (64 at a time where they are contiguous), the groups' bytes
+ * only under a small scale. */
 MXFP4X_BF16_UNIT_INLINE int mxfp4x_bf16_row_unsafe(const mxfp4x_rows *w, int64_t r) {
     const int64_t G = w->n_groups, gb = w->group_stride_blocks, gs = w->group_stride_scales;
     const uint8_t *b = w->blocks + r * w->row_stride_blocks;
@@ -29,12 +38,12 @@ MXFP4X_BF16_UNIT_INLINE int mxfp4x_bf16_row_unsafe(const mxfp4x_rows *w, int64_t
         for (g = 0; g < G; g += 64) {
             const __mmask64 k = G - g >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (G - g)) - 1);
             const __m512i v = _mm512_maskz_loadu_epi8(k, s + g);
-            if (_mm512_mask_cmpgt_epu8_mask(k, v, big)) return 1;
+            if (_mm512_mask_cmpgt_epu8_mask(k, v, big)) return MXFP4X_BF16_LARGE;
             small |= _mm512_mask_cmplt_epu8_mask(k, v, lim) != 0;
         }
     } else {
         for (g = 0; g < G; g++) {
-            if (s[g * gs] >= MXFP4X_AMX_MAX_SCALE) return 1;
+            if (s[g * gs] >= MXFP4X_AMX_MAX_SCALE) return MXFP4X_BF16_LARGE;
             small |= s[g * gs] < MXFP4X_AMX_MIN_SCALE;
         }
     }
@@ -43,7 +52,7 @@ MXFP4X_BF16_UNIT_INLINE int mxfp4x_bf16_row_unsafe(const mxfp4x_rows *w, int64_t
             if (s[g * gs] < MXFP4X_AMX_MIN_SCALE &&
                 !_mm_testz_si128(_mm_loadu_si128((const __m128i *)(b + g * gb)),
                                  _mm_set1_epi8(0x77)))
-                return 1;
+                return MXFP4X_BF16_SMALL;
     return 0;
 }
 
@@ -87,17 +96,27 @@ MXFP4X_BF16_UNIT_INLINE int mxfp4x_bf16_rows_safe(const mxfp4x_rows *w, int64_t 
         _mm512_set1_epi8((char)(MXFP4X_AMX_MAX_SCALE - 1 - MXFP4X_AMX_MIN_SCALE)));
 }
 
-/* The lanes of 32 bf16 latents (bits) that send their token to the exact path: nonzero
- * finite ones under 2^-60 in magnitude (|bits| in 1 .. 0x217F, bf16 exponent field under
- * 67, subnormals included) and ones of at least 2^64 (exponent field 191 or more,
- * infinities and NaNs included). */
-MXFP4X_BF16_UNIT_INLINE __mmask32 mxfp4x_bf16_latents_unsafe(__m512i v) {
+/* The lanes of 32 bf16 latents (bits) the unit could flush: nonzero finite ones under
+ * 2^-60 in magnitude (|bits| in 1 .. 0x217F, bf16 exponent field under 67, subnormals
+ * included). */
+MXFP4X_BF16_UNIT_INLINE __mmask32 mxfp4x_bf16_latents_small(__m512i v) {
     const __m512i a = _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF));
     const __m512i lim = _mm512_set1_epi16((short)((MXFP4X_AMX_MIN_LATENT_EXP << 7) - 1));
-    const __m512i huge = _mm512_set1_epi16((short)((MXFP4X_AMX_MAX_LATENT_EXP << 7) - 1));
     /* |bits| - 1 < limit - 1, unsigned: nonzero and under the limit */
-    return _mm512_cmplt_epu16_mask(_mm512_sub_epi16(a, _mm512_set1_epi16(1)), lim) |
-           _mm512_cmpgt_epu16_mask(a, huge);
+    return _mm512_cmplt_epu16_mask(_mm512_sub_epi16(a, _mm512_set1_epi16(1)), lim);
+}
+
+/* ... and the ones that could overflow a product or a sum: at least 2^64 (exponent field
+ * 191 or more, infinities and NaNs included). */
+MXFP4X_BF16_UNIT_INLINE __mmask32 mxfp4x_bf16_latents_large(__m512i v) {
+    const __m512i a = _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF));
+    const __m512i huge = _mm512_set1_epi16((short)((MXFP4X_AMX_MAX_LATENT_EXP << 7) - 1));
+    return _mm512_cmpgt_epu16_mask(a, huge);
+}
+
+/* Either: the lanes that send a token off the unit. */
+MXFP4X_BF16_UNIT_INLINE __mmask32 mxfp4x_bf16_latents_unsafe(__m512i v) {
+    return mxfp4x_bf16_latents_small(v) | mxfp4x_bf16_latents_large(v);
 }
 
 #endif /* MXFP4X_HAVE_AMX || MXFP4X_HAVE_AVX512BF16 */

@@ -3,14 +3,15 @@ include/mxfp4x/amx.h) and on AVX512-BF16's vdpbf16ps ("avx512bf16", avx512bf16.h
 
 Every token of a bf16 call takes the unit's arithmetic at any batch size (amx: up to 4
 tokens per expert a register gemv that replays the tiles, bit for bit; avx512bf16: up to 12
-(32 on an AMD Zen 5) a fused gemv, then a decoded panel, the same instructions on the same
-operands); a token
-with a nonzero latent under 2^-60 or one of 2^64 or more, and rows with a nonzero code
-under a scale byte < 69 or any scale byte >= 160 (amx: their block of 16), take the
-float64 exact path instead.  Checked against the float64 reference within the documented
-bound, bit for bit across batches (amx: the gemv gives way to the tiles above 4 tokens,
-whose shapes change at 16, 32 and 48; avx512bf16: fused blocks of 4 tokens, the panel
-above its switch in blocks of 6), in float32 before the result's rounding, across threads and token
+(32 on an AMD Zen 4 or 5) a fused gemv, then a decoded panel, the same instructions on the
+same operands); a token with a nonzero latent under 2^-60 or one of 2^64 or more, and rows
+with a nonzero code under a scale byte < 69 or any scale byte >= 160 (amx: their block of
+16), leave the unit: on amx for the float64 exact path; on avx512bf16 small values for the
+unit's arithmetic in float32 FMAs (no flush), values that could overflow for the float64
+exact path.  Checked against the float64 reference within the documented bound, bit for
+bit across batches (amx: the gemv gives way to the tiles above 4 tokens, whose shapes
+change at 16, 32 and 48; avx512bf16: fused blocks of 4 tokens, the panel above its switch
+in blocks of 6), in float32 before the result's rounding, across threads and token
 positions, on both arrangements.  Each ISA skipped where the CPU (or the OS) cannot run
 it."""
 import re
@@ -122,8 +123,8 @@ def test_bit_identical_across_batches_threads_and_positions(unit, rng):
 
 def test_exact_path_for_tiny_latents_and_small_scales(unit, rng):
     """Tokens with bf16 subnormals or latents under 2^-60, rows whose scale bytes are 0, 1,
-    68 run the float64 exact path (255: NaN on either path): within the bound, nothing
-    flushed, and the same bits alone as in a batch."""
+    68 leave the unit (amx: float64; avx512bf16: float32 FMAs; 255: NaN on either path):
+    within the bound, nothing flushed, and the same bits alone as in a batch."""
     args = random_layer(rng, 40, 3, 4, 50, 4, dtype=torch.bfloat16)
     x, packed, scales, sel, mix, shared = args
     x = x.clone()
@@ -155,6 +156,47 @@ def test_exact_path_for_tiny_latents_and_small_scales(unit, rng):
     assert ok.sum() >= ref.isfinite().sum() - 3 and (dots[ok] != 0).all()
     assert ((dots - ref).abs()[ok] <= 2.0 ** -8 * ref.abs()[ok]).all()
     assert torch.equal(dots.isnan(), ref.isnan())
+
+
+@pytest.mark.skipif("avx512bf16" not in _cpu.runnable_isas(),
+                    reason="this CPU or OS cannot run avx512bf16")
+@pytest.mark.parametrize("form", ["safetensors", "gguf"])
+def test_avx512bf16_float32_path_gives_the_units_bits(rng, form):
+    """avx512bf16 sends a token with a latent under 2^-60 to the unit's arithmetic in
+    float32 FMAs (vdpbf16ps without its flushes).  Where nothing is subnormal that is the
+    unit's own result, bit for bit: here one latent of 2^-100, the last product of its lane
+    (even element of the last, odd-numbered group), is absorbed by every row's nonzero
+    partial sum, so each token with it (off the unit) gives in float32 the bits the same
+    token with a 0 there gets on the unit -- alone, and among others on the fused gemv and
+    on the panel.  A wrong order of the two products, of the chunks or of the reduction
+    would miss on some of the cells."""
+    m = _cpu.gemv_max_tokens("avx512bf16", bf16=True)
+    n_tok, d_out, n_groups = m + 9, 37, 7
+    x = torch.from_numpy(rng.standard_normal((n_tok, 32 * n_groups))).bfloat16()
+    packed = torch.from_numpy(rng.integers(0, 256, (2, d_out, n_groups, 16), dtype=np.uint8))
+    scales = torch.from_numpy(rng.integers(115, 135, (2, d_out, n_groups), dtype=np.uint8))
+    if form == "gguf":
+        packed = torch.from_numpy(gguf_blocks_of(packed.numpy(), scales.numpy()))
+        scales = None
+    # element 6 of the last group (pairs: byte 3's low nibble; GGUF halves: element 3 is
+    # that lane's even word) is the last product of its lane
+    at = 32 * (n_groups - 1) + (6 if form == "safetensors" else 3)
+    tiny = x.clone()
+    tiny[:, at] = 2.0 ** -100
+    zero = x.clone()
+    zero[:, at] = 0
+    sel = torch.from_numpy(rng.integers(0, 2, (n_tok, 2)))
+    unit = _dots_f32("avx512bf16", zero, packed, scales, sel, n_threads=2)
+    for t in (0, 5):
+        one = _dots_f32("avx512bf16", tiny[t:t + 1], packed, scales, sel[t:t + 1])
+        assert np.array_equal(one, unit[2 * t:2 * t + 2]), t
+    # every token off the unit, 4 at a time; and a batch where only some are
+    mixed = zero.clone()
+    mixed[::3] = tiny[::3]
+    for xs in (tiny, mixed):
+        assert np.array_equal(_dots_f32("avx512bf16", xs, packed, scales, sel), unit)
+        assert np.array_equal(_dots_f32("avx512bf16", xs[:6], packed, scales, sel[:6]),
+                              unit[:12])
 
 
 @pytest.mark.parametrize("latent,scale", [(2.0 ** 120, 134), (2.0 ** 60, 200)],
@@ -193,8 +235,8 @@ def test_float32_latents_run_avx512s_kernels(unit, rng):
 
 def test_tiles_and_exact_path_agree_where_the_sums_are_exact(unit, rng):
     """Small-integer latents and weights at scale 1: every partial sum is exact in float32,
-    so the tiles, the float64 exact path (the same token scaled by 2^-118, whose products
-    tdpbf16ps would flush) and the reference all give the same bits."""
+    so the tiles, the path off the unit (the same token scaled by 2^-118, whose products
+    the unit would flush) and the reference all give the same bits."""
     n_tok, d_out, n_groups = 21, 40, 3
     x = torch.from_numpy(rng.integers(-8, 9, (n_tok, 32 * n_groups)).astype(np.float32))
     x = x.bfloat16()
@@ -242,17 +284,17 @@ def test_gemv_gives_the_tiles_float32_bits(unit, rng, form):
     (12 tokens, 32 on an AMD Zen 5) the fused gemv, more the panel.  In float32, before the
     result's one rounding: every token alone (the gemv) gives the bits it gets among 30 or
     more tokens of one expert (the tiles), for both arrangements, tiny and huge latents
-    (the exact path) included; rows past a multiple of 16 included (d_out 45); 37 groups
+    (off the unit) included; rows past a multiple of 16 included (d_out 45); 37 groups
     (the scale bytes read 16 groups at a time, then 5)."""
     m = _cpu.gemv_max_tokens(unit, bf16=True)
     n_tok, n_exp, d_out, n_groups = max(30, m + 12), 3, 45, 37
     x = torch.from_numpy(rng.standard_normal((n_tok, 32 * n_groups))).bfloat16()
-    x[4] *= 2.0 ** -100          # tiny: the exact path on both
-    x[9, 3] = 2.0 ** 70          # huge: the exact path on both
+    x[4] *= 2.0 ** -100          # tiny: off the unit on both
+    x[9, 3] = 2.0 ** 70          # huge: the float64 exact path on both
     packed = torch.from_numpy(rng.integers(0, 256, (n_exp, d_out, n_groups, 16),
                                            dtype=np.uint8))
     scales = torch.from_numpy(rng.integers(110, 135, (n_exp, d_out, n_groups), dtype=np.uint8))
-    scales[1, 17, 2] = 200       # a large scale: the exact path (amx: its 16-row block)
+    scales[1, 17, 2] = 200       # a large scale: the float64 exact path (amx: its 16-row block)
     # expert 0 gets every token and experts 1 and 2 about half each: the tiles
     sel = torch.zeros((n_tok, 2), dtype=torch.int64)
     sel[:, 1] = torch.from_numpy(rng.integers(1, 3, n_tok))
