@@ -743,11 +743,14 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
         if (!any_unsafe && mxfp4x_bf16_rows_safe(w, r0, r1)) continue;
         mxfp4x_bf16dp_off_tokens(w, r0, r1, row_start, xt, unsafe, n_tok, 0, out, out_stride);
         if (mxfp4x_bf16_rows_safe(w, r0, r1)) continue;
-        for (r = r0; r < r1; r++) {
+        for (r = r0; r < r1;) { /* runs of rows with the same flags, 4 rows at a time */
             const int row_bad = mxfp4x_bf16_row_unsafe(w, r);
+            int64_t re = r + 1;
+            while (re < r1 && mxfp4x_bf16_row_unsafe(w, re) == row_bad) re++;
             if (row_bad)
-                mxfp4x_bf16dp_off_tokens(w, r, r + 1, row_start, xt, unsafe, n_tok, row_bad,
-                                         out, out_stride);
+                mxfp4x_bf16dp_off_tokens(w, r, re, row_start, xt, unsafe, n_tok, row_bad, out,
+                                         out_stride);
+            r = re;
         }
     }
 }
