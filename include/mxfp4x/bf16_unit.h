@@ -13,15 +13,7 @@
 #define MXFP4X_BF16_UNIT_INLINE \
     static inline MXFP4X_TARGET("avx512f,avx512bw,avx2") MXFP4X_ALWAYS_INLINE
 
-/* What a row or a token needs instead of the unit (0: the unit takes it).  Both units
- * take any nonzero value as "not the unit"; avx512bf16.h tells the two kinds apart: a
- * value the unit could flush (MXFP4X_BF16_SMALL) takes the unit's own arithmetic in
- * float32 FMAs, which keep subnormals; one that could overflow a float32 product or sum
- * (MXFP4X_BF16_LARGE, with or without SMALL) takes the float64 exact path. */
-#define MXFP4X_BF16_SMALL 1
-#define MXFP4X_BF16_LARGE 2
-
-/* Row r: MXFP4X_BF16_LARGE for a scale byte >= MXFP4X_AMX_MAX_SCALE (255, NaN, included),
+/* Row r (flags: mxfp4x.h's MXFP4X_BF16_SMALL / _LARGE): MXFP4X_BF16_LARGE for a scale byte >= MXFP4X_AMX_MAX_SCALE (255, NaN, included),
  * else MXFP4X_BF16_SMALL for a group with a nonzero magnitude code under a scale byte <
  * MXFP4X_AMX_MIN_SCALE (its weights could be or become subnormal), else 0.  The scale
  * bytes are scanned first (64 at a time where they are contiguous), the groups' bytes

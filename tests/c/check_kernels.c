@@ -28,10 +28,12 @@
  *   bf16            (entries with a bf16 unit: amx, avx512bf16) bf16 latents gathered
  *                   and multiplied by bf16_rows: against float64 within the bound, with
  *                   subnormal, tiny and huge latents and scale bytes 0, 1, 68, 69, 159,
- *                   160, 254, 255 among the rows (the exact path); every token alone,
+ *                   160, 254, 255 among the rows (off the unit); every token alone,
  *                   the whole batch, counts each side of the unit's switch, 5 tokens
  *                   over last tiles of 2 and 3 rows, and tile-aligned split row ranges,
- *                   bit for bit (gguf_bf16: GGUF blocks); a failure names which
+ *                   bit for bit; avx512bf16: every token forced off the unit gives the
+ *                   same bits (its float32 path replays the unit where nothing is
+ *                   subnormal) (gguf_bf16: GGUF blocks); a failure names which
  *   gguf_*          decode, gemv, panel_dot and batch again on llama.cpp's GGUF blocks
  *                   (17 bytes per group, the scale byte first; byte j holds elements j
  *                   and j+16), read in place: gguf_decode, gguf_gemv, gguf_panel,
@@ -720,10 +722,11 @@ static uint16_t bf16_of(float f) { /* truncated: any bf16 will do */
 }
 
 /* out (n_tok x n_rows) = rows [0, n_rows) . the tokens src[0..n_tok) of x, through the
- * gather and bf16_rows in tile-aligned row ranges from row r_split on (0: one call). */
+ * gather and bf16_rows in tile-aligned row ranges from row r_split on (0: one call); with
+ * force_small every token flagged as holding small values (sent off the unit). */
 static void bf16_run(const mxfp4x_kernels *k, const mxfp4x_rows *w, int64_t n_rows,
                      const uint16_t *x, int64_t d_in, const int64_t *src, int64_t n_tok,
-                     int64_t r_split, float *out) {
+                     int64_t r_split, float *out, int force_small) {
     const int64_t G = w->n_groups;
     uint16_t *xt = (uint16_t *)aligned_alloc(64, (size_t)((n_tok * d_in * 2 + 64 + 63) / 64 * 64));
     uint8_t *unsafe = (uint8_t *)xcalloc((size_t)n_tok + 1, 1);
@@ -732,6 +735,7 @@ static void bf16_run(const mxfp4x_kernels *k, const mxfp4x_rows *w, int64_t n_ro
     int64_t r0, r1, t, r;
     if (!xt) exit(2);
     k->bf16_gather(x, d_in, src, n_tok, G, w->nibbles, xt, unsafe);
+    for (t = 0; force_small && t < n_tok; t++) unsafe[t] |= MXFP4X_BF16_SMALL;
     for (r0 = 0; r0 < n_rows; r0 = r1) {
         r1 = r_split > 0 && r0 + r_split < n_rows ? r0 + r_split : n_rows;
         k->bf16_rows(w, r0, r1, xt, unsafe, n_tok, part, r1 - r0, scratch);
@@ -763,8 +767,9 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
     float *full, *one, *other;
     double worst = 0.0;
     /* which comparisons failed, named in the report */
-    enum { F_BOUND = 1, F_ALONE = 2, F_COUNTS = 4, F_BLOCK5 = 8, F_SPLIT = 16 };
-    static const char *const fail_names[] = {"bound", "alone", "counts", "block5", "split"};
+    enum { F_BOUND = 1, F_ALONE = 2, F_COUNTS = 4, F_BLOCK5 = 8, F_SPLIT = 16, F_OFF = 32 };
+    static const char *const fail_names[] = {"bound", "alone", "counts",
+                                             "block5", "split", "off_unit"};
     int fail = 0;
     digest d;
     char detail[160];
@@ -806,7 +811,7 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
     full = (float *)xcalloc((size_t)(n_x * n_rows), sizeof(float));
     one = (float *)xcalloc((size_t)n_rows, sizeof(float));
     other = (float *)xcalloc((size_t)(n_x * n_rows), sizeof(float));
-    bf16_run(k, &w, n_rows, x, d_in, src, n_x, 0, full);
+    bf16_run(k, &w, n_rows, x, d_in, src, n_x, 0, full, 0);
     /* against float64 (NaN where the reference is; rows whose terms pass float32's range
      * overflow as every float32 path does: not compared) */
     for (t = 0; t < n_x; t++)
@@ -831,12 +836,12 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
         }
     /* every token alone, and runs of each count, bit for bit */
     for (t = 0; t < n_x; t++) {
-        bf16_run(k, &w, n_rows, x, d_in, src + t, 1, 0, one);
+        bf16_run(k, &w, n_rows, x, d_in, src + t, 1, 0, one, 0);
         if (memcmp(one, full + t * n_rows, (size_t)n_rows * sizeof(float))) fail |= F_ALONE;
     }
     for (c = 0; c < (int64_t)(sizeof counts / sizeof counts[0]); c++) {
         const int64_t n = counts[c], t0 = (c * 7) % (n_x - n + 1);
-        bf16_run(k, &w, n_rows, x, d_in, src + t0, n, 0, other);
+        bf16_run(k, &w, n_rows, x, d_in, src + t0, n, 0, other, 0);
         if (memcmp(other, full + t0 * n_rows, (size_t)(n * n_rows) * sizeof(float)))
             fail |= F_COUNTS;
     }
@@ -845,17 +850,29 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
      * rows (not against the 101-row run: which rows share a 16-row block, and so a block's
      * exact-path scan, depends on the matrix's row count, as it does on AMX) */
     for (c = 98; c <= 99; c++) {
-        bf16_run(k, &w, c, x, d_in, src + 3, 5, 0, other);
+        bf16_run(k, &w, c, x, d_in, src + 3, 5, 0, other, 0);
         for (t = 0; t < 5; t++) {
-            bf16_run(k, &w, c, x, d_in, src + 3 + t, 1, 0, one);
+            bf16_run(k, &w, c, x, d_in, src + 3 + t, 1, 0, one, 0);
             if (memcmp(other + t * c, one, (size_t)c * sizeof(float))) fail |= F_BLOCK5;
         }
     }
     /* tile-aligned split row ranges (as the driver's tasks) */
-    bf16_run(k, &w, n_rows, x, d_in, src, n_x, k->tile_rows, other);
+    bf16_run(k, &w, n_rows, x, d_in, src, n_x, k->tile_rows, other, 0);
     if (memcmp(other, full, (size_t)(n_x * n_rows) * sizeof(float))) fail |= F_SPLIT;
+    /* avx512bf16 takes small values off the unit by the unit's arithmetic in float32: where
+     * the unit could take a token (nothing subnormal can occur), the bits are the unit's.
+     * Every token forced off the unit, the batch (the unit's panel) and tokens alone (its
+     * fused gemv) must give the same results, whatever path each (row, token) took. */
+    if (!strcmp(k->name, MXFP4X_ISA_NAME_AVX512BF16)) {
+        bf16_run(k, &w, n_rows, x, d_in, src, n_x, 0, other, 1);
+        if (memcmp(other, full, (size_t)(n_x * n_rows) * sizeof(float))) fail |= F_OFF;
+        for (t = 0; t < 6; t++) {
+            bf16_run(k, &w, n_rows, x, d_in, src + t, 1, 0, one, 1);
+            if (memcmp(one, full + t * n_rows, (size_t)n_rows * sizeof(float))) fail |= F_OFF;
+        }
+    }
     snprintf(detail, sizeof detail, "max_rel_err=%.3g switch=%lld", worst, (long long)m);
-    for (i = 0; i < 5; i++)
+    for (i = 0; i < 6; i++)
         if (fail & (1 << i))
             snprintf(detail + strlen(detail), sizeof detail - strlen(detail), " failed:%s",
                      fail_names[i]);
