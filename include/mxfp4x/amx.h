@@ -26,9 +26,11 @@
  * multiple of 2^-126, zero or normal.  Nor can anything overflow when every latent is
  * under 2^64 and every scale byte under MXFP4X_AMX_MAX_SCALE (160; 255 is NaN).  A token
  * outside these (flagged by the gather) and a block of 16 rows outside them (a scan of
- * its scale bytes) take the exact path instead:
- * products and sums in float64, elements in natural order, rounded once -- the same for
- * that token or row whatever the batch, so results stay batch-invariant.
+ * its scale bytes) leave the tiles, for every row or token, whatever the batch (so
+ * results stay batch-invariant): small values only for avx512bf16.h's float32 path (the
+ * vdpbf16ps unit's arithmetic in FMAs, subnormals kept: its bits, not the tiles', where
+ * nothing is subnormal), values that could overflow for the exact path, products and
+ * sums in float64, elements in natural order, rounded once.
  *
  * Order: what tdpbf16ps does inside one instruction is the hardware's (measured on a
  * Xeon: the even-element and odd-element products of the 16 pairs summed as two
@@ -42,6 +44,7 @@
 
 #include "mxfp4x.h"
 #include "bf16_unit.h"
+#include "avx512bf16.h" /* the float32 path off the unit */
 
 #if MXFP4X_HAVE_AMX
 #include <immintrin.h>
@@ -117,13 +120,99 @@ static float mxfp4x_amx_exact_dot(const mxfp4x_rows *w, int64_t r, const uint16_
     return (float)acc;
 }
 
-/* Whether rows [r, r + mr) need the exact path (bf16_unit.h, row by row). */
+/* What rows [r, r + mr) need instead of the tiles: the union of their flags
+ * (bf16_unit.h, row by row; 0: the tiles take them). */
 MXFP4X_AMX_INLINE int mxfp4x_amx_rows_unsafe(const mxfp4x_rows *w, int64_t r, int mr) {
-    int m;
+    int m, f = 0;
     if (mxfp4x_bf16_rows_safe(w, r, r + mr)) return 0;
-    for (m = 0; m < mr; m++)
-        if (mxfp4x_bf16_row_unsafe(w, r + m)) return 1;
-    return 0;
+    for (m = 0; m < mr; m++) f |= mxfp4x_bf16_row_unsafe(w, r + m);
+    return f;
+}
+
+/* Token n of a B block (nb tokens from xb) in avx512bf16.h's chunks (d_in words). */
+static void mxfp4x_amx_token_chunks(const mxfp4x_rows *w, const uint16_t *xb, int64_t nb,
+                                    int64_t n, uint16_t *chunk) {
+#if MXFP4X_HAVE_AVX512BF16
+    const int64_t G = w->n_groups;
+    const int paired = mxfp4x_bf16dp_paired(w->nibbles);
+    int64_t g;
+    int k;
+    for (g = 0; g < G; g++)
+        for (k = 0; k < 16; k++) {
+            const uint16_t *p = xb + 2 * ((g * 16 + k) * nb + n);
+            chunk[mxfp4x_bf16dp_xpos(g, k, G, paired, 0)] = p[0];
+            chunk[mxfp4x_bf16dp_xpos(g, k, G, paired, 1)] = p[1];
+        }
+#else
+    (void)w, (void)xb, (void)nb, (void)n, (void)chunk;
+#endif
+}
+
+/* Rows [r0, r1) . token t (of the call's n_tok, B blocks from xt) off the tiles by
+ * `flags` into out[r - r0]: values that could overflow (MXFP4X_BF16_LARGE) by the float64
+ * exact path above, small ones by avx512bf16.h's float32 path (the vdpbf16ps unit's
+ * arithmetic, subnormals kept) on the token's pairs regathered into its chunks (`chunk`,
+ * d_in words; *gathered: whether they already are), where that path is compiled in. */
+MXFP4X_AMX_FN void mxfp4x_amx_off_unit(const mxfp4x_rows *w, int64_t r0, int64_t r1,
+                                       const uint16_t *xt, int64_t n_tok, int64_t t,
+                                       int flags, float *out, uint16_t *chunk,
+                                       int *gathered) {
+    const int64_t tb = t / MXFP4X_AMX_TOKENS * MXFP4X_AMX_TOKENS;
+    const int64_t nb = n_tok - tb < MXFP4X_AMX_TOKENS ? n_tok - tb : MXFP4X_AMX_TOKENS;
+    const uint16_t *xb = xt + tb * w->n_groups * MXFP4X_GROUP;
+    int64_t r;
+#if MXFP4X_HAVE_AVX512BF16
+    if (!(flags & MXFP4X_BF16_LARGE)) {
+        const uint16_t *x1 = chunk;
+        if (!*gathered) mxfp4x_amx_token_chunks(w, xb, nb, t - tb, chunk);
+        *gathered = 1;
+        mxfp4x_bf16dp_off_unit(w, r0, r1, &x1, 1, 0, &out);
+        return;
+    }
+#else
+    (void)flags, (void)chunk, (void)gathered;
+#endif
+    for (r = r0; r < r1; r++) out[r - r0] = mxfp4x_amx_exact_dot(w, r, xb, nb, t - tb);
+}
+
+/* The pass off the tiles, after a call's tiles or gemv wrote every (row, token): each
+ * (row block of 16, token) flagged by the block's rows or by the token's latents is
+ * written again, by their union (bf16_unit.h), which depends on the rows or the token
+ * alone, never on the batch.  First each flagged block, for every token (each block's
+ * scale bytes scanned once, as the tiles' loop did); then each flagged token, for the
+ * other blocks (all rows at once where none is flagged), its chunks gathered once. */
+MXFP4X_AMX_FN void mxfp4x_amx_off_pass(const mxfp4x_rows *w, int64_t row_start,
+                                       int64_t row_end, const uint16_t *xt,
+                                       const uint8_t *unsafe, int64_t n_tok, float *out,
+                                       int64_t out_stride, uint16_t *chunk) {
+    const int rows_bad = !mxfp4x_bf16_rows_safe(w, row_start, row_end);
+    int64_t r, re, t;
+    int any = 0, fb, gathered;
+    for (t = 0; t < n_tok; t++) any |= unsafe[t];
+    for (r = row_start; rows_bad && r < row_end; r = re) {
+        re = row_end - r < MXFP4X_AMX_ROWS ? row_end : r + MXFP4X_AMX_ROWS;
+        fb = mxfp4x_amx_rows_unsafe(w, r, (int)(re - r));
+        for (t = 0; fb && t < n_tok; t++) {
+            gathered = 0;
+            mxfp4x_amx_off_unit(w, r, re, xt, n_tok, t, fb | unsafe[t],
+                                out + t * out_stride + (r - row_start), chunk, &gathered);
+        }
+    }
+    for (t = 0; any && t < n_tok; t++) {
+        if (!unsafe[t]) continue;
+        gathered = 0;
+        if (!rows_bad) {
+            mxfp4x_amx_off_unit(w, row_start, row_end, xt, n_tok, t, unsafe[t],
+                                out + t * out_stride, chunk, &gathered);
+            continue;
+        }
+        for (r = row_start; r < row_end; r = re) {
+            re = row_end - r < MXFP4X_AMX_ROWS ? row_end : r + MXFP4X_AMX_ROWS;
+            if (!mxfp4x_amx_rows_unsafe(w, r, (int)(re - r)))
+                mxfp4x_amx_off_unit(w, r, re, xt, n_tok, t, unsafe[t],
+                                    out + t * out_stride + (r - row_start), chunk, &gathered);
+        }
+    }
 }
 
 /* Rows [r, r + mr) (mr <= 16) decoded into panel[g][16][32] (rows past mr zero). */
@@ -394,8 +483,8 @@ static int64_t mxfp4x_amx_gemv_floats(int64_t n_groups) {
 /* mxfp4x_amx_bf16_rows for n_tok <= MXFP4X_AMX_GEMV_MAX_TOKENS (one block of tokens in
  * xt): the same bits, without tiles. */
 MXFP4X_AMX_FN void mxfp4x_amx_gemv(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
-                                   const uint16_t *xt, const uint8_t *unsafe, int64_t n_tok,
-                                   float *out, int64_t out_stride, float *scratch) {
+                                   const uint16_t *xt, int64_t n_tok, float *out,
+                                   int64_t out_stride, float *scratch) {
     const int64_t G = w->n_groups, d_in = G * MXFP4X_GROUP;
     const int64_t sb = w->row_stride_blocks, ss = w->row_stride_scales;
     const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
@@ -404,7 +493,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_gemv(const mxfp4x_rows *w, int64_t row_start, int6
     const uint8_t *b[MXFP4X_AMX_ROWS], *sp[MXFP4X_AMX_ROWS];
     __m512 c[4];
     int64_t r, g, t, t0;
-    int i, m, mr, nt, exact;
+    int i, mr, nt;
     /* the tokens' pairs as float32: token t's pair k of group g is dword (g * 16 + k) *
      * n_tok + t of the block */
     for (t = 0; t < n_tok; t++) {
@@ -424,7 +513,6 @@ MXFP4X_AMX_FN void mxfp4x_amx_gemv(const mxfp4x_rows *w, int64_t row_start, int6
     }
     for (r = row_start; r < row_end; r += MXFP4X_AMX_ROWS) {
         mr = row_end - r < MXFP4X_AMX_ROWS ? (int)(row_end - r) : MXFP4X_AMX_ROWS;
-        exact = mxfp4x_amx_rows_unsafe(w, r, mr);
         for (i = 0; i < MXFP4X_AMX_ROWS; i++) { /* rows past mr: row r again, never stored */
             b[i] = w->blocks + (r + (i < mr ? i : 0)) * sb;
             sp[i] = w->scales + (r + (i < mr ? i : 0)) * ss;
@@ -474,15 +562,9 @@ MXFP4X_AMX_FN void mxfp4x_amx_gemv(const mxfp4x_rows *w, int64_t row_start, int6
             case 2: mxfp4x_amx_gemv_block2(b, gb, G, sf, xf + t0, c, pf); break;
             default: mxfp4x_amx_gemv_block1(b, gb, G, sf, xf + t0, c, pf); break;
             }
-            for (t = 0; t < nt; t++) {
-                float *o = out + (t0 + t) * out_stride + (r - row_start);
-                if (exact || unsafe[t0 + t]) {
-                    for (m = 0; m < mr; m++)
-                        o[m] = mxfp4x_amx_exact_dot(w, r + m, xt, n_tok, t0 + t);
-                } else {
-                    _mm512_mask_storeu_ps(o, (__mmask16)((1u << mr) - 1), c[t]);
-                }
-            }
+            for (t = 0; t < nt; t++) /* what leaves the unit is written again below */
+                _mm512_mask_storeu_ps(out + (t0 + t) * out_stride + (r - row_start),
+                                      (__mmask16)((1u << mr) - 1), c[t]);
         }
     }
 }
@@ -496,15 +578,20 @@ static int64_t mxfp4x_amx_panel_elems(int64_t n_groups) {
 }
 
 /* Scratch (bytes) of mxfp4x_amx_bf16_rows: the panel and the 4 C tiles, or the gemv's. */
-static int64_t mxfp4x_amx_scratch_bytes(int64_t n_groups) {
+static int64_t mxfp4x_amx_work_bytes(int64_t n_groups) {
     const int64_t tiles = mxfp4x_amx_panel_elems(n_groups) * 2 + 4 * 256 * 4;
     const int64_t gemv = mxfp4x_amx_gemv_floats(n_groups) * 4;
-    return (tiles > gemv ? tiles : gemv) + 64;
+    return ((tiles > gemv ? tiles : gemv) + 63) / 64 * 64;
+}
+/* ... and after them one token's chunks for the pass off the tiles (d_in words). */
+static int64_t mxfp4x_amx_scratch_bytes(int64_t n_groups) {
+    return mxfp4x_amx_work_bytes(n_groups) + n_groups * MXFP4X_GROUP * 2 + 64;
 }
 
 /* out[t * out_stride + r - row_start] = W[r] . x_t for r in [row_start, row_end), t <
  * n_tok: x_t's pairs in the B blocks from xt (block b at xt + 16 b d_in elements),
- * unsafe[t] nonzero for a token on the exact path.  row_start a multiple of 16 apart
+ * unsafe[t] nonzero for a token off the unit (the gather's flags).  row_start a multiple
+ * of 16 apart
  * from the rows' own origin (the driver's tiles are), so the 16-row blocks, hence each
  * row's path, do not depend on the split.  `scratch`: mxfp4x_amx_scratch_bytes(G) bytes
  * at any alignment.
@@ -521,14 +608,15 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
      * twice the time (the driver's scratch is carved at no particular alignment) */
     uint16_t *panel = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *c = (float *)(panel + mxfp4x_amx_panel_elems(G));
+    uint16_t *chunk = (uint16_t *)((char *)panel + mxfp4x_amx_work_bytes(G));
     const uint16_t *xb[4], *a[4];
     int64_t strides[4], nb[4], tb[4], r, r0, t0;
-    int exact[MXFP4X_AMX_ROW_BLOCKS], mrs[MXFP4X_AMX_ROW_BLOCKS];
+    int mrs[MXFP4X_AMX_ROW_BLOCKS];
     int n_rb, rb, i, j, nrb, ntb, rstep, tstep, m, n;
     const int n_tb = (int)((n_tok + MXFP4X_AMX_TOKENS - 1) / MXFP4X_AMX_TOKENS);
     if (n_tok <= MXFP4X_AMX_GEMV_MAX_TOKENS) { /* the same bits without the tiles */
-        mxfp4x_amx_gemv(w, row_start, row_end, xt, unsafe, n_tok, out, out_stride,
-                        (float *)panel);
+        mxfp4x_amx_gemv(w, row_start, row_end, xt, n_tok, out, out_stride, (float *)panel);
+        mxfp4x_amx_off_pass(w, row_start, row_end, xt, unsafe, n_tok, out, out_stride, chunk);
         return;
     }
     /* the shape of the C tiles: row blocks x token blocks */
@@ -539,7 +627,6 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
         n_rb = 0;
         for (r = r0; r < row_end && n_rb < MXFP4X_AMX_ROW_BLOCKS; r += MXFP4X_AMX_ROWS) {
             mrs[n_rb] = row_end - r < MXFP4X_AMX_ROWS ? (int)(row_end - r) : MXFP4X_AMX_ROWS;
-            exact[n_rb] = mxfp4x_amx_rows_unsafe(w, r, mrs[n_rb]);
             n_rb++;
         }
         for (i = 0; i < n_rb; i++)
@@ -563,14 +650,9 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
                     const float *ci;
                     for (j = 0; j < ntb; j++) {
                         ci = c + (i * ntb + j) * 256;
-                        for (n = 0; n < nb[j]; n++) {
+                        for (n = 0; n < nb[j]; n++) { /* what leaves the unit: below */
                             float *o = out + (tb[j] + n) * out_stride + (rr - row_start);
-                            if (exact[rb + i] || unsafe[tb[j] + n]) {
-                                for (m = 0; m < mrs[rb + i]; m++)
-                                    o[m] = mxfp4x_amx_exact_dot(w, rr + m, xb[j], nb[j], n);
-                            } else {
-                                for (m = 0; m < mrs[rb + i]; m++) o[m] = ci[m * 16 + n];
-                            }
+                            for (m = 0; m < mrs[rb + i]; m++) o[m] = ci[m * 16 + n];
                         }
                     }
                 }
@@ -578,16 +660,17 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
         }
     }
     _tile_release();
+    mxfp4x_amx_off_pass(w, row_start, row_end, xt, unsafe, n_tok, out, out_stride, chunk);
 }
 
 /* Gather the latents of n pairs (token rows src[0..n) of x, natural order, bf16 bits,
  * row stride x_stride elements) into B blocks at dst (n * d_in elements), in the element
- * order of arrangement `nibbles`; unsafe[i] = whether token i needs the exact path (a
- * nonzero finite latent under 2^-60 in magnitude: |bits| in 1 .. 0x217F, bf16 exponent
- * field under 67, subnormals included; or one of at least 2^64, infinities and NaNs
- * included: exponent field 191 or more).  Per token and group: one 64-byte load, the
- * check, (GGUF halves: one vpermw into pairs) and a scatter of its 16 pairs at stride
- * nb dwords. */
+ * order of arrangement `nibbles`; unsafe[i] = what token i needs instead of the unit
+ * (MXFP4X_BF16_SMALL: a nonzero finite latent under 2^-60 in magnitude, |bits| in 1 ..
+ * 0x217F, bf16 exponent field under 67, subnormals included; MXFP4X_BF16_LARGE: one of at
+ * least 2^64, infinities and NaNs included, exponent field 191 or more; 0: neither).
+ * Per token and group: one 64-byte load, the check, (GGUF halves: one vpermw into pairs)
+ * and a scatter of its 16 pairs at stride nb dwords. */
 MXFP4X_AMX_FN void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const int64_t *src,
                                      int64_t n, int64_t n_groups, int nibbles, uint16_t *dst,
                                      uint8_t *unsafe) {
@@ -605,14 +688,16 @@ MXFP4X_AMX_FN void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const 
         uint16_t *blk = dst + tb * d_in;
         for (i = 0; i < nb; i++) {
             const uint16_t *row = x + src[tb + i] * x_stride;
-            __mmask32 bad = 0;
+            __mmask32 small = 0, large = 0;
             for (g = 0; g < n_groups; g++) {
                 __m512i v = _mm512_loadu_si512((const void *)(row + g * MXFP4X_GROUP));
-                bad |= mxfp4x_bf16_latents_unsafe(v);
+                small |= mxfp4x_bf16_latents_small(v);
+                large |= mxfp4x_bf16_latents_large(v);
                 if (nibbles == MXFP4X_NIBBLES_HALVES) v = _mm512_permutexvar_epi16(halves, v);
                 _mm512_i32scatter_epi32((void *)(blk + 2 * (g * 16 * nb + i)), vidx, v, 4);
             }
-            unsafe[tb + i] = bad != 0;
+            unsafe[tb + i] =
+                (uint8_t)((small ? MXFP4X_BF16_SMALL : 0) | (large ? MXFP4X_BF16_LARGE : 0));
         }
     }
 }

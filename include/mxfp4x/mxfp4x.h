@@ -200,11 +200,10 @@ MXFP4X_ALIGN64 static const uint16_t mxfp4x_e2m1_scaled_bf16[256][16] =
 #define MXFP4X_AMX_MAX_SCALE 160
 #define MXFP4X_AMX_MAX_LATENT_EXP 191
 /* What a row or a token outside them needs instead of the unit (0: the unit takes it;
- * bf16_unit.h's tests).  amx.h takes any nonzero value to its float64 exact path;
- * avx512bf16.h tells the two kinds apart: a value the unit could flush
- * (MXFP4X_BF16_SMALL) takes the unit's own arithmetic in float32 FMAs, which keep
- * subnormals; one that could overflow a float32 product or sum (MXFP4X_BF16_LARGE, with
- * or without SMALL) the float64 exact path. */
+ * bf16_unit.h's tests): a value the unit could flush (MXFP4X_BF16_SMALL) takes
+ * vdpbf16ps's arithmetic in float32 FMAs, which keep subnormals (avx512bf16.h; amx.h
+ * too); one that could overflow a float32 product or sum (MXFP4X_BF16_LARGE, with or
+ * without SMALL) a float64 exact path. */
 #define MXFP4X_BF16_SMALL 1
 #define MXFP4X_BF16_LARGE 2
 

@@ -6,14 +6,13 @@ tokens per expert a register gemv that replays the tiles, bit for bit; avx512bf1
 (32 on an AMD Zen 4 or 5) a fused gemv, then a decoded panel, the same instructions on the
 same operands); a token with a nonzero latent under 2^-60 or one of 2^64 or more, and rows
 with a nonzero code under a scale byte < 69 or any scale byte >= 160 (amx: their block of
-16), leave the unit: on amx for the float64 exact path; on avx512bf16 small values for the
-unit's arithmetic in float32 FMAs (no flush), values that could overflow for the float64
-exact path.  Checked against the float64 reference within the documented bound, bit for
-bit across batches (amx: the gemv gives way to the tiles above 4 tokens, whose shapes
-change at 16, 32 and 48; avx512bf16: fused blocks of 4 tokens, the panel above its switch
-in blocks of 6), in float32 before the result's rounding, across threads and token
-positions, on both arrangements.  Each ISA skipped where the CPU (or the OS) cannot run
-it."""
+16), leave the unit: small values for vdpbf16ps's arithmetic in float32 FMAs (no flush;
+amx too), values that could overflow for the float64 exact path.  Checked against the
+float64 reference within the documented bound, bit for bit across batches (amx: the gemv
+gives way to the tiles above 4 tokens, whose shapes change at 16, 32 and 48; avx512bf16:
+fused blocks of 4 tokens, the panel above its switch in blocks of 6), in float32 before
+the result's rounding, across threads and token positions, on both arrangements.  Each
+ISA skipped where the CPU (or the OS) cannot run it."""
 import re
 
 import numpy as np
@@ -123,7 +122,7 @@ def test_bit_identical_across_batches_threads_and_positions(unit, rng):
 
 def test_exact_path_for_tiny_latents_and_small_scales(unit, rng):
     """Tokens with bf16 subnormals or latents under 2^-60, rows whose scale bytes are 0, 1,
-    68 leave the unit (amx: float64; avx512bf16: float32 FMAs; 255: NaN on either path):
+    68 leave the unit (float32 FMAs, subnormals kept; 255: NaN on either path):
     within the bound, nothing flushed, and the same bits alone as in a batch."""
     args = random_layer(rng, 40, 3, 4, 50, 4, dtype=torch.bfloat16)
     x, packed, scales, sel, mix, shared = args
