@@ -696,8 +696,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const 
                 if (nibbles == MXFP4X_NIBBLES_HALVES) v = _mm512_permutexvar_epi16(halves, v);
                 _mm512_i32scatter_epi32((void *)(blk + 2 * (g * 16 * nb + i)), vidx, v, 4);
             }
-            unsafe[tb + i] =
-                (uint8_t)((small ? MXFP4X_BF16_SMALL : 0) | (large ? MXFP4X_BF16_LARGE : 0));
+            unsafe[tb + i] = mxfp4x_bf16_token_flags(small, large);
         }
     }
 }

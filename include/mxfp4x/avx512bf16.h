@@ -675,7 +675,7 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
     const int64_t n_slices = kc_max > 0 && G > kc_max ? (G + kc_max - 1) / kc_max : 1;
     const int64_t kc = G > 0 ? (G + n_slices - 1) / n_slices : 1;
     int64_t r0, r1, r, t, i, c0, c1, run_end, pf_per_call = 0;
-    int nt, mr, any_unsafe = 0;
+    int nt, mr, row_next, any_unsafe = 0;
     mxfp4x_bf16dp_pf pf = {NULL, NULL, NULL, NULL};
     for (t = 0; t < n_tok; t++) any_unsafe |= unsafe[t];
     for (r0 = row_start; r0 < row_end; r0 = r1) {
@@ -743,10 +743,11 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_rows(const mxfp4x_rows *w, int64_t row_start
         if (!any_unsafe && mxfp4x_bf16_rows_safe(w, r0, r1)) continue;
         mxfp4x_bf16dp_off_tokens(w, r0, r1, row_start, xt, unsafe, n_tok, 0, out, out_stride);
         if (mxfp4x_bf16_rows_safe(w, r0, r1)) continue;
-        for (r = r0; r < r1;) { /* runs of rows with the same flags, 4 rows at a time */
-            const int row_bad = mxfp4x_bf16_row_unsafe(w, r);
+        /* runs of rows with the same flags, 4 rows at a time; each row scanned once */
+        for (r = r0, row_next = mxfp4x_bf16_row_unsafe(w, r0); r < r1;) {
+            const int row_bad = row_next;
             int64_t re = r + 1;
-            while (re < r1 && mxfp4x_bf16_row_unsafe(w, re) == row_bad) re++;
+            while (re < r1 && (row_next = mxfp4x_bf16_row_unsafe(w, re)) == row_bad) re++;
             if (row_bad)
                 mxfp4x_bf16dp_off_tokens(w, r, re, row_start, xt, unsafe, n_tok, row_bad, out,
                                          out_stride);
@@ -801,7 +802,7 @@ MXFP4X_BF16DP_FN void mxfp4x_bf16dp_gather(const uint16_t *x, int64_t x_stride,
             if (nibbles == MXFP4X_NIBBLES_HALVES) v = _mm512_permutexvar_epi16(halves, v);
             _mm512_storeu_si512((void *)(d + g * MXFP4X_GROUP), v);
         }
-        unsafe[i] = (uint8_t)((small ? MXFP4X_BF16_SMALL : 0) | (large ? MXFP4X_BF16_LARGE : 0));
+        unsafe[i] = mxfp4x_bf16_token_flags(small, large);
     }
 }
 

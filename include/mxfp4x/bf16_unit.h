@@ -106,9 +106,9 @@ MXFP4X_BF16_UNIT_INLINE __mmask32 mxfp4x_bf16_latents_large(__m512i v) {
     return _mm512_cmpgt_epu16_mask(a, huge);
 }
 
-/* Either: the lanes that send a token off the unit. */
-MXFP4X_BF16_UNIT_INLINE __mmask32 mxfp4x_bf16_latents_unsafe(__m512i v) {
-    return mxfp4x_bf16_latents_small(v) | mxfp4x_bf16_latents_large(v);
+/* A token's flags (mxfp4x.h) from the lanes of its latents found small and large. */
+static inline uint8_t mxfp4x_bf16_token_flags(__mmask32 small, __mmask32 large) {
+    return (uint8_t)((small ? MXFP4X_BF16_SMALL : 0) | (large ? MXFP4X_BF16_LARGE : 0));
 }
 
 #endif /* MXFP4X_HAVE_AMX || MXFP4X_HAVE_AVX512BF16 */
