@@ -4,9 +4,10 @@ bit of these results as it was; a kernel change that moves bits on purpose recor
 digests (``MXFP4X_RECORD_DIGESTS=1 pytest tests/determinism/test_digests.py -s`` prints them).
 
 The inputs are made here with numpy's PCG64 (fixed seeds), not by package helpers, so that
-moving or changing a helper cannot move the inputs.  The float64 path runs the same scalar
-kernels under every ISA, so its digests are one value for all ISAs.  ISAs without recorded
-digests (none recorded on hosts that cannot run them) are skipped with the reason.
+moving or changing a helper cannot move the inputs.  The float64 path gives the same bits
+under every ISA (its vector kernels do the scalar ones' arithmetic), so its digests are one
+value for all ISAs.  ISAs without recorded digests (none recorded on hosts that cannot run
+them) are skipped with the reason.
 """
 import hashlib
 import os
@@ -50,6 +51,9 @@ def _cases():
     grad = torch.from_numpy(rng.standard_normal((40, 70))).float()
     cases["transposed-float32"] = lambda isa: torch.ops.mxfp4x.mxfp4_experts_grad_latents(
         grad, a[1], a[2], a[3], a[4], a[0], isa=isa)
+    a64 = (a[0].double(), a[1], a[2], a[3], a[4].double())
+    cases["transposed-float64"] = lambda isa, a=a64: (
+        torch.ops.mxfp4x.mxfp4_experts_grad_latents(grad.double(), *a[1:], a[0], isa=isa))
     listed = (a[0], list(a[1].unbind(0)), list(a[2].unbind(0)), *a[3:])
     cases["list-form-float32"] = lambda isa: mxfp4x.mxfp4_experts(*listed, isa=isa)
     for n_tokens in (1, 300):  # GGUF blocks: the gemv and the panels
@@ -61,6 +65,10 @@ def _cases():
         x16 = x.bfloat16()
         cases[f"gguf-bfloat16-T{n_tokens}"] = (
             lambda isa, a=(x16, blocks, None, *rest): mxfp4x.mxfp4_experts(*a, isa=isa))
+        g64 = (x.double(), blocks, None,
+               *(v.double() if v.is_floating_point() else v for v in rest))
+        cases[f"gguf-float64-T{n_tokens}"] = (
+            lambda isa, a=g64: mxfp4x.mxfp4_experts(*a, isa=isa))
     return cases
 
 
@@ -71,6 +79,9 @@ EXPECTED = {
     ('any', 'forward-float64-T1'): 'fe03a3a9c61c33fb',
     ('any', 'forward-float64-T300'): '7f30772cc067c7df',
     ('any', 'forward-float64-T5'): '4a8393326eb888b9',
+    ('any', 'gguf-float64-T1'): 'fb41c82ae7641c1d',
+    ('any', 'gguf-float64-T300'): '0dc2581cb9ed10ad',
+    ('any', 'transposed-float64'): 'dada09f7b2d612bd',
     ('avx2', 'forward-bfloat16-T1'): 'f7ec011c493021ce',
     ('avx2', 'forward-bfloat16-T300'): '58b3d7c8842f8adf',
     ('avx2', 'forward-bfloat16-T5'): '7b8a286b5c0dcc32',
