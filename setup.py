@@ -189,7 +189,7 @@ def _extensions():
 
     here = os.path.dirname(os.path.abspath(__file__))
     headers = [os.path.join("include", "mxfp4x", n) for n in
-               ("mxfp4x.h", "config.h", "cpu.h", "scalar.h", "avx2.h", "avx512.h",
+               ("mxfp4x.h", "config.h", "cpu.h", "scalar.h", "avx2.h", "avx512.h", "float64.h",
                 "emulate_avx512.h", "emulate_amx.h", "neon.h", "amx.h", "avx512bf16.h",
                 "bf16_unit.h", "threads.h", "dispatch.h")]
     exts = [Extension(f"mxfp4x.{name}", sources=[f"mxfp4x/{name}.pyx"],

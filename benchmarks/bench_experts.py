@@ -160,6 +160,32 @@ def test_list_form(benchmark, roofs, n_tokens, threads):
     _case(benchmark, roofs, shape, n_tokens, torch.float32, threads, "cpu", form="list")
 
 
+def _beside(benchmark, packed, scales, calls, baseline, threads):
+    """Times the calls (one per round, in turn) with a baseline call on the same experts in
+    each round's untimed setup, so the two alternate; returns the medians (time, baseline),
+    or None where the benchmark was not timed."""
+    state = {"i": 0}
+    baseline_times: list = []
+
+    def baseline_call():  # pedantic's setup, untimed
+        b = baseline[state["i"] % len(baseline)]
+        t0 = time.perf_counter()
+        mxfp4x.mxfp4_experts(b[0], packed, scales, *b[1:], num_threads=threads)
+        baseline_times.append(time.perf_counter() - t0)
+
+    def run():
+        c = calls[state["i"] % len(calls)]
+        state["i"] += 1
+        return mxfp4x.mxfp4_experts(c[0], packed, scales, *c[1:], num_threads=threads)
+
+    benchmark.pedantic(run, setup=baseline_call, rounds=1 if SMALL else 12, iterations=1,
+                       warmup_rounds=1)
+    if benchmark.stats is None:
+        return None
+    return (statistics.median(benchmark.stats.stats.data),
+            statistics.median(baseline_times[1:] or baseline_times))
+
+
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("n_tokens", [1, 64])
 def test_bf16_small_latents(benchmark, n_tokens, threads):
@@ -190,28 +216,44 @@ def test_bf16_small_latents(benchmark, n_tokens, threads):
                  shared_output=calls[0][3][:3])
     y = mxfp4x.mxfp4_experts(calls[0][0], packed, scales, *calls[0][1:], num_threads=threads)
     assert_matches_reference(y[:3, rows], layer, rows=rows)
-    state = {"i": 0}
-    unit_times: list = []
-
-    def unit_call():  # pedantic's setup, untimed: the unit's call on the same experts
-        p = plain[state["i"] % len(plain)]
-        t0 = time.perf_counter()
-        mxfp4x.mxfp4_experts(p[0], packed, scales, *p[1:], num_threads=threads)
-        unit_times.append(time.perf_counter() - t0)
-
-    def run():
-        c = calls[state["i"] % len(calls)]
-        state["i"] += 1
-        return mxfp4x.mxfp4_experts(c[0], packed, scales, *c[1:], num_threads=threads)
-
-    benchmark.pedantic(run, setup=unit_call, rounds=1 if SMALL else 12, iterations=1,
-                       warmup_rounds=1)
+    timed = _beside(benchmark, packed, scales, calls, plain, threads)
     info = benchmark.extra_info
     info.update(shape=shape, tokens=n_tokens, dtype="bfloat16", threads=threads,
                 isa=mxfp4x.backend_info()["isa"])
-    if benchmark.stats is None:
+    if timed is None:
         return
-    t = statistics.median(benchmark.stats.stats.data)
-    unit = statistics.median(unit_times[1:] or unit_times)
+    t, unit = timed
     info.update(time_s=t, unit_s=unit, vs_unit=t / unit, target="<= 2.2 x unit",
                 met=t / unit <= 2.2)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("n_tokens", [1, 64])
+def test_float64_latents(benchmark, n_tokens, threads):
+    """float64 latents (numpy's default dtype) on gpt-oss-20b gate/up: float64 products and
+    sums, the same bits on every ISA.  ``extra_info``: ``time_s`` beside ``float32_s``, the
+    same tokens as float32, timed interleaved with them; the target: ``vs_float32`` <= 5
+    (a float64 lane holds half a float32 one, its multiply and add are not fused, and its
+    decoded panel is twice the bytes: 4x is what the arithmetic alone gives)."""
+    shape = "gpt-oss-20b-gate-up"
+    benchmark.group = f"{shape} T={n_tokens} float64"
+    packed, scales, n_experts, top_k, d_out, d_in = experts(shape)
+    calls = [_bench.make_tokens(n_tokens, top_k, n_experts, d_in, d_out, torch.float64,
+                                call=i) for i in range(4)]
+    singles = [tuple(v.float() if v.is_floating_point() else v for v in c) for c in calls]
+    rows = slice(0, min(d_out, 64))
+    layer = dict(latent_tokens=calls[0][0][:3], packed_weights=packed, scale_bytes=scales,
+                 selected_experts=calls[0][1][:3], mixture_weights=calls[0][2][:3],
+                 shared_output=calls[0][3][:3])
+    y = mxfp4x.mxfp4_experts(calls[0][0], packed, scales, *calls[0][1:], num_threads=threads)
+    assert y.dtype == torch.float64
+    assert_matches_reference(y[:3, rows], layer, rows=rows)
+    timed = _beside(benchmark, packed, scales, calls, singles, threads)
+    info = benchmark.extra_info
+    info.update(shape=shape, tokens=n_tokens, dtype="float64", threads=threads,
+                isa=mxfp4x.backend_info()["isa"])
+    if timed is None:
+        return
+    t, single = timed
+    info.update(time_s=t, float32_s=single, vs_float32=t / single, target="<= 5 x float32",
+                met=t / single <= 5)

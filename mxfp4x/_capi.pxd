@@ -70,6 +70,16 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     ctypedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows,
                                              int64_t width, const float *coef,
                                              float *dst) noexcept nogil
+    ctypedef void (*mxfp4x_decode_f64_fn)(const mxfp4x_rows *w, int64_t row_start,
+                                          int64_t row_end, double *panel) noexcept nogil
+    ctypedef void (*mxfp4x_panel_dot_f64_fn)(const double *panel, int64_t n_rows,
+                                             int64_t n_groups, const double *x,
+                                             int64_t x_stride, const int64_t *x_rows,
+                                             int64_t n_tok, double *out,
+                                             int64_t out_stride) noexcept nogil
+    ctypedef void (*mxfp4x_axpy_rows_f64_fn)(const double *panel, int64_t n_rows,
+                                             int64_t width, const double *coef,
+                                             double *dst) noexcept nogil
     ctypedef void (*mxfp4x_bf16_gather_fn)(const uint16_t *x, int64_t x_stride,
                                            const int64_t *src, int64_t n, int64_t n_groups,
                                            int nibbles, uint16_t *dst,
@@ -94,6 +104,9 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         mxfp4x_panel_dot_f32_fn panel_dot_f32
         mxfp4x_scratch_fn panel_scratch_floats
         mxfp4x_axpy_rows_f32_fn axpy_rows_f32
+        mxfp4x_decode_f64_fn decode_f64
+        mxfp4x_panel_dot_f64_fn panel_dot_f64
+        mxfp4x_axpy_rows_f64_fn axpy_rows_f64
         mxfp4x_fma_loop_fn fma_loop
         mxfp4x_dense_bf16_fn dense_bf16
         mxfp4x_dense_bf16x_fn dense_bf16x

@@ -1006,9 +1006,9 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
                     k.panel_dot_f32(panel, c1 - c0, n_groups, <const float *>w.x, d_in, srcs,
                                     n, dots, c1 - c0, lanes)
                 else:
-                    c.mxfp4x_decode_f64(&rows, c0, c1, panel)
-                    c.mxfp4x_panel_dot_f64(panel, c1 - c0, n_groups, <const double *>w.x,
-                                           d_in, srcs, n, dots, c1 - c0)
+                    k.decode_f64(&rows, c0, c1, panel)
+                    k.panel_dot_f64(panel, c1 - c0, n_groups, <const double *>w.x, d_in, srcs,
+                                    n, dots, c1 - c0)
                 started = started or _start_sums(dummy, w, row_start, width, sums +
                                                  (row_start - col0), stride)
                 _combine(sums, stride, c0 - col0, dsts, ws, n, dots, c1 - c0, assign)
@@ -1077,7 +1077,7 @@ cdef void _transposed_task(real dummy, const Work *w, int64_t task,
             if real is float:
                 call.kernels.decode_f32(&rows, o0, o1, panel)
             else:
-                c.mxfp4x_decode_f64(&rows, o0, o1, panel)
+                call.kernels.decode_f64(&rows, o0, o1, panel)
             for i in range(n):
                 dst = (<real *>w.out) + w.r.pair_dst[s + i] * d_in + g0 * c.MXFP4X_GROUP
                 wt = (<const real *>w.r.pair_w)[s + i]
@@ -1092,7 +1092,7 @@ cdef void _transposed_task(real dummy, const Work *w, int64_t task,
                 if real is float:
                     call.kernels.axpy_rows_f32(panel, o1 - o0, width, coefs, dst)
                 else:
-                    c.mxfp4x_axpy_rows_f64(panel, o1 - o0, width, coefs, dst)
+                    call.kernels.axpy_rows_f64(panel, o1 - o0, width, coefs, dst)
             o0 = o1
 
 

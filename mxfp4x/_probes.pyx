@@ -191,7 +191,7 @@ def built_with():
 
 def decode_rows(packed, scales, *, isa=None, str compute="float32"):
     """(n_rows, n_groups, 16) uint8 bytes and (n_rows, n_groups) scale bytes -> the
-    (n_rows, 32 n_groups) weights, decoded by the ISA's own decode kernel (the float64
+    (n_rows, 32 n_groups) weights, decoded by the ISA's own decode kernel (its float64
     path's for compute="float64"), in natural element order.  ``scales`` None: ``packed``
     is (n_rows, n_groups, 17) GGUF block_mxfp4 blocks (the scale byte first)."""
     cdef const c.mxfp4x_kernels *k = driver.kernels_of(isa)
@@ -224,7 +224,7 @@ def decode_rows(packed, scales, *, isa=None, str compute="float32"):
     p, o = panel.ctypes.data, out.ctypes.data
     with nogil:
         if f64:
-            c.mxfp4x_decode_f64(&rows, 0, n_rows, <double *>p)
+            k.decode_f64(&rows, 0, n_rows, <double *>p)
             for r in range(n_rows):
                 c.mxfp4x_natural_f64(<double *>p + r * d_in, n_groups, half, rows.nibbles,
                                      <double *>o + r * d_in)

@@ -33,6 +33,11 @@
 
 #define MXFP4X_AVX2_FN static MXFP4X_TARGET_AVX2
 #define MXFP4X_AVX2_INLINE static inline MXFP4X_TARGET_AVX2 MXFP4X_ALWAYS_INLINE
+#if MXFP4X_GNUC
+#define MXFP4X_AVX2_NOINLINE static MXFP4X_TARGET_AVX2 __attribute__((noinline))
+#else
+#define MXFP4X_AVX2_NOINLINE MXFP4X_AVX2_FN
+#endif
 
 typedef struct {
     __m256i low_nibble;
@@ -350,6 +355,13 @@ MXFP4X_AVX2_FN void mxfp4x_axpy_rows_f32_avx2(const float *panel, int64_t n_rows
         dst[j] = _mm_cvtss_f32(a);
     }
 }
+
+/* The float64 path's panel_dot and axpy_rows (float64.h), as mxfp4x_*_f64_avx2. */
+#define MXFP4X_F64_NAME(name) name##_avx2
+#define MXFP4X_F64_FN MXFP4X_AVX2_FN
+#define MXFP4X_F64_INLINE MXFP4X_AVX2_INLINE
+#define MXFP4X_F64_NOINLINE MXFP4X_AVX2_NOINLINE
+#include "float64.h"
 
 /* Roofline: 10 independent vfmadd231ps chains (hides the 4-5 cycle latency on two ports). */
 MXFP4X_AVX2_FN float mxfp4x_fma_loop_avx2(int64_t iters, float seed, int64_t *flops) {

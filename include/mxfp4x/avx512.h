@@ -420,6 +420,49 @@ MXFP4X_AVX512_FN void mxfp4x_panel_dot_f32_avx512(const float *panel, int64_t n_
 
 /* dst[j] += sum_r coef[r] * panel[r][j]: 128 columns in 8 accumulators; tails of
  * 16 then 1 column (scalar FMAs). */
+/* The float64 path's decode (scalar.h states it; the same bits): per group the 16 E2M1
+ * values times the scale in two zmm of doubles, then vpermt2pd on the zero-extended bytes
+ * (it reads index bits 3..0: bit 3 picks the negative half) for the low nibbles and, shifted
+ * by 4, the high ones.  The negative half is the positive one with its sign bits flipped,
+ * as GCC compiles (-v) * sc anyway: the same bits, but for a NaN scale (byte 255), where
+ * scalar.h's product is the scale's own NaN for every code, so there both halves are it.
+ * On an AMD EPYC Zen 4, with float64.h's panel_dot, gpt-oss-20b gate/up at one token took
+ * 6.2 ms on two threads where scalar.h's decode with it took 16.2 and scalar.h alone 18.9. */
+MXFP4X_AVX512_FN void mxfp4x_decode_f64_avx512(const mxfp4x_rows *w, int64_t row_start,
+                                               int64_t row_end, double *panel) {
+    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
+    const __m512d pos = _mm512_set_pd(6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.0);
+    const __m512i sign = _mm512_set1_epi64((int64_t)0x8000000000000000ull);
+    int64_t r, g;
+    for (r = row_start; r < row_end; r++) {
+        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
+        const uint8_t *s = w->scales + r * w->row_stride_scales;
+        double *p = panel + (r - row_start) * d_in;
+        for (g = 0; g < w->n_groups; g++) {
+            const uint8_t *bg = b + g * gb;
+            const uint8_t sb = s[g * gs];
+            const __m512d tp = _mm512_mul_pd(pos, _mm512_set1_pd(mxfp4x_e8m0_f64(sb)));
+            const __m512d tn = sb == MXFP4X_E8M0_NAN ? tp
+                : _mm512_castsi512_pd(_mm512_xor_si512(_mm512_castpd_si512(tp), sign));
+            const __m512i i0 = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)bg));
+            const __m512i i1 = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(bg + 8)));
+            double *pg = p + g * MXFP4X_GROUP;
+            _mm512_storeu_pd(pg, _mm512_permutex2var_pd(tp, i0, tn));
+            _mm512_storeu_pd(pg + 8, _mm512_permutex2var_pd(tp, i1, tn));
+            _mm512_storeu_pd(pg + 16, _mm512_permutex2var_pd(tp, _mm512_srli_epi64(i0, 4), tn));
+            _mm512_storeu_pd(pg + 24, _mm512_permutex2var_pd(tp, _mm512_srli_epi64(i1, 4), tn));
+        }
+    }
+}
+
+/* The float64 path's panel_dot and axpy_rows (float64.h), as mxfp4x_*_f64_avx512. */
+#define MXFP4X_F64_NAME(name) name##_avx512
+#define MXFP4X_F64_FN MXFP4X_AVX512_FN
+#define MXFP4X_F64_INLINE MXFP4X_AVX512_INLINE_ALWAYS
+#define MXFP4X_F64_NOINLINE MXFP4X_AVX512_NOINLINE
+#include "float64.h"
+
 MXFP4X_AVX512_FN void mxfp4x_axpy_rows_f32_avx512(const float *panel, int64_t n_rows,
                                                   int64_t width, const float *coef,
                                                   float *dst) {

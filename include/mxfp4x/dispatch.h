@@ -25,6 +25,8 @@
     .decode_f32 = mxfp4x_decode_f32_avx512, .panel_dot_f32 = mxfp4x_panel_dot_f32_avx512,  \
     .panel_scratch_floats = mxfp4x_panel_scratch_f32_avx512,                               \
     .axpy_rows_f32 = mxfp4x_axpy_rows_f32_avx512, .fma_loop = mxfp4x_fma_loop_avx512,      \
+    .decode_f64 = mxfp4x_decode_f64_avx512, .panel_dot_f64 = mxfp4x_panel_dot_f64_avx512,  \
+    .axpy_rows_f64 = mxfp4x_axpy_rows_f64_avx512,                                          \
     .dense_bf16 = mxfp4x_dense_bf16_avx512, .dense_bf16x = mxfp4x_dense_bf16x_avx512
 
 /* Fields by name (mxfp4x.h says what each means): a reordered struct cannot shift a value
@@ -75,6 +77,9 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .panel_dot_f32 = mxfp4x_panel_dot_f32_avx2,
      .panel_scratch_floats = mxfp4x_panel_scratch_f32_avx2,
      .axpy_rows_f32 = mxfp4x_axpy_rows_f32_avx2,
+     .decode_f64 = mxfp4x_decode_f64,
+     .panel_dot_f64 = mxfp4x_panel_dot_f64_avx2,
+     .axpy_rows_f64 = mxfp4x_axpy_rows_f64_avx2,
      .fma_loop = mxfp4x_fma_loop_avx2,
      .dense_bf16 = mxfp4x_dense_bf16_avx2},
 #endif
@@ -91,6 +96,9 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .panel_dot_f32 = mxfp4x_panel_dot_f32_neon,
      .panel_scratch_floats = mxfp4x_panel_scratch_f32_neon,
      .axpy_rows_f32 = mxfp4x_axpy_rows_f32_neon,
+     .decode_f64 = mxfp4x_decode_f64,
+     .panel_dot_f64 = mxfp4x_panel_dot_f64,
+     .axpy_rows_f64 = mxfp4x_axpy_rows_f64,
      .fma_loop = mxfp4x_fma_loop_neon,
      .dense_bf16 = mxfp4x_dense_bf16_neon},
 #endif
@@ -106,6 +114,9 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .panel_dot_f32 = mxfp4x_panel_dot_f32_scalar,
      .panel_scratch_floats = mxfp4x_panel_scratch_f32_scalar,
      .axpy_rows_f32 = mxfp4x_axpy_rows_f32_scalar,
+     .decode_f64 = mxfp4x_decode_f64,
+     .panel_dot_f64 = mxfp4x_panel_dot_f64,
+     .axpy_rows_f64 = mxfp4x_axpy_rows_f64,
      .fma_loop = mxfp4x_fma_loop_scalar,
      .dense_bf16 = mxfp4x_dense_bf16_scalar},
 };

@@ -20,6 +20,7 @@
  * intrinsic or is not bit-exact for it:
  *
  *   _mm512_cvtepu8_epi32       missing in SIMDe 0.7.4 (vpmovzxbd, 16 bytes -> 16 x u32).
+ *   _mm512_cvtepu8_epi64       missing too (vpmovzxbq, the low 8 bytes -> 8 x u64).
  *   _mm_fmadd_ss, _mm_fmadd_ps, _mm256_fmadd_ps, _mm512_fmadd_ps, and the fmsub,
  *   fnmadd, fnmsub forms of each
  *                              without native FMA, SIMDe computes a*b+c as a multiply
@@ -76,6 +77,18 @@ MXFP4X_EMU simde__m512i mxfp4x_emu_mm512_cvtepu8_epi32(simde__m128i a) {
 }
 #undef _mm512_cvtepu8_epi32
 #define _mm512_cvtepu8_epi32(a) mxfp4x_emu_mm512_cvtepu8_epi32(a)
+
+/* vpmovzxbq: byte i (< 8) of `a` zero-extended into 64-bit lane i. */
+MXFP4X_EMU simde__m512i mxfp4x_emu_mm512_cvtepu8_epi64(simde__m128i a) {
+    uint8_t b[16];
+    int64_t r[8];
+    int i;
+    memcpy(b, &a, sizeof b);
+    for (i = 0; i < 8; i++) r[i] = (int64_t)b[i];
+    return simde_mm512_loadu_si512((const void *)r);
+}
+#undef _mm512_cvtepu8_epi64
+#define _mm512_cvtepu8_epi64(a) mxfp4x_emu_mm512_cvtepu8_epi64(a)
 
 /* vpermps zmm: lane i = a[idx[i] & 15] (the instruction ignores index bits 31..4). */
 MXFP4X_EMU simde__m512 mxfp4x_emu_mm512_permutexvar_ps(simde__m512i idx, simde__m512 a) {

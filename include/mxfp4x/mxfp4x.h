@@ -398,6 +398,18 @@ typedef float (*mxfp4x_fma_loop_fn)(int64_t iters, float seed, int64_t *flops);
 typedef void (*mxfp4x_axpy_rows_f32_fn)(const float *panel, int64_t n_rows, int64_t width,
                                         const float *coef, float *dst);
 
+/* The float64 path (float64 latents): decode, panel_dot and axpy_rows as above in binary64,
+ * with one arithmetic for every ISA (scalar.h states it), so the entries' forms differ in
+ * speed only and a float64 result's bits do not depend on the ISA. */
+typedef void (*mxfp4x_decode_f64_fn)(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                                     double *panel);
+typedef void (*mxfp4x_panel_dot_f64_fn)(const double *panel, int64_t n_rows, int64_t n_groups,
+                                        const double *x, int64_t x_stride,
+                                        const int64_t *x_rows, int64_t n_tok, double *out,
+                                        int64_t out_stride);
+typedef void (*mxfp4x_axpy_rows_f64_fn)(const double *panel, int64_t n_rows, int64_t width,
+                                        const double *coef, double *dst);
+
 /* Dense bfloat16 rows times float32 tokens (the dense projections around the experts,
  * which checkpoints ship in bf16): for r in [row_start, row_end), t < n_tok,
  *   out[t * out_stride + r - row_start] = sum_i W[r][i] * x[t * x_stride + i]
@@ -448,6 +460,9 @@ typedef struct {
     mxfp4x_panel_dot_f32_fn panel_dot_f32;
     mxfp4x_scratch_fn panel_scratch_floats; /* floats of panel_dot scratch for n_rows */
     mxfp4x_axpy_rows_f32_fn axpy_rows_f32;
+    mxfp4x_decode_f64_fn decode_f64;       /* the float64 path (same bits on every entry) */
+    mxfp4x_panel_dot_f64_fn panel_dot_f64;
+    mxfp4x_axpy_rows_f64_fn axpy_rows_f64;
     mxfp4x_fma_loop_fn fma_loop;          /* roofline only */
     mxfp4x_dense_bf16_fn dense_bf16;      /* dense bf16 rows x float32 tokens */
     mxfp4x_dense_bf16x_fn dense_bf16x;    /* ... x bf16 tokens (NULL: widen them to

@@ -34,6 +34,11 @@
  *                   bit for bit; avx512bf16: every token forced off the unit gives the
  *                   same bits (its float32 path replays the unit where nothing is
  *                   subnormal) (gguf_bf16: GGUF blocks); a failure names which
+ *   f64             the float64 path's decode_f64 (every byte x every scale byte, both
+ *                   arrangements), panel_dot_f64 (1..7 tokens through permuted rows, row
+ *                   counts off every block, padded strides, latents with 53-bit
+ *                   significands) and axpy_rows_f64 (widths off the vector body): the
+ *                   bits of scalar.h's kernels, which every entry must give
  *   gguf_*          decode, gemv, panel_dot and batch again on llama.cpp's GGUF blocks
  *                   (17 bytes per group, the scale byte first; byte j holds elements j
  *                   and j+16), read in place: gguf_decode, gguf_gemv, gguf_panel,
@@ -438,6 +443,120 @@ static void check_axpy(const mxfp4x_kernels *k) {
     }
     snprintf(detail, sizeof detail, "worst err/bound %.3g%s%s", worst, *why ? " " : "", why);
     report(k->name, "axpy_rows", &d, ok, detail);
+}
+
+/* ---- the float64 path: the entry's kernels against scalar.h's, bit for bit -------- */
+
+static double next_double(void) { /* in (-2, 2), a full 53-bit significand */
+    const int64_t m = (int64_t)(next_u64() >> 10) - ((int64_t)1 << 53);
+    return (double)m / (double)((int64_t)1 << 52);
+}
+
+static void digest_f64(digest *d, double v) {
+    uint64_t u;
+    memcpy(&u, &v, 8);
+    if (v != v) u = 0x7FF8000000000000ull;
+    digest_u32(d, (uint32_t)u);
+    digest_u32(d, (uint32_t)(u >> 32));
+}
+
+/* The first of n doubles whose bits differ, or -1. */
+static int64_t f64_mismatch(const double *a, const double *b, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i++)
+        if (memcmp(a + i, b + i, 8) != 0) return i;
+    return -1;
+}
+
+static void check_f64(const mxfp4x_kernels *k) {
+    digest d;
+    int ok = 1, nib, ci;
+    char why[200] = "";
+    digest_init(&d);
+    /* decode: rows of 16 groups, every byte value once per row (bytes b + 16 j), every
+     * scale byte, both arrangements */
+    for (nib = 0; nib < 2 && ok; nib++) {
+        const int64_t n_groups = 16, n_rows = 256, d_in = n_groups * MXFP4X_GROUP;
+        const int halves = nib == 1;
+        const int64_t gstride = halves ? MXFP4X_GGUF_BLOCK_BYTES : MXFP4X_GROUP_BYTES;
+        uint8_t *blocks = xcalloc(n_rows * n_groups * gstride, 1);
+        uint8_t *scales = xcalloc(n_rows * n_groups, 1);
+        double *got = xcalloc(n_rows * d_in, sizeof(double));
+        double *want = xcalloc(n_rows * d_in, sizeof(double));
+        mxfp4x_rows w;
+        int64_t r, g, j, bad;
+        for (r = 0; r < n_rows; r++)
+            for (g = 0; g < n_groups; g++) {
+                uint8_t *b = blocks + (r * n_groups + g) * gstride;
+                if (halves) *b++ = (uint8_t)r;
+                else scales[r * n_groups + g] = (uint8_t)r;
+                for (j = 0; j < 16; j++) b[j] = (uint8_t)(16 * j + g + r);
+            }
+        w = halves ? mxfp4x_rows_gguf(blocks, n_groups * gstride, n_groups)
+                   : mxfp4x_rows_split(blocks, scales, n_groups * gstride, n_groups, n_groups);
+        k->decode_f64(&w, 0, n_rows, got);
+        mxfp4x_decode_f64(&w, 0, n_rows, want);
+        for (j = 0; j < n_rows * d_in; j++) digest_f64(&d, got[j]);
+        bad = f64_mismatch(got, want, n_rows * d_in);
+        if (bad >= 0) {
+            ok = 0;
+            snprintf(why, sizeof why, "decode (%s) element %lld: %a, scalar.h %a",
+                     halves ? "halves" : "pairs", (long long)bad, got[bad], want[bad]);
+        }
+        free(blocks); free(scales); free(got); free(want);
+    }
+    /* panel_dot: panels of random doubles, tokens through permuted rows, padded strides */
+    for (ci = 0; ci < 24 && ok; ci++) {
+        const int64_t n_groups = 1 + ci % 5, n_rows = 1 + (ci * 7) % 21, n_tok = 1 + ci % 7;
+        const int64_t d_in = n_groups * MXFP4X_GROUP, x_stride = d_in + 3;
+        const int64_t n_x = n_tok + 2, out_stride = n_rows + 5;
+        double *panel = xcalloc(n_rows * d_in, sizeof(double));
+        double *x = xcalloc(n_x * x_stride, sizeof(double));
+        double *got = xcalloc(n_tok * out_stride, sizeof(double));
+        double *want = xcalloc(n_tok * out_stride, sizeof(double));
+        int64_t x_rows[8], i, bad;
+        seed(7000 + (uint64_t)ci);
+        for (i = 0; i < n_rows * d_in; i++) panel[i] = ldexp(next_double(), (int)(i % 7) - 3);
+        for (i = 0; i < n_x * x_stride; i++) x[i] = next_double();
+        for (i = 0; i < n_tok; i++) x_rows[i] = (i * 5 + ci) % n_x;
+        k->panel_dot_f64(panel, n_rows, n_groups, x, x_stride, x_rows, n_tok, got, out_stride);
+        mxfp4x_panel_dot_f64(panel, n_rows, n_groups, x, x_stride, x_rows, n_tok, want,
+                             out_stride);
+        for (i = 0; i < n_tok * out_stride; i++) digest_f64(&d, got[i]);
+        bad = f64_mismatch(got, want, n_tok * out_stride);
+        if (bad >= 0) {
+            ok = 0;
+            snprintf(why, sizeof why, "panel_dot case %d (%lld rows, %lld tokens) output "
+                     "%lld: %a, scalar.h %a", ci, (long long)n_rows, (long long)n_tok,
+                     (long long)bad, got[bad], want[bad]);
+        }
+        free(panel); free(x); free(got); free(want);
+    }
+    /* axpy_rows: widths off the 32-column body */
+    for (ci = 0; ci < 8 && ok; ci++) {
+        static const int64_t cases[][2] = {{1, 1},   {3, 5},   {32, 256}, {7, 87},
+                                           {17, 133}, {0, 10}, {9, 151},  {2, 64}};
+        const int64_t n_rows = cases[ci][0], width = cases[ci][1];
+        double *panel = xcalloc(n_rows * width, sizeof(double));
+        double *coef = xcalloc(n_rows, sizeof(double));
+        double *got = xcalloc(width, sizeof(double)), *want = xcalloc(width, sizeof(double));
+        int64_t i, bad;
+        seed(8000 + (uint64_t)ci);
+        for (i = 0; i < n_rows * width; i++) panel[i] = next_double();
+        for (i = 0; i < n_rows; i++) coef[i] = next_double();
+        for (i = 0; i < width; i++) got[i] = want[i] = next_double();
+        k->axpy_rows_f64(panel, n_rows, width, coef, got);
+        mxfp4x_axpy_rows_f64(panel, n_rows, width, coef, want);
+        for (i = 0; i < width; i++) digest_f64(&d, got[i]);
+        bad = f64_mismatch(got, want, width);
+        if (bad >= 0) {
+            ok = 0;
+            snprintf(why, sizeof why, "axpy_rows case %d column %lld: %a, scalar.h %a", ci,
+                     (long long)bad, got[bad], want[bad]);
+        }
+        free(panel); free(coef); free(got); free(want);
+    }
+    report(k->name, "f64", &d, ok, why);
 }
 
 /* ---- dense bf16 rows x float32 tokens ----------------------------------------------- */
@@ -950,6 +1069,7 @@ int main(int argc, char **argv) {
         check_decode(k, MXFP4X_NIBBLES_PAIRS);
         check_mv(k, MXFP4X_NIBBLES_PAIRS);
         check_axpy(k);
+        check_f64(k);
         check_fz(k);
         check_fma_loop(k);
         check_dense(k);

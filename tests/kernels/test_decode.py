@@ -41,10 +41,12 @@ def test_decode_signed_zero_and_subnormal_scale(isa):
     assert got[4] == np.float32(0.5 * 2.0 ** -127) and got[4] != 0  # not flushed
 
 
-def test_float64_decode_kernel_exhaustive():
+def test_float64_decode_kernel_exhaustive(isa):
+    """Every ISA's float64 decode (AVX-512's vector form included) gives the reference's
+    bits for every byte under every scale byte."""
     packed, scales = _all_bytes_all_scales()
     ref = _reference.decode_expert(packed, scales)
-    got = _probes.decode_rows(packed, scales, compute="float64")
+    got = _probes.decode_rows(packed, scales, isa=isa, compute="float64")
     nan = np.isnan(ref)
     np.testing.assert_array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got[~nan].view(np.uint64), ref[~nan].view(np.uint64))

@@ -33,6 +33,7 @@ from qemu_cpus import NUMPY_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 AVX512_H = HEADERS / "mxfp4x" / "avx512.h"
+FLOAT64_H = HEADERS / "mxfp4x" / "float64.h"
 EMULATE_H = HEADERS / "mxfp4x" / "emulate_avx512.h"
 EMULATED = ["-DMXFP4X_EMULATE_AVX512", "-Wno-psabi"]
 QEMU = shutil.which("qemu-x86_64")
@@ -69,6 +70,19 @@ SIMDE_EXACT = {
     # lanes, permutex2var.h's epi32 form picks lanes as above)
     "_mm512_load_si512", "_mm512_setzero_si512", "_mm512_add_epi32",
     "_mm512_permutex2var_epi32",
+    # the float64 path's decode (mul.h: an IEEE multiply per lane, one rounding, the NaN
+    # operand's NaN as native; permutex2var.h: the _pd form is the epi64 one on the bits,
+    # lane idx & 7 of b if idx & 8 else of a; srli.h shifts each 64-bit lane; xor.h,
+    # cast.h, set.h / set1.h, storeu.h: bit moves and constants; _mm_loadl_epi64: SSE2)
+    "_mm512_mul_pd", "_mm512_permutex2var_pd", "_mm512_srli_epi64", "_mm512_xor_si512",
+    "_mm512_castpd_si512", "_mm512_castsi512_pd", "_mm512_set_pd", "_mm512_set1_pd",
+    "_mm512_set1_epi64", "_mm512_storeu_pd", "_mm_loadl_epi64",
+    # ... and its panel_dot / axpy_rows (float64.h; simde/x86/avx.h: add and mul per 64-bit
+    # lane, one rounding each, as the 128-bit halves or plain C; extractf128 / castpd256
+    # pick a half; loadu / storeu memcpy; set1 / setzero constants; the _mm_ ones: SSE2)
+    "_mm256_add_pd", "_mm256_mul_pd", "_mm256_castpd256_pd128", "_mm256_extractf128_pd",
+    "_mm256_loadu_pd", "_mm256_storeu_pd", "_mm256_set1_pd", "_mm256_setzero_pd",
+    "_mm_add_pd", "_mm_add_sd", "_mm_cvtsd_f64", "_mm_mul_sd", "_mm_set_sd", "_mm_unpackhi_pd",
 }
 
 
@@ -79,7 +93,8 @@ def _code(path):
 
 
 def test_every_intrinsic_of_avx512_h_is_checked():
-    used = set(re.findall(r"\b_mm(?:256|512)?_\w+", _code(AVX512_H)))
+    # avx512.h and the template it includes (float64.h: compiled there too)
+    used = set(re.findall(r"\b_mm(?:256|512)?_\w+", _code(AVX512_H) + _code(FLOAT64_H)))
     shimmed = set(re.findall(r"#define\s+(_mm\w+)\(", _code(EMULATE_H)))
     assert {"_mm512_fmadd_ps", "_mm_fmadd_ss", "_mm512_cvtepu8_epi32",
             "_mm512_permutexvar_ps"} <= shimmed, shimmed
