@@ -529,7 +529,8 @@ enum { MXFP4X_ROWS_PER_TOKEN = 0, MXFP4X_ROWS_PER_SLOT = 1 }; /* rows of an oper
 typedef struct {
     int product;                    /* MXFP4X_FORWARD or MXFP4X_TRANSPOSED */
     int compute;                    /* MXFP4X_DTYPE_F32 or _F64: accumulation */
-    const mxfp4x_kernels *kernels;  /* the ISA this call runs (float32 compute) */
+    const mxfp4x_kernels *kernels;  /* the ISA this call runs (its float64 kernels for
+                                       float64 compute) */
     int n_threads;
     mxfp4x_experts experts;
     int64_t n_tokens, top_k;
