@@ -179,8 +179,9 @@ static void mxfp4x_dense_bf16_scalar(const uint16_t *w, int64_t row_stride, int6
 
 /* ---- float64 path (float64 latents): decode exactly, accumulate in binary64 ----
  *
- * Every ISA computes the same numbers in the same order (float64.h's vector forms and
- * avx512.h's decode included), so a float64 result has the same bits under every ISA:
+ * Every ISA computes the same numbers in the same order (float64.h's vector forms and the
+ * decodes of avx2.h and avx512.h included), so a float64 result has the same bits under
+ * every ISA:
  *   decode:    panel[r][j] = e2m1[low nibble of byte j] * scale, panel[r][16 + j] = e2m1[its
  *              high nibble] * scale (exact in binary64: MXFP4X_LAYOUT_16);
  *   panel_dot: four accumulators, acc[j] += panel[i + j] * x[i + j] for i = 0, 4, 8, ...,
