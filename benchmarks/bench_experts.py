@@ -160,10 +160,23 @@ def test_list_form(benchmark, roofs, n_tokens, threads):
     _case(benchmark, roofs, shape, n_tokens, torch.float32, threads, "cpu", form="list")
 
 
-def _beside(benchmark, packed, scales, calls, baseline, threads):
+def _checked(calls, packed, scales, threads):
+    """The first call's result, its first tokens checked against the float64 reference."""
+    rows = slice(0, min(packed.shape[1], 64))
+    x, sel, mix, shared = calls[0]
+    layer = dict(latent_tokens=x[:3], packed_weights=packed, scale_bytes=scales,
+                 selected_experts=sel[:3], mixture_weights=mix[:3], shared_output=shared[:3])
+    y = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared, num_threads=threads)
+    assert_matches_reference(y[:3, rows], layer, rows=rows)
+    return y
+
+
+def _beside(benchmark, info, packed, scales, calls, baseline, threads):
     """Times the calls (one per round, in turn) with a baseline call on the same experts in
-    each round's untimed setup, so the two alternate; returns the medians (time, baseline),
-    or None where the benchmark was not timed."""
+    each round's untimed setup, so the two alternate; records ``info`` and the ISA in the
+    benchmark's extra_info; returns the medians (time, baseline), or None where the
+    benchmark was not timed."""
+    benchmark.extra_info.update(info, threads=threads, isa=mxfp4x.backend_info()["isa"])
     state = {"i": 0}
     baseline_times: list = []
 
@@ -210,21 +223,14 @@ def test_bf16_small_latents(benchmark, n_tokens, threads):
         x = x.clone()
         x[:, 5::613] = 0
         plain.append((x, sel, mix, shared))
-    rows = slice(0, min(d_out, 64))
-    layer = dict(latent_tokens=calls[0][0][:3], packed_weights=packed, scale_bytes=scales,
-                 selected_experts=calls[0][1][:3], mixture_weights=calls[0][2][:3],
-                 shared_output=calls[0][3][:3])
-    y = mxfp4x.mxfp4_experts(calls[0][0], packed, scales, *calls[0][1:], num_threads=threads)
-    assert_matches_reference(y[:3, rows], layer, rows=rows)
-    timed = _beside(benchmark, packed, scales, calls, plain, threads)
-    info = benchmark.extra_info
-    info.update(shape=shape, tokens=n_tokens, dtype="bfloat16", threads=threads,
-                isa=mxfp4x.backend_info()["isa"])
+    _checked(calls, packed, scales, threads)
+    timed = _beside(benchmark, dict(shape=shape, tokens=n_tokens, dtype="bfloat16"), packed,
+                    scales, calls, plain, threads)
     if timed is None:
         return
     t, unit = timed
-    info.update(time_s=t, unit_s=unit, vs_unit=t / unit, target="<= 2.2 x unit",
-                met=t / unit <= 2.2)
+    benchmark.extra_info.update(time_s=t, unit_s=unit, vs_unit=t / unit, target="<= 2.2 x unit",
+                                met=t / unit <= 2.2)
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
@@ -241,19 +247,11 @@ def test_float64_latents(benchmark, n_tokens, threads):
     calls = [_bench.make_tokens(n_tokens, top_k, n_experts, d_in, d_out, torch.float64,
                                 call=i) for i in range(4)]
     singles = [tuple(v.float() if v.is_floating_point() else v for v in c) for c in calls]
-    rows = slice(0, min(d_out, 64))
-    layer = dict(latent_tokens=calls[0][0][:3], packed_weights=packed, scale_bytes=scales,
-                 selected_experts=calls[0][1][:3], mixture_weights=calls[0][2][:3],
-                 shared_output=calls[0][3][:3])
-    y = mxfp4x.mxfp4_experts(calls[0][0], packed, scales, *calls[0][1:], num_threads=threads)
-    assert y.dtype == torch.float64
-    assert_matches_reference(y[:3, rows], layer, rows=rows)
-    timed = _beside(benchmark, packed, scales, calls, singles, threads)
-    info = benchmark.extra_info
-    info.update(shape=shape, tokens=n_tokens, dtype="float64", threads=threads,
-                isa=mxfp4x.backend_info()["isa"])
+    assert _checked(calls, packed, scales, threads).dtype == torch.float64
+    timed = _beside(benchmark, dict(shape=shape, tokens=n_tokens, dtype="float64"), packed,
+                    scales, calls, singles, threads)
     if timed is None:
         return
     t, single = timed
-    info.update(time_s=t, float32_s=single, vs_float32=t / single, target="<= 5 x float32",
-                met=t / single <= 5)
+    benchmark.extra_info.update(time_s=t, float32_s=single, vs_float32=t / single,
+                                target="<= 5 x float32", met=t / single <= 5)
