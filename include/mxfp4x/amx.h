@@ -591,9 +591,8 @@ static int64_t mxfp4x_amx_scratch_bytes(int64_t n_groups) {
 /* out[t * out_stride + r - row_start] = W[r] . x_t for r in [row_start, row_end), t <
  * n_tok: x_t's pairs in the B blocks from xt (block b at xt + 16 b d_in elements),
  * unsafe[t] nonzero for a token off the unit (the gather's flags).  row_start a multiple
- * of 16 apart
- * from the rows' own origin (the driver's tiles are), so the 16-row blocks, hence each
- * row's path, do not depend on the split.  `scratch`: mxfp4x_amx_scratch_bytes(G) bytes
+ * of 16 apart from the rows' own origin (the driver's tiles are), so the 16-row blocks,
+ * hence each row's path, do not depend on the split.  `scratch`: mxfp4x_amx_scratch_bytes(G) bytes
  * at any alignment.
  * The rows go in chunks of up to 4 blocks of 16, decoded once into the panel; the tokens
  * in blocks of 16, 4 C tiles at a time: 4 row blocks x 1 token block for a few tokens,

@@ -13,11 +13,11 @@
 #define MXFP4X_BF16_UNIT_INLINE \
     static inline MXFP4X_TARGET("avx512f,avx512bw,avx2") MXFP4X_ALWAYS_INLINE
 
-/* Row r (flags: mxfp4x.h's MXFP4X_BF16_SMALL / _LARGE): MXFP4X_BF16_LARGE for a scale byte >= MXFP4X_AMX_MAX_SCALE (255, NaN, included),
- * else MXFP4X_BF16_SMALL for a group with a nonzero magnitude code under a scale byte <
- * MXFP4X_AMX_MIN_SCALE (its weights could be or become subnormal), else 0.  The scale
- * bytes are scanned first (64 at a time where they are contiguous), the groups' bytes
- * only under a small scale. */
+/* Row r's flags (mxfp4x.h's MXFP4X_BF16_SMALL / _LARGE): MXFP4X_BF16_LARGE for a scale
+ * byte >= MXFP4X_AMX_MAX_SCALE (255, NaN, included), else MXFP4X_BF16_SMALL for a group
+ * with a nonzero magnitude code under a scale byte < MXFP4X_AMX_MIN_SCALE (its weights
+ * could be or become subnormal), else 0.  The scale bytes are scanned first (64 at a time
+ * where they are contiguous), the groups' bytes only under a small scale. */
 MXFP4X_BF16_UNIT_INLINE int mxfp4x_bf16_row_unsafe(const mxfp4x_rows *w, int64_t r) {
     const int64_t G = w->n_groups, gb = w->group_stride_blocks, gs = w->group_stride_scales;
     const uint8_t *b = w->blocks + r * w->row_stride_blocks;
