@@ -453,10 +453,14 @@ MXFP4X_AVX2_INLINE void mxfp4x_dense_block_avx2(const uint16_t *w, int64_t rs, i
     int i, c;
     for (i = 0; i < mr; i++)
         for (c = 0; c < nt; c++) a[i][c] = _mm256_setzero_ps();
+    const int64_t wrap = MXFP4X_DENSE_WRAP(mr, rs, d_in);
     for (k = 0; k < body; k += 8) {
-        if (!(k & 31)) /* one line per row, MXFP4X_DENSE_PREFETCH bytes ahead (config.h) */
+        if (!(k & 31)) { /* one line per row, MXFP4X_DENSE_PREFETCH bytes ahead (config.h) */
+            const int64_t ahead = MXFP4X_DENSE_PREFETCH +
+                                  (2 * k + MXFP4X_DENSE_PREFETCH >= 2 * d_in ? wrap : 0);
             for (i = 0; i < mr; i++)
-                MXFP4X_PREFETCH_L2((const char *)(w + i * rs + k) + MXFP4X_DENSE_PREFETCH);
+                MXFP4X_PREFETCH_L2((const char *)(w + i * rs + k) + ahead);
+        }
         for (c = 0; c < nt; c++) xv[c] = _mm256_loadu_ps(x + c * xs + k);
         for (i = 0; i < mr; i++) {
             wv = mxfp4x_bf16x8_avx2(w + i * rs + k);

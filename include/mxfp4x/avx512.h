@@ -583,16 +583,18 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
     const int64_t body = d_in & ~(int64_t)31;
     int64_t k;
     int i, c;
+    const int64_t wrap = MXFP4X_DENSE_WRAP(mr, rs, d_in);
     for (i = 0; i < mr; i++)
         for (c = 0; c < nt; c++) e[i][c] = o[i][c] = _mm512_setzero_ps();
     for (k = 0; k < body; k += 32) {
+        const int64_t ahead = pfd + (2 * k + pfd >= 2 * d_in ? wrap : 0);
         for (c = 0; c < nt; c++) mxfp4x_dense_x_eo_avx512(x, c * xs + k, xb16, &xe[c], &xo[c]);
         for (i = 0; i < mr; i++) {
             const uint16_t *p = w + i * rs + k;
             if (pf)
                 _mm_prefetch((const char *)p + MXFP4X_DENSE_PREFETCH_FAR, _MM_HINT_NTA);
             else
-                MXFP4X_PREFETCH_L2((const char *)p + pfd);
+                MXFP4X_PREFETCH_L2((const char *)p + ahead);
             mxfp4x_bf16x32_eo_avx512(p, &we, &wo);
             for (c = 0; c < nt; c++) {
                 e[i][c] = _mm512_fmadd_ps(we, xe[c], e[i][c]);
@@ -655,6 +657,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
     const int esz = xb16 ? 2 : 4;
     const int64_t end = off + d_in, n_lines = (end + 31) >> 5, full = end >> 5;
     const int64_t n_chunks = (d_in + 31) >> 5;
+    const int64_t wrap = MXFP4X_DENSE_WRAP(mr, rs, d_in);
     const __m512i ia = _mm512_add_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi32(off >> 1));
@@ -689,13 +692,14 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
     /* chunk m whole in lines m, m + 1: line m + 1 inside the row (off < 32, so its chunk
      * and the token chunk are whole too) */
     for (m = 0; m + 1 < full; m++) {
+        const int64_t ahead = pfd + (2 * (32 * (m + 1) - off) + pfd >= 2 * d_in ? wrap : 0);
         for (c = 0; c < nt; c++) mxfp4x_dense_x_eo_avx512(x, c * xs + 32 * m, xb16, &xe[c], &xo[c]);
         for (i = 0; i < mr; i++) {
             const uint16_t *line = w + (i * rs + 32 * (m + 1) - off); /* inside the row */
             if (pf)
                 _mm_prefetch((const char *)line + MXFP4X_DENSE_PREFETCH_FAR, _MM_HINT_NTA);
             else
-                MXFP4X_PREFETCH_L2((const char *)line + pfd);
+                MXFP4X_PREFETCH_L2((const char *)line + ahead);
             cur = _mm512_load_si512((const void *)line);
             MXFP4X_DENSE_JOIN(i)
         }

@@ -300,18 +300,18 @@ def mxfp4x_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     acc = accumulation_dtype(h.dtype)
     h = h.to(acc)
     if self.has_bias:
-        h = h + getattr(self, up + "_bias").to(acc)[top_k_index]
+        h = h + getattr(self, up + "_bias")[top_k_index].to(acc)
     act = self._apply_gate(h) if self.has_gate else self.act_fn(h)
     weights = top_k_weights.to(acc)
     if getattr(self, "has_post_expert_norm", False):
         y = mxfp4_experts_slots(act, self.down_proj, self.down_proj_scales, top_k_index,
                                 num_threads=threads).to(acc)
         if self.has_bias:
-            y = y + self.down_proj_bias.to(acc)[top_k_index]
+            y = y + self.down_proj_bias[top_k_index].to(acc)
         out = (self.post_expert_norm(y).to(acc) * weights.unsqueeze(-1)).sum(1)
     else:
         if self.has_bias:
-            shared = (weights.unsqueeze(-1) * self.down_proj_bias.to(acc)[top_k_index]).sum(1)
+            shared = (weights.unsqueeze(-1) * self.down_proj_bias[top_k_index].to(acc)).sum(1)
         else:
             shared = act.new_zeros((act.shape[0], self.down_proj.shape[1]))
         out = mxfp4_experts(act, self.down_proj, self.down_proj_scales, top_k_index, weights,

@@ -300,13 +300,13 @@ def gpt_oss_experts(hidden_states: torch.Tensor, router_indices: torch.Tensor,
     out_dtype = gate_up_out.dtype  # the latents' (integer latents: the default float dtype)
     try:
         acc = accumulation_dtype(out_dtype)
-        gate_up_out = gate_up_out.to(acc) + gate_up_bias.to(acc)[router_indices]
+        gate_up_out = gate_up_out.to(acc) + gate_up_bias[router_indices].to(acc)
         gate, up = gate_up_out[..., 0::2], gate_up_out[..., 1::2]
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
         act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
         weights = torch.as_tensor(routing_weights).to(acc)
-        bias = (weights.unsqueeze(-1) * down_bias.to(acc)[router_indices]).sum(1)
+        bias = (weights.unsqueeze(-1) * down_bias[router_indices].to(acc)).sum(1)
     except BaseException as exc:
         if group is None:
             raise
