@@ -149,6 +149,64 @@ def test_greedy_generate_matches(models):
     assert torch.equal(ours.generate(ids, **kw), dense.generate(ids, **kw))
 
 
+def test_gpt_oss_takes_grouped_attention_unless_asked(models, checkpoint):
+    ours, dense = models
+    assert ours.config._attn_implementation == mxt.ATTENTION
+    assert dense.config._attn_implementation == "eager"  # transformers' own, for gpt-oss
+    eager = _ours(checkpoint, attn_implementation="eager")
+    assert eager.config._attn_implementation == "eager"
+    ids = _tokens()
+    with torch.no_grad():
+        got, want = ours(ids).logits, eager(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+class _Heads(torch.nn.Module):
+    """What eager attention reads of its module: the grouping, the sinks, training."""
+
+    def __init__(self, heads, kv_heads, sinks):
+        super().__init__()
+        self.num_key_value_groups = heads // kv_heads
+        self.sinks = sinks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tq, tk", [(1, 1), (1, 37), (5, 5), (6, 40)])
+@pytest.mark.parametrize("sinks", [True, False])
+def test_grouped_attention_is_eager_attention(dtype, tq, tk, sinks):
+    """Against transformers' own eager forms (gpt-oss's with sinks, Llama's without) on
+    random heads, 12 query heads over 3 key/value heads, a batch of two with an additive
+    mask (causal, plus padding on the second): a head that read the wrong key/value head,
+    or a mask or sink out of place, moves every affected row by the size of the scores."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as oss
+    from transformers.models.llama.modeling_llama import eager_attention_forward as llama
+
+    g = torch.Generator().manual_seed(tq * 100 + tk)
+    b, hq, hkv, d = 2, 12, 3, 16
+    q = torch.randn(b, hq, tq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, tk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, tk, d, generator=g).to(dtype)
+    allowed = torch.ones(b, 1, tq, tk, dtype=torch.bool).tril(tk - tq)
+    allowed[1, ..., : tk // 3] = False  # the second sequence's padding
+    allowed[..., -1] = True  # every row keeps a key
+    mask = torch.zeros(b, 1, tq, tk, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    module = _Heads(hq, hkv, torch.randn(hq, generator=g).to(dtype) if sinks else None).eval()
+    extra = {"s_aux": module.sinks} if sinks else {}
+    got, got_w = mxt.grouped_attention(module, q, k, v, mask, 0.25, **extra)
+    want, want_w = (oss if sinks else llama)(module, q, k, v, mask, 0.25)
+    assert got.shape == want.shape == (b, tq, hq, d) and got.dtype == want.dtype == dtype
+    assert got_w.shape == want_w.shape and got_w.dtype == want_w.dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(got_w, want_w, atol=tol, rtol=tol)
+
+
+def test_grouped_attention_refuses_heads_that_do_not_group():
+    q, kv = torch.zeros(1, 5, 1, 4), torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="5 heads.*2 key/value heads"):
+        mxt.grouped_attention(_Heads(4, 2, None), q, kv, kv, None, 0.5)
+
+
 def test_no_dense_expert_tensor(models):
     ours, _ = models
     e, f = SIZES["num_local_experts"], SIZES["intermediate_size"]
