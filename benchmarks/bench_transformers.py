@@ -1,7 +1,7 @@
 """gpt-oss-20b in Hugging Face transformers on a CPU, experts kept MXFP4 on mxfp4x, beside
 transformers' own path (which dequantizes the experts at load).
 
-    python benchmarks/bench_transformers.py [--folder DIR] [--json out.json]
+    python benchmarks/bench_transformers.py [--folder DIR] [--context N] [--json out.json]
 
 writes (once) a checkpoint of gpt-oss-20b's configuration with random weights in the
 released layout (13 GB, streamed to disk one tensor at a time), then, each measurement in
@@ -13,7 +13,10 @@ a fresh process:
   goes (the experts, the attention, the rest: router, norms, embeddings, the head);
 * transformers' own load and mxfp4x at the largest layer count whose dequantized experts
   fit this machine's memory, and transformers' figures scaled per layer to 24 layers
-  (labelled "scaled": its experts and attention times per layer times 24, plus its rest).
+  (labelled "scaled": its experts and attention times per layer times 24, plus its rest);
+* with ``--context N``, in each of those processes, 16 decoding steps after a prompt of N
+  tokens (attention grows with the context; gpt-oss runs ``mxfp4x_grouped`` attention
+  under mxfp4x and transformers' eager one on its own path).
 
 Under pytest (``pytest benchmarks``) one case runs the same measurements on a tiny model
 with ``MXFP4X_BENCH_SMALL=1`` (CI's smoke run), the full run otherwise.
@@ -76,9 +79,25 @@ class _Clock:
         self.spent = dict.fromkeys(self.spent, 0.0)
 
 
-def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECODE):
+def _decode(model, clock, cache, token, steps):
+    """``steps`` greedy decoding steps from ``cache``: seconds per step, and their split
+    (the experts, the attention, the rest)."""
+    clock.reset()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step = model(token, past_key_values=cache, use_cache=True)
+        cache, token = step.past_key_values, step.logits[:, -1].argmax(-1, keepdim=True)
+    total = time.perf_counter() - t0
+    per_step = {k: v / steps for k, v in clock.spent.items()}
+    per_step["rest"] = total / steps - sum(per_step.values())
+    return {"total": total / steps, **per_step}
+
+
+def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECODE,
+            context=0):
     """One process's figures: load ``folder`` with ``layers`` layers through ``mode``
-    (``mxfp4x`` or ``transformers``) and time prefills and a greedy decode."""
+    (``mxfp4x`` or ``transformers``) and time prefills and a greedy decode; with
+    ``context``, also 16 decoding steps after a prompt of that many tokens."""
     import torch
     import transformers
 
@@ -117,19 +136,15 @@ def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECO
             t0 = time.perf_counter()
             model(ids, use_cache=True, logits_to_keep=1)
             out[f"prefill_{n}_tok_s"] = n / (time.perf_counter() - t0)
-        ids = torch.randint(0, vocab, (1, prefill[0]), generator=gen)
-        step = model(ids, use_cache=True, logits_to_keep=1)
-        cache, token = step.past_key_values, step.logits[:, -1].argmax(-1, keepdim=True)
-        clock.reset()
-        t0 = time.perf_counter()
-        for _ in range(decode):
-            step = model(token, past_key_values=cache, use_cache=True)
-            cache, token = step.past_key_values, step.logits[:, -1].argmax(-1, keepdim=True)
-        total = time.perf_counter() - t0
-    out["decode_tok_s"] = decode / total
-    per_step = {k: v / decode for k, v in clock.spent.items()}
-    per_step["rest"] = total / decode - sum(per_step.values())
-    out["decode_step_s"] = {"total": total / decode, **per_step}
+        for n, steps, key in ((prefill[0], decode, "decode_step_s"),
+                              (context, 16, f"decode_at_{context}_step_s")):
+            if n:
+                ids = torch.randint(0, vocab, (1, n), generator=gen)
+                step = model(ids, use_cache=True, logits_to_keep=1)
+                out[key] = _decode(model, clock, step.past_key_values,
+                                   step.logits[:, -1].argmax(-1, keepdim=True), steps)
+    out["decode_tok_s"] = 1 / out["decode_step_s"]["total"]
+    out["attention"] = model.config._attn_implementation
     out["peak_bytes"] = _rss_peak()
     return out
 
@@ -192,8 +207,9 @@ def table(rows):
     return "\n".join(lines)
 
 
-def run(folder, layers=TOTAL_LAYERS, base=None, small=False):
-    """Write the checkpoint if ``folder`` has none, measure, return the rows."""
+def run(folder, layers=TOTAL_LAYERS, base=None, small=False, context=0):
+    """Write the checkpoint if ``folder`` has none, measure, return the rows (``context``:
+    see :func:`measure`)."""
     from mxfp4x.testing.gpt_oss import write_gpt_oss_model
     from mxfp4x.testing.roofline import cpu_model
 
@@ -207,6 +223,8 @@ def run(folder, layers=TOTAL_LAYERS, base=None, small=False):
     layers = min(layers, config["num_hidden_layers"])
     base = base or (layers if small else baseline_layers(config))
     measure_kw = dict(prefill=(16, 32), decode=4) if small else {}
+    if context:
+        measure_kw["context"] = context
     rows = []
     for mode, n in (("mxfp4x", layers), ("mxfp4x", base), ("transformers", base)):
         if rows and n == layers and mode == "mxfp4x":
@@ -219,6 +237,13 @@ def run(folder, layers=TOTAL_LAYERS, base=None, small=False):
     say(f"\nCPU: {cpu_model().get('model', '?')}; {rows[0]['threads']} threads; "
         f"{rows[0]['dtype']} model")
     say(table(rows))
+    for r in rows:
+        at = r.get(f"decode_at_{context}_step_s") if context else None
+        if at:
+            say(f"{r['mode']}, {r['layers']} layers ({r['attention']} attention): decode after "
+                f"{context} tokens {1 / at['total']:.2f} tok/s, step ms: experts / attention / "
+                f"rest {1e3 * at['experts']:.1f} / {1e3 * at['attention']:.1f} / "
+                f"{1e3 * at['rest']:.1f}")
     return rows
 
 
@@ -243,9 +268,11 @@ def main(argv=None):
                    help="layers of the mxfp4x run (default: all 24)")
     p.add_argument("--baseline-layers", type=int, default=None,
                    help="layers of transformers' own run (default: the most that fit)")
+    p.add_argument("--context", type=int, default=0,
+                   help="also time 16 decoding steps after a prompt of this many tokens")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
-    rows = run(args.folder, args.layers, args.baseline_layers)
+    rows = run(args.folder, args.layers, args.baseline_layers, context=args.context)
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         from mxfp4x._io import atomic_write
