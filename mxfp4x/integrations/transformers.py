@@ -373,8 +373,8 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     h reads key/value head h // (heads / key-value heads), as ``repeat_kv`` arranges them;
     the grouping changes the batch of each product, not what a head's scores add up.
 
-    gpt-oss has no other attention on a CPU (no ``sdpa``: the sinks), and its eager form
-    copies every layer's keys and values eight times per step: a decoding step of one
+    gpt-oss cannot take ``sdpa`` (its sinks), so on a CPU transformers runs it eager, and
+    the eager form copies every layer's keys and values eight times per step: a decoding step of one
     full-attention layer with 4096 tokens in the cache took 27 ms in bfloat16 there and
     0.9 ms here (one layer's attention alone, 2 cores of an AMD EPYC Zen 4; 0.28 against
     0.16 ms at 128 tokens).  :func:`from_pretrained` picks it for gpt-oss models unless
