@@ -525,8 +525,8 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
     Mxfp4xConfig(num_threads=...)``) sets the threads of each experts call.  The model's
     bfloat16 linear layers run on mxfp4x's dense kernel at a few tokens
     (``Mxfp4xConfig(dense_kernels=False)``: torch's).  gpt-oss models take
-    :func:`grouped_attention` (``attn_implementation="mxfp4x_grouped"``) unless
-    ``attn_implementation`` is given (``"eager"``: transformers' own).
+    :func:`grouped_attention` (``attn_implementation="mxfp4x_grouped"``) unless an
+    attention is asked for, here or in ``config`` (``"eager"``: transformers' own).
     """
     qc = kwargs.pop("quantization_config", None)
     if qc is not None and not isinstance(qc, Mxfp4xConfig):
@@ -539,7 +539,8 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
     else:  # the caller's own is left as it was
         config = copy.deepcopy(config)
     threads = num_threads if num_threads is not None else getattr(qc, "num_threads", None)
-    if getattr(config, "model_type", None) == "gpt_oss":
+    if getattr(config, "model_type", None) == "gpt_oss" and \
+            getattr(config, "_attn_implementation", None) is None:  # none asked in config=
         kwargs.setdefault("attn_implementation", ATTENTION)
     found = getattr(config, "quantization_config", None)
     if found is None:  # dense experts: quantized at load

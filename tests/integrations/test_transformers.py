@@ -155,6 +155,8 @@ def test_gpt_oss_takes_grouped_attention_unless_asked(models, checkpoint):
     assert dense.config._attn_implementation == "eager"  # transformers' own, for gpt-oss
     eager = _ours(checkpoint, attn_implementation="eager")
     assert eager.config._attn_implementation == "eager"
+    asked = transformers.AutoConfig.from_pretrained(checkpoint, attn_implementation="eager")
+    assert _ours(checkpoint, config=asked).config._attn_implementation == "eager"
     ids = _tokens()
     with torch.no_grad():
         got, want = ours(ids).logits, eager(ids).logits
