@@ -450,10 +450,10 @@ MXFP4X_AVX2_INLINE void mxfp4x_dense_block_avx2(const uint16_t *w, int64_t rs, i
     __m256 a[8][4], xv[4], wv; /* up to 8 rows x 1 token or 4 x 4 */
     const int64_t body = d_in & ~(int64_t)7;
     int64_t k;
+    const int64_t wrap = MXFP4X_DENSE_WRAP(mr, rs, d_in);
     int i, c;
     for (i = 0; i < mr; i++)
         for (c = 0; c < nt; c++) a[i][c] = _mm256_setzero_ps();
-    const int64_t wrap = MXFP4X_DENSE_WRAP(mr, rs, d_in);
     for (k = 0; k < body; k += 8) {
         if (!(k & 31)) { /* one line per row, MXFP4X_DENSE_PREFETCH bytes ahead (config.h) */
             const int64_t ahead = MXFP4X_DENSE_PREFETCH +

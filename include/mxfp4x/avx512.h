@@ -582,8 +582,8 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
     __m512 e[8][4], o[8][4], xe[4], xo[4], we, wo; /* 8 x 1, 4 x 2 or 4 x 1, 1 x 1..4 */
     const int64_t body = d_in & ~(int64_t)31;
     int64_t k;
-    int i, c;
     const int64_t wrap = MXFP4X_DENSE_WRAP(mr, rs, d_in);
+    int i, c;
     for (i = 0; i < mr; i++)
         for (c = 0; c < nt; c++) e[i][c] = o[i][c] = _mm512_setzero_ps();
     for (k = 0; k < body; k += 32) {

@@ -162,11 +162,12 @@
  * prefetch goes as far into the same row of the next block (mr rows on): this many bytes
  * further.  Past the end it fell in the next row of the same block, already being read,
  * so every block began on rows nobody had fetched.  One thread of an AMD EPYC Zen 4,
- * `kernel_bench dense avx512 ROWS 1 COLS M` with bf16 tokens, two rounds: 4096 x 2880 (a
- * gpt-oss attention projection, rows of 5.6 KiB) 21.2-21.4 -> 23.4-24.5 GB/s, 40 bytes
- * into a line 21.1-22.5 -> 24.3-24.7, 65536 x 2880 (the shape of its 201088-row head)
- * 21.0-21.3 -> 22.8-24.2, 7168 x 3584 22.5-23.2 -> 23.1-24.4.  Prefetches never fault:
- * the last block's go past its rows harmlessly. */
+ * `kernel_bench dense ISA ROWS 1 COLS M`, bf16 tokens, the two builds alternated three
+ * times: 4096 x 2880 (a gpt-oss attention projection, rows of 5.6 KiB) 21.6-21.7 ->
+ * 23.3-24.2 GB/s, 40 bytes into a line 22.2-22.5 -> 24.7-26.0, float32 tokens 21.5-21.6
+ * -> 23.4-24.3, avx2 19.5-20.0 -> 22.0-23.0; 2880 x 4096 24.3-25.1 -> 25.0-25.5.  Two
+ * threads read 31-36 GB/s either way.  Prefetches never fault: the last block's go past
+ * its rows harmlessly. */
 #define MXFP4X_DENSE_WRAP(mr, rs, d_in) ((((int64_t)(mr)) * (rs) - (d_in)) * 2)
 
 /* Floating-point environment of a kernel thread: flush-to-zero off (a process may

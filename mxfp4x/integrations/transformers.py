@@ -374,11 +374,11 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     the grouping changes the batch of each product, not what a head's scores add up.
 
     gpt-oss cannot take ``sdpa`` (its sinks), so on a CPU transformers runs it eager, and
-    the eager form copies every layer's keys and values eight times per step: a decoding step of one
-    full-attention layer with 4096 tokens in the cache took 27 ms in bfloat16 there and
-    0.9 ms here (one layer's attention alone, 2 cores of an AMD EPYC Zen 4; 0.28 against
-    0.16 ms at 128 tokens).  :func:`from_pretrained` picks it for gpt-oss models unless
-    ``attn_implementation`` is given."""
+    the eager form copies every layer's keys and values eight times per step: one
+    full-attention layer's attention at one token with 4096 tokens cached took 27 ms in
+    bfloat16 there and 0.9 ms here (2 cores of an AMD EPYC Zen 4; 0.28 against 0.16 ms
+    with 128).  :func:`from_pretrained` picks it for gpt-oss models unless an attention is
+    asked for."""
     b, hq, tq, d = query.shape
     hkv, tk = key.shape[1], key.shape[2]
     if hkv == 0 or hq % hkv:
