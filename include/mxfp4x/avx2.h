@@ -456,8 +456,7 @@ MXFP4X_AVX2_INLINE void mxfp4x_dense_block_avx2(const uint16_t *w, int64_t rs, i
         for (c = 0; c < nt; c++) a[i][c] = _mm256_setzero_ps();
     for (k = 0; k < body; k += 8) {
         if (!(k & 31)) { /* one line per row, MXFP4X_DENSE_PREFETCH bytes ahead (config.h) */
-            const int64_t ahead = MXFP4X_DENSE_PREFETCH +
-                                  (2 * k + MXFP4X_DENSE_PREFETCH >= 2 * d_in ? wrap : 0);
+            const int64_t ahead = MXFP4X_DENSE_AHEAD(k, MXFP4X_DENSE_PREFETCH, d_in, wrap);
             for (i = 0; i < mr; i++)
                 MXFP4X_PREFETCH_L2((const char *)(w + i * rs + k) + ahead);
         }

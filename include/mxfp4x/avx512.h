@@ -587,7 +587,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
     for (i = 0; i < mr; i++)
         for (c = 0; c < nt; c++) e[i][c] = o[i][c] = _mm512_setzero_ps();
     for (k = 0; k < body; k += 32) {
-        const int64_t ahead = pfd + (2 * k + pfd >= 2 * d_in ? wrap : 0);
+        const int64_t ahead = MXFP4X_DENSE_AHEAD(k, pfd, d_in, wrap);
         for (c = 0; c < nt; c++) mxfp4x_dense_x_eo_avx512(x, c * xs + k, xb16, &xe[c], &xo[c]);
         for (i = 0; i < mr; i++) {
             const uint16_t *p = w + i * rs + k;
@@ -692,7 +692,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
     /* chunk m whole in lines m, m + 1: line m + 1 inside the row (off < 32, so its chunk
      * and the token chunk are whole too) */
     for (m = 0; m + 1 < full; m++) {
-        const int64_t ahead = pfd + (2 * (32 * (m + 1) - off) + pfd >= 2 * d_in ? wrap : 0);
+        const int64_t ahead = MXFP4X_DENSE_AHEAD(32 * (m + 1) - off, pfd, d_in, wrap);
         for (c = 0; c < nt; c++) mxfp4x_dense_x_eo_avx512(x, c * xs + 32 * m, xb16, &xe[c], &xo[c]);
         for (i = 0; i < mr; i++) {
             const uint16_t *line = w + (i * rs + 32 * (m + 1) - off); /* inside the row */

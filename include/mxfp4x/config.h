@@ -169,6 +169,10 @@
  * threads read 31-36 GB/s either way.  Prefetches never fault: the last block's go past
  * its rows harmlessly. */
 #define MXFP4X_DENSE_WRAP(mr, rs, d_in) ((((int64_t)(mr)) * (rs) - (d_in)) * 2)
+/* The bytes from element `at` of a row to the line prefetched for it: pfd, or pfd + wrap
+ * where at + pfd bytes would pass the row's d_in elements. */
+#define MXFP4X_DENSE_AHEAD(at, pfd, d_in, wrap) \
+    ((pfd) + (2 * (int64_t)(at) + (pfd) >= 2 * (int64_t)(d_in) ? (wrap) : 0))
 
 /* Floating-point environment of a kernel thread: flush-to-zero off (a process may
  * have turned it on, e.g. torch.set_flush_denormal(True); it would flush the 2^-127
