@@ -287,8 +287,9 @@ def _define(suffix, weights):
     def backward(ctx, grad):
         """d/dx = sum_k p W^T g (compiled transposed kernel on CPU); d/dp_tk = g_t . W x_t;
         d/dshared = g.  The packed weights and scales get no gradient."""
-        x, sel, mix = ctx.saved_tensors[:3]
-        packed, scales = _weights(ctx, ctx.saved_tensors, 3)
+        saved = ctx.saved_tensors  # once: non-reentrant checkpointing unpacks once only
+        x, sel, mix = saved[:3]
+        packed, scales = _weights(ctx, saved, 3)
         d_x = d_mix = d_shared = None
         if ctx.needs_input_grad[0]:
             d_x = grad_op(grad, packed, scales, sel, mix, x, ctx.num_threads, ctx.isa)
@@ -310,8 +311,9 @@ def _define(suffix, weights):
 
     def slots_backward(ctx, grad):
         """d/dx = sum_k W^T g_k (per slot for per-slot latents)."""
-        x, sel = ctx.saved_tensors[:2]
-        packed, scales = _weights(ctx, ctx.saved_tensors, 2)
+        saved = ctx.saved_tensors  # once, as in backward
+        x, sel = saved[:2]
+        packed, scales = _weights(ctx, saved, 2)
         d_x = None
         if ctx.needs_input_grad[0]:
             d_x = grad_op(grad, packed, scales, sel, None, x, ctx.num_threads, ctx.isa)
