@@ -14,6 +14,7 @@ pytest.importorskip("accelerate", reason="transformers' own mxfp4 loader (the ba
 
 from safetensors import safe_open  # noqa: E402  (transformers' dependency)
 from safetensors.torch import save_file  # noqa: E402
+from training_steps import assert_same_training_grads  # noqa: E402  (tests/)
 
 import mxfp4x.integrations.transformers as mxt  # noqa: E402
 
@@ -278,6 +279,16 @@ def test_gradient_of_the_input_embeddings_matches(models):
     assert want.abs().max() > 0
     err = (got - want).abs().max().item()
     assert err <= 1e-5 * want.abs().max().item(), err
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(checkpoint):
+    """Training steps with gradient_checkpointing_enable() (non-reentrant checkpointing,
+    whose unpacking the experts' backward must do once) through GptOssMxfp4Experts: the
+    gradients of the same steps without, bit for bit; the experts' biases among them."""
+    model = _ours(checkpoint)
+    assert isinstance(model.model.layers[0].mlp.experts, mxt.GptOssMxfp4Experts)
+    assert_same_training_grads(model, [_tokens(seed=7), _tokens(seed=8)],
+                               trained=("layers.0.self_attn.", "mlp.experts.down_proj_bias"))
 
 
 @pytest.mark.parametrize("backend", [

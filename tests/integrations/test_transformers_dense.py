@@ -13,6 +13,7 @@ pytest.importorskip("accelerate", reason="transformers' loader wants accelerate"
 
 from memory_probe import measure, report  # noqa: E402  (tests/)
 from safetensors import safe_open  # noqa: E402  (transformers' dependency)
+from training_steps import assert_same_training_grads  # noqa: E402  (tests/)
 
 import mxfp4x  # noqa: E402
 import mxfp4x.integrations.transformers as mxt  # noqa: E402
@@ -153,6 +154,15 @@ def test_gradient_of_the_input_embeddings_matches(loaded):
     got, want = grads
     assert want.abs().max() > 0
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(checkpoint):
+    """Training steps with gradient_checkpointing_enable() (non-reentrant), through
+    mxfp4x_experts_forward: the gradients of the same steps without, bit for bit."""
+    _, path = checkpoint
+    model = _quiet(mxt.from_pretrained, path, dtype=torch.float32)
+    assert all(m.config._experts_implementation == "mxfp4x" for m in _experts(model))
+    assert_same_training_grads(model, [_tokens(seed=7), _tokens(seed=8)])
 
 
 def test_bf16_model_runs_and_plain_transformers_takes_the_config(checkpoint):
