@@ -2,7 +2,7 @@
 what was expected, and is raised before any kernel runs."""
 import operator
 import weakref
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -528,14 +528,41 @@ def check_isa(isa, name="isa"):
     return isa
 
 
-def check_num_threads(num_threads):
-    """A positive int, capped as mxfp4x._threads caps it (a larger request is accepted),
-    or 0 for "torch.get_num_threads() when the kernel runs"."""
+def num_threads_arg(num_threads) -> Optional[int]:
+    """The one rule for a ``num_threads`` the user gives, to an op, a module or a loader:
+    None (torch.get_num_threads() when a call runs) or a positive int (numpy integers
+    too), returned as a Python int.  A bool, a float (even 2.0) or a string is a
+    TypeError, 0 or less a ValueError, each naming ``num_threads``."""
     if num_threads is None:
-        return 0
+        return None
     if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)):
         raise TypeError(f"num_threads: expected None or a positive int, got "
-                        f"{type(num_threads).__name__}")
+                        f"{type(num_threads).__name__} {num_threads!r}")
     if num_threads < 1:
         raise ValueError(f"num_threads: expected None or a positive int, got {num_threads}")
-    return _threads.resolve(int(num_threads))
+    return int(num_threads)
+
+
+def check_num_threads(num_threads):
+    """:func:`num_threads_arg`, capped as mxfp4x._threads caps it (a larger request is
+    accepted), or 0 for "torch.get_num_threads() when the kernel runs"."""
+    n = num_threads_arg(num_threads)
+    return 0 if n is None else _threads.resolve(n)
+
+
+class NumThreads:
+    """A module's ``num_threads`` attribute, checked by :func:`num_threads_arg` whenever it
+    is set (in the constructor and afterwards), so a bad count is refused where it is
+    given, not at the first forward after a model of many GB has loaded.  Reads give None
+    or a Python int."""
+
+    def __set_name__(self, owner, name):
+        self.key = f"_{name}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        return obj.__dict__.get(self.key)
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.key] = num_threads_arg(value)

@@ -10,7 +10,7 @@ import torch
 from ._api import mxfp4_experts
 from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 from ._quantize import quantize
-from ._validation import WeakGroup, as_tensor
+from ._validation import NumThreads, WeakGroup, as_tensor, num_threads_arg
 from ._validation import bytes_by_view as as_bytes
 from .checkpoints.safetensors import SafeTensorsCheckpoint
 from .models._common import BytesByView, bytes_of, expert_range_of
@@ -44,6 +44,7 @@ class MXFP4Experts(BytesByView):
     """
 
     group = WeakGroup()  # held weakly: _validation.WeakGroup
+    num_threads = NumThreads()  # checked whenever it is set
     _byte_buffers = ("packed_weights", "scale_bytes")
 
     packed_weights: torch.Tensor
@@ -98,6 +99,7 @@ class MXFP4Experts(BytesByView):
     def from_float(cls, weights: torch.Tensor, scale_rule: str = "floor",
                    num_threads: Optional[int] = None) -> "MXFP4Experts":
         """Quantize float weights (E, d_out, d_in) (OCP MX v1.0 rules, see quantize)."""
+        num_threads_arg(num_threads)  # before the work
         packed, scales = quantize(weights, scale_rule)
         return cls.from_packed(packed, scales, num_threads)
 
@@ -107,6 +109,7 @@ class MXFP4Experts(BytesByView):
                          group=None) -> "MXFP4Experts":
         """Load (memory-mapped) from a .safetensors file or checkpoint directory; with
         ``expert_range`` only those experts' bytes are mapped."""
+        num_threads_arg(num_threads)  # before any file is read
         ckpt = SafeTensorsCheckpoint(path)
         if expert_range is None:
             return cls.from_packed(as_bytes(blocks_key, ckpt.get(blocks_key)),

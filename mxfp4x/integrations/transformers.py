@@ -50,7 +50,7 @@ from .. import _dense
 from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import GROUP, GROUP_BYTES, accumulation_dtype
 from .._quantize import SCALE_RULES, quantize
-from .._validation import bytes_by_view
+from .._validation import bytes_by_view, num_threads_arg
 from ..models._common import BytesByView, view_loaded_bytes_hook
 from ..models.gpt_oss import gpt_oss_experts
 
@@ -94,7 +94,7 @@ class Mxfp4xConfig(QuantizationConfigMixin):
             raise ValueError(f"scale_rule: expected one of {SCALE_RULES}, got {scale_rule!r}")
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]  # not in their enum
         self.modules_to_not_convert = modules_to_not_convert
-        self.num_threads = num_threads
+        self.num_threads = num_threads_arg(num_threads)  # the op's rule, before any loading
         self.scale_rule = scale_rule
         self.dense_kernels = bool(dense_kernels)
 
@@ -528,6 +528,7 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
     :func:`grouped_attention` (``attn_implementation="mxfp4x_grouped"``) unless an
     attention is asked for, here or in ``config`` (``"eager"``: transformers' own).
     """
+    num_threads_arg(num_threads)  # before any file is read
     qc = kwargs.pop("quantization_config", None)
     if qc is not None and not isinstance(qc, Mxfp4xConfig):
         raise TypeError(f"quantization_config: expected an Mxfp4xConfig or None, got "

@@ -18,7 +18,7 @@ import torch
 from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES, accumulation_dtype
 from .._progress import Progress
-from .._validation import WeakGroup, parse_expert_range
+from .._validation import NumThreads, WeakGroup, num_threads_arg, parse_expert_range
 from .._validation import bytes_by_view as as_bytes
 from ..checkpoints.families import gguf_naming, load_gguf_experts
 from ..checkpoints.safetensors import SafeTensorsCheckpoint
@@ -156,6 +156,7 @@ class GptOssExperts(BytesByView):
     """
 
     group = WeakGroup()  # held weakly: _validation.WeakGroup
+    num_threads = NumThreads()  # checked whenever it is set
     # load_state_dict reads these by view (int8, float8_e8m0fnu), never by value
     _byte_buffers = ("gate_up_blocks", "gate_up_scales", "gate_blocks", "up_blocks",
                      "down_blocks", "down_scales")
@@ -228,6 +229,7 @@ class GptOssExperts(BytesByView):
         directory, or an open SafeTensorsCheckpoint) or GGUF (a ``.gguf`` file, a split
         set, or an open GGUFCheckpoint), expert bytes memory-mapped, not copied; with
         ``expert_range=(e0, e1)`` only those experts' bytes are mapped."""
+        num_threads_arg(kwargs.get("num_threads"))  # before any file is read
         gguf = _gguf_of(path)
         if gguf is not None:
             return _gguf_experts(gguf, layer, **kwargs)
@@ -361,6 +363,7 @@ class GptOssMoE(torch.nn.Module):
             config = read_config(ckpt.root)
         except FileNotFoundError:
             if top_k is None:
+        num_threads_arg(num_threads)  # before any file is read
                 raise
             config = {}  # top_k given, a file without its config.json: gpt-oss's clamp
         source = config_path(ckpt.root)
@@ -416,6 +419,7 @@ def _gguf_of(path):
     if isinstance(path, (str, os.PathLike)) and os.path.isfile(path) and is_gguf(path):
         return GGUFCheckpoint(os.fspath(path))
     return None
+    num_threads_arg(kwargs.get("num_threads"))  # before any file is read
 
 
 def _where(ckpt: SafeTensorsCheckpoint, name: str) -> str:

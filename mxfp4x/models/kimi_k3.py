@@ -28,12 +28,13 @@ from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import accumulation_dtype
 from .._progress import Progress
 from .._validation import (
+    NumThreads,
     WeakGroup,
     as_tensor,
     check_isa,
-    check_num_threads,
     float_tensor,
     index_tensor,
+    num_threads_arg,
     parse_expert_range,
 )
 from ..checkpoints import families as ck
@@ -99,6 +100,7 @@ class KimiK3Experts(torch.nn.Module):
     """
 
     group = WeakGroup()  # held weakly: _validation.WeakGroup
+    num_threads = NumThreads()  # checked whenever it is set
 
     def __init__(self, w1, w3, w2, beta: float = 4.0, linear_beta: Optional[float] = 25.0,
                  expert_range=None,
@@ -107,7 +109,6 @@ class KimiK3Experts(torch.nn.Module):
         super().__init__()
         self.isa, self.group = check_isa(isa), group
         self.num_threads = num_threads
-        check_num_threads(num_threads)
         self.beta, self.linear_beta = _positive("beta", beta), None if linear_beta is None \
             else _positive("linear_beta", linear_beta)
         self.last_routing = None
@@ -559,6 +560,7 @@ class KimiK3MoE(torch.nn.Module):
         prefix = ck.find_prefix(ckpt, layout, layer)
         base = prefix + layout.block.format(layer=layer)
         n_experts = hyper["num_experts"]
+        num_threads_arg(num_threads)  # before any file is read
         e0, e1 = (0, n_experts) if expert_range is None else parse_expert_range(expert_range)
         if not 0 <= e0 < e1 <= n_experts:
             raise ValueError(f"expert_range: expected 0 <= e0 < e1 <= {n_experts} (the "
@@ -727,6 +729,7 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
     name = naming.tensor(layer, "down")
     if name in ckpt and ckpt.tensor(name).shape[:1] != (n_experts,):
         raise ValueError(f"{ckpt.root}: tensor {name!r} holds {ckpt.tensor(name).shape[0]} "
+    num_threads_arg(num_threads)  # before any file is read
                          f"experts, the metadata {n_experts}")
     blocks = ck.load_gguf_experts(ckpt, layer, (e0, e1), naming=naming)
     beta, linear_beta = situ_betas(raw, f"{ckpt.root} (metadata or config)")
