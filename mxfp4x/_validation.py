@@ -2,7 +2,7 @@
 what was expected, and is raised before any kernel runs."""
 import operator
 import weakref
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -487,16 +487,28 @@ class WeakGroup:
                             f"got {type(value).__name__}") from None
 
 
-def parse_expert_range(expert_range) -> Tuple[int, int]:
+class ExpertRange(NamedTuple):
+    """A parsed ``expert_range``: the experts e0..e1-1, Python ints, 0 <= e0 <= e1.  A
+    tuple, so it compares equal to ``(e0, e1)``; :func:`parse_expert_range` returns it,
+    and takes it back as it is (a load parses what the user gave once, and hands this on
+    to every step)."""
+    e0: int
+    e1: int
+
+
+def parse_expert_range(expert_range) -> ExpertRange:
     """``expert_range`` as (e0, e1), Python ints with 0 <= e0 <= e1 <= 2^62 (larger cannot
     be real, and fits int64), from a pair or a range of step 1: the one reading of the
-    held experts, for the ops, the modules and their loaders."""
+    held experts, for the ops, the modules and their loaders.  A TypeError or ValueError
+    naming ``expert_range`` otherwise."""
+    if isinstance(expert_range, ExpertRange):
+        return expert_range
     if isinstance(expert_range, range):
         if expert_range.step != 1:
             raise ValueError(f"expert_range: expected a range of step 1, got {expert_range}")
         expert_range = (expert_range.start, expert_range.stop)
     if isinstance(expert_range, (str, bytes)) or not hasattr(expert_range, "__iter__"):
-        raise TypeError(f"expert_range: expected a pair of ints (e0, e1), got "
+        raise TypeError(f"expert_range: expected a pair of ints (e0, e1) or a range, got "
                         f"{type(expert_range).__name__}")
     values = list(expert_range)
     if len(values) != 2:
@@ -512,7 +524,15 @@ def parse_expert_range(expert_range) -> Tuple[int, int]:
     if not 0 <= e0 <= e1 <= _RANGE_LIMIT:
         raise ValueError(f"expert_range: expected (e0, e1) with 0 <= e0 <= e1, got "
                          f"{(e0, e1)}")
-    return e0, e1
+    return ExpertRange(e0, e1)
+
+
+def check_range_within(expert_range: ExpertRange, n_experts: int, what: str) -> None:
+    """A ValueError naming ``expert_range`` when it passes the ``n_experts`` experts
+    ``what`` holds (before a read of rows that are not there)."""
+    if expert_range.e1 > n_experts:
+        raise ValueError(f"expert_range: {tuple(expert_range)} passes the {n_experts} "
+                         f"experts of {what}")
 
 
 def check_isa(isa, name="isa"):

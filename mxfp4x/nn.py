@@ -10,7 +10,14 @@ import torch
 from ._api import mxfp4_experts
 from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 from ._quantize import quantize
-from ._validation import NumThreads, WeakGroup, as_tensor, num_threads_arg
+from ._validation import (
+    NumThreads,
+    WeakGroup,
+    as_tensor,
+    check_range_within,
+    num_threads_arg,
+    parse_expert_range,
+)
 from ._validation import bytes_by_view as as_bytes
 from .checkpoints.safetensors import SafeTensorsCheckpoint
 from .models._common import BytesByView, bytes_of, expert_range_of
@@ -110,14 +117,16 @@ class MXFP4Experts(BytesByView):
         """Load (memory-mapped) from a .safetensors file or checkpoint directory; with
         ``expert_range`` only those experts' bytes are mapped."""
         num_threads_arg(num_threads)  # before any file is read
+        rng = None if expert_range is None else parse_expert_range(expert_range)
         ckpt = SafeTensorsCheckpoint(path)
-        if expert_range is None:
-            return cls.from_packed(as_bytes(blocks_key, ckpt.get(blocks_key)),
-                                   as_bytes(scales_key, ckpt.get(scales_key)), num_threads)
-        e0, e1 = expert_range
-        return cls.from_packed(as_bytes(blocks_key, ckpt.get_rows(blocks_key, e0, e1)),
-                               as_bytes(scales_key, ckpt.get_rows(scales_key, e0, e1)),
-                               num_threads, expert_range=expert_range, group=group)
+        if rng is None:
+            blocks, scales = ckpt.get(blocks_key), ckpt.get(scales_key)
+        else:
+            for key in (blocks_key, scales_key):
+                check_range_within(rng, (ckpt.shape(key) or (0,))[0], f"tensor {key!r}")
+            blocks, scales = ckpt.get_rows(blocks_key, *rng), ckpt.get_rows(scales_key, *rng)
+        return cls.from_packed(as_bytes(blocks_key, blocks), as_bytes(scales_key, scales),
+                               num_threads, expert_range=rng, group=group)
 
     def forward(self, latent_tokens: torch.Tensor, selected_experts: torch.Tensor,
                 mixture_weights: torch.Tensor,

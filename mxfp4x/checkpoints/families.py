@@ -62,8 +62,8 @@ import torch
 
 from .._format import GROUP_BYTES
 from .._progress import Progress
+from .._validation import ExpertRange, check_range_within, parse_expert_range
 from .._validation import bytes_by_view as as_bytes
-from .._validation import parse_expert_range
 from ._header import open_regular_file
 from .gguf import MXFP4, GGUFCheckpoint
 from .safetensors import SafeTensorsCheckpoint
@@ -160,19 +160,6 @@ def find_prefix(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int) -
     tried = [layout.tensor(p, layer, 0, "down", layout.packed) for p in layout.prefixes]
     raise KeyError(f"{ckpt.root}: no {layout.name} experts for layer {layer} (looked for "
                    f"{tried})")
-
-
-def expert_list(experts, n_experts: int) -> List[int]:
-    """``experts`` (None: all; a range, a list, or a (start, end) pair) as a sorted list."""
-    if experts is None:
-        return list(range(n_experts))
-    if isinstance(experts, tuple) and len(experts) == 2:
-        experts = range(*experts)
-    ids = sorted(int(e) for e in experts)
-    if not ids or ids[0] < 0 or ids[-1] >= n_experts or len(set(ids)) != len(ids):
-        raise ValueError(f"experts: expected distinct ids in [0, {n_experts}), got {ids[:8]}"
-                         f"{'...' if len(ids) > 8 else ''}")
-    return ids
 
 
 def load_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int,
@@ -338,6 +325,7 @@ def load_gguf_experts(ckpt: GGUFCheckpoint, layer: int, expert_range=None,
     view of a mapping of just those experts' bytes: what
     ``mxfp4x.mxfp4_experts(x, blocks, None, ...)`` takes.  A tensor that is missing,
     not MXFP4, or shaped unlike a stack of matrices is a ``ValueError`` naming it."""
+    rng = None if expert_range is None else parse_expert_range(expert_range)
     naming = naming or gguf_naming(ckpt.architecture)
     out: Dict[str, torch.Tensor] = {}
     n_experts = None
@@ -352,11 +340,8 @@ def load_gguf_experts(ckpt: GGUFCheckpoint, layer: int, expert_range=None,
                              f"{list(info.shape)}, expected MXFP4 (n_experts, d_out, d_in)")
         if n_experts is None:
             n_experts = info.shape[0]
-            e0, e1 = (0, n_experts) if expert_range is None else \
-                parse_expert_range(expert_range)
-            if e1 > n_experts:
-                raise ValueError(f"expert_range: ({e0}, {e1}) passes the {n_experts} experts "
-                                 f"of {name!r}")
+            e0, e1 = (0, n_experts) if rng is None else rng
+            check_range_within(ExpertRange(e0, e1), n_experts, f"{name!r}")
         elif info.shape[0] != n_experts:
             raise ValueError(f"{info.path}: tensor {name!r} holds {info.shape[0]} experts, "
                              f"the layer's other expert tensors {n_experts}")

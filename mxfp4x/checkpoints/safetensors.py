@@ -126,6 +126,12 @@ class SafeTensorsFile(MappedFile):
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
+    def shape(self, name: str) -> Tuple[int, ...]:
+        """A tensor's shape as its header states it (nothing is mapped or read)."""
+        if name not in self._entries:
+            raise KeyError(f"{self.path}: no tensor named {name!r}")
+        return tuple(self._entries[name].shape)
+
     def get(self, name: str) -> torch.Tensor:
         """One tensor, a view of a new copy-on-write mapping of just its bytes: the
         caller's own (writes to it are seen by no other call's tensors)."""
@@ -365,6 +371,10 @@ class SafeTensorsCheckpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        """A tensor's shape as its file's header states it (nothing is mapped or read)."""
+        return self._locate(name).shape(name)
 
     def get(self, name: str) -> torch.Tensor:
         return self._locate(name).get(name)

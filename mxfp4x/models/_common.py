@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .._validation import as_tensor, byte_tensor, bytes_by_view, parse_expert_range
+from .._validation import ExpertRange, as_tensor, byte_tensor, bytes_by_view, parse_expert_range
 
 
 def bytes_of(name, t):
@@ -81,7 +81,7 @@ def check_dims(source: str, expected: Dict[str, Tuple[Optional[int], int, str]])
 
 
 def expert_range_of(expert_range, n_local: int, group, *, subset_without_group: bool = False
-                    ) -> Tuple[int, int]:
+                    ) -> ExpertRange:
     """(e0, e1) of the experts a module holds: all of them (0, n_local) unless
     ``expert_range`` says which.  ``expert_range`` is a pair (e0, e1) or a ``range`` of
     step 1.  A module holding some of the experts needs ``group`` (torch.distributed) to
@@ -91,15 +91,15 @@ def expert_range_of(expert_range, n_local: int, group, *, subset_without_group: 
         if group is not None:
             raise ValueError("expert_range: an expert-parallel module (group=...) needs the "
                              "range (e0, e1) of the experts it holds")
-        return 0, n_local
-    e0, e1 = parse_expert_range(expert_range)
+        return ExpertRange(0, n_local)
+    e0, e1 = rng = parse_expert_range(expert_range)
     if e1 - e0 != n_local:
         raise ValueError(f"expert_range: {(e0, e1)} names {e1 - e0} experts, the bytes hold "
                          f"{n_local}")
     if group is None and e0 != 0 and not subset_without_group:
         raise ValueError("expert_range: a module holding some of the experts needs group= "
                          "(torch.distributed) to reach the others")
-    return e0, e1
+    return rng
 
 
 def _positive(name, value) -> float:

@@ -18,7 +18,14 @@ import torch
 from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES, accumulation_dtype
 from .._progress import Progress
-from .._validation import NumThreads, WeakGroup, num_threads_arg, parse_expert_range
+from .._validation import (
+    ExpertRange,
+    NumThreads,
+    WeakGroup,
+    check_range_within,
+    num_threads_arg,
+    parse_expert_range,
+)
 from .._validation import bytes_by_view as as_bytes
 from ..checkpoints.families import gguf_naming, load_gguf_experts
 from ..checkpoints.safetensors import SafeTensorsCheckpoint
@@ -65,7 +72,8 @@ _SPLIT = ("gate_up_blocks", "gate_up_scales", "gate_up_bias", "down_blocks", "do
 _GGUF = ("gate_blocks", "up_blocks", "gate_bias", "up_bias", "down_blocks", "down_bias")
 
 
-def _bias_rows(name: str, bias, width: int, e_local: int, expert_range) -> int:
+def _bias_rows(name: str, bias, width: int, e_local: int,
+               expert_range: Optional[ExpertRange]) -> int:
     """The experts a gate/up bias holds (all of them: a module of a range indexes the
     biases by global id), checked against the blocks' ``e_local`` and ``expert_range``."""
     check_tensor(name, bias, (None, width), "n_experts by the blocks' rows")
@@ -73,9 +81,9 @@ def _bias_rows(name: str, bias, width: int, e_local: int, expert_range) -> int:
     if expert_range is None and rows != e_local:
         raise ValueError(f"{name}: expected shape {(e_local, width)} (a row per expert of "
                          f"the blocks), got {tuple(bias.shape)}")
-    if expert_range is not None and parse_expert_range(expert_range)[1] > rows:
+    if expert_range is not None and expert_range.e1 > rows:
         raise ValueError(f"{name}: {rows} experts, fewer than expert_range "
-                         f"{parse_expert_range(expert_range)} needs")
+                         f"{tuple(expert_range)} needs")
     return rows
 
 
@@ -89,6 +97,7 @@ def check_experts(tensors: Dict[str, torch.Tensor], expert_range=None,
     gate and up (n_experts, F)) and (n_experts, H), n_experts = E or, with
     ``expert_range``, at least its end.  A ValueError naming the tensor (``names``: the
     file's names for the arguments), its shape and the shape expected."""
+    expert_range = None if expert_range is None else parse_expert_range(expert_range)
     n = {k: (names or {}).get(k, k) for k in tensors}
     gguf = "gate_blocks" in tensors
     width = GGUF_BLOCK_BYTES if gguf else GROUP_BYTES
@@ -174,12 +183,14 @@ class GptOssExperts(BytesByView):
                  alpha: float = 1.702, num_threads: Optional[int] = None, expert_range=None,
                  group=None):
         super().__init__()
+        self.num_threads = num_threads
+        rng = None if expert_range is None else parse_expert_range(expert_range)
         self.n_experts, self.hidden_size, self.intermediate_size = check_experts(dict(zip(
             _SPLIT, (gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales,
-                     down_bias), strict=True)), expert_range)
+                     down_bias), strict=True)), rng)
         e = gate_up_blocks.shape[0]
-        self.expert_range, self.group = expert_range_of(expert_range, e, group), group
-        self.limit, self.alpha, self.num_threads = float(limit), float(alpha), num_threads
+        self.expert_range, self.group = expert_range_of(rng, e, group), group
+        self.limit, self.alpha = float(limit), float(alpha)
         self.register_buffer("gate_up_blocks", bytes_of("gate_up_blocks", gate_up_blocks))
         self.register_buffer("gate_up_scales", bytes_of("gate_up_scales", gate_up_scales))
         self.register_buffer("down_blocks", bytes_of("down_blocks", down_blocks))
@@ -194,23 +205,22 @@ class GptOssExperts(BytesByView):
     def from_gguf_blocks(cls, gate_blocks: torch.Tensor, up_blocks: torch.Tensor,
                          gate_bias: torch.Tensor, up_bias: torch.Tensor,
                          down_blocks: torch.Tensor, down_bias: torch.Tensor,
-                         **kwargs) -> "GptOssExperts":
+                         limit: float = 7.0, alpha: float = 1.702,
+                         num_threads: Optional[int] = None, expert_range=None,
+                         group=None) -> "GptOssExperts":
         """The block from llama.cpp's tensors: GGUF block_mxfp4 blocks gate and up (E, F,
         H/32, 17), down (E, H, F/32, 17), read in place; biases gate, up (E, F) and down
-        (E, H). ``kwargs`` as the constructor's."""
-        rng, group = kwargs.pop("expert_range", None), kwargs.pop("group", None)
+        (E, H); the other arguments as the constructor's."""
+        m = cls.__new__(cls)
+        torch.nn.Module.__init__(m)
+        m.num_threads = num_threads
+        rng = None if expert_range is None else parse_expert_range(expert_range)
         dims = check_experts(dict(zip(_GGUF, (gate_blocks, up_blocks, gate_bias, up_bias,
                                               down_blocks, down_bias), strict=True)), rng)
         gate_up_bias = torch.stack((gate_bias, up_bias), dim=-1).flatten(-2)  # interleaved
-        m = cls.__new__(cls)
-        torch.nn.Module.__init__(m)
         m.n_experts, m.hidden_size, m.intermediate_size = dims
         m.expert_range, m.group = expert_range_of(rng, gate_blocks.shape[0], group), group
-        m.limit = float(kwargs.pop("limit", 7.0))
-        m.alpha = float(kwargs.pop("alpha", 1.702))
-        m.num_threads = kwargs.pop("num_threads", None)
-        if kwargs:
-            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        m.limit, m.alpha = float(limit), float(alpha)
         m.register_buffer("gate_blocks", bytes_of("gate_blocks", gate_blocks))
         m.register_buffer("up_blocks", bytes_of("up_blocks", up_blocks))
         m.register_buffer("down_blocks", bytes_of("down_blocks", down_blocks))
@@ -223,20 +233,23 @@ class GptOssExperts(BytesByView):
         return m
 
     @classmethod
-    def from_checkpoint(cls, path, layer: int, prefix: str = EXPERTS,
-                        **kwargs) -> "GptOssExperts":
+    def from_checkpoint(cls, path, layer: int, prefix: str = EXPERTS, *,
+                        limit: float = 7.0, alpha: float = 1.702,
+                        num_threads: Optional[int] = None, expert_range=None,
+                        group=None) -> "GptOssExperts":
         """One layer's experts from a gpt-oss checkpoint: safetensors (a file, a
         directory, or an open SafeTensorsCheckpoint) or GGUF (a ``.gguf`` file, a split
         set, or an open GGUFCheckpoint), expert bytes memory-mapped, not copied; with
-        ``expert_range=(e0, e1)`` only those experts' bytes are mapped."""
-        num_threads_arg(kwargs.get("num_threads"))  # before any file is read
+        ``expert_range=(e0, e1)`` (or ``range(e0, e1)``) only those experts' bytes are
+        mapped; the other arguments as the constructor's."""
+        num_threads_arg(num_threads)  # what is given, checked before any file is read
+        rng = None if expert_range is None else parse_expert_range(expert_range)
         gguf = _gguf_of(path)
         if gguf is not None:
-            return _gguf_experts(gguf, layer, **kwargs)
+            return _gguf_experts(gguf, layer, limit=limit, alpha=alpha,
+                                 num_threads=num_threads, expert_range=rng, group=group)
         ckpt = path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
         p = prefix.format(layer=layer)
-        rng = kwargs.get("expert_range")
-        rng = None if rng is None else parse_expert_range(rng)
 
         # constructor argument -> the checkpoint's name (gate_up_blocks: gate_up_proj_blocks)
         names = {arg: p + arg.replace("_blocks", "_proj_blocks").replace(
@@ -246,13 +259,16 @@ class GptOssExperts(BytesByView):
             name = names[arg]
             if arg.endswith("_bias"):
                 return ckpt.get(name)
-            # bytes typed U8, I8 or F8_E8M0, read by view
-            return as_bytes(name, ckpt.get(name) if rng is None else ckpt.get_rows(name, *rng))
+            if rng is None:
+                return as_bytes(name, ckpt.get(name))  # U8, I8 or F8_E8M0: read by view
+            check_range_within(rng, (ckpt.shape(name) or (0,))[0], _where(ckpt, name))
+            return as_bytes(name, ckpt.get_rows(name, *rng))
 
         t = {arg: get(arg) for arg in _SPLIT}
-        check_experts(t, kwargs.get("expert_range"),
-                      {arg: _where(ckpt, name) for arg, name in names.items()})
-        return cls(*(t[arg] for arg in _SPLIT), **kwargs)
+        check_experts(t, rng, {arg: _where(ckpt, name) for arg, name in names.items()})
+        return cls(t["gate_up_blocks"], t["gate_up_scales"], t["gate_up_bias"],
+                   t["down_blocks"], t["down_scales"], t["down_bias"], limit=limit,
+                   alpha=alpha, num_threads=num_threads, expert_range=rng, group=group)
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
@@ -345,8 +361,8 @@ class GptOssMoE(torch.nn.Module):
             naming = gguf_naming(gguf.architecture)
             if top_k is None:
                 top_k = gguf_integer(gguf, f"{gguf.architecture}.expert_used_count")
-            experts = _gguf_experts(gguf, layer, expert_range=expert_range,
-                                    num_threads=num_threads, group=group)
+            experts = _gguf_experts(gguf, layer, expert_range=rng, num_threads=num_threads,
+                                    group=group)
             names = (naming.router.format(layer=layer),
                      (naming.router_bias or "").format(layer=layer))  # gpt-oss's has a bias
             for name in names:
@@ -363,7 +379,8 @@ class GptOssMoE(torch.nn.Module):
             config = read_config(ckpt.root)
         except FileNotFoundError:
             if top_k is None:
-        num_threads_arg(num_threads)  # before any file is read
+        num_threads_arg(num_threads)  # what is given, checked before any file is read
+        rng = None if expert_range is None else parse_expert_range(expert_range)
                 raise
             config = {}  # top_k given, a file without its config.json: gpt-oss's clamp
         source = config_path(ckpt.root)
@@ -373,7 +390,7 @@ class GptOssMoE(torch.nn.Module):
             top_k = config["experts_per_token"]
         # the activation's clamp as the checkpoint states it (gpt-oss: 7.0)
         limit = _positive(f"{source}: swiglu_limit", config.get("swiglu_limit", 7.0))
-        experts = GptOssExperts.from_checkpoint(ckpt, layer, expert_range=expert_range,
+        experts = GptOssExperts.from_checkpoint(ckpt, layer, expert_range=rng,
                                                 num_threads=num_threads, group=group,
                                                 limit=limit)
         def stated(key):
@@ -393,9 +410,14 @@ class GptOssMoE(torch.nn.Module):
 
 
 def load_gpt_oss_experts(path: str, layers: Optional[Sequence[int]] = None,
-                         progress: bool = True, **kwargs) -> List[GptOssExperts]:
+                         progress: bool = True, *, limit: float = 7.0, alpha: float = 1.702,
+                         num_threads: Optional[int] = None, expert_range=None,
+                         group=None) -> List[GptOssExperts]:
     """Every (or the given) layer's experts of a gpt-oss checkpoint, memory-mapped, with a
-    progress bar on stderr (plain lines when it is not a terminal)."""
+    progress bar on stderr (plain lines when it is not a terminal); the other arguments
+    as :meth:`GptOssExperts.from_checkpoint`'s, the same for every layer."""
+    num_threads_arg(num_threads)  # what is given, checked before any file is read
+    rng = None if expert_range is None else parse_expert_range(expert_range)
     ckpt = SafeTensorsCheckpoint(path)
     if layers is None:
         layers = []
@@ -404,7 +426,9 @@ def load_gpt_oss_experts(path: str, layers: Optional[Sequence[int]] = None,
     out = []
     bar = Progress(len(layers), "loading experts") if progress else None
     for i, layer in enumerate(layers):
-        out.append(GptOssExperts.from_checkpoint(ckpt, layer, **kwargs))
+        out.append(GptOssExperts.from_checkpoint(ckpt, layer, limit=limit, alpha=alpha,
+                                                 num_threads=num_threads, expert_range=rng,
+                                                 group=group))
         if bar is not None:
             bar.update(i + 1)
     return out
@@ -419,7 +443,6 @@ def _gguf_of(path):
     if isinstance(path, (str, os.PathLike)) and os.path.isfile(path) and is_gguf(path):
         return GGUFCheckpoint(os.fspath(path))
     return None
-    num_threads_arg(kwargs.get("num_threads"))  # before any file is read
 
 
 def _where(ckpt: SafeTensorsCheckpoint, name: str) -> str:
@@ -438,13 +461,16 @@ def check_router(weight: torch.Tensor, bias: torch.Tensor, experts: GptOssExpert
     check_tensor(names[1], bias, (n,), "one per expert")
 
 
-def _gguf_experts(ckpt, layer: int, **kwargs) -> GptOssExperts:
-    """Layer ``layer``'s experts of a gpt-oss GGUF (llama.cpp's names, families.py)."""
+def _gguf_experts(ckpt, layer: int, *, limit: float = 7.0, alpha: float = 1.702,
+                  num_threads: Optional[int] = None,
+                  expert_range: Optional[ExpertRange] = None, group=None) -> GptOssExperts:
+    """Layer ``layer``'s experts of a gpt-oss GGUF (llama.cpp's names, families.py);
+    ``expert_range`` parsed already."""
     if ckpt.architecture != "gpt-oss":
         raise ValueError(f"{ckpt.root}: architecture {ckpt.architecture!r}, expected "
                          f"'gpt-oss' (llama.cpp's name for gpt-oss GGUF files)")
     naming = gguf_naming(ckpt.architecture)
-    blocks = load_gguf_experts(ckpt, layer, kwargs.get("expert_range"), naming=naming)
+    blocks = load_gguf_experts(ckpt, layer, expert_range, naming=naming)
     names = {f"{role}_blocks": naming.experts.format(layer=layer, proj=naming.roles[role])
              for role in ("gate", "up", "down")}
     names.update({f"{role}_bias": str(naming.expert_bias).format(layer=layer,
@@ -458,7 +484,7 @@ def _gguf_experts(ckpt, layer: int, **kwargs) -> GptOssExperts:
                              f"of layer {layer})")
         t[f"{role}_bias"] = ckpt.get(name)
     total, hidden, ff = check_experts(
-        t, kwargs.get("expert_range"),
+        t, expert_range,
         {arg: f"{ckpt.tensor(name).path}: tensor {name!r}" for arg, name in names.items()})
     # the sizes the metadata states, where it does (llama.cpp's converter writes them)
     sizes = ((f"{ckpt.architecture}.expert_count", total, "the experts' biases hold"),
@@ -467,4 +493,7 @@ def _gguf_experts(ckpt, layer: int, **kwargs) -> GptOssExperts:
               "the experts' blocks are"))
     check_dims(str(ckpt.root), {key: (gguf_integer_if_any(ckpt, key), found, what)
                                 for key, found, what in sizes})
-    return GptOssExperts.from_gguf_blocks(*(t[arg] for arg in _GGUF), **kwargs)
+    return GptOssExperts.from_gguf_blocks(
+        t["gate_blocks"], t["up_blocks"], t["gate_bias"], t["up_bias"], t["down_blocks"],
+        t["down_bias"], limit=limit, alpha=alpha, num_threads=num_threads,
+        expert_range=expert_range, group=group)

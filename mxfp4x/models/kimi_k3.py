@@ -28,6 +28,7 @@ from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import accumulation_dtype
 from .._progress import Progress
 from .._validation import (
+    ExpertRange,
     NumThreads,
     WeakGroup,
     as_tensor,
@@ -561,7 +562,9 @@ class KimiK3MoE(torch.nn.Module):
         base = prefix + layout.block.format(layer=layer)
         n_experts = hyper["num_experts"]
         num_threads_arg(num_threads)  # before any file is read
-        e0, e1 = (0, n_experts) if expert_range is None else parse_expert_range(expert_range)
+        rng = ExpertRange(0, n_experts) if expert_range is None else \
+            parse_expert_range(expert_range)
+        e0, e1 = rng
         if not 0 <= e0 < e1 <= n_experts:
             raise ValueError(f"expert_range: expected 0 <= e0 < e1 <= {n_experts} (the "
                              f"checkpoint's experts), got {(e0, e1)}")
@@ -570,7 +573,7 @@ class KimiK3MoE(torch.nn.Module):
         proj = ck.load_experts(ckpt, layout, layer, ids, prefix, bar)
         beta, linear_beta = situ_betas(config)
         routed = KimiK3Experts(proj["gate"], proj["up"], proj["down"], beta=beta,
-                               linear_beta=linear_beta, expert_range=(e0, e1),
+                               linear_beta=linear_beta, expert_range=rng,
                                num_threads=num_threads, group=group)
         source = ck.config_path(root)
         norm_flag = config.get("latent_moe_use_norm")  # missing or null: no norm
@@ -722,7 +725,9 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
     raw = gguf_config(ckpt, config)
     cfg = block_config(raw, f"{ckpt.root} (metadata or config)")
     n_experts = cfg["num_experts"]
-    e0, e1 = (0, n_experts) if expert_range is None else parse_expert_range(expert_range)
+    rng = ExpertRange(0, n_experts) if expert_range is None else \
+        parse_expert_range(expert_range)
+    e0, e1 = rng
     if not 0 <= e0 < e1 <= n_experts:
         raise ValueError(f"expert_range: expected 0 <= e0 < e1 <= {n_experts} (the "
                          f"file's experts), got {(e0, e1)}")
@@ -731,11 +736,11 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
         raise ValueError(f"{ckpt.root}: tensor {name!r} holds {ckpt.tensor(name).shape[0]} "
     num_threads_arg(num_threads)  # before any file is read
                          f"experts, the metadata {n_experts}")
-    blocks = ck.load_gguf_experts(ckpt, layer, (e0, e1), naming=naming)
+    blocks = ck.load_gguf_experts(ckpt, layer, rng, naming=naming)
     beta, linear_beta = situ_betas(raw, f"{ckpt.root} (metadata or config)")
     routed = KimiK3Experts((blocks["gate"], None), (blocks["up"], None),
                            (blocks["down"], None), beta=beta, linear_beta=linear_beta,
-                           expert_range=(e0, e1), num_threads=num_threads, group=group)
+                           expert_range=rng, num_threads=num_threads, group=group)
     latent = routed.d_latent
     router_name = naming.router.format(layer=layer)
     if router_name not in ckpt:

@@ -1,6 +1,10 @@
 """What every module constructor and checkpoint loader is given is checked where it is
 given, before any file is read: ``num_threads`` by the op's own rule (also when set on a
-module afterwards)."""
+module afterwards), ``expert_range`` by the one parser (a pair or a range of step 1, the
+same module either way, named in every refusal), each loader's parameters explicit."""
+import inspect
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -172,3 +176,120 @@ def test_the_modules_use_the_ops_rule(rng, k3):
         with pytest.raises(type(op.value)) as module:
             nn.MXFP4Experts(E, 32, 64, num_threads=bad)
         assert str(module.value) == str(op.value)
+
+
+# ---- expert_range -----------------------------------------------------------------------
+
+def _same_modules(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+    for m, n in zip(a.modules(), b.modules(), strict=True):
+        assert getattr(m, "expert_range", None) == getattr(n, "expert_range", None)
+        assert type(m) is type(n)
+
+
+def _range_loaders(gpt_oss, gpt_oss_gguf, k3):
+    """name -> (load(expert_range), (e0, e1) of a range it takes, needs a group)."""
+    blocks, scales = (f"model.layers.{LAYER}.mlp.experts.gate_up_proj_{k}"
+                      for k in ("blocks", "scales"))
+    out = {
+        "MXFP4Experts.from_safetensors": lambda r, g: nn.MXFP4Experts.from_safetensors(
+            gpt_oss, blocks, scales, expert_range=r, group=g),
+        "GptOssExperts.from_checkpoint": lambda r, g: nn.GptOssExperts.from_checkpoint(
+            gpt_oss, LAYER, expert_range=r, group=g),
+        "GptOssMoE.from_checkpoint": lambda r, g: nn.GptOssMoE.from_checkpoint(
+            gpt_oss, LAYER, expert_range=r, group=g),
+        "load_gpt_oss_experts": lambda r, g: torch.nn.ModuleList(nn.load_gpt_oss_experts(
+            gpt_oss, [LAYER], progress=False, expert_range=r, group=g)),
+        "KimiK3MoE.from_checkpoint": lambda r, g: nn.KimiK3MoE.from_checkpoint(
+            k3, LAYER, progress=False, expert_range=r, group=g),
+    }
+    if gpt_oss_gguf is not None:
+        out.update({
+            "GptOssExperts.from_checkpoint(gguf)": lambda r, g: nn.GptOssExperts.from_checkpoint(
+                gpt_oss_gguf, LAYER, expert_range=r, group=g),
+            "GptOssMoE.from_checkpoint(gguf)": lambda r, g: nn.GptOssMoE.from_checkpoint(
+                gpt_oss_gguf, LAYER, expert_range=r, group=g)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def range_loaders(request, gpt_oss, k3):
+    try:
+        gg = request.getfixturevalue("gpt_oss_gguf")
+    except pytest.skip.Exception:
+        gg = None
+    return _range_loaders(gpt_oss, gg, k3)
+
+
+@pytest.mark.parametrize("e0,e1", [(1, 3), (0, E), (2, E)])
+def test_a_range_and_a_pair_give_the_same_module(range_loaders, e0, e1):
+    group = _Group()
+    for name, load in range_loaders.items():
+        by_range, by_pair = load(range(e0, e1), group), load((e0, e1), group)
+        _same_modules(by_range, by_pair)
+        held = [m.expert_range for m in by_pair.modules() if hasattr(m, "expert_range")]
+        assert held and all(r == (e0, e1) for r in held), name
+
+
+@pytest.mark.parametrize("bad,kind", [
+    (range(0, 4, 2), ValueError), (range(3, 1), ValueError), ((3, 1), ValueError),
+    ((-1, 2), ValueError), ((0, E + 1), ValueError), (range(2, E + 3), ValueError),
+    ((0.0, 2.0), TypeError), ((0, 2.5), TypeError), ((0, 1, 2), ValueError),
+    ("0:2", TypeError), (3, TypeError)], ids=repr)
+def test_a_bad_range_is_refused_naming_expert_range(range_loaders, bad, kind):
+    for name, load in range_loaders.items():
+        with pytest.raises(kind, match="expert_range"):
+            load(bad, _Group())
+            pytest.fail(f"{name} took expert_range={bad!r}")
+
+
+PUBLIC_LOADERS = {
+    "MXFP4Experts": nn.MXFP4Experts.__init__,
+    "MXFP4Experts.from_packed": nn.MXFP4Experts.from_packed,
+    "MXFP4Experts.from_safetensors": nn.MXFP4Experts.from_safetensors,
+    "GptOssExperts": nn.GptOssExperts.__init__,
+    "GptOssExperts.from_gguf_blocks": nn.GptOssExperts.from_gguf_blocks,
+    "GptOssExperts.from_checkpoint": nn.GptOssExperts.from_checkpoint,
+    "GptOssMoE.from_checkpoint": nn.GptOssMoE.from_checkpoint,
+    "load_gpt_oss_experts": nn.load_gpt_oss_experts,
+    "KimiK3Experts": nn.KimiK3Experts.__init__,
+    "KimiK3MoE.from_checkpoint": nn.KimiK3MoE.from_checkpoint,
+    "load_gguf_experts": mxfp4x.checkpoints.load_gguf_experts,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_LOADERS))
+def test_every_loader_shows_its_parameters(name):
+    """help() and inspect.signature show expert_range (and num_threads where the module
+    runs the kernels): no parameter hides in **kwargs."""
+    params = inspect.signature(PUBLIC_LOADERS[name]).parameters
+    assert "expert_range" in params
+    assert not any(p.kind == p.VAR_KEYWORD for p in params.values()), name
+    if name != "load_gguf_experts":
+        assert "num_threads" in params
+
+
+def test_one_load_parses_the_range_once(monkeypatch, gpt_oss, k3):
+    """The pair is read once per load, however many steps use it (a gpt-oss load read it
+    up to six times)."""
+    real = _validation.parse_expert_range
+    raw = []
+
+    def counting(value):
+        if not isinstance(value, _validation.ExpertRange):  # an already parsed range
+            raw.append(value)
+        return real(value)
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("mxfp4x") and \
+                getattr(mod, "parse_expert_range", None) is real:
+            monkeypatch.setattr(mod, "parse_expert_range", counting)
+    for load in (lambda r: nn.GptOssMoE.from_checkpoint(gpt_oss, LAYER, expert_range=r),
+                 lambda r: nn.GptOssExperts.from_checkpoint(gpt_oss, LAYER, expert_range=r),
+                 lambda r: nn.KimiK3MoE.from_checkpoint(k3, LAYER, expert_range=r,
+                                                        progress=False)):
+        raw.clear()
+        load(range(0, E))
+        assert raw == [range(0, E)]
