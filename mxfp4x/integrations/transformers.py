@@ -5,12 +5,13 @@
 
 The door is transformers' own quantization hook: importing this module registers the
 quantization method ``"mxfp4x"`` (:class:`Mxfp4xConfig`, :class:`Mxfp4xHfQuantizer`).
-On the meta-device model, before any weight is read, the quantizer replaces every
-gpt-oss experts module by :class:`GptOssMxfp4Experts`, whose uint8 buffers carry the
-checkpoint's own names (``gate_up_proj_blocks``, ``gate_up_proj_scales``,
-``down_proj_blocks``, ``down_proj_scales``; the biases are parameters), so transformers'
-loader copies the checkpoint's bytes into them as they are: no expert ever exists as a
-dense float tensor. Everything else (attention, router, embeddings, ``generate``,
+On the meta-device model, before any weight is read, the quantizer replaces each
+gpt-oss experts module the file stores in MXFP4 by :class:`GptOssMxfp4Experts`, whose
+uint8 buffers carry the checkpoint's own names (``gate_up_proj_blocks``,
+``gate_up_proj_scales``, ``down_proj_blocks``, ``down_proj_scales``; the biases are
+parameters), so transformers' loader copies the checkpoint's bytes into them as they
+are: no expert ever exists as a dense float tensor, unless ``modules_to_not_convert``
+asks for it. Everything else (attention, router, embeddings, ``generate``,
 ``save_pretrained``) is plain transformers.
 
 A gpt-oss checkpoint names its format ``quant_method: "mxfp4"``, and transformers refuses
@@ -49,7 +50,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from .. import _dense
 from .._api import mxfp4_experts, mxfp4_experts_slots
 from .._format import GROUP, GROUP_BYTES, accumulation_dtype
-from .._quantize import SCALE_RULES, quantize
+from .._quantize import SCALE_RULES, dequantize, quantize
 from .._validation import bytes_by_view, num_threads_arg
 from ..models._common import BytesByView, view_loaded_bytes_hook
 from ..models.gpt_oss import gpt_oss_experts
@@ -76,8 +77,11 @@ class Mxfp4xConfig(QuantizationConfigMixin):
     ``num_threads``: the threads of each experts call (None: mxfp4x's default).
     ``scale_rule``: how dense weights get their E8M0 scales (``mxfp4x.quantize``:
     ``"floor"``, OCP MX v1.0; ``"ceil"``; ``"even"``).
-    ``modules_to_not_convert``: modules left as they are (name patterns, as transformers
-    takes them); kept from an MXFP4 checkpoint's config and written back.
+    ``modules_to_not_convert``: modules left dense (name patterns, as transformers takes
+    them): transformers' own modules and forward.  For an MXFP4 checkpoint the list is
+    its config's plus this one, written back with it; an experts module it names that the
+    file stores in MXFP4 is dequantized from the file's bytes (exactly, in the model's
+    dtype) into transformers' module, one the file stores dense keeps those weights.
     ``dense_kernels``: the model's bfloat16 ``nn.Linear`` layers (attention projections,
     the head) run on mxfp4x's dense kernel at up to 4 tokens (decode; see
     :class:`DenseLinear`); ``False`` leaves them to torch.
@@ -182,13 +186,10 @@ class GptOssMxfp4Experts(BytesByView):
 _DENSE_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 
 
-def _dense_experts_modules(model, skip):
-    """(name, module) of every experts module transformers routes through its experts
-    interface (``@use_experts_implementation``: it has ``has_gate`` and
-    ``is_transposed``), whose weights are 3-D parameters, and whose name no
-    ``modules_to_not_convert`` pattern matches."""
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
+def _dense_experts_modules(model):
+    """(name, module, weights) of every experts module transformers routes through its
+    experts interface (``@use_experts_implementation``: it has ``has_gate`` and
+    ``is_transposed``) whose weights are 3-D parameters."""
     found = []
     for name, module in model.named_modules():
         if not (hasattr(module, "has_gate") and hasattr(module, "is_transposed")):
@@ -196,8 +197,7 @@ def _dense_experts_modules(model, skip):
         weights = [w for w in _DENSE_WEIGHTS if isinstance(module._parameters.get(w),
                                                            torch.nn.Parameter)]
         if "down_proj" in weights and len(weights) == 2 and all(
-                module._parameters[w].dim() == 3 for w in weights) and \
-                should_convert_module(name, skip):
+                module._parameters[w].dim() == 3 for w in weights):
             found.append((name, module, weights))
     return found
 
@@ -209,19 +209,34 @@ def _mxfp4_layout(module, weight: str):
     return (e, b, a) if module.is_transposed else (e, a, b)
 
 
-def _swap_to_mxfp4(name, module):
+def _whole_groups(found) -> Dict[str, Dict[str, tuple]]:
+    """{name: {weight: (E, O, I)}} of the experts modules ``found`` (name, module,
+    weights); a ValueError naming every module whose input width is not whole groups of
+    32, and the ``modules_to_not_convert`` list that leaves them dense."""
+    shapes: Dict[str, Dict[str, tuple]] = {}
+    odd = []
+    for name, module, weights in found:
+        shapes[name] = {w: _mxfp4_layout(module, w) for w in weights}
+        widths = [f"{w} {i}" for w, (_, _, i) in shapes[name].items() if i % GROUP]
+        if widths:
+            odd.append((name, widths))
+    if odd:
+        names = [name for name, _ in odd]
+        every = " (all the experts modules left to quantize: nothing is then quantized, " \
+                "and the model is transformers' own)" if len(odd) == len(found) else ""
+        raise ValueError(f"{len(odd)} experts module(s) with an input width that is not a "
+                         f"multiple of {GROUP} (MXFP4 needs whole groups of {GROUP}; "
+                         f"{odd[0][0]}: {', '.join(odd[0][1])}). Leave them dense, on "
+                         f"transformers' own forward, with Mxfp4xConfig("
+                         f"modules_to_not_convert={names!r}){every}")
+    return shapes
+
+
+def _swap_to_mxfp4(module, shapes):
     """On the meta model: each dense experts weight becomes the uint8 buffers ``<w>``
     (E, O, I/32, 16) and ``<w>_scales`` (E, O, I/32), filled by :class:`Mxfp4xQuantize`
     as the checkpoint's tensors arrive; the module's forward becomes the ``"mxfp4x"``
-    experts implementation."""
-    shapes = {}
-    for weight in [w for w in _DENSE_WEIGHTS if w in module._parameters]:
-        e, o, i = _mxfp4_layout(module, weight)
-        if i % GROUP:
-            raise ValueError(f"{name}.{weight}: an input width of {i} is not a multiple of "
-                             f"{GROUP}; MXFP4 needs whole groups of {GROUP} (leave this "
-                             f"module dense with modules_to_not_convert=[{name!r}])")
-        shapes[weight] = (e, o, i)
+    experts implementation.  ``shapes``: {weight: (E, O, I)}, I whole groups."""
     for weight, (e, o, i) in shapes.items():
         del module._parameters[weight]
         with torch.device("meta"):
@@ -405,12 +420,103 @@ AttentionInterface.register(ATTENTION, grouped_attention)
 AttentionMaskInterface.register(ATTENTION, eager_mask)  # its masks are eager's
 
 
+# ---- what the checkpoint holds ----------------------------------------------------------
+
+_GPT_OSS_MXFP4 = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                  "down_proj_scales")
+_GPT_OSS_DENSE = ("gate_up_proj", "down_proj")
+_GPT_OSS_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+
+
+def _checkpoint_names(checkpoint_files) -> Optional[set]:
+    """The names of the tensors in the checkpoint's safetensors files (their headers
+    only); None where they cannot be known (no files: a ``state_dict``; another format)."""
+    if not checkpoint_files:
+        return None
+    from safetensors import safe_open
+
+    names: set = set()
+    for path in checkpoint_files:
+        if not str(path).endswith(".safetensors"):
+            return None
+        with safe_open(str(path), "pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def _mxfp4_tensors(names: Optional[set]) -> list:
+    """The experts' MXFP4 tensors of a checkpoint: each ``*experts*_blocks`` name whose
+    ``_scales`` twin is there too."""
+    if names is None:
+        return []
+    return sorted(n for n in names if n.endswith("_blocks") and "experts" in n and
+                  n[:-len("_blocks")] + "_scales" in names)
+
+
+def _gpt_oss_stored(name: str, names: set, prefix: str) -> str:
+    """How the checkpoint stores the gpt-oss experts module ``name``: ``"mxfp4"``
+    (blocks and scales) or ``"dense"`` (transformers' ``gate_up_proj``, ``down_proj``),
+    biases in both; a ValueError naming the module and what it lacks (transformers would
+    leave those tensors at its random initialisation, and the logits wrong)."""
+    held: set = set()
+    every = _GPT_OSS_MXFP4 + _GPT_OSS_DENSE + _GPT_OSS_BIASES
+    # the file's names may lack the model's prefix ("model."), or carry one it lacks
+    for base in dict.fromkeys((name, name.removeprefix(prefix + "."), f"{prefix}.{name}")):
+        held = {t for t in every if f"{base}.{t}" in names}
+        if held:
+            break
+    mxfp4 = held & set(_GPT_OSS_MXFP4)
+    dense = held & set(_GPT_OSS_DENSE)
+    if mxfp4 and dense:
+        raise ValueError(f"{name}: the checkpoint holds its experts both in MXFP4 "
+                         f"({', '.join(sorted(mxfp4))}) and dense ({', '.join(sorted(dense))})"
+                         f"; expected one or the other")
+    if not (mxfp4 or dense):
+        raise ValueError(f"{name}: the checkpoint holds no weights of these experts (in "
+                         f"MXFP4: {', '.join(name + '.' + t for t in _GPT_OSS_MXFP4)}; or "
+                         f"dense: {', '.join(_GPT_OSS_DENSE)}); transformers would leave them "
+                         f"at its random initialisation")
+    form, want = ("mxfp4", _GPT_OSS_MXFP4) if mxfp4 else ("dense", _GPT_OSS_DENSE)
+    missing = [t for t in want + _GPT_OSS_BIASES if t not in held]
+    if missing:
+        raise ValueError(f"{name}: the checkpoint stores these experts "
+                         f"{'in MXFP4' if mxfp4 else 'dense'} but lacks "
+                         f"{', '.join(name + '.' + t for t in missing)}; transformers would "
+                         f"leave them at its random initialisation")
+    return form
+
+
+def _dequantized_experts(loaded: "GptOssMxfp4Experts", module: torch.nn.Module):
+    """transformers' gpt-oss experts ``module`` (built on the meta device) holding the
+    experts ``loaded`` read from the file: each weight dequantized exactly (float32 and
+    bfloat16 hold every MXFP4 value of float32's range), one expert at a time, in the dtype
+    and layout of the module's own, (E, in, out); the biases as loaded."""
+    for proj in _GPT_OSS_DENSE:
+        blocks, scales = getattr(loaded, proj + "_blocks"), getattr(loaded, proj + "_scales")
+        like = module._parameters[proj]
+        assert like is not None
+        e, o, n_groups, _ = blocks.shape
+        dense = torch.empty((e, n_groups * GROUP, o), dtype=like.dtype, device=blocks.device)
+        for x in range(e):
+            dense[x] = dequantize(blocks[x], scales[x], like.dtype).t()
+        module._parameters[proj] = torch.nn.Parameter(dense, requires_grad=like.requires_grad)
+    for bias in _GPT_OSS_BIASES:
+        module._parameters[bias] = getattr(loaded, bias)
+    return module
+
+
 class Mxfp4xHfQuantizer(HfQuantizer):
     """transformers' quantizer of the ``"mxfp4x"`` method.
 
     An MXFP4 checkpoint (gpt-oss): the experts modules of the meta-device model become
     :class:`GptOssMxfp4Experts` before the weights are read; nothing is converted while
-    loading (the modules take the checkpoint's tensors as they are).
+    loading (the modules take the checkpoint's tensors as they are).  What the file holds
+    decides, module by module (safetensors files: their headers are read first): experts
+    it stores dense stay transformers' modules (and ``modules_to_not_convert`` then lists
+    them), experts stored in MXFP4 that ``modules_to_not_convert`` names are read as
+    MXFP4 and dequantized into transformers' module after loading, and experts the file
+    lacks (a weight, scale or bias) are a ValueError.  A checkpoint whose config names no
+    quantization but whose file holds gpt-oss experts in MXFP4 is read as MXFP4.
 
     A dense checkpoint: every experts module transformers routes through its experts
     interface keeps its class, its biases and its activation; its weights become uint8
@@ -420,27 +526,48 @@ class Mxfp4xHfQuantizer(HfQuantizer):
     requires_calibration = False
     quantization_config: Mxfp4xConfig
 
-    def _process_model_before_weight_loading(self, model, **kwargs):
-        if not self.pre_quantized:
-            return self._dense_before_loading(model)
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as HfExperts
 
-        config = model.config.get_text_config()
-        from transformers.quantizers.quantizers_utils import should_convert_module
-
-        skip = self.quantization_config.modules_to_not_convert
+        names = _checkpoint_names(checkpoint_files)
         every = [(name, m) for name, m in model.named_modules() if isinstance(m, HfExperts)]
-        # modules_to_not_convert: left as they are (the checkpoint holds them dense)
-        found = [(name, m) for name, m in every if should_convert_module(name, skip)]
+        mxfp4 = _mxfp4_tensors(names)
+        if not self.pre_quantized:
+            if not mxfp4:
+                return self._dense_before_loading(model)
+            if not every:
+                raise ValueError(f"mxfp4x: the checkpoint holds MXFP4 expert tensors "
+                                 f"({mxfp4[0]}, ...), but {type(model).__name__} has no "
+                                 f"gpt-oss experts; mxfp4x reads MXFP4 checkpoints of gpt-oss "
+                                 f"models")
+            # its config.json names no quantization_config, its tensors say MXFP4: read
+            # as the MXFP4 checkpoint it is (transformers' loader asks pre_quantized when
+            # it loads, after this)
+            self.pre_quantized = True
         if not every:
             raise ValueError(f"mxfp4x: no gpt-oss experts in {type(model).__name__}; an "
                              f"MXFP4 checkpoint loads for gpt-oss models (dense checkpoints "
                              f"of other MoE models are quantized at load)")
-        for name, module in found:
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        config = model.config.get_text_config()
+        qc = self.quantization_config
+        skip = list(qc.modules_to_not_convert or [])
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        self._mxfp4x_dequantize: Dict[str, torch.nn.Module] = {}
+        for name, module in every:
+            stored = None if names is None else _gpt_oss_stored(name, names, prefix)
+            listed = not should_convert_module(name, skip)
+            if stored == "dense" or (stored is None and listed):
+                if not listed:  # the config written back says what the file holds
+                    qc.modules_to_not_convert = [*(qc.modules_to_not_convert or []), name]
+                continue  # transformers' module takes the file's dense weights
             with torch.device("meta"):
                 new = GptOssMxfp4Experts(config, bias_dtype=module.gate_up_proj_bias.dtype,
-                                         num_threads=self.quantization_config.num_threads)
+                                         num_threads=qc.num_threads)
             new._mxfp4x_name = name + "."
+            if listed:  # stored MXFP4: the bytes load as they are, dequantized after
+                self._mxfp4x_dequantize[name] = module
             model.set_submodule(name, new)
         return model
 
@@ -458,17 +585,31 @@ class Mxfp4xHfQuantizer(HfQuantizer):
         return super().get_new_dtype(converter, param, dtype)
 
     def _dense_before_loading(self, model):
-        found = _dense_experts_modules(model, self.quantization_config.modules_to_not_convert)
-        if not found:
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        every = _dense_experts_modules(model)
+        if not every:
             raise ValueError(f"mxfp4x: no experts module in {type(model).__name__} that "
                              f"transformers routes through its experts interface "
                              f"(@use_experts_implementation); nothing to quantize")
-        for name, module, _ in found:
-            _swap_to_mxfp4(name, module)
+        skip = self.quantization_config.modules_to_not_convert
+        found = [f for f in every if should_convert_module(f[0], skip)]
+        self._mxfp4x_quantized = len(found)
+        if not found:
+            _LOG.warning(f"mxfp4x: modules_to_not_convert leaves every experts module of "
+                         f"{type(model).__name__} dense ({len(every)}); nothing is quantized "
+                         f"and the model is transformers' own")
+            return model
+        for name, shapes in _whole_groups(found).items():
+            module = model.get_submodule(name)
+            _swap_to_mxfp4(module, shapes)
             module._mxfp4x_threads = self.quantization_config.num_threads
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        for name, module in getattr(self, "_mxfp4x_dequantize", {}).items():
+            model.set_submodule(name, _dequantized_experts(model.get_submodule(name), module))
+        self._mxfp4x_dequantize = {}
         if self.quantization_config.dense_kernels:
             use_dense_kernels(model, self.quantization_config.num_threads)
         return model
@@ -487,7 +628,11 @@ class Mxfp4xHfQuantizer(HfQuantizer):
     def is_serializable(self):
         # quantized at load, the experts would have to be written in a layout of our own
         # that no loader reads; an MXFP4 checkpoint is written back as it came
-        if not self.pre_quantized:
+        if not self.pre_quantized and getattr(self, "_mxfp4x_quantized", 1) == 0:
+            _LOG.warning("mxfp4x: modules_to_not_convert left every experts module dense, "
+                         "but the model carries mxfp4x's quantization_config, which it is not "
+                         "saved with; load it without quantization_config to save it")
+        elif not self.pre_quantized:
             _LOG.warning("mxfp4x: experts quantized at load are not saved (no MXFP4 layout "
                          "for them is read by other loaders); save the dense checkpoint and "
                          "quantize again at load")
@@ -520,6 +665,10 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
       each layer's experts are quantized to MXFP4 as the loader hands them over
       (``mxfp4x.quantize``, the scale rule of ``Mxfp4xConfig(scale_rule=...)``).
 
+    Each gpt-oss experts module loads as the file stores it (see
+    :class:`Mxfp4xHfQuantizer`): MXFP4 bytes are read as MXFP4 also where ``config.json``
+    lacks ``quantization_config``; expert tensors the file lacks are a ValueError.
+
     ``kwargs`` go to transformers' ``from_pretrained`` (``dtype``/``torch_dtype``,
     ``revision``, ``config``, ...); ``num_threads`` (or ``quantization_config=
     Mxfp4xConfig(num_threads=...)``) sets the threads of each experts call.  The model's
@@ -544,7 +693,8 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
             getattr(config, "_attn_implementation", None) is None:  # none asked in config=
         kwargs.setdefault("attn_implementation", ATTENTION)
     found = getattr(config, "quantization_config", None)
-    if found is None:  # dense experts: quantized at load
+    if found is None:  # dense experts: quantized at load (MXFP4 ones, in a checkpoint
+        # whose config says nothing of them: the quantizer reads them as MXFP4)
         dense = Mxfp4xConfig(num_threads=threads,
                              scale_rule=getattr(qc, "scale_rule", "floor"),
                              modules_to_not_convert=getattr(qc, "modules_to_not_convert", None),

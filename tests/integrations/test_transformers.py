@@ -2,6 +2,7 @@
 layout, loaded with its experts kept MXFP4, against transformers' own dequantized model."""
 import json
 import os
+import re
 import warnings
 
 import numpy as np
@@ -141,6 +142,173 @@ def test_experts_the_checkpoint_keeps_dense_stay_dense(checkpoint, tmp_path):
     with torch.no_grad():
         got, want = ours(ids).logits, dense(ids).logits
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def _folder_with(checkpoint, folder, edit_tensors=None, edit_config=None):
+    """A copy of the checkpoint with its tensors (a dict) and its config.json (a dict)
+    passed through the edits (each changes its dict in place)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(checkpoint, "model.safetensors"))
+    if edit_tensors is not None:
+        edit_tensors(tensors)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(str(folder), "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(checkpoint, "config.json")) as fh:
+        cfg = json.load(fh)
+    if edit_config is not None:
+        edit_config(cfg)
+    with open(os.path.join(str(folder), "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return str(folder)
+
+
+def _dequantized_weights(checkpoint, layer, dtype):
+    """gate_up_proj and down_proj of a layer's experts as transformers holds them, (E, in,
+    out), decoded from the file's bytes."""
+    import mxfp4x
+
+    p = f"model.layers.{layer}.mlp.experts."
+    with safe_open(os.path.join(checkpoint, "model.safetensors"), "pt") as f:
+        return {proj: mxfp4x.dequantize(f.get_tensor(p + proj + "_blocks"),
+                                        f.get_tensor(p + proj + "_scales")
+                                        ).transpose(1, 2).to(dtype)
+                for proj in ("gate_up_proj", "down_proj")}
+
+
+@pytest.mark.parametrize("pattern, layers", [("model.layers.0.mlp.experts", [0]),
+                                             ("experts", [0, 1])])
+def test_modules_to_not_convert_dequantizes_the_mxfp4_experts_it_names(checkpoint, models,
+                                                                       pattern, layers,
+                                                                       tmp_path):
+    """modules_to_not_convert naming experts the file stores in MXFP4: they become
+    transformers' dense module holding the file's experts dequantized exactly (they were
+    left at transformers' random initialisation, the logits wrong, the one trace a load
+    report); the others stay MXFP4.  Saved, the checkpoint holds those experts dense and
+    its config lists them, and loads back to the same logits."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    _, dense = models
+    ours = _ours(checkpoint, quantization_config=mxt.Mxfp4xConfig(
+        modules_to_not_convert=[pattern]))
+    for layer in range(SIZES["num_hidden_layers"]):
+        experts = ours.model.layers[layer].mlp.experts
+        if layer not in layers:
+            assert isinstance(experts, mxt.GptOssMxfp4Experts)
+            continue
+        assert type(experts) is GptOssExperts
+        for proj, want in _dequantized_weights(checkpoint, layer, torch.float32).items():
+            got = getattr(experts, proj)
+            assert got.dtype == torch.float32 and torch.equal(got, want), (layer, proj)
+        with safe_open(os.path.join(checkpoint, "model.safetensors"), "pt") as f:
+            bias = f.get_tensor(f"model.layers.{layer}.mlp.experts.down_proj_bias")
+        assert torch.equal(experts.down_proj_bias, bias.float())
+    ids = _tokens()
+    with torch.no_grad():
+        got, want = ours(ids).logits, dense(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    ours.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as fh:
+        assert pattern in json.load(fh)["quantization_config"]["modules_to_not_convert"]
+    again = mxt.from_pretrained(str(tmp_path), dtype=torch.float32)
+    for layer in layers:
+        assert type(again.model.layers[layer].mlp.experts) is GptOssExperts
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, got)
+
+
+def test_dequantized_experts_take_the_model_dtype(checkpoint):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    ours = _ours(checkpoint, dtype=torch.bfloat16, quantization_config=mxt.Mxfp4xConfig(
+        modules_to_not_convert=["model.layers.1.mlp.experts"]))
+    experts = ours.model.layers[1].mlp.experts
+    assert type(experts) is GptOssExperts
+    for proj, want in _dequantized_weights(checkpoint, 1, torch.bfloat16).items():
+        got = getattr(experts, proj)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), proj  # exact in bf16
+    with torch.no_grad():
+        assert torch.isfinite(ours(_tokens()).logits).all()
+
+
+def test_experts_stored_dense_but_not_listed_load_as_stored(checkpoint, models, tmp_path):
+    """A layer's experts stored dense while the config's modules_to_not_convert does not
+    list them (an MXFP4 module there would run on bytes never loaded): transformers'
+    module takes them, and the config written back lists it."""
+    import mxfp4x
+
+    def dense_layer_1(tensors):
+        p = "model.layers.1.mlp.experts."
+        for proj in ("gate_up_proj", "down_proj"):
+            w = mxfp4x.dequantize(tensors.pop(p + proj + "_blocks"),
+                                  tensors.pop(p + proj + "_scales"))
+            tensors[p + proj] = w.transpose(1, 2).contiguous().to(torch.bfloat16)
+
+    folder = _folder_with(checkpoint, tmp_path / "ckpt", dense_layer_1)
+    ours, (_, dense) = _ours(folder), models
+    assert isinstance(ours.model.layers[0].mlp.experts, mxt.GptOssMxfp4Experts)
+    assert not isinstance(ours.model.layers[1].mlp.experts, mxt.GptOssMxfp4Experts)
+    ids = _tokens()
+    with torch.no_grad():
+        got, want = ours(ids).logits, dense(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert "model.layers.1.mlp.experts" in ours.config.quantization_config.modules_to_not_convert
+
+
+@pytest.mark.parametrize("missing", [
+    tuple("model.layers.1.mlp.experts." + t for t in EXPERT_TENSORS),  # the whole layer
+    ("model.layers.0.mlp.experts.down_proj_scales",),
+    ("model.layers.1.mlp.experts.gate_up_proj_bias",)], ids=["layer", "scales", "bias"])
+@pytest.mark.parametrize("listed", [False, True])
+def test_experts_the_file_does_not_hold_are_an_error(checkpoint, tmp_path, missing, listed):
+    """Expert tensors the file lacks (a layer's, a scale, a bias) would be left at
+    transformers' initialisation: a ValueError naming the module and the tensors, whether
+    or not modules_to_not_convert names the module."""
+    def drop(tensors):
+        for name in missing:
+            del tensors[name]
+
+    def lists(cfg):
+        if listed:
+            cfg["quantization_config"]["modules_to_not_convert"].append(
+                missing[0].rsplit(".", 1)[0])
+
+    folder = _folder_with(checkpoint, tmp_path / "ckpt", drop, lists)
+    module = missing[0].rsplit(".", 1)[0]
+    with pytest.raises(ValueError, match=re.escape(module) + ".*" + re.escape(
+            missing[0].rsplit(".", 1)[1])):
+        _ours(folder)
+
+
+@pytest.mark.parametrize("door", ["from_pretrained", "AutoModelForCausalLM"])
+def test_a_checkpoint_without_quantization_config_loads_as_mxfp4(checkpoint, models, door,
+                                                                 tmp_path):
+    """An MXFP4 gpt-oss checkpoint whose config.json lacks quantization_config (its
+    expert tensors ``*_blocks`` / ``*_scales`` say the format): read as MXFP4, the same
+    model (it failed deep in transformers, "normal_kernel_cpu" not implemented for
+    'Byte'); saved, its config says quant_method "mxfp4"."""
+    folder = _folder_with(checkpoint, tmp_path / "ckpt",
+                          edit_config=lambda cfg: cfg.pop("quantization_config"))
+    if door == "from_pretrained":
+        model = _ours(folder)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, quantization_config=mxt.Mxfp4xConfig())
+    ours, _ = models
+    for layer in range(SIZES["num_hidden_layers"]):
+        got, want = model.model.layers[layer].mlp.experts, ours.model.layers[layer].mlp.experts
+        assert isinstance(got, mxt.GptOssMxfp4Experts)
+        for name in BYTE_TENSORS:
+            assert torch.equal(getattr(got, name), getattr(want, name)), (layer, name)
+    ids = _tokens()
+    with torch.no_grad():
+        logits = model(ids).logits
+    if door == "from_pretrained":  # the same attention as ours
+        with torch.no_grad():
+            assert torch.equal(logits, ours(ids).logits)
+    model.save_pretrained(tmp_path / "saved")
+    with open(tmp_path / "saved" / "config.json") as fh:
+        assert json.load(fh)["quantization_config"]["quant_method"] == "mxfp4"
 
 
 def test_greedy_generate_matches(models):

@@ -3,6 +3,7 @@ transformers loads them: small random models of the public shapes, against trans
 own forward on the same dequantized weights (must agree within 1e-5 of max|logit|) and on
 the dense weights (the quality cost of MXFP4, reported and bounded)."""
 import os
+import re
 import warnings
 
 import pytest
@@ -259,13 +260,32 @@ def test_save_pretrained_refuses_and_says_why(loaded, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
 
 
-def test_a_width_that_is_not_whole_groups_is_refused(tmp_path):
+def test_a_width_that_is_not_whole_groups_is_refused_and_the_advice_works(tmp_path):
+    """The refusal names every experts module whose width is not whole groups, in the
+    modules_to_not_convert list that leaves them dense; following it gives transformers'
+    own model (it ended in "no experts module ... routes through its experts interface",
+    untrue, naming no list)."""
     config = transformers.Qwen3MoeConfig(**{**SMALL, "hidden_size": 48}, intermediate_size=96,
                                          moe_intermediate_size=64, num_experts=3,
                                          num_experts_per_tok=2, mlp_only_layers=[])
+    torch.manual_seed(6)
     _quiet(transformers.AutoModelForCausalLM.from_config(config).save_pretrained, tmp_path)
-    with pytest.raises(ValueError, match="multiple of 32.*modules_to_not_convert"):
+    names = [f"model.layers.{i}.mlp.experts" for i in range(SMALL["num_hidden_layers"])]
+    with pytest.raises(ValueError, match=re.escape(f"modules_to_not_convert={names!r}") +
+                       ".*nothing is then quantized"):
         _quiet(mxt.from_pretrained, str(tmp_path))
+    with pytest.raises(ValueError, match="multiple of 32.*modules_to_not_convert"):
+        _quiet(mxt.from_pretrained, str(tmp_path), quantization_config=mxt.Mxfp4xConfig(
+            modules_to_not_convert=names[:1]))  # the other one still named
+    ours = _quiet(mxt.from_pretrained, str(tmp_path), dtype=torch.float32,
+                  quantization_config=mxt.Mxfp4xConfig(modules_to_not_convert=names))
+    plain = _quiet(transformers.AutoModelForCausalLM.from_pretrained, str(tmp_path),
+                   dtype=torch.float32)
+    assert all(m.gate_up_proj.dtype == torch.float32 for m in _experts(ours))
+    ids = _tokens()
+    with torch.no_grad():
+        got, want = ours(ids).logits, plain(ids).logits
+    assert want.abs().max() > 0 and torch.equal(got, want)
 
 
 def test_peak_memory_against_transformers_dense(tmp_path):
