@@ -71,9 +71,10 @@ def test_experts_op(rng, backend, form, use_reentrant):
     _same(_step(fn, leaves, params, use_checkpoint=True, use_reentrant=use_reentrant), want)
 
 
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
 @pytest.mark.parametrize("per_slot_latents", [False, True])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_slots_op(rng, backend, per_slot_latents):
+def test_slots_op(rng, backend, per_slot_latents, use_reentrant):
     """The per-slot op (a gate/up projection; with (T, K, I) latents a down projection)."""
     layer = random_layer(rng, T, K, E, D_OUT, G)
     packed, scales, sel = (layer[k] for k in ("packed_weights", "scale_bytes",
@@ -88,7 +89,7 @@ def test_slots_op(rng, backend, per_slot_latents):
 
     leaves = [x.clone().requires_grad_(True)]
     want = _step(fn, leaves, [], use_checkpoint=False)
-    _same(_step(fn, leaves, [], use_checkpoint=True), want)
+    _same(_step(fn, leaves, [], use_checkpoint=True, use_reentrant=use_reentrant), want)
 
 
 def test_threads_do_not_change_the_checkpointed_gradients(rng):
@@ -115,7 +116,8 @@ def _routing(rng, n_tokens=T, n_experts=E, top_k=K, d=32 * G):
     return h.requires_grad_(True), sel, w.requires_grad_(True)
 
 
-def test_mxfp4_experts_module(rng):
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_mxfp4_experts_module(rng, use_reentrant):
     weights = torch.from_numpy(rng.standard_normal((E, D_OUT, 32 * G))).float()
     module = nn.MXFP4Experts.from_float(weights, num_threads=2)
     h, sel, w = _routing(rng)
@@ -125,10 +127,12 @@ def test_mxfp4_experts_module(rng):
         return module(h, sel, w, shared)
 
     want = _step(fn, [h, w, shared], [], use_checkpoint=False)
-    _same(_step(fn, [h, w, shared], [], use_checkpoint=True), want)
+    _same(_step(fn, [h, w, shared], [], use_checkpoint=True, use_reentrant=use_reentrant),
+          want)
 
 
-def test_gpt_oss_experts_module(rng):
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_gpt_oss_experts_module(rng, use_reentrant):
     """The gpt-oss block (per-slot gate/up, SwiGLU, down combined), biases trained."""
     hidden, inter = 32 * G, 64
 
@@ -149,10 +153,12 @@ def test_gpt_oss_experts_module(rng):
     params = list(module.parameters())
     assert len(params) == 2
     want = _step(fn, [h, w], params, use_checkpoint=False)
-    _same(_step(fn, [h, w], params, use_checkpoint=True), want)
+    _same(_step(fn, [h, w], params, use_checkpoint=True, use_reentrant=use_reentrant),
+          want)
 
 
-def test_kimi_k3_experts_module(rng):
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+def test_kimi_k3_experts_module(rng, use_reentrant):
     """Per-expert lists (the list ops), SiTU and the clip between them."""
     def w(o, groups):
         return (torch.from_numpy(rng.integers(0, 256, (E, o, groups, 16), dtype=np.uint8)),
@@ -165,4 +171,5 @@ def test_kimi_k3_experts_module(rng):
         return module(h, sel, rw)
 
     want = _step(fn, [h, rw], [], use_checkpoint=False)
-    _same(_step(fn, [h, rw], [], use_checkpoint=True), want)
+    _same(_step(fn, [h, rw], [], use_checkpoint=True, use_reentrant=use_reentrant),
+          want)
