@@ -356,6 +356,8 @@ class GptOssMoE(torch.nn.Module):
         only those experts' bytes (expert-parallel with ``group``). A GGUF file (or split
         set) gives the router, the biases and ``top_k`` (``gpt-oss.expert_used_count``)
         too."""
+        num_threads_arg(num_threads)  # what is given, checked before any file is read
+        rng = None if expert_range is None else parse_expert_range(expert_range)
         gguf = _gguf_of(path)
         if gguf is not None:
             naming = gguf_naming(gguf.architecture)
@@ -379,8 +381,6 @@ class GptOssMoE(torch.nn.Module):
             config = read_config(ckpt.root)
         except FileNotFoundError:
             if top_k is None:
-        num_threads_arg(num_threads)  # what is given, checked before any file is read
-        rng = None if expert_range is None else parse_expert_range(expert_range)
                 raise
             config = {}  # top_k given, a file without its config.json: gpt-oss's clamp
         source = config_path(ckpt.root)

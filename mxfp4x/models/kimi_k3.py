@@ -546,6 +546,7 @@ class KimiK3MoE(torch.nn.Module):
         (``expert_range`` then this rank's range; see :class:`KimiK3Experts`).
         ``config``: for a GGUF file only, hyperparameters its metadata lacks, by their
         ``config.json`` names (a safetensors checkpoint has its config.json)."""
+        num_threads_arg(num_threads)  # before any file is read
         if isinstance(path, GGUFCheckpoint) or is_gguf(os.fspath(path) if isinstance(
                 path, (str, os.PathLike)) else ""):
             return from_gguf(cls, path, layer, expert_range=expert_range,
@@ -561,7 +562,6 @@ class KimiK3MoE(torch.nn.Module):
         prefix = ck.find_prefix(ckpt, layout, layer)
         base = prefix + layout.block.format(layer=layer)
         n_experts = hyper["num_experts"]
-        num_threads_arg(num_threads)  # before any file is read
         rng = ExpertRange(0, n_experts) if expert_range is None else \
             parse_expert_range(expert_range)
         e0, e1 = rng
@@ -717,6 +717,7 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
     ``expert_range``'s bytes), the dense parts (router and its bias, latent projections
     and norm, shared experts) loaded once (:func:`_gguf_dense`), the hyperparameters from
     the metadata (:func:`gguf_config`)."""
+    num_threads_arg(num_threads)  # before any file is read
     ckpt = ck.open_gguf(path)
     naming = ck.GGUF_KIMI_K3
     if ckpt.architecture not in naming.architectures:
@@ -734,7 +735,6 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
     name = naming.tensor(layer, "down")
     if name in ckpt and ckpt.tensor(name).shape[:1] != (n_experts,):
         raise ValueError(f"{ckpt.root}: tensor {name!r} holds {ckpt.tensor(name).shape[0]} "
-    num_threads_arg(num_threads)  # before any file is read
                          f"experts, the metadata {n_experts}")
     blocks = ck.load_gguf_experts(ckpt, layer, rng, naming=naming)
     beta, linear_beta = situ_betas(raw, f"{ckpt.root} (metadata or config)")
