@@ -38,17 +38,23 @@ Files are untrusted input.  Every number is an exact Python int, every count and
 is checked against the bytes left in the file before anything proportional to it is
 allocated, arrays nest at most ``MAX_ARRAY_DEPTH`` deep, keys and tensor names are unique,
 every tensor's byte range lies inside the data section and overlaps no other, and every
-read is bounded by its own tensor's range.  A malformed file is a ``ValueError`` naming
-the file and the key or tensor.  Only regular files are opened (symbolic links
-followed): a named pipe, a device or a folder is a ``ValueError`` naming it.  The file
-is opened read-only and never written.  Every call that hands out tensors makes a new
-copy-on-write mapping of just their bytes (as the safetensors reader does): a tensor is
-a view of the file's pages, and a write to it copies the page it touches for that
-call's tensors alone.  Each call checks the file's size then: a file truncated after it
-was opened is a ``ValueError``.  A file truncated or rewritten in place while tensors
-already handed out are in use cannot be guarded against (a bus error, or changed
-numbers): replace a model's file by renaming a new one over it.
+read is bounded by its own tensor's range.  A header costs memory in proportion to its
+bytes, whatever it holds: arrays of numbers are numpy arrays, arrays of strings or of
+arrays are a :class:`GGUFList` (their bytes and an offset per element, each element
+decoded when read), and a header declares at most ``MAX_KEYS`` key-value pairs and
+``MAX_TENSORS`` tensors (the caps, beside ggml's own limits, are the constants below).
+A malformed file is a ``ValueError`` naming the file and the key or tensor.  Only regular
+files are opened (symbolic links followed): a named pipe, a device or a folder is a
+``ValueError`` naming it.  The file is opened read-only and never written.  Every call
+that hands out tensors makes a new copy-on-write mapping of just their bytes (as the
+safetensors reader does): a tensor is a view of the file's pages, and a write to it
+copies the page it touches for that call's tensors alone.  Each call checks the file's
+size then: a file truncated after it was opened is a ``ValueError``.  A file truncated
+or rewritten in place while tensors already handed out are in use cannot be guarded
+against (a bus error, or changed numbers): replace a model's file by renaming a new one
+over it.
 """
+import io
 import math
 import operator
 import os
@@ -56,8 +62,21 @@ import re
 import struct
 import threading
 import weakref
+from array import array
 from types import MappingProxyType
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import (
+    Any,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+    overload,
+)
 
 import numpy as np
 import torch
@@ -73,7 +92,8 @@ ARCHITECTURE_KEY = "general.architecture"
 SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>[0-9]{5})-of-(?P<count>[0-9]{5})\.gguf$")
 
-# ggml's limits (GGML_MAX_DIMS, GGML_MAX_NAME: a name and its NUL in 64 bytes)
+# What a header may declare, all in one place (docs/gguf.md and docs/guarantees.md quote
+# them).  ggml's limits (GGML_MAX_DIMS, GGML_MAX_NAME: a name and its NUL in 64 bytes):
 MAX_DIMS = 4
 MAX_NAME_BYTES = 63
 MAX_KEY_BYTES = 65535
@@ -82,6 +102,14 @@ MAX_STRING_BYTES = 1 << 24
 # ggml reads no nested arrays; the gguf package does: a few levels, never recursion
 # as deep as a hostile file asks
 MAX_ARRAY_DEPTH = 4
+# llama.cpp's converters write a few dozen keys (a tokenizer's vocabulary, scores and
+# merges are one key each, however long), and stack each layer's experts in one tensor
+# per projection: the largest MoE files hold about a thousand tensors (DeepSeek-V3, Kimi
+# K2), and one tensor per expert of Kimi K3 (896 experts, 3 projections, every
+# layer) would be ~250,000.  Each key costs ~0.1 KiB and each tensor ~0.3 KiB of memory
+# beyond its bytes: at most ~6 MiB and ~300 MiB, whatever the file
+MAX_KEYS = 1 << 16
+MAX_TENSORS = 1 << 20
 # torch and numpy index with signed 64-bit strides (ggml's ne are int64 too)
 _MAX_INDEX = 2 ** 63
 
@@ -134,6 +162,8 @@ _MIN_VALUE_BYTES = {**{t: np.dtype(f).itemsize for t, f in _SCALAR.items()},
                     _STRING: 8, _ARRAY: 12}
 
 _CHUNK = 1 << 20
+_TYPE_COUNT = struct.Struct("<IQ")  # an array's head; also a tensor info's type and offset
+_PLAIN_ITEMSIZE = {t: np.dtype(f).itemsize for t, f in _SCALAR.items() if t != _BOOL}
 
 
 class GGUFTensorInfo(NamedTuple):
@@ -186,13 +216,28 @@ def _bad(path: str, what: str) -> ValueError:
 
 class _Cursor:
     """Sequential reads of a file's header: every read is checked against the bytes
-    left in the file before anything is read or allocated."""
+    left in the file before anything is read or allocated.  The bytes of a stretch of
+    the header can be kept as they are read (:meth:`record`, :meth:`recorded`)."""
 
     def __init__(self, fh, path: str, size: int):
         self.fh, self.path, self.size = fh, path, size
         self.pos = 0
         self._buf = b""
         self._buf_at = 0
+        self._rec_from: Optional[int] = None  # recording: the first byte not yet kept
+        self._rec = bytearray()
+
+    def _fill(self, n: int, what: str) -> None:
+        """The buffer from ``pos`` on, at least ``n`` bytes (which the file holds)."""
+        if self._rec_from is not None:  # keep what the old buffer holds of the stretch
+            self._rec += memoryview(self._buf)[self._rec_from - self._buf_at:
+                                               self.pos - self._buf_at]
+            self._rec_from = self.pos
+        self.fh.seek(self.pos)
+        self._buf = self.fh.read(max(n, min(_CHUNK, self.size - self.pos)))
+        self._buf_at = self.pos
+        if len(self._buf) < n:
+            raise _bad(self.path, f"{what}: the file shrank while it was read")
 
     def take(self, n: int, what: str) -> memoryview:
         if n > self.size - self.pos:
@@ -200,13 +245,33 @@ class _Cursor:
                                   f"ends at {self.size} (truncated or not a GGUF file)")
         lo = self.pos - self._buf_at
         if lo + n > len(self._buf):
-            self.fh.seek(self.pos)
-            self._buf = self.fh.read(max(n, min(_CHUNK, self.size - self.pos)))
-            self._buf_at, lo = self.pos, 0
-            if len(self._buf) < n:
-                raise _bad(self.path, f"{what}: the file shrank while it was read")
+            self._fill(n, what)
+            lo = 0
         self.pos += n
         return memoryview(self._buf)[lo:lo + n]
+
+    def window(self, n: int, what: str) -> Tuple[bytes, int]:
+        """(the buffer, where ``pos`` is in it), the buffer holding at least ``n`` bytes
+        from ``pos`` or all that the file has left."""
+        n = min(n, self.size - self.pos)
+        lo = self.pos - self._buf_at
+        if lo + n > len(self._buf):
+            self._fill(n, what)
+            lo = 0
+        return self._buf, lo
+
+    def record(self) -> None:
+        """Keep the bytes read from here on, until :meth:`recorded`."""
+        self._rec_from, self._rec = self.pos, bytearray()
+
+    def recorded(self) -> bytearray:
+        """The bytes read since :meth:`record`, a copy made as they were read (no buffer
+        stays alive for them, and no second copy of them all is made)."""
+        assert self._rec_from is not None
+        out = self._rec
+        out += memoryview(self._buf)[self._rec_from - self._buf_at:self.pos - self._buf_at]
+        self._rec_from, self._rec = None, bytearray()
+        return out
 
     def scalar(self, vtype: int, what: str):
         unpack = _STRUCT[vtype]
@@ -223,14 +288,14 @@ class _Cursor:
     def u64(self, what: str) -> int:
         return self.scalar(_UINT64, what)
 
-    def raw_string(self, what: str, limit: int = MAX_STRING_BYTES) -> bytes:
+    def raw_string(self, what: str, limit: int = MAX_STRING_BYTES) -> memoryview:
         n = self.u64(f"{what} (its length)")
         if n > limit:
             raise _bad(self.path, f"{what}: a string of {n} bytes (at most {limit})")
-        return bytes(self.take(n, what))
+        return self.take(n, what)
 
     def text(self, what: str, limit: int) -> str:
-        raw = self.raw_string(what, limit)
+        raw = bytes(self.raw_string(what, limit))
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -238,71 +303,167 @@ class _Cursor:
 
     def value(self, vtype: int, what: str, depth: int = 0):
         """A metadata value: a Python scalar, a str (``bytes`` where it is not UTF-8: a
-        tokenizer's token may not be), a read-only numpy array of numbers, or a list of
-        strings or arrays."""
+        tokenizer's token may not be), a read-only numpy array of numbers, or a
+        :class:`GGUFList` of strings or arrays."""
         if vtype in _SCALAR:
             return self.scalar(vtype, what)
         if vtype == _STRING:
-            raw = self.raw_string(what)
-            try:
-                return raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return raw
+            return _decoded(bytes(self.raw_string(what)))
         if vtype != _ARRAY:
             raise _bad(self.path, f"{what}: unknown value type {vtype}")
+        etype, count = self._array_head(what, depth)
+        if etype in _SCALAR:
+            return self._numbers(etype, count, what)
+        # strings or arrays: their bytes and where each element starts, nothing per element
+        self.record()
+        starts = self._walk(etype, count, what, depth)
+        return GGUFList(etype, self.recorded(), starts, self.path, what, depth)
+
+    def _array_head(self, what: str, depth: int) -> Tuple[int, int]:
+        """An array's element type and count, the count checked against the bytes left:
+        a hostile count fails here, before any allocation proportional to it."""
         if depth >= MAX_ARRAY_DEPTH:
             raise _bad(self.path, f"{what}: arrays nested more than {MAX_ARRAY_DEPTH} deep")
         etype = self.u32(f"{what} (its element type)")
         if etype not in VALUE_TYPES:
             raise _bad(self.path, f"{what}: an array of unknown value type {etype}")
         count = self.u64(f"{what} (its length)")
-        # the least bytes each element takes: a hostile count fails here, before any
-        # allocation proportional to it
         if count * _MIN_VALUE_BYTES[etype] > self.size - self.pos:
             raise _bad(self.path, f"{what}: an array of {count} {VALUE_TYPES[etype]} "
                                   f"values does not fit in the {self.size - self.pos} bytes "
                                   f"left in the file")
-        if etype in _SCALAR:
-            fmt = _SCALAR[etype]
-            arr = np.frombuffer(self.take(count * np.dtype(fmt).itemsize, what), dtype=fmt)
-            if etype == _BOOL:
-                if arr.size and arr.max() > 1:
-                    raise _bad(self.path, f"{what}: a bool array holds values other than 0 "
-                                          f"and 1")
-                arr = arr.astype(np.bool_)
-            else:
-                arr = arr.astype(arr.dtype.newbyteorder("="))  # a copy, native order
-            arr.flags.writeable = False
-            return arr
-        if etype == _STRING:
-            return self._strings(count, what)
-        return [self.value(etype, f"{what}[{i}]", depth + 1) for i in range(count)]
+        return etype, count
 
-    def _strings(self, count: int, what: str) -> list:
-        """``count`` strings (a tokenizer's hundreds of thousands: read from the buffer
-        directly, through :meth:`take` only at its end)."""
-        out: List[Union[str, bytes]] = []
-        unpack = _STRUCT[_UINT64].unpack_from
-        for i in range(count):
-            lo = self.pos - self._buf_at
-            buf = self._buf
-            if lo + 8 <= len(buf):
-                (n,) = unpack(buf, lo)
-                if n <= MAX_STRING_BYTES and lo + 8 + n <= len(buf):
-                    raw = buf[lo + 8:lo + 8 + n]
-                    self.pos += 8 + n
+    def _numbers(self, etype: int, count: int, what: str, keep: bool = True):
+        """An array of ``count`` numbers as a read-only numpy array in native order (its
+        bools checked); ``keep`` False: only checked."""
+        fmt = _SCALAR[etype]
+        arr = np.frombuffer(self.take(count * np.dtype(fmt).itemsize, what), dtype=fmt)
+        if etype == _BOOL:
+            if arr.size and arr.max() > 1:
+                raise _bad(self.path, f"{what}: a bool array holds values other than 0 and 1")
+            arr = arr.astype(np.bool_) if keep else arr
+        elif keep:
+            arr = arr.astype(arr.dtype.newbyteorder("="))  # a copy, native order
+        arr.flags.writeable = False
+        return arr
+
+    def _walk(self, etype: int, count: int, what: str, depth: int) -> np.ndarray:
+        """Over ``count`` strings or arrays, every length checked as :meth:`value` would,
+        nothing kept but where each element starts (from the first, and where the last
+        ends: ``count + 1`` offsets)."""
+        base = self.pos
+        # 4 bytes an offset wherever the rest of the file is shorter than 4 GiB
+        starts = array("I" if self.size - base < 1 << 32 else "q")
+        append = starts.append
+        if etype == _STRING:  # a tokenizer's hundreds of thousands: read in the buffer
+            unpack = _STRUCT[_UINT64].unpack_from
+            for i in range(count):
+                append(self.pos - base)
+                lo = self.pos - self._buf_at
+                buf = self._buf
+                if lo + 8 <= len(buf):
+                    (n,) = unpack(buf, lo)
+                    if n <= MAX_STRING_BYTES and lo + 8 + n <= len(buf):
+                        self.pos += 8 + n
+                        continue
+                self.raw_string(f"{what}[{i}]")  # across the buffer's end, or refused
+        else:
+            head = _TYPE_COUNT.unpack_from
+            for i in range(count):
+                append(self.pos - base)
+                lo = self.pos - self._buf_at
+                buf = self._buf
+                if lo + 12 <= len(buf) and depth + 1 < MAX_ARRAY_DEPTH:
+                    inner, n = head(buf, lo)
+                    size = _PLAIN_ITEMSIZE.get(inner, 0)  # numbers with nothing to check
+                    if size and lo + 12 + n * size <= len(buf):
+                        self.pos += 12 + n * size
+                        continue
+                where = f"{what}[{i}]"  # the slow way, each refusal with its message
+                inner, n = self._array_head(where, depth + 1)
+                if inner in _SCALAR:
+                    self._numbers(inner, n, where, keep=False)
                 else:
-                    raw = b""
-            else:
-                raw = b""
-                n = -1
-            if n < 0 or len(raw) != n:  # across the buffer's end, or refused: the slow way
-                raw = self.raw_string(f"{what}[{i}]")
-            try:
-                out.append(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                out.append(raw)
+                    self._walk(inner, n, where, depth + 1)
+        append(self.pos - base)
+        out = np.frombuffer(starts, dtype=np.uint32 if starts.typecode == "I" else np.int64)
+        out.flags.writeable = False
         return out
+
+
+def _decoded(raw: bytes) -> Union[str, bytes]:
+    """A string value: UTF-8 decoded, or its bytes where it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return bool(a == b)
+
+
+class GGUFList(Sequence[Any]):
+    """A metadata array of strings or of arrays (``element_type``, a GGUF value type
+    id): held as its bytes in the file and one offset per element, never a Python object
+    per element (a tokenizer's 200,000 tokens take about their bytes plus 8 each), each
+    element decoded when read as a metadata value is: a str (``bytes`` where it is not
+    UTF-8), a read-only numpy array of numbers, or another ``GGUFList``.  Every length in
+    it was checked when the file was opened.  Equal to a list or tuple of the same
+    elements; ``tolist()`` decodes them all."""
+
+    __slots__ = ("element_type", "_raw", "_starts", "_path", "_what", "_depth")
+
+    def __init__(self, element_type: int, raw: bytearray, starts: np.ndarray, path: str,
+                 what: str, depth: int):
+        self.element_type = element_type
+        self._raw, self._starts = raw, starts
+        self._path, self._what, self._depth = path, what, depth
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    @overload
+    def __getitem__(self, i: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> List[Any]: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        i = operator.index(i)
+        if not -n <= i < n:
+            raise IndexError(f"{self._what}: index {i} of {n} elements")
+        i %= n
+        lo, hi = int(self._starts[i]), int(self._starts[i + 1])
+        if self.element_type == _STRING:
+            return _decoded(bytes(memoryview(self._raw)[lo + 8:hi]))
+        cur = _Cursor(io.BytesIO(memoryview(self._raw)[lo:hi]), self._path, hi - lo)
+        return cur.value(self.element_type, f"{self._what}[{i}]", self._depth + 1)
+
+    def tolist(self) -> List[Any]:
+        return [x.tolist() if isinstance(x, (np.ndarray, GGUFList)) else x for x in self]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GGUFList):
+            return (self.element_type == other.element_type and self._raw == other._raw
+                    and bool(np.array_equal(self._starts, other._starts)))
+        if not isinstance(other, (list, tuple)):
+            return NotImplemented
+        return len(self) == len(other) and all(map(_equal, self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        n = len(self)
+        head = ", ".join(_short.repr(self[i]) for i in range(min(n, 3)))
+        return (f"GGUFList({VALUE_TYPES[self.element_type]}, {n} elements: "
+                f"[{head}{', ...' if n > 3 else ''}])")
 
 
 def _check_alignment(path: str, metadata: Mapping[str, Any], types: Mapping[str, int]) -> int:
@@ -333,6 +494,12 @@ def _parse(fh, path: str, size: int):
         raise _bad(path, f"GGUF version {version}, expected one of {list(VERSIONS)}")
     n_tensors = cur.u64("the tensor count")
     n_kv = cur.u64("the key-value count")
+    if n_tensors > MAX_TENSORS:
+        raise _bad(path, f"{n_tensors} tensors, more than the cap of {MAX_TENSORS} "
+                         f"(gguf.MAX_TENSORS)")
+    if n_kv > MAX_KEYS:
+        raise _bad(path, f"{n_kv} key-value pairs, more than the cap of {MAX_KEYS} "
+                         f"(gguf.MAX_KEYS)")
     # at least 14 bytes per key-value (key length, a 1-byte key, type, a 1-byte value) and
     # 25 per tensor (name length, a 1-byte name, n_dims, type, offset)
     if n_kv * 14 + n_tensors * 25 > size - cur.pos:
@@ -354,64 +521,115 @@ def _parse(fh, path: str, size: int):
     if ARCHITECTURE_KEY in metadata and types[ARCHITECTURE_KEY] != _STRING:
         raise _bad(path, f"key {ARCHITECTURE_KEY!r} is a {VALUE_TYPES[types[ARCHITECTURE_KEY]]}"
                          f", expected a STRING")
-    infos = []
-    names = set()
+    # the infos, compactly: names (in order, each once; their infos once the data
+    # section's start is known), per tensor its dimension count, dimensions, type and
+    # offset in typed arrays (no Python object per number)
+    tensors: Dict[str, Any] = {}
+    n_dims, dims, ggml_types, offsets = array("B"), array("Q"), array("I"), array("Q")
     for i in range(n_tensors):
-        name = cur.text(f"tensor {i}'s name", MAX_NAME_BYTES)
-        what = f"tensor {_short.repr(name)}"
-        if not name:
-            raise _bad(path, f"tensor {i}: an empty name")
-        if name in names:
-            raise _bad(path, f"{what} appears twice")
-        names.add(name)
-        n_dims = cur.u32(f"{what} (its dimension count)")
-        if n_dims > MAX_DIMS:
-            raise _bad(path, f"{what}: {n_dims} dimensions (at most {MAX_DIMS})")
-        ne = [cur.u64(f"{what} (dimension {j})") for j in range(n_dims)]
-        ggml_type = cur.u32(f"{what} (its type)")
-        offset = cur.u64(f"{what} (its offset)")
-        infos.append((name, ne, ggml_type, offset))
+        name, ne, ggml_type, offset = _tensor_info(cur, i)
+        if name in tensors:
+            raise _bad(path, f"tensor {_short.repr(name)} appears twice")
+        tensors[name] = None
+        n_dims.append(len(ne))
+        dims.extend(ne)
+        ggml_types.append(ggml_type)
+        offsets.append(offset)
     data_start = -(-cur.pos // alignment) * alignment
-    tensors: Dict[str, GGUFTensorInfo] = {}
-    for name, ne, ggml_type, offset in infos:
-        tensors[name] = _check_tensor(path, name, ne, ggml_type, offset, alignment,
-                                      data_start, size)
-    _check_disjoint(path, tensors.values())
+    at = 0
+    for i, name in enumerate(tensors):  # values replaced, no key added: safe
+        tensors[name] = _check_tensor(path, name, dims[at:at + n_dims[i]], ggml_types[i],
+                                      offsets[i], alignment, data_start, size)
+        at += n_dims[i]
+    _check_disjoint(path, list(tensors.values()))
     return version, metadata, types, alignment, data_start, tensors
 
 
-def _check_tensor(path: str, name: str, ne: List[int], ggml_type: int, offset: int,
-                  alignment: int, data_start: int, size: int) -> GGUFTensorInfo:
+# a tensor info: name length, name, n_dims, ne[n_dims], type, offset
+_INFO_MAX_BYTES = 8 + MAX_NAME_BYTES + 4 + 8 * MAX_DIMS + 4 + 8
+_NE = [struct.Struct(f"<{n}Q") for n in range(MAX_DIMS + 1)]
+
+
+def _tensor_info(cur: _Cursor, i: int) -> Tuple[str, Tuple[int, ...], int, int]:
+    """Tensor info ``i``: (its name, ne, GGML type, offset), read in the buffer
+    when the whole entry is there and plainly well formed (tens of thousands of tensors:
+    no read call per field), else field by field with each refusal's own message."""
+    buf, lo = cur.window(_INFO_MAX_BYTES, f"tensor {i}")
+    end = len(buf)
+    if lo + 8 <= end:
+        (n,) = _STRUCT[_UINT64].unpack_from(buf, lo)
+        at = lo + 8 + n
+        if 0 < n <= MAX_NAME_BYTES and at + 4 <= end:
+            (n_dims,) = _STRUCT[_UINT32].unpack_from(buf, at)
+            tail = at + 4 + 8 * n_dims
+            if n_dims <= MAX_DIMS and tail + 12 <= end:
+                ne = _NE[n_dims].unpack_from(buf, at + 4)
+                ggml_type, offset = _TYPE_COUNT.unpack_from(buf, tail)
+                raw = buf[lo + 8:at]
+                try:
+                    name = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise _bad(cur.path, f"tensor {i}'s name: not UTF-8: "
+                                         f"{_short.repr(raw)}") from None
+                cur.pos += tail + 12 - lo
+                return name, ne, ggml_type, offset
+    name = cur.text(f"tensor {i}'s name", MAX_NAME_BYTES)
+    if not name:
+        raise _bad(cur.path, f"tensor {i}: an empty name")
     what = f"tensor {_short.repr(name)}"
+    count = cur.u32(f"{what} (its dimension count)")
+    if count > MAX_DIMS:
+        raise _bad(cur.path, f"{what}: {count} dimensions (at most {MAX_DIMS})")
+    ne = tuple(cur.u64(f"{what} (dimension {j})") for j in range(count))
+    ggml_type = cur.u32(f"{what} (its type)")
+    offset = cur.u64(f"{what} (its offset)")
+    return name, ne, ggml_type, offset
+
+
+def _check_tensor(path: str, name: str, ne: Sequence[int], ggml_type: int, offset: int,
+                  alignment: int, data_start: int, size: int) -> GGUFTensorInfo:
+    def bad(why: str) -> ValueError:
+        return _bad(path, f"tensor {_short.repr(name)}: {why}")
+
+    ne = list(ne)
     if ggml_type not in GGML_TYPES:
-        raise _bad(path, f"{what}: unknown GGML type {ggml_type}")
+        raise bad(f"unknown GGML type {ggml_type}")
     t = GGML_TYPES[ggml_type]
-    if any(d >= _MAX_INDEX for d in ne):
-        raise _bad(path, f"{what}: dimensions {ne} do not fit 63 bits")
+    if ne and max(ne) >= _MAX_INDEX:
+        raise bad(f"dimensions {ne} do not fit 63 bits")
     first = ne[0] if ne else 1
     if first % t.block_size:
-        raise _bad(path, f"{what}: {t.name} rows of {first} elements, not a multiple of its "
-                         f"block of {t.block_size}")
+        raise bad(f"{t.name} rows of {first} elements, not a multiple of its block of "
+                  f"{t.block_size}")
+    elements = math.prod(ne)
     # every stride in bytes must be indexable, also when a dimension is 0
-    if math.prod(max(d, 1) for d in ne) // t.block_size * t.type_size >= _MAX_INDEX:
-        raise _bad(path, f"{what}: dimensions {ne} too large to index")
-    n_bytes = math.prod(ne) // t.block_size * t.type_size
+    strided = math.prod(max(d, 1) for d in ne) if elements == 0 else elements
+    if strided // t.block_size * t.type_size >= _MAX_INDEX:
+        raise bad(f"dimensions {ne} too large to index")
+    n_bytes = elements // t.block_size * t.type_size
     if offset % alignment:
-        raise _bad(path, f"{what}: offset {offset} is not a multiple of the alignment "
-                         f"{alignment}")
+        raise bad(f"offset {offset} is not a multiple of the alignment {alignment}")
     begin = data_start + offset
     if begin + n_bytes > size:
-        raise _bad(path, f"{what}: bytes [{begin}, {begin + n_bytes}) ({t.name} {ne}) leave "
-                         f"the file of {size} bytes (data section from {data_start})")
+        raise bad(f"bytes [{begin}, {begin + n_bytes}) ({t.name} {ne}) leave the file of "
+                  f"{size} bytes (data section from {data_start})")
     return GGUFTensorInfo(name, ggml_type, tuple(reversed(ne)), begin, begin + n_bytes, path)
 
 
-def _check_disjoint(path: str, tensors: Iterable[GGUFTensorInfo]) -> None:
-    spans = sorted((t.begin, t.end, t.name) for t in tensors if t.end > t.begin)
-    for (_, end0, name0), (begin1, _, name1) in zip(spans, spans[1:], strict=False):
-        if begin1 < end0:
-            raise _bad(path, f"tensors {_short.repr(name0)} and {_short.repr(name1)} share "
-                             f"bytes (from offset {begin1})")
+def _check_disjoint(path: str, tensors: List[GGUFTensorInfo]) -> None:
+    """No byte in two tensors (empty ones hold none): sorted by where they begin (then
+    end), each must end before the next begins.  In arrays, as there may be a million."""
+    held = [t for t in tensors if t.end > t.begin]
+    if len(held) < 2:
+        return
+    begins = np.fromiter((t.begin for t in held), np.int64, len(held))  # < 2^63: checked
+    ends = np.fromiter((t.end for t in held), np.int64, len(held))
+    order = np.lexsort((ends, begins))
+    clash = np.flatnonzero(begins[order[1:]] < ends[order[:-1]])
+    if clash.size:
+        first, second = held[order[clash[0]]], held[order[clash[0] + 1]]
+        raise _bad(path, f"tensors {_short.repr(first.name)} and {_short.repr(second.name)} "
+                         f"share bytes (from offset {second.begin})")
 
 
 def _gguf_package():
@@ -446,7 +664,9 @@ def decode_mxfp4_blocks(blocks: np.ndarray) -> np.ndarray:
 class GGUFFile(MappedFile):
     """Read access to one .gguf file.
 
-    ``metadata`` (key -> value), ``value_types`` (key -> GGUF value type id),
+    ``metadata`` (key -> value: an int, float, bool or str (``bytes`` where a string is
+    not UTF-8), a read-only numpy array for an array of numbers, a :class:`GGUFList` for
+    an array of strings or of arrays), ``value_types`` (key -> GGUF value type id),
     ``architecture`` (``general.architecture`` or None), ``tensors`` (name ->
     :class:`GGUFTensorInfo`, in the file's order).  ``get`` returns zero-copy tensors
     (dequantized ones for block types other than MXFP4), each call its own copy-on-write
