@@ -131,21 +131,22 @@ class MXFP4Experts(BytesByView):
     def forward(self, latent_tokens: torch.Tensor, selected_experts: torch.Tensor,
                 mixture_weights: torch.Tensor,
                 shared_output: Optional[torch.Tensor] = None) -> torch.Tensor:
-        try:
-            if shared_output is None:
-                x = as_tensor("latent_tokens", latent_tokens)
-                if x.dim() not in (2, 3):
-                    raise ValueError(f"latent_tokens: expected a 2-D tensor (n_tokens, d_in) "
-                                     f"or a 3-D tensor (n_tokens, top_k, d_in), got shape "
-                                     f"{tuple(x.shape)}")
-                dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
-                shared_output = torch.zeros((x.shape[0], self.packed_weights.shape[1]),
-                                            dtype=dtype, device=x.device)
-        except BaseException as exc:
-            if self.group is None:
-                raise
-            from . import distributed  # the other ranks wait in the op's first check
-            distributed.fail_on_every_rank(exc, self.group)
+        if self.group is not None:  # the whole forward inside the ranks' agreement
+            from .distributed import _scope
+            return _scope.run(self.group, self, self._forward, latent_tokens,
+                              selected_experts, mixture_weights, shared_output)
+        return self._forward(latent_tokens, selected_experts, mixture_weights, shared_output)
+
+    def _forward(self, latent_tokens, selected_experts, mixture_weights, shared_output):
+        if shared_output is None:
+            x = as_tensor("latent_tokens", latent_tokens)
+            if x.dim() not in (2, 3):
+                raise ValueError(f"latent_tokens: expected a 2-D tensor (n_tokens, d_in) "
+                                 f"or a 3-D tensor (n_tokens, top_k, d_in), got shape "
+                                 f"{tuple(x.shape)}")
+            dtype = x.dtype if x.is_floating_point() else torch.get_default_dtype()
+            shared_output = torch.zeros((x.shape[0], self.packed_weights.shape[1]),
+                                        dtype=dtype, device=x.device)
         if self.group is not None:
             from . import distributed
             return distributed.mxfp4_experts(latent_tokens, self.packed_weights,

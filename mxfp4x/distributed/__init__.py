@@ -41,7 +41,7 @@ op the same number of times, and backward likewise (as with DistributedDataParal
 rank that never makes a call cannot be waited for by any check.
 """
 import operator
-from typing import Callable, NoReturn, Optional, Tuple
+from typing import Any, Callable, NoReturn, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ from ._autograd import _d_out, _EPFunction, _validate, empty_experts
 from ._routing import ExpertRouting
 
 __all__ = ["mxfp4_experts", "mxfp4_experts_slots", "ExpertRouting", "expert_parallel",
-           "fail_on_every_rank"]
+           "fail_on_every_rank", "run_layer"]
 
 
 def _check_initialized():
@@ -78,6 +78,22 @@ def fail_on_every_rank(error: BaseException, group=None) -> NoReturn:
     _check_initialized()
     _agree(error, None, group)
     raise error  # _agree raised it already; this line only tells readers and type checkers
+
+
+def run_layer(fn: Callable[..., torch.Tensor], *args, layer: Any = None, group=None
+              ) -> torch.Tensor:
+    """``fn(*args)``, a layer's forward that makes expert-parallel calls, inside the ranks'
+    agreement, as mxfp4x's own modules run theirs: an exception of any type on one rank,
+    anywhere in ``fn`` (before, between or after its exchanges) or in its backward, is an
+    error on every rank in the same call, and every exchange inside carries the layer's
+    identity, so that ranks can never pair one layer's exchange with another's.
+    ``layer``: the layer (a module, or a hashable key such as its name; layers are
+    numbered in the order each process first runs them, the same on every rank of a
+    model); a module's parameters that need a gradient get it.  ``fn`` returns one
+    tensor.  Costs one small all_gather more per call (two with a backward)."""
+    _check_initialized()
+    from . import _scope
+    return _scope.run(group, layer, fn, *args)
 
 
 def _run(latent_tokens, packed_local, scales_local, selected_experts, mixture_weights,

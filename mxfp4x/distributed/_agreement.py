@@ -1,8 +1,13 @@
 """The ranks' agreement: one fixed-size row per rank (status, step, the facts that must
 agree, an error's text) gathered before any data moves and before every return trip, so
-that an error on one rank is an error on every rank."""
+that an error on one rank is an error on every rank.
+
+Among the facts is the call's place: the module whose forward makes the call (its number
+in this process, ``site``; -1 for a direct call) and which exchange of that forward it is
+(``seq``), so that two ranks can never pair one layer's exchange with another's."""
 import contextlib
 import datetime
+import threading
 from typing import Any, Dict, List, Optional, Tuple, cast
 
 import numpy as np
@@ -24,13 +29,16 @@ _VERIFIED: Dict[Any, Tuple[Tuple[int, int], ...]] = {}  # group -> ranges, check
 #   [status, step, *facts, *message]
 # one layout for every agreement, so that even ranks out of step exchange rows that
 # parse, and see it.
-_OK, _FAILED, _INTERRUPTED = 0, 1, 2
-_START, _PRODUCTS, _GRADIENTS = 0, 1, 2
+_OK, _FAILED, _INTERRUPTED, _FAILED_IN_LAYER = 0, 1, 2, 3  # the last: posted by a scope
+_START, _PRODUCTS, _GRADIENTS, _CLOSE, _CLOSE_BACKWARD, _BACKWARD = 0, 1, 2, 3, 4, 5
 _STEP_NAMES = {_START: "starting a call", _PRODUCTS: "sending back its products",
-               _GRADIENTS: "sending back its gradient products"}
+               _GRADIENTS: "sending back its gradient products",
+               _BACKWARD: "starting a call's backward",
+               _CLOSE: "finishing a module's forward",
+               _CLOSE_BACKWARD: "finishing a module's backward"}
 _OPS = ("mxfp4_experts", "mxfp4_experts_slots", "expert_parallel")
 _FACTS = ("op", "e0", "e1", "d_in", "d_out", "dtype", "top_k", "slot_latents", "grad",
-          "routes", "lo", "hi")
+          "routes", "lo", "hi", "site", "seq")
 _F = {name: i for i, name in enumerate(_FACTS)}
 _MESSAGE_BYTES = 512  # an error's text, cut to this, travels in the row (no pickling)
 _ROW = 2 + len(_FACTS) + _MESSAGE_BYTES // 8
@@ -42,6 +50,37 @@ _LIMIT = _RANGE_LIMIT  # sizes above this cannot be real, and fit in int64
 _POST_TIMEOUT = datetime.timedelta(seconds=30)
 
 
+class _CallState(threading.local):
+    """This thread's open expert-parallel scopes (innermost last; see _scope.py) and the
+    last exception an agreement raised while one was open: every rank raised one there,
+    so a scope that sees it pass must not report it again."""
+
+    def __init__(self):
+        self.scopes: List[Any] = []
+        self.agreed: Optional[BaseException] = None
+
+
+_STATE = _CallState()
+
+
+def _note(exc: BaseException) -> BaseException:
+    """Marks ``exc`` as known to every rank (raised by, or posted in, an agreement)."""
+    if _STATE.scopes:
+        _STATE.agreed = exc
+    return exc
+
+
+def _current_call(group) -> Tuple[int, int]:
+    """(site, seq) of the next call in ``group``: the innermost open scope of that group
+    and the number of this exchange in it, or (-1, 0) outside any."""
+    key = _group_key(group)
+    for scope in reversed(_STATE.scopes):
+        if scope.key == key:
+            scope.seq += 1
+            return scope.site, scope.seq
+    return -1, 0
+
+
 def _code(table, v):
     return table[v] if 0 <= v < len(table) else f"code {v}"
 
@@ -49,6 +88,9 @@ def _code(table, v):
 # the facts every rank must share, in the order they are compared: (what a message calls
 # it, how it shows a value)
 _SHARED = (
+    ("site", "the module making the call",
+     lambda v: f"module #{v}" if v >= 0 else "a direct call, no module"),
+    ("seq", "the exchange's place in its module's forward", lambda v: f"exchange {v}"),
     ("op", "the op", lambda v: _code(_OPS, v)),
     ("d_in", "d_in", str),
     ("d_out", "d_out", str),
@@ -78,11 +120,11 @@ def _describe(exc: BaseException) -> str:
     return f"{name}: {text}" if text else name
 
 
-def _row(step: int, error: Optional[BaseException], facts: Optional[np.ndarray]
-         ) -> torch.Tensor:
+def _row(step: int, error: Optional[BaseException], facts: Optional[np.ndarray],
+         failed: int = _FAILED) -> torch.Tensor:
     """This rank's verdict row; never raises (facts were made int64 while checking)."""
     words = np.zeros(_ROW, dtype=np.int64)
-    words[0] = _OK if error is None else _FAILED if isinstance(error, Exception) \
+    words[0] = _OK if error is None else failed if isinstance(error, Exception) \
         else _INTERRUPTED
     words[1] = step
     if error is None and facts is not None:
@@ -99,11 +141,11 @@ def _message(row: np.ndarray) -> str:
 
 
 def _verdicts(step: int, error: Optional[BaseException], group,
-              facts: Optional[np.ndarray] = None) -> np.ndarray:
+              facts: Optional[np.ndarray] = None, failed: int = _FAILED) -> np.ndarray:
     """Every rank's verdict row (world, _ROW), from one all_gather.  An interrupted rank
     posts its row without waiting (its peers are at this step, or will be, and learn of
-    it at once) and re-raises the interrupt."""
-    row = _to_backend(_row(step, error, facts), group)
+    it at once) and re-raises the interrupt.  ``failed``: the status an error posts."""
+    row = _to_backend(_row(step, error, facts, failed), group)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     if error is not None and not isinstance(error, Exception):
         # bounded: a process that exits waits for its posted collective, and peers
@@ -113,7 +155,7 @@ def _verdicts(step: int, error: Optional[BaseException], group,
         pg = cast(dist.ProcessGroup, group if group is not None else dist.group.WORLD)
         with contextlib.suppress(Exception):  # the interrupt matters more than the post
             pg.allgather([rows], [row], opts)
-        raise error
+        raise _note(error)
     try:
         dist.all_gather(rows, row, group=group)
     except Exception:
@@ -121,7 +163,7 @@ def _verdicts(step: int, error: Optional[BaseException], group,
             raise
     else:
         return torch.stack(rows).cpu().numpy()
-    raise error  # a rank that failed reports its own failure, not a peer lost meanwhile
+    raise _note(error)  # a rank that failed reports its own failure, not a peer lost meanwhile
 
 
 def _raise_failures(rows: np.ndarray, error: Optional[BaseException], step: int,
@@ -131,20 +173,38 @@ def _raise_failures(rows: np.ndarray, error: Optional[BaseException], step: int,
     failed = np.flatnonzero(rows[:, 0])
     if failed.size:
         if error is not None:
-            raise error
+            raise _note(error)
         r = int(failed[0])
         if rows[r, 0] == _INTERRUPTED:
-            raise RuntimeError(f"mxfp4x.distributed: rank {r} was interrupted "
-                               f"({_message(rows[r])}), so {outcome}")
-        raise RuntimeError(f"mxfp4x.distributed: rank {r} {failure}, so {outcome}: "
-                           f"{_message(rows[r])}")
+            raise _note(RuntimeError(f"mxfp4x.distributed: rank {r} was interrupted "
+                                     f"({_message(rows[r])}), so {outcome}"))
+        if rows[r, 0] == _FAILED_IN_LAYER:
+            failure = "failed in its layer's own work, outside the exchanges"
+            outcome = "no rank finished that layer"
+        raise _note(RuntimeError(f"mxfp4x.distributed: rank {r} {failure}, so {outcome}: "
+                                 f"{_message(rows[r])}"))
     steps = rows[:, 1]
     if (steps != step).any():
         where = "; ".join(f"rank {r} is {_STEP_NAMES.get(int(s), f'at step {int(s)}')}"
                           for r, s in enumerate(steps))
-        raise RuntimeError(f"mxfp4x.distributed: the ranks are out of step ({where}); every "
-                           f"rank must make the same calls, and their backward passes, in "
-                           f"the same order")
+        raise _note(RuntimeError(
+            f"mxfp4x.distributed: the ranks are out of step ({where}); every rank must make "
+            f"the same calls, and their backward passes, in the same order"))
+
+
+def _check_shared(f: np.ndarray, names) -> None:
+    """A ValueError (on every rank: it reads only the gathered rows) naming the first of
+    ``names`` (from _SHARED) on which the ranks' facts differ."""
+    for name, label, show in _SHARED:
+        if name not in names:
+            continue
+        values = [(r, int(v)) for r, v in enumerate(f[:, _F[name]])
+                  if not (name == "d_out" and v < 0)]  # -1: unknown on that rank
+        if len({v for _, v in values}) > 1:
+            raise _note(ValueError(
+                f"mxfp4x.distributed: the ranks disagree on {label} "
+                f"({_by_value(values, show)}); every rank must call the same op on the "
+                f"same layer"))
 
 
 def _by_value(pairs, show) -> str:
@@ -179,16 +239,22 @@ def _agree(error: Optional[BaseException], facts: Optional[np.ndarray], group,
     below reads only the gathered rows, so every rank reaches the same decision)."""
     rank = _member_rank(group)
     world = dist.get_world_size(group)
+    if facts is not None:
+        facts[_F["site"]], facts[_F["seq"]] = _current_call(group)
     rows = _verdicts(_START, error, group, facts)
+    try:
+        return _plan(rows, error, group, own_ids, rank, world)
+    except BaseException as exc:  # decided from the gathered rows: the same on every rank
+        _note(exc)
+        raise
+
+
+def _plan(rows: np.ndarray, error: Optional[BaseException], group,
+          own_ids: Optional[Tuple[int, int]], rank: int, world: int) -> _Plan:
+    """_agree's decision, from every rank's row."""
     _raise_failures(rows, error, _START, "rejected its inputs", "no rank ran the call")
     f = rows[:, 2:2 + len(_FACTS)]
-    for name, label, show in _SHARED:
-        values = [(r, int(v)) for r, v in enumerate(f[:, _F[name]])
-                  if not (name == "d_out" and v < 0)]  # -1: unknown on that rank
-        if len({v for _, v in values}) > 1:
-            raise ValueError(f"mxfp4x.distributed: the ranks disagree on {label} "
-                             f"({_by_value(values, show)}); every rank must call the same "
-                             f"op on the same layer")
+    _check_shared(f, [name for name, _, _ in _SHARED])
     ranges = tuple((int(row[_F["e0"]]), int(row[_F["e1"]])) for row in f)
     key = _group_key(group)
     if _VERIFIED.get(key) != ranges:
@@ -226,7 +292,7 @@ def _facts(op, e0, e1, d_in, d_out, dtype, top_k, slot_latents, grad, sel
     ids = _min_max(sel) if sel.numel() else None
     lo, hi = (min(max(v, _INT64[0]), _INT64[1]) for v in ids) if ids else (0, 0)
     row = np.array([op, e0, e1, d_in, d_out, _DTYPES.index(dtype), top_k, int(slot_latents),
-                    int(grad), int(ids is not None), lo, hi], dtype=np.int64)
+                    int(grad), int(ids is not None), lo, hi, -1, 0], dtype=np.int64)
     return row, ids
 
 

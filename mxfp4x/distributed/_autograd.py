@@ -18,7 +18,7 @@ from .._validation import (
     is_expert_list,
     parse_expert_range,
 )
-from ._agreement import _GRADIENTS, _PRODUCTS, _compute
+from ._agreement import _BACKWARD, _GRADIENTS, _PRODUCTS, _compute
 from ._routing import ExpertRouting
 
 
@@ -134,8 +134,8 @@ class _EPFunction(torch.autograd.Function):
         d_in = ctx.x_shape[-1]
         d_x = d_mix = d_shared = None
         error = None
-        # every rank takes part in every exchange, whether or not it needs d_x, and
-        # whether or not its own part failed: a failure travels as its verdict, below
+        # every rank takes part in every exchange, whether or not it needs d_x: a failure
+        # travels as its verdict, below
         try:
             g = grad.to(compute)
             if ctx.per_slot_outputs:
@@ -153,7 +153,10 @@ class _EPFunction(torch.autograd.Function):
             per_pair = per_pair.cpu() if not per_pair.is_cuda else per_pair
         except BaseException as exc:  # re-raised by agree() below
             error = exc
-            per_pair = torch.zeros((n_tokens * top_k, ctx.d_out), dtype=compute)
+        # every rank is in this backward with its gradient ready before any data moves: a
+        # rank whose backward failed before it got here (in a module's dense parts) posts
+        # its failure in an agreement, never into an all-to-all
+        routing.agree(_BACKWARD, error, "failed before its gradient exchange")
         # W^T (p g) per pair, on the owners, back home
         sent = routing.pairs_out(per_pair)
         n = sent.shape[0]

@@ -14,6 +14,7 @@ from .._validation import (
 )
 from ._agreement import (
     _FAILED,
+    _note,
     _Plan,
     _raise_failures,
     _to_backend,
@@ -49,9 +50,9 @@ class ExpertRouting:
         failed = torch.nonzero(got[:, 2]).flatten().tolist()
         if failed:
             if error is not None:
-                raise error
-            raise RuntimeError(f"mxfp4x.distributed: rank {failed[0]} could not route its "
-                               f"pairs, so no data moved")
+                raise _note(error)
+            raise _note(RuntimeError(f"mxfp4x.distributed: rank {failed[0]} could not route "
+                                     f"its pairs, so no data moved"))
         self.recv_rows, self.recv_pairs = got[:, 0].clone(), got[:, 1].clone()
         recv_meta = self._exchange(meta, self.send_pairs.tolist(), self.recv_pairs.tolist())
         src_base = torch.cumsum(self.recv_rows, 0) - self.recv_rows

@@ -274,14 +274,21 @@ class KimiK3Experts(torch.nn.Module):
     def forward(self, h: torch.Tensor, selected_experts: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
-            # checked inside the ranks' agreement: an error on one rank reaches every rank
-            from ..distributed import expert_parallel
-            out, self.last_routing = expert_parallel(
-                self.mlp, h, selected_experts, routing_weights,
-                expert_range=self.expert_range,
-                d_out=self.d_latent, group=self.group, num_threads=self.num_threads,
-                isa=self.isa)
-            return out
+            # the whole forward inside the ranks' agreement: an error on one rank reaches
+            # every rank (mxfp4x.distributed._scope)
+            from ..distributed import _scope
+            return _scope.run(self.group, self, self._forward, h, selected_experts,
+                              routing_weights)
+        return self._one_process(h, selected_experts, routing_weights)
+
+    def _forward(self, h, selected_experts, routing_weights) -> torch.Tensor:
+        from ..distributed import expert_parallel
+        out, self.last_routing = expert_parallel(
+            self.mlp, h, selected_experts, routing_weights, expert_range=self.expert_range,
+            d_out=self.d_latent, group=self.group, num_threads=self.num_threads, isa=self.isa)
+        return out
+
+    def _one_process(self, h, selected_experts, routing_weights) -> torch.Tensor:
         h, sel, mix = self._check(h, selected_experts, routing_weights)
         acc = accumulation_dtype(h.dtype)
         w = self.weights(sel)
@@ -525,6 +532,14 @@ class KimiK3MoE(torch.nn.Module):
         return _linear(act.to(x.dtype), self.shared_down, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts.group is not None:
+            # the router, projections, norm and shared experts inside the ranks'
+            # agreement too: a failure in any of them on one rank reaches every rank
+            from ..distributed import _scope
+            return _scope.run(self.experts.group, self, self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.experts.num_threads  # the whole block's compiled products
         selected, weights = self.router(x, num_threads=n)
         h = _linear(x, self.down_proj, n)

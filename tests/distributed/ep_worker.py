@@ -5,6 +5,7 @@ tokens, then the expert-parallel op on its own tokens and its own experts, and r
 whether its rows are bit-identical.  argv: scenario names; prints one JSON line."""
 import builtins
 import datetime
+import functools
 import json
 import os
 import sys
@@ -515,11 +516,255 @@ def run_special(entries, name, rank, world):
     return {"raised": None, "seconds": time.perf_counter() - t0}
 
 
+# ---- whole blocks: two stacked layers, three requests (test_distributed_errors.py) ------
+#
+# A case {"stack": kind, "point": where, "exception": name, "bad_rank": r} runs three
+# requests through two stacked expert-parallel layers A, B of one kind, as a server loop
+# does (each request's error caught, the next request served); the fault hits layer B on
+# the bad rank in the middle request.  Every rank reports, per request, what it raised,
+# how long that took and whether what it returned has the bits of a clean run (whose
+# forward rows are those of the same two layers in one process).
+
+STACKS = ["kimi-moe", "gptoss-moe", "gptoss", "kimi", "mxfp4experts", "op"]
+POINTS = {  # where a fault can hit each kind of layer; grad-*: in its backward
+    "kimi-moe": ["enter", "router", "down_proj", "products", "norm", "shared", "leave"],
+    "gptoss-moe": ["enter", "router", "products", "between", "leave", "grad-leave",
+                   "grad-products", "grad-enter"],
+    "gptoss": ["enter", "products", "between", "leave", "grad-leave", "grad-products",
+               "grad-enter"],
+    "kimi": ["enter", "products", "leave"],
+    "mxfp4experts": ["enter", "products", "leave", "grad-leave", "grad-products",
+                     "grad-enter"],
+    "op": ["enter", "products", "between", "leave", "grad-leave", "grad-products",
+           "grad-enter"],
+}
+DIFFERENTIABLE = ("gptoss-moe", "gptoss", "mxfp4experts", "op")  # Kimi K3's EP: inference
+FAULT = {"point": None, "exc": None, "armed": False}  # armed while layer B runs, bad rank
+
+
+def hit(point):
+    """A place a layer's own work can fail: raises the case's fault there, in layer B."""
+    if FAULT["armed"] and FAULT["point"] == point:
+        raise FAULT["exc"]
+
+
+class OpLayer(torch.nn.Module):
+    """A layer made of two op calls and work around them, run by run_layer when
+    expert-parallel (as mxfp4x's modules run their forwards)."""
+
+    def __init__(self, packed, scales, sel, mix, rows, kw):
+        super().__init__()
+        self.packed, self.scales, self.sel, self.mix, self.rows, self.kw = \
+            packed, scales, sel, mix, rows, kw
+
+    def forward(self, x):
+        if self.kw:
+            return mdist.run_layer(self._forward, x, layer=self)
+        return self._forward(x)
+
+    def _forward(self, x):
+        sel, mix = self.sel[self.rows], self.mix[self.rows]
+        op = functools.partial(mdist.mxfp4_experts, **self.kw) if self.kw \
+            else mxfp4x.mxfp4_experts
+        y = op(x, self.packed, self.scales, sel, mix, torch.zeros_like(x)) * 0.5
+        hit("between")
+        return op(y, self.packed, self.scales, sel, mix, x)
+
+
+class Stacks:
+    """Two layers of each kind, expert-parallel and in one process, three requests."""
+
+    def __init__(self, rank, world):
+        from mxfp4x import nn
+        self.rank, self.world, self.nn = rank, world, nn
+        self.n_exp, self.hid, self.per_rank = 4, 64, 3
+        cuts = split(self.n_exp, world, False)
+        self.e0, self.e1 = int(cuts[rank]), int(cuts[rank + 1])
+        self.mine = slice(rank * self.per_rank, (rank + 1) * self.per_rank)
+        self.built = {}
+
+    def _bytes(self, rng, o, i):
+        return (torch.from_numpy(rng.integers(0, 256, (self.n_exp, o, i // 32, 16), np.uint8)),
+                torch.from_numpy(rng.integers(119, 126, (self.n_exp, o, i // 32), np.uint8)))
+
+    def _layer(self, kind, seed, parallel):
+        nn, rng, hid, n_exp = self.nn, np.random.default_rng(seed), self.hid, self.n_exp
+        r = slice(self.e0, self.e1) if parallel else slice(None)
+        kw = dict(expert_range=(self.e0, self.e1), group=dist.group.WORLD) if parallel \
+            else {}
+
+        def f32(*shape, scale=0.2):
+            return torch.from_numpy(rng.standard_normal(shape) * scale).float()
+
+        if kind in ("kimi", "kimi-moe"):
+            lat, ff = (32 if kind == "kimi-moe" else hid), 64
+            mats = [self._bytes(rng, ff, lat), self._bytes(rng, ff, lat),
+                    self._bytes(rng, lat, ff)]
+            experts = nn.KimiK3Experts(*((p[r], s[r]) for p, s in mats), **kw)
+            if kind == "kimi":
+                return experts
+            from mxfp4x.models.kimi_k3 import KimiK3MoE, KimiK3Router
+            return KimiK3MoE(KimiK3Router(f32(n_exp, hid), f32(n_exp), 2), f32(lat, hid),
+                             experts, 1 + f32(lat), f32(hid, lat), f32(32, hid),
+                             f32(32, hid), f32(hid, 32))
+        if kind in ("gptoss", "gptoss-moe"):
+            blocks, scales = self._bytes(rng, 64, hid)
+            down, down_s = self._bytes(rng, hid, 32)
+            experts = nn.GptOssExperts(blocks[r], scales[r], f32(n_exp, 64), down[r],
+                                       down_s[r], f32(n_exp, hid), **kw)
+            if kind == "gptoss":
+                return experts
+            from mxfp4x.models.gpt_oss import GptOssMoE, GptOssRouter
+            return GptOssMoE(GptOssRouter(f32(n_exp, hid), f32(n_exp), 2), experts)
+        packed, scales = self._bytes(rng, hid, hid)
+        if kind == "mxfp4experts":
+            return nn.MXFP4Experts.from_packed(packed[r], scales[r], **kw)
+        n = self.per_rank * self.world
+        sel = torch.from_numpy(rng.integers(0, n_exp, (n, 2)))
+        return OpLayer(packed[r], scales[r], sel, f32(n, 2, scale=1.0), self.mine, kw)
+
+    def request(self, kind, layers, i, rows, backward):
+        """One request through layers A then B: the bits of its output (and of the
+        latents' gradient)."""
+        b = self.built[kind]
+        x = b["xs"][i][rows].clone().requires_grad_(backward)
+        sel, mix = b["sels"][i][rows], b["mixes"][i][rows]
+        with torch.set_grad_enabled(backward):
+            y = x
+            for layer in layers:
+                y = layer(y) if kind in ("kimi-moe", "gptoss-moe", "op") else \
+                    layer(y, sel, mix)
+            if backward:
+                (y * b["wts"][i][rows]).sum().backward()
+                return torch.cat((bits(y.detach()).flatten(), bits(x.grad).flatten()))
+        return bits(y).flatten()
+
+    def get(self, kind):
+        if kind not in self.built:
+            rng = np.random.default_rng(77)
+            n = self.per_rank * self.world
+            self.built[kind] = b = dict(
+                layers=[self._layer(kind, seed, True) for seed in (41, 42)],
+                xs=[torch.from_numpy(rng.standard_normal((n, self.hid))).float()
+                    for _ in range(3)],
+                sels=[torch.from_numpy(rng.integers(0, self.n_exp, (n, 2))) for _ in range(3)],
+                mixes=[torch.from_numpy(rng.random((n, 2))).float() for _ in range(3)],
+                wts=[torch.from_numpy(rng.standard_normal((n, self.hid))).float()
+                     for _ in range(3)])
+            grad = kind in DIFFERENTIABLE
+            b["want"] = [self.request(kind, b["layers"], i, self.mine, grad).clone()
+                         for i in range(3)]
+            # a clean expert-parallel forward has the bits of the same two layers, holding
+            # every expert, in one process, on the same rows
+            single = [self._layer(kind, seed, False) for seed in (41, 42)]
+            size = self.per_rank * self.hid * 4
+            b["one_process"] = all(
+                torch.equal(b["want"][i][:size],
+                            self.request(kind, single, i, self.mine, False))
+                for i in range(3))
+        return self.built[kind]
+
+
+def _patches(kind, layer, point, exc):
+    """(object, attribute, replacement) for the bad rank's fault at ``point`` of layer B
+    (``layer``): its own forward wrapped (armed while it runs; enter, leave and the
+    backward hooks), and the functions it calls at the other points."""
+    from mxfp4x.models import gpt_oss, kimi_k3
+    forward = layer._forward
+
+    def wrapped(*args):
+        FAULT["armed"] = True
+        try:
+            hit("enter")
+            if point == "grad-enter":  # its backward's last step: the latents' gradient
+                args = (args[0] * 1.0,) + args[1:]
+                args[0].register_hook(raiser(exc))
+            out = forward(*args)
+            hit("leave")
+            if point == "grad-leave":  # its backward's first step
+                out = out * 1.0
+                out.register_hook(raiser(exc))
+            return out
+        finally:
+            FAULT["armed"] = False
+
+    def before(fn, where):
+        def call(*args, **kwargs):
+            hit(where)
+            return fn(*args, **kwargs)
+        return call
+
+    patches = [(layer, "_forward", wrapped)]
+    if point == "router":
+        patches.append((layer.router, "forward", before(layer.router.forward, "router")))
+    elif point == "down_proj":
+        patches.append((kimi_k3, "_linear", before(kimi_k3._linear, "down_proj")))
+    elif point == "norm":
+        patches.append((kimi_k3, "_rms_norm", before(kimi_k3._rms_norm, "norm")))
+    elif point == "shared":
+        patches.append((layer, "shared", before(layer.shared, "shared")))
+    elif point == "between" and kind.startswith("gptoss"):
+        patches.append((gpt_oss, "accumulation_dtype",
+                        before(gpt_oss.accumulation_dtype, "between")))
+    elif point == "products" and kind.startswith("kimi"):
+        experts = layer.experts if kind == "kimi-moe" else layer
+        patches.append((experts, "mlp", before(experts.mlp, "products")))
+    elif point == "products":
+        patches.append((mdist._autograd, "_local_products",
+                        before(mdist._autograd._local_products, "products")))
+    elif point == "grad-products":  # the owners' gradient products, in B's backward
+        for name in ("mxfp4_experts_grad_latents_op", "mxfp4_experts_grad_latents_list_op",
+                     "_grad_latents_direct"):
+            patches.append((mdist._autograd, name, raiser(exc)))
+    return patches
+
+
+def run_stack(stacks, case, rank):
+    kind, point = case["stack"], case["point"]
+    b = stacks.get(kind)
+    layer_b = b["layers"][1]
+    grad = kind in DIFFERENTIABLE
+    out = {"rank": rank, "one_process": b["one_process"], "requests": []}
+    for i in range(3):
+        patches = []
+        if i == 1 and rank == case["bad_rank"]:
+            exc = make_exception(case["exception"])
+            FAULT.update(point=point, exc=exc, armed=False)
+            patches = _patches(kind, layer_b, point, exc)
+        saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in patches]
+        raised, message, equal = None, "", None
+        t0 = time.perf_counter()
+        try:
+            for obj, name, fn in patches:
+                setattr(obj, name, fn)
+            equal = bool(torch.equal(bits(stacks.request(kind, b["layers"], i, stacks.mine,
+                                                         grad)), b["want"][i]))
+        except BaseException as exc:  # noqa: BLE001 - reported, whatever it is
+            raised = type(exc).__name__
+            try:
+                message = str(exc)[:300]
+            except Exception:  # noqa: BLE001 - Unprintable
+                message = "<unprintable>"
+        finally:
+            FAULT.update(point=None, exc=None, armed=False)
+            for obj, name, old in saved:
+                if old is _MISSING:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, old)
+        out["requests"].append({"raised": raised, "message": message, "equal": equal,
+                                "seconds": time.perf_counter() - t0})
+    return out
+
+
+_MISSING = object()
+
+
 def serve():
     """Answer cases from stdin until {"quit": true} or end of input."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    entries = Entries(rank, world)
+    entries, stacks = Entries(rank, world), Stacks(rank, world)
     print(json.dumps({"ready": rank}), flush=True)
     for line in sys.stdin:
         case = json.loads(line)
@@ -527,6 +772,7 @@ def serve():
             break
         try:
             out = run_special(entries, case["special"], rank, world) if "special" in case \
+                else run_stack(stacks, case, rank) if "stack" in case \
                 else run_case(entries, case, rank)
         except BaseException:  # noqa: BLE001 - the test reports it; the world may be lost
             out = {"rank": rank, "error": traceback.format_exc()[-3000:]}

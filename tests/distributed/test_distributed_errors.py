@@ -8,6 +8,7 @@ every case over its stdin; a case that does not answer within CASE_TIMEOUT fails
 is a failure, not a stuck suite) and the next case gets a fresh world.
 """
 import builtins
+import importlib.util
 import json
 import os
 import select
@@ -302,3 +303,64 @@ def test_kimi_experts_check_their_isa_at_construction():
     with pytest.raises(ValueError, match="bogus"):
         mxfp4x.nn.KimiK3Experts((packed, scales), (packed, scales), (packed, scales),
                                 isa="bogus", group=object())
+
+
+def _worker_module():
+    spec = importlib.util.spec_from_file_location("ep_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_WORKER = _worker_module()
+_STACK_WHERE = [(kind, point) for kind in _WORKER.STACKS for point in _WORKER.POINTS[kind]]
+
+
+def _check_stack(answers, case):
+    """Every rank raised in the faulted request (the bad rank its own exception, within
+    CASE_TIMEOUT); no request on any rank returned bits other than a clean run's; the
+    requests before and after it ran clean."""
+    bad = case["bad_rank"]
+    for rank, a in enumerate(answers):
+        assert a["one_process"], ("the clean expert-parallel run differs from one process",
+                                  rank, case)
+        first, faulted, last = a["requests"]
+        for req in (first, last):
+            assert req["raised"] is None and req["equal"], (rank, case, a)
+        assert faulted["raised"], ("a rank returned from the faulted request", rank, case, a)
+        assert faulted["equal"] is None, (rank, case, a)
+        assert faulted["seconds"] < CASE_TIMEOUT, (rank, case, a)
+        if rank == bad:
+            assert faulted["raised"] == case["exception"], (rank, case, a)
+        else:
+            assert faulted["raised"] == "RuntimeError" and f"rank {bad} " in \
+                faulted["message"], (rank, case, a)
+
+
+@pytest.mark.parametrize("kind,point", _STACK_WHERE)
+@pytest.mark.parametrize("exception", ["Boom", "KeyboardInterrupt"])
+def test_a_fault_anywhere_in_two_stacked_layers_is_an_error_on_every_rank(
+        worlds, kind, point, exception):
+    """Two stacked expert-parallel layers of each kind (KimiK3MoE, GptOssMoE,
+    GptOssExperts, KimiK3Experts, MXFP4Experts, two op calls under run_layer), three
+    requests served in a loop; one rank's layer B fails in the middle request at every
+    point of its forward and backward (entering it, its router, projections, products,
+    the work between two exchanges, its norm, shared experts, leaving it, and in its
+    backward's first and last steps and the owners' gradient products): every rank
+    raises in that request, and the others run clean with the bits of one process."""
+    case = {"stack": kind, "point": point, "exception": exception,
+            "bad_rank": len(kind + point) % WORLD}
+    _check_stack(worlds.ask(case), case)
+
+
+@settings(phases=[Phase.explicit, Phase.reuse, Phase.generate], deadline=None,
+          max_examples=40)
+@given(where=st.sampled_from(_STACK_WHERE), exception=st.sampled_from(EXCEPTIONS),
+       bad_rank=st.integers(0, WORLD - 1))
+def test_an_exception_of_any_type_anywhere_in_a_block_is_an_error_on_every_rank(
+        worlds, where, exception, bad_rank):
+    """The property over every builtin exception type, every kind of layer, every point
+    and either rank."""
+    kind, point = where
+    case = {"stack": kind, "point": point, "exception": exception, "bad_rank": bad_rank}
+    _check_stack(worlds.ask(case), case)
