@@ -26,7 +26,7 @@ import torch
 
 import mxfp4x
 from mxfp4x import _dense
-from mxfp4x.cli._families import FAMILIES
+from mxfp4x.cli._families import MODELS
 from mxfp4x.testing import kimi_k3 as _kimi_k3
 
 SMALL = os.environ.get("MXFP4X_BENCH_SMALL") == "1"
@@ -38,7 +38,7 @@ _BLOCK: dict = {}
 def block():
     """(block, its folder's TemporaryDirectory), written and loaded once per session."""
     if not _BLOCK:
-        family = FAMILIES["kimi-k3"]
+        family = MODELS["kimi-k3"]
         tmp = tempfile.TemporaryDirectory(prefix="mxfp4x-k3-")
         if SMALL:
             config = _kimi_k3.k3_config(num_experts=8, num_experts_per_token=2,

@@ -1,11 +1,22 @@
-"""Per-expert MXFP4 checkpoints: where a model family keeps its expert tensors, its
-config, and reading them as the kernels want them (memory-mapped, never copied).
+"""The families registry of MXFP4 MoE checkpoints: where a model family keeps its expert
+tensors, its router and its config keys, and reading them as the kernels want them
+(memory-mapped, never copied).  The loaders (``mxfp4x.models``), ``verify``, ``info`` and
+the ``layer`` command all read ``FAMILIES``.
 
 A family is a :class:`ExpertNaming`: the name of one expert matrix's packed bytes and
-scale bytes for (layer, expert, projection), and which projection is gate, up, down.
-Adding a family (e.g. DeepSeek-V4, whose experts are
-``layers.{L}.ffn.experts.{j}.{w1,w2,w3}.{weight,scale}`` with I8 bytes and F8_E8M0
+scale bytes for (layer, expert, projection), or, for a family that stacks a layer's
+experts, of each projection's stack; which projection is gate, up, down; its router and
+the config keys of its expert counts.  Adding a family (e.g. DeepSeek-V4, whose experts
+are ``layers.{L}.ffn.experts.{j}.{w1,w2,w3}.{weight,scale}`` with I8 bytes and F8_E8M0
 scales) is one more entry in ``FAMILIES`` plus its block module.
+
+gpt-oss (``GPT_OSS``), as released (openai/gpt-oss-20b and -120b, and transformers'
+``GptOssConfig`` / ``modeling_gpt_oss``): layer L's experts stacked,
+``model.layers.{L}.mlp.experts.{gate_up_proj,down_proj}_{blocks,scales}`` (blocks uint8
+(E, out, in/32, 16), scales uint8 (E, out, in/32); gate and up rows interleaved, gate
+rows even) and ``..._bias`` (E, out); the router ``model.layers.{L}.mlp.router.weight``
+and ``.bias``; config.json's ``num_local_experts`` (alias ``num_experts``) and
+``num_experts_per_tok`` (the release also states ``experts_per_token``).
 
 Kimi K3 (``KIMI_K3``), as released (moonshotai/Kimi-K3; read through the public ports:
 llama.cpp ``conversion/kimi_k3.py``, vLLM, SGLang, MaxText, and Moonshot's
@@ -55,8 +66,8 @@ import json
 import os
 import re
 import string
-from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,21 +82,58 @@ from .safetensors import SafeTensorsCheckpoint
 
 @dataclass(frozen=True)
 class ExpertNaming:
-    """How a family names its per-expert MXFP4 tensors (the checkpoint's naming; the
-    kernels' element order is another matter, the ``layout`` of include/mxfp4x)."""
+    """How a family names its MXFP4 expert tensors, its router and its config keys (the
+    checkpoint's naming; the kernels' element order is another matter, the ``layout`` of
+    include/mxfp4x): the one description the loaders, ``verify``, ``info`` and the
+    ``layer`` command read.
+
+    ``expert`` names one tensor for (layer, expert, projection, kind); without an
+    ``{expert}`` field the family stacks a layer's experts in one tensor per projection
+    and kind, experts first (``stacked``).  ``config_aliases``: other names of the
+    config keys the family reads, as the model's own transformers config class takes
+    them (its ``attribute_map``, and the release's own names), mapped to the name used
+    here (:meth:`config`)."""
 
     name: str
     model_types: Tuple[str, ...]     # config.json model_type values of the family
-    expert: str                      # "...{layer}...{expert}...{proj}.{kind}" (no prefix)
+    expert: str                      # "...{layer}...[{expert}...]{proj}...{kind}" (no prefix)
     packed: str                      # kind of the packed bytes
     scale: str                       # kind of the scale bytes
-    roles: Dict[str, str]            # role (gate, up, down) -> projection name
+    roles: Dict[str, str]            # role (gate, up, down; gate_up) -> projection name
     prefixes: Tuple[str, ...] = ("",)
     block: str = ""                  # "...{layer}..." of the block's other tensors
+    bias: Optional[str] = None       # kind of the experts' biases, where they have them
+    router: str = ""                 # "...{layer}..." the router's weight (no prefix)
+    router_bias: Optional[str] = None
+    n_experts_key: str = "num_experts"     # config.json's names of the experts' count
+    top_k_key: str = "num_experts_per_token"  # and of the experts each token goes to
+    config_aliases: Mapping[str, str] = field(default_factory=dict)
 
-    def tensor(self, prefix: str, layer: int, expert: int, role: str, kind: str) -> str:
+    @property
+    def stacked(self) -> bool:
+        """Whether a tensor holds every expert of a layer (n_experts first)."""
+        return "{expert}" not in self.expert
+
+    def tensor(self, prefix: str, layer: int, expert: Optional[int], role: str,
+               kind: str) -> str:
+        """The name of one expert tensor (``expert`` unused by a stacked family)."""
         return prefix + self.expert.format(layer=layer, expert=expert, proj=self.roles[role],
                                            kind=kind)
+
+    def config(self, config: Mapping[str, Any], source: str = "config.json") -> dict:
+        """``config`` with every alias of :attr:`config_aliases` under the name used here,
+        as the family's transformers config class reads it; an alias whose value differs
+        from its name's, both present, is a ValueError naming ``source`` and both keys."""
+        out = dict(config)
+        for alias, key in self.config_aliases.items():
+            if alias not in out:
+                continue
+            value = out.pop(alias)
+            if key in out and out[key] != value:
+                raise ValueError(f"{source}: {alias!r} is {value!r} but {key!r} is "
+                                 f"{out[key]!r} (two names of one {self.name} setting)")
+            out[key] = value
+        return out
 
 
 KIMI_K3 = ExpertNaming(
@@ -95,9 +143,31 @@ KIMI_K3 = ExpertNaming(
     roles={"gate": "w1", "up": "w3", "down": "w2"},
     prefixes=("language_model.", ""),
     block="model.layers.{layer}.block_sparse_moe.",
+    router="model.layers.{layer}.block_sparse_moe.gate.weight",
+    router_bias="model.layers.{layer}.block_sparse_moe.gate.e_score_correction_bias",
+    # transformers' KimiLinearConfig.attribute_map
+    config_aliases={"num_local_experts": "num_experts",
+                    "num_experts_per_tok": "num_experts_per_token",
+                    "n_group": "num_expert_group", "norm_topk_prob": "moe_renormalize",
+                    "n_shared_experts": "num_shared_experts"},
 )
 
-FAMILIES = {KIMI_K3.name: KIMI_K3}
+GPT_OSS = ExpertNaming(
+    name="gpt-oss", model_types=("gpt_oss",),
+    expert="model.layers.{layer}.mlp.experts.{proj}_{kind}",
+    packed="blocks", scale="scales", bias="bias",
+    roles={"gate_up": "gate_up_proj", "down": "down_proj"},
+    block="model.layers.{layer}.mlp.",
+    router="model.layers.{layer}.mlp.router.weight",
+    router_bias="model.layers.{layer}.mlp.router.bias",
+    n_experts_key="num_local_experts", top_k_key="num_experts_per_tok",
+    # transformers' GptOssConfig.attribute_map; the release's config.json also states
+    # experts_per_token (openai's own name) beside num_experts_per_tok
+    config_aliases={"num_experts": "num_local_experts",
+                    "experts_per_token": "num_experts_per_tok"},
+)
+
+FAMILIES = {f.name: f for f in (GPT_OSS, KIMI_K3)}
 
 
 def config_path(path: str) -> str:
@@ -130,11 +200,15 @@ def read_config(path: str) -> dict:
     return text
 
 
-def num_experts(config: dict) -> int:
-    """``num_experts`` of a (text) config, checked: a positive int."""
-    n = config.get("num_experts")
+def num_experts(config: dict, layout: Optional[ExpertNaming] = None) -> int:
+    """The experts' count of a (text) config, under the family's name of it (Kimi K3's
+    ``num_experts`` when no family is given; its aliases taken), checked: a positive
+    int."""
+    layout = layout or KIMI_K3
+    key = layout.n_experts_key
+    n = layout.config(config).get(key)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"config.json: num_experts is {n!r}, expected a positive int")
+        raise ValueError(f"config.json: {key} is {n!r}, expected a positive int")
     return n
 
 
@@ -187,10 +261,41 @@ def load_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int,
     return out
 
 
+def load_stacked_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int,
+                         prefix: str = "", expert_range=None,
+                         roles: Optional[Iterable[str]] = None
+                         ) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
+    """role -> (packed bytes, scale bytes) of a stacked family's layer ``layer`` (gpt-oss:
+    ``gate_up`` and ``down``), experts ``expert_range`` (a pair or a range; None: all):
+    views of mappings of just those experts' bytes, typed U8, I8 or F8_E8M0 and read by
+    view: what the family's loader hands to the kernels, and what ``verify`` hashes.  A
+    tensor missing is a ValueError naming it, and so is a range past its experts (naming
+    ``expert_range``); the shapes are the family's module's to check."""
+    rng = None if expert_range is None else parse_expert_range(expert_range)
+    out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+    for role in layout.roles if roles is None else roles:
+        pair = []
+        for kind in (layout.packed, layout.scale):
+            name = layout.tensor(prefix, layer, None, role, kind)
+            if name not in ckpt:
+                raise ValueError(f"{ckpt.root}: no tensor {name!r} (the {role} experts of "
+                                 f"layer {layer})")
+            if rng is None:
+                t = ckpt.get(name)
+            else:
+                check_range_within(rng, (ckpt.shape(name) or (0,))[0],
+                                   f"{ckpt.byte_range(name)[0]}: tensor {name!r}")
+                t = ckpt.get_rows(name, *rng)
+            pair.append(as_bytes(name, t))
+        out[role] = (pair[0], pair[1])
+    return out
+
+
 def iter_expert_tensors(layout: ExpertNaming, layers: Iterable[int], n_experts: int, prefix: str):
-    """Names of every expert tensor (packed and scale) of these layers."""
+    """Names of every expert tensor (packed and scale) of these layers (a stacked family's
+    once per layer and projection)."""
     for layer in layers:
-        for e in range(n_experts):
+        for e in [None] if layout.stacked else range(n_experts):
             for role in layout.roles:
                 for kind in (layout.packed, layout.scale):
                     yield layout.tensor(prefix, layer, e, role, kind)

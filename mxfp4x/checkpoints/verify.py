@@ -14,6 +14,7 @@ from .families import (
     family_of,
     gguf_expert_tensors,
     load_experts,
+    load_stacked_experts,
     num_experts,
     open_checkpoint,
     open_gguf,
@@ -176,7 +177,11 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
     the config's ``num_experts`` experts (one absent is a mismatch; experts with no
     tensor at all, one mismatch per run of their ids, so that a config's count costs
     nothing beyond the experts the files hold) and every other expert tensor it holds;
-    an expert tensor of 0 bytes is a mismatch (it holds no expert's weights).  Every
+    an expert tensor of 0 bytes is a mismatch (it holds no expert's weights).  A family
+    whose tensors stack a layer's experts (gpt-oss: ``gate_up_proj_blocks`` /
+    ``_scales``, ``down_proj_blocks`` / ``_scales``) is checked per tensor: one missing,
+    or holding another number of experts than the config's count
+    (``num_local_experts``), is a mismatch.  Every
     manifest entry is checked: one outside these layers against its file's bytes, one
     the checkpoint lacks is a mismatch.
 
@@ -187,7 +192,7 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
     ckpt = open_checkpoint(path)
     config = read_config(ckpt.root)
     layout = family_of(config)
-    n_experts = num_experts(config)
+    n_experts = num_experts(config, layout)
     if manifest is not None:
         manifest = check_manifest(manifest)
     held = expert_names(ckpt, layout)
@@ -208,6 +213,10 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
     wanted = set(layers)
     kinds = (layout.packed, layout.scale)
     for prefix, layer in sorted((k for k in held if k[1] in wanted), key=lambda k: k[::-1]):
+        if layout.stacked:
+            _check_stacked(tally, ckpt, layout, prefix, layer, held[prefix, layer],
+                           n_experts, handed)
+            continue
         # the config's experts the files hold (some of their tensors at least), found by
         # name: lists of the config's num_experts experts would be as long as it claims
         present = [e for e in _expert_ids(layout, held[prefix, layer]) if e < n_experts]
@@ -231,6 +240,37 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
             tally.check(name, where[name], loaded)
         tally.absent(layout, prefix, layer, present, n_experts)
     return tally.result(layers)
+
+
+def _check_stacked(tally: _Tally, ckpt: SafeTensorsCheckpoint, layout: ExpertNaming,
+                   prefix: str, layer: int, held: Sequence[str], n_experts: int,
+                   handed: Optional[Dict[str, torch.Tensor]]) -> None:
+    """One layer of a family whose tensors stack the layer's experts (gpt-oss): each
+    projection's packed and scale tensors against what :func:`load_stacked_experts` (the
+    family's loader) hands to the kernels; a tensor missing, or holding another number
+    of experts than config.json's count, is a mismatch."""
+    kinds = (layout.packed, layout.scale)
+    expected = [layout.tensor(prefix, layer, None, role, kind) for role in layout.roles
+                for kind in kinds]
+    names = expected + sorted(set(held) - set(expected))
+    where = {name: _locate(ckpt, name) for name in names}
+    loaded = handed
+    if loaded is None:
+        loaded = {}
+        for role in layout.roles:  # each alone: one refused must not hide the others
+            pair = [layout.tensor(prefix, layer, None, role, kind) for kind in kinds]
+            if all(isinstance(where[name], tuple) for name in pair):
+                try:
+                    got = load_stacked_experts(ckpt, layout, layer, prefix, roles=[role])
+                except (KeyError, OSError, ValueError):
+                    continue
+                loaded.update(zip(pair, got[role], strict=True))
+    for name in names:
+        tally.check(name, where[name], loaded)
+        if name in loaded and loaded[name].dim() and loaded[name].shape[0] != n_experts:
+            tally.mismatches.append((name, f"holds {loaded[name].shape[0]} experts, "
+                                           f"config.json's {layout.n_experts_key} is "
+                                           f"{n_experts}"))
 
 
 def _mxfp4_stack(ckpt: GGUFCheckpoint, name: str) -> bool:

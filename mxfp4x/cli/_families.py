@@ -1,7 +1,8 @@
-"""The model families the ``layer`` job runs, one description each: what the one runner
-in ``layer.py`` needs to know of a family.  A family is a subclass of :class:`Family`
-and an entry in ``FAMILIES``; the model code itself lives in the package, imported here
-as modules."""
+"""The models the ``layer`` job runs (its ``--model`` choices), one description each:
+what the one runner in ``layer.py`` needs to know of a model beyond its family's entry
+in the families registry (``mxfp4x.checkpoints.families.FAMILIES``: tensor names, config
+keys), which each one names.  A model is a subclass of :class:`Family` and an entry in
+``MODELS``; the model code itself lives in the package, imported here as modules."""
 import abc
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -10,6 +11,7 @@ import torch
 
 import mxfp4x
 from mxfp4x._format import matrix_bytes
+from mxfp4x.checkpoints import families as ck
 from mxfp4x.models.gpt_oss import GPT_OSS_20B, GptOssMoE
 from mxfp4x.models.kimi_k3 import K3_SIZES
 from mxfp4x.testing import gpt_oss as _gpt_oss
@@ -17,15 +19,15 @@ from mxfp4x.testing import kimi_k3 as _kimi_k3
 
 
 class Family(abc.ABC):
-    """How to write a random layer of a family to a folder, load it, feed it and check
+    """How to write a random layer of a model to a folder, load it, feed it and check
     it.  ``sizes`` are the released model's, in its config.json's names (``hidden_size``
-    among them); ``block`` is whatever :meth:`load` returns."""
+    among them, and the family's names of the experts' count and top-k); ``block`` is
+    whatever :meth:`load` returns."""
 
     name: str                          # the --model choice
+    family: ck.ExpertNaming            # its entry in the families registry
     layer: int                         # the layer index written and loaded
     sizes: Mapping[str, Any]
-    n_experts_key: str                 # the names in ``sizes`` of the experts' count
-    top_k_key: str                     # and of the experts each token goes to
     shown: Tuple[Tuple[str, str], ...]  # (label, key): the sizes the job reports
     token_dtype: torch.dtype
     # |layer - float64 reference| <= bound * max|reference|, the routing shared; what
@@ -34,10 +36,10 @@ class Family(abc.ABC):
     bound_what: str
 
     def n_experts(self, sizes: Optional[Mapping[str, Any]] = None) -> int:
-        return (sizes or self.sizes)[self.n_experts_key]
+        return self.family.config(sizes or self.sizes)[self.family.n_experts_key]
 
     def top_k(self, sizes: Optional[Mapping[str, Any]] = None) -> int:
-        return (sizes or self.sizes)[self.top_k_key]
+        return self.family.config(sizes or self.sizes)[self.family.top_k_key]
 
     @abc.abstractmethod
     def expert_bytes(self, sizes: Optional[Mapping[str, Any]] = None) -> int:
@@ -78,8 +80,8 @@ class Family(abc.ABC):
 
 class KimiK3(Family):
     name, layer = "kimi-k3", 1  # layer 0 of Kimi K3 is dense (first_k_dense_replace)
+    family = ck.KIMI_K3
     sizes = K3_SIZES
-    n_experts_key, top_k_key = "num_experts", "num_experts_per_token"
     shown = (("hidden", "hidden_size"), ("latent", "routed_expert_hidden_size"),
              ("ff", "moe_intermediate_size"))
     token_dtype = torch.bfloat16  # as the released model runs
@@ -122,8 +124,8 @@ class KimiK3(Family):
 
 class GptOss20b(Family):
     name, layer = "gpt-oss-20b", 0
+    family = ck.GPT_OSS
     sizes = GPT_OSS_20B
-    n_experts_key, top_k_key = "num_local_experts", "experts_per_token"
     shown = (("hidden", "hidden_size"), ("ff", "intermediate_size"))
     token_dtype = torch.float32
     # float32 accumulation, activations and biases: the bound tests/models/test_nn.py holds
@@ -157,4 +159,4 @@ class GptOss20b(Family):
         return _gpt_oss.gpt_oss_reference(block.experts, x, selected, weights, rows=rows)
 
 
-FAMILIES: Dict[str, Family] = {f.name: f for f in (KimiK3(), GptOss20b())}
+MODELS: Dict[str, Family] = {m.name: m for m in (KimiK3(), GptOss20b())}

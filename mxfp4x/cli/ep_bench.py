@@ -33,10 +33,10 @@ from ._args import (
     thread_count,
     writable_folder,
 )
-from ._families import FAMILIES
+from ._families import MODELS
 from ._process import default_threads, repeats, rss_mapped
 
-K3 = FAMILIES["kimi-k3"]
+K3 = MODELS["kimi-k3"]
 # the sizes the tokens are made in, from a --checkpoint's config.json
 SIZE_KEYS = ("num_experts", "num_experts_per_token", "routed_expert_hidden_size",
              "moe_intermediate_size", "hidden_size")

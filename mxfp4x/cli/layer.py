@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ._args import expert_count, folder_to_make, memory, positive_int, thread_count
-from ._families import FAMILIES
+from ._families import MODELS
 from ._process import default_threads, repeats, rss_mapped, torch_threads
 
 # what the float64 reference computes: it decodes every selected expert in numpy, so a
@@ -24,7 +24,7 @@ DISK_RESERVE, DISK_SHARE = 2 << 30, 0.8
 
 
 def add_arguments(parser):
-    parser.add_argument("--model", choices=list(FAMILIES), default=next(iter(FAMILIES)))
+    parser.add_argument("--model", choices=list(MODELS), default=next(iter(MODELS)))
     parser.add_argument("--experts", type=positive_int, default=None,
                         help="fewer experts than the model's (to fit a small disk); top-k and "
                              "the matrix shapes stay")
@@ -37,7 +37,7 @@ def add_arguments(parser):
 
 
 def check(args, error):
-    family = FAMILIES[args.model]
+    family = MODELS[args.model]
     expert_count(args.experts, family.top_k(), family.n_experts(), args.model, error)
     if args.dir is not None:
         folder_to_make(args.dir, "argument --dir", error)
@@ -69,7 +69,7 @@ def _experts_that_fit(family, n_experts, root):
 
 
 def run(args):
-    family = FAMILIES[args.model]
+    family = MODELS[args.model]
     made = _make_folders(args.dir) if args.dir is not None else []
     root = args.dir or tempfile.gettempdir()
     folder = None

@@ -6,7 +6,10 @@ beside one) or a GGUF model (a .gguf file, or any file of a split set
 name-0000N-of-0000M.gguf). Every expert tensor of the layers asked (default: every layer
 holding expert tensors) is hashed from its file's byte range and compared with the bytes
 the loader maps for the kernels, and with a manifest if given (each of its entries is
-checked). In a GGUF file the expert tensors are blk.L.ffn_{gate,up,down}_exps.weight,
+checked). The family comes from config.json's model_type (gpt-oss: the stacked
+model.layers.L.mlp.experts.{gate_up,down}_proj_{blocks,scales}; Kimi K3: each expert's
+w1, w2, w3 weight_packed and weight_scale). In a GGUF file the expert tensors are
+blk.L.ffn_{gate,up,down}_exps.weight,
 hashed as stored (MXFP4 blocks, scale byte first); one in another type than MXFP4 is a
 mismatch. Exit status 1 on any mismatch, and when nothing was checked (no expert's
 bytes). --write-manifest writes the hashes only when everything matched, and never
@@ -67,7 +70,7 @@ def check(args, error):
         else:
             config = ck.read_config(args.checkpoint)
             layout = ck.family_of(config)
-            ck.num_experts(config)
+            ck.num_experts(config, layout)
             args.opened = ck.open_checkpoint(args.checkpoint)
             available = ck.moe_layers(args.opened, layout)
             kind = layout.name

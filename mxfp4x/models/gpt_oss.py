@@ -22,12 +22,11 @@ from .._validation import (
     ExpertRange,
     NumThreads,
     WeakGroup,
-    check_range_within,
     num_threads_arg,
     parse_expert_range,
 )
-from .._validation import bytes_by_view as as_bytes
-from ..checkpoints.families import gguf_naming, load_gguf_experts
+from ..checkpoints import families as ck
+from ..checkpoints.families import GPT_OSS, gguf_naming, load_gguf_experts
 from ..checkpoints.safetensors import SafeTensorsCheckpoint
 from ._common import (
     BytesByView,
@@ -44,8 +43,6 @@ from ._common import (
 
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32,
                    experts_per_token=4, num_hidden_layers=24, swiglu_limit=7.0)
-EXPERTS = "model.layers.{layer}.mlp.experts."  # + {gate_up,down}_proj_{blocks,scales,bias}
-ROUTER = "model.layers.{layer}.mlp.router."    # + {weight,bias}
 
 
 class GptOssRouter(torch.nn.Module):
@@ -70,6 +67,20 @@ class GptOssRouter(torch.nn.Module):
 _SPLIT = ("gate_up_blocks", "gate_up_scales", "gate_up_bias", "down_blocks", "down_scales",
           "down_bias")
 _GGUF = ("gate_blocks", "up_blocks", "gate_bias", "up_bias", "down_blocks", "down_bias")
+
+
+def tensor_names(prefix: str, layer: int) -> Dict[str, str]:
+    """Constructor argument -> the checkpoint's name of that tensor of layer ``layer``
+    (``gate_up_blocks``: ``model.layers.L.mlp.experts.gate_up_proj_blocks``), from the
+    family's entry in the registry (``mxfp4x.checkpoints.families.GPT_OSS``)."""
+    kinds = {"blocks": GPT_OSS.packed, "scales": GPT_OSS.scale, "bias": str(GPT_OSS.bias)}
+    return {arg: GPT_OSS.tensor(prefix, layer, None, *_role_kind(arg, kinds))
+            for arg in _SPLIT}
+
+
+def _role_kind(arg: str, kinds: Dict[str, str]) -> Tuple[str, str]:
+    role, kind = arg.rsplit("_", 1)
+    return role, kinds[kind]
 
 
 def _bias_rows(name: str, bias, width: int, e_local: int,
@@ -233,7 +244,7 @@ class GptOssExperts(BytesByView):
         return m
 
     @classmethod
-    def from_checkpoint(cls, path, layer: int, prefix: str = EXPERTS, *,
+    def from_checkpoint(cls, path, layer: int, prefix: Optional[str] = None, *,
                         limit: float = 7.0, alpha: float = 1.702,
                         num_threads: Optional[int] = None, expert_range=None,
                         group=None) -> "GptOssExperts":
@@ -241,7 +252,9 @@ class GptOssExperts(BytesByView):
         directory, or an open SafeTensorsCheckpoint) or GGUF (a ``.gguf`` file, a split
         set, or an open GGUFCheckpoint), expert bytes memory-mapped, not copied; with
         ``expert_range=(e0, e1)`` (or ``range(e0, e1)``) only those experts' bytes are
-        mapped; the other arguments as the constructor's."""
+        mapped; the other arguments as the constructor's.  The tensors' names are the
+        family's (``mxfp4x.checkpoints.families.GPT_OSS``), after ``prefix`` (None: the
+        one the file uses)."""
         num_threads_arg(num_threads)  # what is given, checked before any file is read
         rng = None if expert_range is None else parse_expert_range(expert_range)
         gguf = _gguf_of(path)
@@ -249,22 +262,13 @@ class GptOssExperts(BytesByView):
             return _gguf_experts(gguf, layer, limit=limit, alpha=alpha,
                                  num_threads=num_threads, expert_range=rng, group=group)
         ckpt = path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
-        p = prefix.format(layer=layer)
-
-        # constructor argument -> the checkpoint's name (gate_up_blocks: gate_up_proj_blocks)
-        names = {arg: p + arg.replace("_blocks", "_proj_blocks").replace(
-            "_scales", "_proj_scales").replace("_bias", "_proj_bias") for arg in _SPLIT}
-
-        def get(arg):
-            name = names[arg]
-            if arg.endswith("_bias"):
-                return ckpt.get(name)
-            if rng is None:
-                return as_bytes(name, ckpt.get(name))  # U8, I8 or F8_E8M0: read by view
-            check_range_within(rng, (ckpt.shape(name) or (0,))[0], _where(ckpt, name))
-            return as_bytes(name, ckpt.get_rows(name, *rng))
-
-        t = {arg: get(arg) for arg in _SPLIT}
+        p = ck.find_prefix(ckpt, GPT_OSS, layer) if prefix is None else prefix
+        names = tensor_names(p, layer)
+        # the bytes (typed U8, I8 or F8_E8M0, read by view) as verify hashes them
+        stacks = ck.load_stacked_experts(ckpt, GPT_OSS, layer, p, rng)
+        t = {f"{role}_{kind}": stacks[role][i] for role in ("gate_up", "down")
+             for i, kind in enumerate(("blocks", "scales"))}
+        t.update({arg: ckpt.get(names[arg]) for arg in ("gate_up_bias", "down_bias")})
         check_experts(t, rng, {arg: _where(ckpt, name) for arg, name in names.items()})
         return cls(t["gate_up_blocks"], t["gate_up_scales"], t["gate_up_bias"],
                    t["down_blocks"], t["down_scales"], t["down_bias"], limit=limit,
@@ -390,7 +394,8 @@ class GptOssMoE(torch.nn.Module):
             top_k = config["experts_per_token"]
         # the activation's clamp as the checkpoint states it (gpt-oss: 7.0)
         limit = _positive(f"{source}: swiglu_limit", config.get("swiglu_limit", 7.0))
-        experts = GptOssExperts.from_checkpoint(ckpt, layer, expert_range=rng,
+        prefix = ck.find_prefix(ckpt, GPT_OSS, layer)
+        experts = GptOssExperts.from_checkpoint(ckpt, layer, prefix, expert_range=rng,
                                                 num_threads=num_threads, group=group,
                                                 limit=limit)
         def stated(key):
@@ -402,10 +407,10 @@ class GptOssMoE(torch.nn.Module):
                             "the experts' blocks are"),
             "intermediate_size": (stated("intermediate_size"), experts.intermediate_size,
                                   "the experts' blocks are")})
-        r = ROUTER.format(layer=layer)
-        weight, bias = ckpt.get(r + "weight"), ckpt.get(r + "bias")
-        check_router(weight, bias, experts, [_where(ckpt, r + "weight"),
-                                             _where(ckpt, r + "bias")])
+        router = [prefix + pattern.format(layer=layer)
+                  for pattern in (GPT_OSS.router, str(GPT_OSS.router_bias))]
+        weight, bias = (ckpt.get(name) for name in router)
+        check_router(weight, bias, experts, [_where(ckpt, name) for name in router])
         return cls(GptOssRouter(weight, bias, top_k), experts)
 
 
@@ -419,10 +424,8 @@ def load_gpt_oss_experts(path: str, layers: Optional[Sequence[int]] = None,
     num_threads_arg(num_threads)  # what is given, checked before any file is read
     rng = None if expert_range is None else parse_expert_range(expert_range)
     ckpt = SafeTensorsCheckpoint(path)
-    if layers is None:
-        layers = []
-        while EXPERTS.format(layer=len(layers)) + "down_proj_blocks" in ckpt:
-            layers.append(len(layers))
+    if layers is None:  # found by name: every layer whose experts the files hold
+        layers = ck.moe_layers(ckpt, GPT_OSS)
     out = []
     bar = Progress(len(layers), "loading experts") if progress else None
     for i, layer in enumerate(layers):

@@ -9,7 +9,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..models.gpt_oss import EXPERTS, GPT_OSS_20B
+from ..checkpoints.families import GPT_OSS
+from ..models.gpt_oss import GPT_OSS_20B, tensor_names
 
 
 def write_gpt_oss_layer(folder: str, layer: int = 0, seed: int = 0, **sizes) -> dict:
@@ -24,7 +25,8 @@ def write_gpt_oss_layer(folder: str, layer: int = 0, seed: int = 0, **sizes) -> 
     os.makedirs(folder, exist_ok=True)
     with atomic_write(os.path.join(folder, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=1)
-    p = f"model.layers.{layer}.mlp."
+    n = tensor_names("", layer)  # the release's names, from the families registry
+    router = [pattern.format(layer=layer) for pattern in (GPT_OSS.router, str(GPT_OSS.router_bias))]
 
     def u8(*shape, lo=0, hi=256):
         return lambda: torch.from_numpy(rng.integers(lo, hi, shape, np.uint8))
@@ -33,18 +35,15 @@ def write_gpt_oss_layer(folder: str, layer: int = 0, seed: int = 0, **sizes) -> 
         return lambda: torch.from_numpy(rng.standard_normal(shape) * scale).bfloat16()
 
     entries = {
-        p + "router.weight": (torch.bfloat16, (e, h), bf16(e, h, scale=h ** -0.5)),
-        p + "router.bias": (torch.bfloat16, (e,), bf16(e, scale=0.1)),
-        p + "experts.gate_up_proj_blocks": (torch.uint8, (e, 2 * f, h // 32, 16),
-                                            u8(e, 2 * f, h // 32, 16)),
-        p + "experts.gate_up_proj_scales": (torch.uint8, (e, 2 * f, h // 32),
-                                            u8(e, 2 * f, h // 32, lo=118, hi=124)),
-        p + "experts.gate_up_proj_bias": (torch.bfloat16, (e, 2 * f), bf16(e, 2 * f, scale=0.1)),
-        p + "experts.down_proj_blocks": (torch.uint8, (e, h, f // 32, 16),
-                                         u8(e, h, f // 32, 16)),
-        p + "experts.down_proj_scales": (torch.uint8, (e, h, f // 32),
-                                         u8(e, h, f // 32, lo=118, hi=124)),
-        p + "experts.down_proj_bias": (torch.bfloat16, (e, h), bf16(e, h, scale=0.1)),
+        router[0]: (torch.bfloat16, (e, h), bf16(e, h, scale=h ** -0.5)),
+        router[1]: (torch.bfloat16, (e,), bf16(e, scale=0.1)),
+        n["gate_up_blocks"]: (torch.uint8, (e, 2 * f, h // 32, 16), u8(e, 2 * f, h // 32, 16)),
+        n["gate_up_scales"]: (torch.uint8, (e, 2 * f, h // 32),
+                              u8(e, 2 * f, h // 32, lo=118, hi=124)),
+        n["gate_up_bias"]: (torch.bfloat16, (e, 2 * f), bf16(e, 2 * f, scale=0.1)),
+        n["down_blocks"]: (torch.uint8, (e, h, f // 32, 16), u8(e, h, f // 32, 16)),
+        n["down_scales"]: (torch.uint8, (e, h, f // 32), u8(e, h, f // 32, lo=118, hi=124)),
+        n["down_bias"]: (torch.bfloat16, (e, h), bf16(e, h, scale=0.1)),
     }
     write_file(os.path.join(folder, "model.safetensors"), entries)
     return cfg
@@ -104,13 +103,16 @@ def write_gpt_oss_model(folder: str, seed: int = 0, layers_per_file: int = 4,
                   transformers.GptOssForCausalLM(cfg).state_dict().items()}
     e, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
     for layer in range(cfg.num_hidden_layers):
-        p = EXPERTS.format(layer=layer)
-        for k in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
-            shapes.pop(p + k, None)
-        for proj, (o, i) in (("gate_up_proj", (2 * f, h)), ("down_proj", (h, f))):
-            shapes[p + proj + "_blocks"] = (torch.uint8, (e, o, i // 32, 16))
-            shapes[p + proj + "_scales"] = (torch.uint8, (e, o, i // 32))
-            shapes[p + proj + "_bias"] = (torch.bfloat16, (e, o))
+        n = tensor_names("", layer)  # the release's names, from the families registry
+        # transformers' dense names: the projections' weights (the blocks' name without
+        # its kind) and the biases
+        for role in ("gate_up", "down"):
+            shapes.pop(n[f"{role}_blocks"].rsplit("_", 1)[0], None)
+            shapes.pop(n[f"{role}_bias"], None)
+        for role, (o, i) in (("gate_up", (2 * f, h)), ("down", (h, f))):
+            shapes[n[f"{role}_blocks"]] = (torch.uint8, (e, o, i // 32, 16))
+            shapes[n[f"{role}_scales"]] = (torch.uint8, (e, o, i // 32))
+            shapes[n[f"{role}_bias"]] = (torch.bfloat16, (e, o))
     rng = np.random.default_rng(seed)
 
     def make(name, dtype, shape):

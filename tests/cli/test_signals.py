@@ -18,7 +18,7 @@ import sys
 import time
 
 from mxfp4x import cli
-from mxfp4x.cli._families import FAMILIES
+from mxfp4x.cli._families import MODELS
 
 
 def write(folder, n_experts):
@@ -28,7 +28,7 @@ def write(folder, n_experts):
     {then}
 
 
-for family in FAMILIES.values():
+for family in MODELS.values():
     family.write = write
 sys.exit(cli.main(sys.argv[1:]))
 """
