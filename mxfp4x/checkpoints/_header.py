@@ -4,8 +4,9 @@ that fills exactly its byte range inside the data section, ranges that do not ov
 Every refusal is a ValueError naming the file and the entry.
 
 Also what every checkpoint reader opens and maps files with: regular files only
-(:func:`open_regular_file`: safetensors and GGUF files, indexes, config.json), and a new
-private mapping of just the bytes each read asks for (:func:`map_file_bytes`)."""
+(:func:`open_regular_file`: safetensors and GGUF files, indexes, config.json), a new
+private mapping of just the bytes each read asks for (:func:`map_file_bytes`), and the
+one reader of JSON files, capped at :data:`MAX_JSON_BYTES` (:func:`read_json`)."""
 import ctypes
 import json
 import math
@@ -33,9 +34,14 @@ _TORCH_NAME = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
                **({_E8M0: "F8_E8M0"} if _E8M0 is not None else {})}
 
-# the reference implementation's limit: a longer "header" is not a safetensors file, and
-# reading it whole would let a hostile length exhaust memory
-MAX_HEADER_BYTES = 100_000_000
+# The one cap on JSON: every JSON file the package reads (config.json, a safetensors
+# index, a verify manifest, through read_json) and a safetensors header.  The safetensors
+# reference implementation's header limit; real files are far below it (a config.json is
+# kilobytes; an index names each tensor in ~100 bytes: ~50 MB for one tensor per expert
+# of Kimi K3).  A longer file is refused before it is read, not parsed into gigabytes.
+MAX_JSON_BYTES = 100_000_000
+# the safetensors header's cap, by its historical name
+MAX_HEADER_BYTES = MAX_JSON_BYTES
 # numpy 1.x arrays have at most 32 dimensions (numpy 2: 64)
 MAX_DIMS = 32
 # torch and numpy index with signed 64-bit strides: every stride in bytes must fit
@@ -209,6 +215,29 @@ def _parse_json(path: str, raw: bytes, what: str) -> Any:
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
         raise ValueError(f"{path}: {what} is not valid JSON ({reason})") from None
+
+
+def read_json(path: str, what: str) -> Any:
+    """The JSON document in ``path`` (``what`` it is, for messages: "config.json", "the
+    index", ...), parsed as :func:`_parse_json` does (strict UTF-8, no repeated keys),
+    from a regular file (:func:`open_regular_file`) of at most :data:`MAX_JSON_BYTES`.  A
+    larger one is a ``ValueError`` naming it, its size and the cap, refused from its size
+    before any byte is read; at most the cap + 1 bytes are ever read (a file that grows
+    meanwhile is refused too)."""
+    with open_regular_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = b""
+        if size <= MAX_JSON_BYTES:
+            # its size and one byte more (read(n) allocates n bytes first: never the cap)
+            raw = f.read(size + 1)
+            if len(raw) > size:  # it grew since: on to the cap
+                raw += f.read(MAX_JSON_BYTES + 1 - len(raw))
+    if size > MAX_JSON_BYTES or len(raw) > MAX_JSON_BYTES:
+        got = (f"{size} bytes" if size > MAX_JSON_BYTES else
+               f"over {MAX_JSON_BYTES} bytes (it grew while it was read)")
+        raise ValueError(f"{path}: {what} is {got}, more than the cap of {MAX_JSON_BYTES} "
+                         f"bytes on a JSON file (MAX_JSON_BYTES)")
+    return _parse_json(path, raw, what)
 
 
 class _Entry(NamedTuple):

@@ -62,7 +62,6 @@ the converters in llama.cpp's ``conversion/``).  :class:`GGUFExpertNaming` holds
 * DeepSeek-V2/V3 and Kimi K2 (``"deepseek2"``), Kimi Linear (``"kimi-linear"``): the
   same routed, shared and router names as Kimi K3, without the latent projections.
 """
-import json
 import os
 import re
 import string
@@ -75,7 +74,7 @@ from .._format import GROUP_BYTES
 from .._progress import Progress
 from .._validation import ExpertRange, check_range_within, parse_expert_range
 from .._validation import bytes_by_view as as_bytes
-from ._header import open_regular_file
+from ._header import read_json
 from .gguf import MXFP4, GGUFCheckpoint
 from .safetensors import SafeTensorsCheckpoint
 
@@ -188,11 +187,7 @@ def read_config(path: str) -> dict:
     if not os.path.exists(where):
         raise FileNotFoundError(f"{path}: no config.json in {folder} (a checkpoint is a "
                                 f"folder of config.json and .safetensors files)")
-    with open_regular_file(where) as f:  # a named pipe would block: refused
-        try:
-            config = json.loads(f.read())
-        except ValueError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    config = read_json(where, "config.json")  # capped; a named pipe is refused
     text = config.get("text_config", config) if isinstance(config, dict) else None
     if not isinstance(text, dict):
         raise ValueError(f"{where}: expected a JSON object (with an object "

@@ -40,10 +40,11 @@ import numpy as np
 import torch
 
 from .._io import atomic_write
-from ._header import (  # noqa: F401 (UnsupportedDtypeError, MAX_HEADER_BYTES: public)
+from ._header import (  # noqa: F401 (UnsupportedDtypeError, MAX_*_BYTES: public)
     _TORCH_NAME,
     _VIEW_AS,
     MAX_HEADER_BYTES,
+    MAX_JSON_BYTES,
     MappedFile,
     UnsupportedDtypeError,
     _check_disjoint,
@@ -52,6 +53,7 @@ from ._header import (  # noqa: F401 (UnsupportedDtypeError, MAX_HEADER_BYTES: p
     _parse_json,
     _short,
     open_regular_file,
+    read_json,
 )
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -338,11 +340,7 @@ class SafeTensorsCheckpoint:
 
     @staticmethod
     def _read_index(index: str) -> Dict[str, object]:
-        with open_regular_file(index) as f:
-            raw = f.read(MAX_HEADER_BYTES + 1)
-        if len(raw) > MAX_HEADER_BYTES:
-            raise ValueError(f"{index}: larger than {MAX_HEADER_BYTES} bytes")
-        doc = _parse_json(index, raw, "the index")
+        doc = read_json(index, "the index")
         if not isinstance(doc, dict):
             raise ValueError(f"{index}: the index is not a JSON object")
         weight_map = doc.get("weight_map")

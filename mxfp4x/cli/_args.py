@@ -67,23 +67,6 @@ def existing_file(path, what, error):
         error(f"{what}: {path!r} is not readable")
 
 
-def read_file(path, what, error):
-    """The bytes of an input file, checked as :func:`existing_file` does, and again on
-    the file opened (opened without waiting: a named pipe put in its place meanwhile is
-    refused, not waited on)."""
-    existing_file(path, what, error)
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            if not stat.S_ISREG(mode):
-                error(f"{what}: {path!r} is not a regular file ({_kind(mode)}), expected "
-                      f"a file")
-            return f.read()
-    except OSError as exc:
-        error(f"{what}: {exc}")
-
-
 def checkpoint_inputs(path, what, error):
     """Before a safetensors checkpoint (a folder, or a file with config.json beside it)
     or a GGUF file is opened: each file opening it reads is a regular file (a named pipe

@@ -22,15 +22,16 @@ import time
 from mxfp4x._io import atomic_write
 from mxfp4x.checkpoints import families as ck
 from mxfp4x.checkpoints import verify as _verify
+from mxfp4x.checkpoints._header import read_json
 from mxfp4x.checkpoints.gguf import GGUFCheckpoint, is_gguf
 
 from ._args import (
     CHECKPOINT_ERRORS,
     checkpoint_inputs,
+    existing_file,
     message,
     nonnegative_int,
     outputs,
-    read_file,
     regular_inputs,
 )
 
@@ -45,11 +46,11 @@ def add_arguments(parser):
 
 
 def _manifest(path, error):
-    raw = read_file(path, "argument --manifest", error)
+    existing_file(path, "argument --manifest", error)
     try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        error(f"argument --manifest: {path} is not valid JSON ({exc})")
+        doc = read_json(path, "the manifest")  # capped: MAX_JSON_BYTES
+    except (OSError, ValueError) as exc:
+        error(f"argument --manifest: {message(exc)}")
     try:
         return _verify.check_manifest(doc, "argument --manifest")
     except ValueError as exc:
