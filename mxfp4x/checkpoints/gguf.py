@@ -68,6 +68,7 @@ from typing import (
     Any,
     Dict,
     Iterable,
+    Iterator,
     List,
     Mapping,
     NamedTuple,
@@ -445,6 +446,14 @@ class GGUFList(Sequence[Any]):
             return _decoded(bytes(memoryview(self._raw)[lo + 8:hi]))
         cur = _Cursor(io.BytesIO(memoryview(self._raw)[lo:hi]), self._path, hi - lo)
         return cur.value(self.element_type, f"{self._what}[{i}]", self._depth + 1)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.element_type != _STRING:
+            yield from (self[i] for i in range(len(self)))
+            return
+        raw, starts = memoryview(self._raw), self._starts.tolist()  # a vocabulary: fast
+        for lo, hi in zip(starts, starts[1:], strict=False):
+            yield _decoded(bytes(raw[lo + 8:hi]))
 
     def tolist(self) -> List[Any]:
         return [x.tolist() if isinstance(x, (np.ndarray, GGUFList)) else x for x in self]

@@ -91,6 +91,7 @@ def test_string_arrays_cost_about_their_bytes(tmp_path):
     assert peak < 2 * size + (1 << 20), (peak, size)
     tokens = f.metadata["tokens"]
     assert len(tokens) == n and tokens[0] == tokens[-1] == "\u0101"
+    assert list(tokens) == [tokens[i] for i in range(n)] == ["\u0101"] * n
 
 
 def test_tensor_infos_cost_a_few_hundred_bytes_each(tmp_path):
