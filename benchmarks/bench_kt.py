@@ -54,7 +54,7 @@ def sizes():
     g = GPT_OSS_20B
     if SMALL:
         return 8, 4, 128, 96
-    return (g["num_local_experts"], g["experts_per_token"], g["hidden_size"],
+    return (g["num_local_experts"], g["num_experts_per_tok"], g["hidden_size"],
             g["intermediate_size"])
 
 

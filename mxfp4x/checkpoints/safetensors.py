@@ -34,7 +34,7 @@ import struct
 import threading
 import weakref
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -224,14 +224,20 @@ def save_file(tensors: Dict[str, torch.Tensor], path: str,
                metadata)
 
 
+Made = Union[None, torch.Tensor, Iterable[torch.Tensor]]
+
+
 def write_file(path: str, entries: Dict[str, Tuple[torch.dtype, Tuple[int, ...],
-                                                   Callable[[], Optional[torch.Tensor]]]],
+                                                   Callable[[], Made]]],
                metadata: Optional[Dict[str, str]] = None) -> None:
     """Write a .safetensors file whose tensors are made one at a time while it is
     written (``name -> (dtype, shape, make)``): a file larger than memory can be written.
-    A tensor ``make()`` returns None for is left unwritten (all zero bytes, sparse on
-    disk).  The bytes go to a temporary file renamed over ``path`` at the end: a failure
-    leaves ``path`` as it was, and mappings of the old file keep their bytes."""
+    ``make()`` returns the tensor, or an iterable of its pieces along the first dimension
+    (rows ``[0, r1)``, ``[r1, r2)``, ... in order, each written as it comes: a tensor
+    larger than memory can be written too), or None to leave it unwritten (all zero
+    bytes, sparse on disk).  Bytes are written from the tensors' memory, never copied.
+    The bytes go to a temporary file renamed over ``path`` at the end: a failure leaves
+    ``path`` as it was, and mappings of the old file keep their bytes."""
     meta = dict(metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise TypeError(f"{path}: metadata must map strings to strings, got "
@@ -264,21 +270,32 @@ def write_file(path: str, entries: Dict[str, Tuple[torch.dtype, Tuple[int, ...],
         base, written = f.tell() if regular else 0, 0
         for name in order:
             dtype, shape, make = entries[name]
-            t = make()
+            made = make()
             begin, end = header[name]["data_offsets"]
-            if t is None:
+            if made is None:
                 continue
-            t = t.detach().cpu().contiguous()
-            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{name}: made {t.dtype} {tuple(t.shape)}, declared {dtype} "
-                                 f"{tuple(shape)}")
-            if _TORCH_NAME[dtype] in _VIEW_AS:  # no numpy dtype: the same-width integers
-                t = t.view(torch.int16 if t.element_size() == 2 else torch.uint8)
             if regular:
                 f.seek(base + begin)
             else:
                 _write_zeros(f, begin - written)
-            f.write(t.numpy().tobytes())
+            shape = tuple(int(d) for d in shape)
+            whole = isinstance(made, torch.Tensor)
+            rows = 0
+            pieces = [made] if isinstance(made, torch.Tensor) else made
+            for t in pieces:
+                t = t.detach().cpu().contiguous()
+                if t.dtype != dtype or (tuple(t.shape) != shape if whole else (
+                        t.dim() != len(shape) or not shape or
+                        tuple(t.shape[1:]) != shape[1:] or rows + t.shape[0] > shape[0])):
+                    raise ValueError(f"{name}: made {t.dtype} {tuple(t.shape)}"
+                                     f"{'' if whole else f' after {rows} rows'}, declared "
+                                     f"{dtype} {shape}")
+                rows += t.shape[0] if t.dim() else 1
+                if _TORCH_NAME[dtype] in _VIEW_AS:  # no numpy dtype: same-width integers
+                    t = t.view(torch.int16 if t.element_size() == 2 else torch.uint8)
+                f.write(t.numpy().reshape(-1).view(np.uint8).data)  # the memory itself
+            if not whole and rows != (shape[0] if shape else 1):
+                raise ValueError(f"{name}: made {rows} rows, declared {dtype} {shape}")
             written = end
         if regular:
             f.truncate(base + offset)  # the full length, also when the last tensors are sparse

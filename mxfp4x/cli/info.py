@@ -116,8 +116,8 @@ def safetensors_report(ckpt, family: ck.ExpertNaming, config: dict) -> dict:
 
 
 def _print_safetensors(r):
-    print(f"{'checkpoint':14s} {r['checkpoint']} (safetensors, {len(r['files'])} files with "
-          f"config.json)")
+    print(f"{'checkpoint':14s} {r['checkpoint']} (safetensors: {len(r['files'])} files, "
+          f"config.json included)")
     print(f"{'family':14s} {r['family']} (model_type {r['model_type']})")
     print(f"{'experts':14s} {r['n_experts']} per layer, {r['top_k']} per token")
     print(f"{'expert layers':14s} {r['expert_layers']}")

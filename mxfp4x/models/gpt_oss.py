@@ -32,6 +32,7 @@ from ._common import (
     BytesByView,
     _integer,
     _positive,
+    _real,
     bytes_of,
     check_dims,
     check_routing,
@@ -41,8 +42,9 @@ from ._common import (
     gguf_integer_if_any,
 )
 
+# the released gpt-oss-20b's sizes, under transformers' GptOssConfig names
 GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32,
-                   experts_per_token=4, num_hidden_layers=24, swiglu_limit=7.0)
+                   num_experts_per_tok=4, num_hidden_layers=24, swiglu_limit=7.0)
 
 
 class GptOssRouter(torch.nn.Module):
@@ -67,6 +69,33 @@ class GptOssRouter(torch.nn.Module):
 _SPLIT = ("gate_up_blocks", "gate_up_scales", "gate_up_bias", "down_blocks", "down_scales",
           "down_bias")
 _GGUF = ("gate_blocks", "up_blocks", "gate_bias", "up_bias", "down_blocks", "down_bias")
+
+
+def checkpoint_config(root: str, required: bool = False) -> Tuple[dict, str]:
+    """(config, where it is) of a gpt-oss checkpoint (a folder, or beside a file): the
+    keys under the names the family reads (``GPT_OSS.config``: transformers'
+    ``GptOssConfig`` names, each alias taken, one naming another value a ValueError);
+    ({}, where) when there is none and it is not ``required``."""
+    source = ck.config_path(root)
+    try:
+        raw = ck.read_config(root)
+    except FileNotFoundError:
+        if required:
+            raise
+        return {}, source
+    return GPT_OSS.config(raw, source), source
+
+
+def activation(config: dict, source: str, limit: Optional[float] = None,
+               alpha: Optional[float] = None) -> Tuple[float, float]:
+    """(limit, alpha) of the clamped SwiGLU: as given, else the config's ``swiglu_limit``
+    and ``swiglu_alpha`` (transformers' GptOssConfig reads both), else their defaults
+    there, gpt-oss's 7.0 and 1.702; each checked, a ValueError naming ``source``."""
+    if limit is None:
+        limit = _positive(f"{source}: swiglu_limit", config.get("swiglu_limit", 7.0))
+    if alpha is None:
+        alpha = _real(f"{source}: swiglu_alpha", config.get("swiglu_alpha", 1.702))
+    return float(limit), float(alpha)
 
 
 def tensor_names(prefix: str, layer: int) -> Dict[str, str]:
@@ -245,7 +274,7 @@ class GptOssExperts(BytesByView):
 
     @classmethod
     def from_checkpoint(cls, path, layer: int, prefix: Optional[str] = None, *,
-                        limit: float = 7.0, alpha: float = 1.702,
+                        limit: Optional[float] = None, alpha: Optional[float] = None,
                         num_threads: Optional[int] = None, expert_range=None,
                         group=None) -> "GptOssExperts":
         """One layer's experts from a gpt-oss checkpoint: safetensors (a file, a
@@ -254,14 +283,19 @@ class GptOssExperts(BytesByView):
         ``expert_range=(e0, e1)`` (or ``range(e0, e1)``) only those experts' bytes are
         mapped; the other arguments as the constructor's.  The tensors' names are the
         family's (``mxfp4x.checkpoints.families.GPT_OSS``), after ``prefix`` (None: the
-        one the file uses)."""
+        one the file uses).  ``limit`` and ``alpha`` None: the checkpoint's config.json's
+        ``swiglu_limit`` and ``swiglu_alpha`` where it states them (:func:`activation`;
+        a GGUF file: 7.0 and 1.702)."""
         num_threads_arg(num_threads)  # what is given, checked before any file is read
         rng = None if expert_range is None else parse_expert_range(expert_range)
         gguf = _gguf_of(path)
         if gguf is not None:
-            return _gguf_experts(gguf, layer, limit=limit, alpha=alpha,
+            return _gguf_experts(gguf, layer, limit=7.0 if limit is None else limit,
+                                 alpha=1.702 if alpha is None else alpha,
                                  num_threads=num_threads, expert_range=rng, group=group)
         ckpt = path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
+        if limit is None or alpha is None:
+            limit, alpha = activation(*checkpoint_config(ckpt.root), limit, alpha)
         p = ck.find_prefix(ckpt, GPT_OSS, layer) if prefix is None else prefix
         names = tensor_names(p, layer)
         # the bytes (typed U8, I8 or F8_E8M0, read by view) as verify hashes them
@@ -356,7 +390,10 @@ class GptOssMoE(torch.nn.Module):
                         expert_range=None, num_threads: Optional[int] = None,
                         group=None) -> "GptOssMoE":
         """Layer ``layer`` of a gpt-oss checkpoint (a file or a folder); ``top_k`` from its
-        config.json (``experts_per_token``) unless given; ``expert_range=(e0, e1)`` maps
+        config.json unless given (``num_experts_per_tok``, transformers' name, or
+        ``experts_per_token``, openai's; the release states both), and the activation's
+        ``swiglu_limit`` and ``swiglu_alpha`` (:func:`activation`), every key read as
+        transformers' GptOssConfig reads it; ``expert_range=(e0, e1)`` maps
         only those experts' bytes (expert-parallel with ``group``). A GGUF file (or split
         set) gives the router, the biases and ``top_k`` (``gpt-oss.expert_used_count``)
         too."""
@@ -380,29 +417,25 @@ class GptOssMoE(torch.nn.Module):
                          [f"{gguf.tensor(name).path}: tensor {name!r}" for name in names])
             return cls(GptOssRouter(weight, bias, top_k), experts)
         ckpt = path if isinstance(path, SafeTensorsCheckpoint) else SafeTensorsCheckpoint(path)
-        from ..checkpoints.families import config_path, read_config
-        try:
-            config = read_config(ckpt.root)
-        except FileNotFoundError:
-            if top_k is None:
-                raise
-            config = {}  # top_k given, a file without its config.json: gpt-oss's clamp
-        source = config_path(ckpt.root)
+        # top_k given, a file without its config.json: gpt-oss's activation
+        config, source = checkpoint_config(ckpt.root, required=top_k is None)
         if top_k is None:
-            if "experts_per_token" not in config:
-                raise ValueError(f"{source}: 'experts_per_token' is missing; pass top_k=")
-            top_k = config["experts_per_token"]
-        # the activation's clamp as the checkpoint states it (gpt-oss: 7.0)
-        limit = _positive(f"{source}: swiglu_limit", config.get("swiglu_limit", 7.0))
+            key = GPT_OSS.top_k_key
+            if key not in config:
+                known = [key] + [a for a, k in GPT_OSS.config_aliases.items() if k == key]
+                raise ValueError(f"{source}: " + " or ".join(map(repr, known)) +
+                                 " is missing; pass top_k=")
+            top_k = config[key]
+        limit, alpha = activation(config, source)
         prefix = ck.find_prefix(ckpt, GPT_OSS, layer)
         experts = GptOssExperts.from_checkpoint(ckpt, layer, prefix, expert_range=rng,
                                                 num_threads=num_threads, group=group,
-                                                limit=limit)
+                                                limit=limit, alpha=alpha)
         def stated(key):
             return _integer(f"{source}: {key}", config[key]) if key in config else None
         check_dims(source, {
-            "num_local_experts": (stated("num_local_experts"), experts.n_experts,
-                                  "the experts' biases hold"),
+            GPT_OSS.n_experts_key: (stated(GPT_OSS.n_experts_key), experts.n_experts,
+                                    "the experts' biases hold"),
             "hidden_size": (stated("hidden_size"), experts.hidden_size,
                             "the experts' blocks are"),
             "intermediate_size": (stated("intermediate_size"), experts.intermediate_size,
@@ -415,15 +448,17 @@ class GptOssMoE(torch.nn.Module):
 
 
 def load_gpt_oss_experts(path: str, layers: Optional[Sequence[int]] = None,
-                         progress: bool = True, *, limit: float = 7.0, alpha: float = 1.702,
-                         num_threads: Optional[int] = None, expert_range=None,
-                         group=None) -> List[GptOssExperts]:
+                         progress: bool = True, *, limit: Optional[float] = None,
+                         alpha: Optional[float] = None, num_threads: Optional[int] = None,
+                         expert_range=None, group=None) -> List[GptOssExperts]:
     """Every (or the given) layer's experts of a gpt-oss checkpoint, memory-mapped, with a
     progress bar on stderr (plain lines when it is not a terminal); the other arguments
     as :meth:`GptOssExperts.from_checkpoint`'s, the same for every layer."""
     num_threads_arg(num_threads)  # what is given, checked before any file is read
     rng = None if expert_range is None else parse_expert_range(expert_range)
     ckpt = SafeTensorsCheckpoint(path)
+    if limit is None or alpha is None:  # config.json read once for every layer
+        limit, alpha = activation(*checkpoint_config(ckpt.root), limit, alpha)
     if layers is None:  # found by name: every layer whose experts the files hold
         layers = ck.moe_layers(ckpt, GPT_OSS)
     out = []

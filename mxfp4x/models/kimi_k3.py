@@ -570,7 +570,8 @@ class KimiK3MoE(torch.nn.Module):
             raise TypeError("config: only for GGUF files (a safetensors checkpoint's "
                             "hyperparameters come from its config.json)")
         root = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path.root
-        config = ck.read_config(root)
+        # every key under the name read here, as transformers' KimiLinearConfig takes it
+        config = ck.KIMI_K3.config(ck.read_config(root), ck.config_path(root))
         hyper = block_config(config, ck.config_path(root))
         ckpt = ck.open_checkpoint(path)
         layout = ck.KIMI_K3
@@ -676,7 +677,7 @@ def gguf_config(ckpt: GGUFCheckpoint, config: Optional[dict] = None) -> Dict[str
     differs is an error).  A required one in neither is a ``ValueError``: it is not
     guessed."""
     arch = ckpt.architecture
-    config = dict(config or {})
+    config = ck.KIMI_K3.config(config or {}, "config")  # its aliases, as config.json's
     out: Dict[str, Any] = {}
     for name, key in GGUF_KEYS.items():
         key = key.format(arch=arch)

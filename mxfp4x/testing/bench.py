@@ -18,9 +18,9 @@ def _shapes():
     ff, latent = k["moe_intermediate_size"], k["routed_expert_hidden_size"]
     e, top_k = k["num_experts"], k["num_experts_per_token"]
     return {
-        "gpt-oss-20b-gate-up": (g["num_local_experts"], g["experts_per_token"],
+        "gpt-oss-20b-gate-up": (g["num_local_experts"], g["num_experts_per_tok"],
                                 2 * g["intermediate_size"], g["hidden_size"]),
-        "gpt-oss-20b-down": (g["num_local_experts"], g["experts_per_token"],
+        "gpt-oss-20b-down": (g["num_local_experts"], g["num_experts_per_tok"],
                              g["hidden_size"], g["intermediate_size"]),
         "kimi-like": (384, 8, 4096, 7168),  # a DeepSeek-like layer past 2^31 bytes
         "kimi-k3-w1": (e, top_k, ff, latent),  # w1 and w3 (gate, up)
