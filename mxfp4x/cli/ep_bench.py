@@ -65,7 +65,9 @@ def _checkpoint_sizes(args, error):
         config = ck.read_config(args.checkpoint)
         if ck.family_of(config) is not ck.KIMI_K3:
             raise ValueError(f"{args.checkpoint}: not a Kimi K3 checkpoint")
-        ck.num_experts(config)
+        # every key under the name read here, as the loader reads it (KimiLinearConfig's)
+        config = ck.KIMI_K3.config(config, ck.config_path(args.checkpoint))
+        ck.num_experts(config, ck.KIMI_K3)
         for key in SIZE_KEYS:
             value = config.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

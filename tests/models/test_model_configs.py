@@ -207,3 +207,24 @@ def test_the_writer_holds_a_piece_of_a_tensor_not_the_model(tmp_path):
     print(f"\nwriter: peak RSS grew by {grown / 2**20:.0f} MiB; largest tensor "
           f"{largest / 2**20:.0f} MiB")
     assert grown < largest / 2
+
+
+def test_ep_bench_reads_a_kimi_k3_config_as_the_loader_does(tmp_path, capsys):
+    """``ep-bench --checkpoint``'s sizes through the same aliases: a config stating
+    num_experts_per_tok was refused ("num_experts_per_token is None")."""
+    from mxfp4x import cli
+
+    folder = tmp_path / "k3"
+    write_k3_checkpoint(str(folder), k3_config(
+        hidden_size=128, routed_expert_hidden_size=64, num_experts=8,
+        num_experts_per_token=2, moe_intermediate_size=64, num_shared_experts=1,
+        num_hidden_layers=2), [1], seed=4, shards=1, dense_dtype=torch.float32)
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["text_config"]["num_experts_per_tok"] = cfg["text_config"].pop("num_experts_per_token")
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["ep-bench", "--checkpoint", str(folder), "--experts", "9"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert "argument --experts: expected 2 to 8 experts" in err, err
