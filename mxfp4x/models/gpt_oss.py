@@ -310,6 +310,13 @@ class GptOssExperts(BytesByView):
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:  # the whole forward inside the ranks' agreement
+            from ..distributed import _scope
+            return _scope.run(self.group, self, self._forward, hidden_states,
+                              router_indices, routing_weights)
+        return self._forward(hidden_states, router_indices, routing_weights)
+
+    def _forward(self, hidden_states, router_indices, routing_weights) -> torch.Tensor:
         gate_up = GateAndUp(self.gate_blocks, self.up_blocks) if "gate_blocks" in \
             self._buffers else (self.gate_up_blocks, self.gate_up_scales)
         return gpt_oss_experts(hidden_states, router_indices, routing_weights,
@@ -337,6 +344,19 @@ def gpt_oss_experts(hidden_states: torch.Tensor, router_indices: torch.Tensor,
     GGUF blocks; ``gate_up`` may be a :class:`GateAndUp` of GGUF blocks); the modules
     that hold these tensors under other names (``mxfp4x.integrations.transformers``) call
     it."""
+    if group is not None:  # the whole computation inside the ranks' agreement
+        from ..distributed import _scope
+        return _scope.run(group, None, _experts_parallel, hidden_states, router_indices,
+                          routing_weights, gate_up, gate_up_bias, down, down_bias, limit,
+                          alpha, num_threads, expert_range, group)
+    return _experts_parallel(hidden_states, router_indices, routing_weights, gate_up,
+                             gate_up_bias, down, down_bias, limit, alpha, num_threads,
+                             expert_range, group)
+
+
+def _experts_parallel(hidden_states, router_indices, routing_weights, gate_up, gate_up_bias,
+                      down, down_bias, limit, alpha, num_threads, expert_range, group):
+    """gpt_oss_experts' body (on one process when ``group`` is None)."""
     slots, combined = mxfp4_experts_slots, mxfp4_experts
     if group is not None:
         from .. import distributed
@@ -354,19 +374,14 @@ def gpt_oss_experts(hidden_states: torch.Tensor, router_indices: torch.Tensor,
         gate_up_out = slots(hidden_states, gate_up[0], gate_up[1], router_indices,
                             num_threads=num_threads)  # checks the inputs
     out_dtype = gate_up_out.dtype  # the latents' (integer latents: the default float dtype)
-    try:
-        acc = accumulation_dtype(out_dtype)
-        gate_up_out = gate_up_out.to(acc) + gate_up_bias[router_indices].to(acc)
-        gate, up = gate_up_out[..., 0::2], gate_up_out[..., 1::2]
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
-        weights = torch.as_tensor(routing_weights).to(acc)
-        bias = (weights.unsqueeze(-1) * down_bias[router_indices].to(acc)).sum(1)
-    except BaseException as exc:
-        if group is None:
-            raise
-        distributed.fail_on_every_rank(exc, group)  # the others wait in `combined`
+    acc = accumulation_dtype(out_dtype)
+    gate_up_out = gate_up_out.to(acc) + gate_up_bias[router_indices].to(acc)
+    gate, up = gate_up_out[..., 0::2], gate_up_out[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    weights = torch.as_tensor(routing_weights).to(acc)
+    bias = (weights.unsqueeze(-1) * down_bias[router_indices].to(acc)).sum(1)
     out = combined(act, down[0], down[1], router_indices, weights, bias,
                    num_threads=num_threads)
     return out.to(out_dtype)
@@ -382,6 +397,14 @@ class GptOssMoE(torch.nn.Module):
         self.router, self.experts = router, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts.group is not None:
+            # the router inside the ranks' agreement too: its failure on one rank reaches
+            # every rank (mxfp4x.distributed._scope)
+            from ..distributed import _scope
+            return _scope.run(self.experts.group, self, self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         selected, weights = self.router(x)
         return self.experts(x, selected, weights)
 
