@@ -237,8 +237,9 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_decode_block(const mxfp4x_rows *w, int64_t r, 
  * group: A of row block i at a[i] + g * 512 (stride 64 bytes), B of token block j at
  * xb[j] + g * 16 * strides[j] bytes; C (i, j) stored to c + (i * ntb + j) * 256 (16 x 16).
  * Each C accumulates its groups in order, one tdpbf16ps per group, whatever the shape:
- * the shapes only give the tile unit independent chains (one chain ran at ~100 cycles
- * per group, measured).  A in tmm4 / tmm6, B in tmm5 / tmm7. */
+ * the shapes only give the tile unit independent chains (one chain is latency-bound:
+ * docs/performance.md, "The bf16 units, AMX and float64").  A in tmm4 / tmm6, B in
+ * tmm5 / tmm7. */
 #define MXFP4X_AMX_A(T, I) _tile_loadd(T, a[I] + g * 512, 64);
 #define MXFP4X_AMX_B(T, J) _tile_loadd(T, (const char *)xb[J] + g * 16 * strides[J], strides[J]);
 MXFP4X_AMX_INLINE void mxfp4x_amx_zero(void) {
@@ -344,9 +345,8 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int nrb,
  * stay normal and finite, which the exact-path conditions ensure (mxfp4x.h: unscaled
  * products are at least 2^-61 and under 2^67, scaled ones multiples of 2^-126 under
  * 2^104), so every step equals the tile's. */
-/* Streaming gpt-oss-20b gate/up rows from DRAM (one thread, Xeon): the gemv ran at 2.4,
- * 2.7 and 3.8 ns per row-group for 1, 2 and 4 tokens, 7.1 for 8; the tiles at 4.2-4.6
- * for 1 to 16 tokens. */
+/* Up to this many tokens per expert the gemv outruns the tiles streaming from DRAM (a Xeon:
+ * docs/performance.md, "Few tokens and the path switches"). */
 #ifndef MXFP4X_AMX_GEMV_MAX_TOKENS
 #define MXFP4X_AMX_GEMV_MAX_TOKENS 4
 #endif
@@ -437,8 +437,7 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_gemv_block(const uint8_t *const *b, int64_t gb
                                              __m512 *c, mxfp4x_pf_cursor pf) {
     const __m512 tab = _mm512_loadu_ps(mxfp4x_e2m1_f32);
     /* one token: groups side by side, as each group's two chains are 16 dependent FMAs
-     * (in L2, one Xeon thread: 1.8-2.0 against 2.1-2.9 ns per row-group; from DRAM the
-     * same, 2.6-2.9; two tokens measured no faster) */
+     * (faster in L2 on a Xeon, no faster at two tokens: docs/performance.md) */
     const int ng = nt == 1 ? MXFP4X_AMX_GEMV_NG : 1;
     int64_t g;
     int t, h;
@@ -570,9 +569,8 @@ MXFP4X_AMX_FN void mxfp4x_amx_gemv(const mxfp4x_rows *w, int64_t row_start, int6
 }
 
 /* Panel elements of mxfp4x_amx_bf16_rows for n_groups groups: 4 blocks of 16 rows of
- * every group.  (Decoding in chunks of groups that stay in L1, each multiplied at once,
- * measured no faster at one token and slower at 8: 91 against 68 ms, gpt-oss-20b gate/up,
- * T = 64.) */
+ * every group.  (Decoding in L1-sized chunks of groups, each multiplied at once, was no
+ * faster: docs/performance.md, "The bf16 units, AMX and float64".) */
 static int64_t mxfp4x_amx_panel_elems(int64_t n_groups) {
     return MXFP4X_AMX_ROW_BLOCKS * n_groups * MXFP4X_AMX_ROWS * MXFP4X_GROUP;
 }
@@ -701,8 +699,8 @@ MXFP4X_AMX_FN void mxfp4x_amx_gather(const uint16_t *x, int64_t x_stride, const 
 }
 
 /* The roofline's bf16 compute peak (mxfp4x_fma_loop_fn): six independent tdpbf16ps
- * chains (C in tmm0..5, A and B loaded once into tmm6 and tmm7; four chains measured 6 %
- * slower on a Xeon), each instruction 16 x 16 cells x 32 products x 2 FLOPs.  The
+ * chains (C in tmm0..5, A and B loaded once into tmm6 and tmm7; four were slower on a
+ * Xeon), each instruction 16 x 16 cells x 32 products x 2 FLOPs.  The
  * operands are normal bf16 (1 and seed x 2^-24 truncated), so no flush or overflow
  * changes the instruction's timing. */
 MXFP4X_AMX_FN float mxfp4x_amx_loop(int64_t iters, float seed, int64_t *flops) {

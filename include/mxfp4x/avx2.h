@@ -224,10 +224,9 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_sta
 #define MXFP4X_AVX2_KC 512
 /* The gemv/panel crossover (tuned on AMD Zen 3): panels from 9 tokens per expert on. */
 #define MXFP4X_AVX2_GEMV_MAX_TOKENS 8
-/* Tuned on Zen 3 with the driver (measured): 48-row tasks (the driver widens them with
- * panel work, _cpu.pyx's WIDE_TILES); panels of at most
- * 384 KiB (Zen 3 L2: 512 KiB).  On the Xeon: panels of 12, 24, 48 rows ran at 95, 93,
- * 91 GFLOP/s (I = 3584, 64 tokens, 1 thread). */
+/* Tuned on Zen 3 with the driver: 48-row tasks (the driver widens them with panel work,
+ * _cpu.pyx's WIDE_TILES); panels of at most 384 KiB (Zen 3 L2: 512 KiB), the panel's
+ * height hardly matters (docs/performance.md, "Tiles, tasks and panels"). */
 #define MXFP4X_AVX2_TILE_ROWS 48
 #define MXFP4X_AVX2_PANEL_BYTES (384 * 1024)
 #define MXFP4X_AVX2_MR 3          /* panel rows per register block */
@@ -361,9 +360,9 @@ MXFP4X_AVX2_FN void mxfp4x_axpy_rows_f32_avx2(const float *panel, int64_t n_rows
  * eight magnitudes times the scale (two multiplies, one shuffle) form a vpermd table; four
  * bytes at a time, zero-extended to 64 bits, index it for their low nibbles (shifted up by
  * 32) and high nibbles (by 28), and the code's bit 3 becomes the sign -- but under a NaN
- * scale (byte 255), where scalar.h's product is the scale's own NaN for every code.  On an
- * AMD EPYC Zen 4, gpt-oss-20b gate/up, float64, one token: 29.2 -> 16.9 ms on one thread,
- * 14.7 -> 8.8 on two, against scalar.h's decode (64 tokens on two: 215-227 -> 168-172). */
+ * scale (byte 255), where scalar.h's product is the scale's own NaN for every code.  Faster
+ * than scalar.h's decode (a Zen 4: docs/performance.md, "The bf16 units, AMX and
+ * float64"). */
 MXFP4X_AVX2_INLINE __m256i mxfp4x_f64_quad_avx2(__m256i table, __m256i idx, __m256i sign) {
     const __m256i high = _mm256_set1_epi64x((int64_t)0xFFFFFFFF00000000ull);
     return _mm256_or_si256(_mm256_and_si256(_mm256_permutevar8x32_epi32(table, idx), high),

@@ -11,8 +11,8 @@
  * reads only index bits 3..0, so no mask is needed.  The 16-entry table is the
  * E2M1 table times the group scale, loaded from mxfp4x_e2m1_scaled (one 64-byte
  * line per scale byte; the same bits as multiplying the two): on AMD Zen 4 the
- * multiply competed with the FMAs for the FP pipes, and its removal took the
- * in-L2 gemv from 1.36 to 1.22 ns per row-group (benchmarks/kernel_bench.c).
+ * multiply competed with the FMAs for the FP pipes (docs/performance.md, "Decode and
+ * the one-token gemv").
  */
 #ifndef MXFP4X_AVX512_H
 #define MXFP4X_AVX512_H
@@ -75,14 +75,12 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_group4_avx512(const uint8_t *b, const ui
 /* One token; `l1`: where the next rows are prefetched (a constant: compiled twice below).
  *
  * Rows 8 at a time, then 4, then one.  Each row's chain is two dependent FMAs per group
- * (8 cycles at 4 cycles of latency), so 4 rows at once could not go under 2 cycles per
- * row-group: on an AMD Zen 5 they ran at 2.3 (0.56-0.57 ns in L2, 0.62-0.65 streamed from
- * DRAM), whatever the decode.  8 rows at once, addressed from two pointers (rows 0-3 and
- * 4-7, strides 1-3 x the row stride) so that GCC keeps every pointer in a register, and
- * the next block prefetched two lines per group: 0.51-0.52 in L2 and a median 0.59-0.60
- * from DRAM against 0.63-0.65 (benchmarks/kernel_bench.c, `gemv avx512 256 1 90` and
- * `5760 1 90 40`, 7-9 rounds alternated).  The same chains, so the same bits.  (A first
- * 8-row form indexed each row from the block's start and ran slower than 4 rows.) */
+ * (8 cycles at 4 cycles of latency), so 4 rows at once cannot go under 2 cycles per
+ * row-group, whatever the decode.  8 rows at once, addressed from two pointers (rows 0-3
+ * and 4-7, strides 1-3 x the row stride) so that GCC keeps every pointer in a register
+ * (indexed from the block's start, they spilled), and the next block prefetched two lines
+ * per group (an AMD Zen 5: docs/performance.md, "Decode and the one-token gemv").  The
+ * same chains, so the same bits. */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w,
                                                             int64_t row_start, int64_t row_end,
                                                             const float *x, float *out,
@@ -96,12 +94,9 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w
         const int64_t sb3 = 3 * sb, ss3 = 3 * ss;
         const float *xg = x;
         /* the next 8-row block, or with pf_far the one after (or where they fall in the
-         * next call's rows), two lines per group.  gpt-oss-20b gate/up, float32, one
-         * thread of a Zen 5, alternated processes: at one token two blocks ahead took 1.22
-         * -1.26 ms against 1.27-1.36 for one, T = 2 / 4 / 8 2.40 / 4.82 / 9.62 against
-         * 2.61 / 5.01 / 10.5, but T = 16 13.0-13.4 against 12.9-13.0 (the next expert's
-         * rows fetched into L1 over what its several-token blocks still used); so the
-         * driver asks for two unless the next expert has several tokens. */
+         * next call's rows), two lines per group.  Two ahead is faster, except where it
+         * pushes out what the next expert's several-token blocks still use, so the driver
+         * asks for two only before a one-token expert (docs/performance.md, "Prefetch"). */
         mxfp4x_pf_cursor pf = mxfp4x_pf_block_ahead(w, r, 8, row_end, w->pf_far ? 2 : 1);
         pf.l1 = l1;
         __m512 a[8];
@@ -164,21 +159,18 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
 /* ... and a last 4 + 1 as one block of 5 (the fifth token would take gemv1 alone: its
  * rows decoded again) */
 #define MXFP4X_AVX512_NT_MAX 5
-/* The gemv/panel crossover.  With 4 tokens per decode the gemv computes about 100 GFLOP/s
- * per thread at any token count; decode + panel_dot starts slower (the decode writes 128
- * bytes of panel per 17 read, ~3.5 ns per row-group) and passes it near 32 tokens.
- * Measured with 64-byte aligned scratch and wide tiles (gpt-oss-20b gate/up, 2 threads,
- * Xeon with AVX-512, two alternated runs): T = 128 / 256 / 512 took 101-102 / 200-207 /
- * 367-373 ms at 64, 103 / 192-197 / 344-350 at 32, 104-108 / 190-194 / 331-347 at 16. */
+/* The gemv/panel crossover.  With 4 tokens per decode the gemv's rate does not depend on
+ * the token count; decode + panel_dot starts slower (the decode writes 128 bytes of panel
+ * per 17 read) and passes it near 32 tokens on a Xeon (docs/performance.md, "Few tokens
+ * and the path switches"). */
 #define MXFP4X_AVX512_GEMV_MAX_TOKENS 32
 /* Output rows per forward task: 48 = 12 gemv row blocks, 12 panel_dot row blocks; every
  * model shape still has >= 60 tasks for 2..N threads to balance (d_out >= 2880).  The
  * driver widens tasks up to 4x when an expert takes the panel path and every thread still
  * gets 8 (_cpu.pyx, WIDE_TILES). */
 #define MXFP4X_AVX512_TILE_ROWS 48
-/* panel_dot ran at 139, 139, 134, 136 GFLOP/s for panels of 12, 24, 36, 48 rows (I = 2880,
- * 64 tokens, 1 thread): the panel size does not matter within L2; 384 KiB keeps it in
- * any L2 of 1 MiB or more. */
+/* The panel's height hardly matters within L2 (a Xeon: docs/performance.md, "Tiles, tasks
+ * and panels"); 384 KiB keeps it in any L2 of 1 MiB or more. */
 #define MXFP4X_AVX512_PANEL_BYTES (384 * 1024)
 /* One block of mr <= 4 rows (from row r) x nt <= 5 tokens over every group, the next
  * block of the call's rows (up to row_end) or the next call's prefetched meanwhile. */
@@ -199,10 +191,9 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
         for (c = 0; c < nt; c++) a[i][c] = _mm512_setzero_ps();
     }
     mxfp4x_pf_cursor pf = mxfp4x_pf_next_block_to(w, r, 4, row_end, l1);
-    /* groups two at a time for 2 or 3 tokens (the same operations, so the same bits):
-     * 4 rows x 3 tokens streaming from DRAM 18.2 against 15.2 GB/s of weights on a Zen 5,
-     * 2 tokens 21.7 against 20.1; 4 tokens measured level (their latents no longer stay
-     * in registers), so they take a group at a time */
+    /* groups two at a time for 2 or 3 tokens (the same operations, so the same bits;
+     * faster on a Zen 5: docs/performance.md, "Few tokens and the path switches"); 4
+     * tokens' doubled latents would leave the registers, so they take a group at a time */
     for (g = 0; nt <= 3 && g + 2 <= G; g += 2) {
         const int64_t ob = g * gb, os = g * gs;
         __m512 lo2, hi2;
@@ -240,10 +231,9 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv_block_avx512(const mxfp4x_rows *w, 
         for (c = 0; c < nt; c++) out[c * out_stride + i] = mxfp4x_hsum16_avx512(a[i][c]);
 }
 
-/* Full blocks (4 rows) on their own, one per token count: the row count a constant, the
- * loop is 84 instructions per group for 4 tokens (32 FMAs, 20 decode µops on the FMA
- * ports) where the inlined form with a variable row count took 135 and ran 10-12 %
- * slower (benchmarks/kernel_bench.c, Xeon). */
+/* Full blocks (4 rows) on their own, one per token count: with the row count a constant
+ * the loop has far fewer instructions than the inlined form with a variable row count
+ * (docs/performance.md, "Few tokens and the path switches"). */
 #define MXFP4X_AVX512_GEMV_FULL(N)                                                         \
     MXFP4X_AVX512_NOINLINE void mxfp4x_gemv_full##N##_avx512(                             \
         const mxfp4x_rows *w, int64_t r, const float *const *xs, float *out,              \
@@ -329,16 +319,13 @@ MXFP4X_AVX512_FN void mxfp4x_decode_f32_avx512(const mxfp4x_rows *w, int64_t row
 /* ---- panel x tokens: a register block of MR = 4 rows x NT = 6 tokens ----
  *
  * 24 accumulators + 4 row vectors + 1 token vector of the 32 zmm registers; per 16
- * elements, 10 loads feed 24 FMAs.  Measured alone (1 thread, Xeon with AVX-512, 24 rows x
- * 72 tokens, I = 2880, rows and latents in L2): 4x4 121 GFLOP/s, 4x6 139, 6x4 135, 3x8 85,
- * 8x3 88 (spills); k-blocking the 4x6 block with parked accumulators (256..1024 floats)
- * gained nothing (103..141): rows and tokens already stream from L2 fast enough, so none.
- * The loads want 64-byte aligned rows and latents (the driver's scratch is): from glibc's
- * large blocks, 16 bytes past a page, every load spanned two lines and the same block ran
- * at 86 instead of 130 GFLOP/s (48 rows x 72 tokens, I = 2880, benchmarks/kernel_bench.c).
- * Edges (fewer rows or tokens) run the same loop with smaller constant blocks.  Per (row,
- * token) the operations are gemv's: one 16-lane accumulator, elements ascending, then the
- * same reduction tree. */
+ * elements, 10 loads feed 24 FMAs.  The fastest shape on a Xeon; k-blocking it gained
+ * nothing, as rows and tokens stream from L2 fast enough (docs/performance.md, "Tiles,
+ * tasks and panels").  The loads want 64-byte aligned rows and latents (the driver's
+ * scratch is): from glibc's large blocks, 16 bytes past a page, every load spans two
+ * lines.  Edges (fewer rows or tokens) run the same loop with smaller constant blocks.
+ * Per (row, token) the operations are gemv's: one 16-lane accumulator, elements
+ * ascending, then the same reduction tree. */
 #define MXFP4X_AVX512_MR 4
 #define MXFP4X_AVX512_PNT 6
 static int64_t mxfp4x_panel_scratch_f32_avx512(int64_t n_rows) {
@@ -368,7 +355,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_panel_block_avx512(const float *p0, int6
 }
 
 /* The full block on its own (not inlined into the edges' switch: there GCC spilled the
- * row vectors to the stack and the block ran at 83 GFLOP/s instead of 139). */
+ * row vectors to the stack). */
 MXFP4X_AVX512_NOINLINE void mxfp4x_panel_full_avx512(const float *p0, int64_t d_in,
                                                      const float *const *xs, float *out,
                                                      int64_t out_stride) {
@@ -426,8 +413,8 @@ MXFP4X_AVX512_FN void mxfp4x_panel_dot_f32_avx512(const float *panel, int64_t n_
  * by 4, the high ones.  The negative half is the positive one with its sign bits flipped,
  * as GCC compiles (-v) * sc anyway: the same bits, but for a NaN scale (byte 255), where
  * scalar.h's product is the scale's own NaN for every code, so there both halves are it.
- * On an AMD EPYC Zen 4, with float64.h's panel_dot, gpt-oss-20b gate/up at one token took
- * 6.2 ms on two threads where scalar.h's decode with it took 14.7 and scalar.h alone 18.9. */
+ * Faster than scalar.h's decode (a Zen 4: docs/performance.md, "The bf16 units, AMX and
+ * float64"). */
 MXFP4X_AVX512_FN void mxfp4x_decode_f64_avx512(const mxfp4x_rows *w, int64_t row_start,
                                                int64_t row_end, double *panel) {
     const int64_t d_in = w->n_groups * MXFP4X_GROUP;
@@ -519,26 +506,13 @@ MXFP4X_AVX512_FN float mxfp4x_fma_loop_avx512(int64_t iters, float seed, int64_t
  * float32 tokens are split into even and odd halves by two vpermt2ps.  Any blocking of
  * rows and tokens gives the same bits.
  *
- * One token: with bf16 tokens where mxfp4x_dense_pf_far says so (an AMD Zen 5) one row
- * at a time (one sequential stream, two chains; the aligned form below); otherwise, and
- * with float32 tokens, blocks of 8 rows, which share the widening or split of each token
- * chunk (eight streams: on a Zen 4 with the 1 KiB L2 prefetch, 8 rows read 22 GB/s where
- * 4 read 17).  One row at a time with the far prefetch is slower on a Zen 4: one thread
- * of an AMD EPYC Zen 4 (reads 32 GB/s), `kernel_bench dense avx512 6144 1 7168 4` with
- * bf16 tokens, 17.5-19.4 GB/s against the 8-row blocks' 25-27 at offsets 0 and 40 (two
- * tokens 11 against 19-20; far distances of 2, 4 and 16 KiB 22, 20-22 and 17; the L2
- * hint at 0.5-4 KiB 24-27).  Intel is unmeasured with one row at a time.  AMD EPYC Zen 5
- * (one thread reads ~40 GB/s), one thread, `kernel_bench dense avx512 6144 1 7168 8`
- * (0.7 GB of Kimi K3-wide rows), three
- * alternated rounds: the former 8-row form (one accumulator per row, 32-byte loads, a
- * 1 KiB prefetch into L2) 29.0-29.3 GB/s, 26.7-27.3 with the weights 40 bytes into a line
- * (KB_OFFSET=40, as the K3 checkpoint maps them); bf16 tokens one row at a time with a
- * non-temporal prefetch 8 KiB ahead 40.9-41.7 at either offset (L2 hint 31 at best; two
- * threads of Kimi K3's own matrices in the block: 40 -> 50 GB/s).  Float32 tokens: 8-row
- * blocks 30.1-30.3 and 24.5-26.1 at offset 40; one row at a time 25.2-26.6 and 27.3-28.3
- * (a token's 28 KiB does not stay in L1 under a row stream).  The far non-temporal
- * prefetch is what that core takes (mxfp4x_dense_pf_far in cpu.h); elsewhere the 1 KiB
- * one into L2 (measured on an Intel Xeon with the 8-row form). */
+ * One token: with bf16 tokens where mxfp4x_dense_pf_far says so (an AMD Zen 5, where one
+ * sequential stream reads faster than several) one row at a time (two chains, the far
+ * non-temporal prefetch; the aligned form below); otherwise, and with float32 tokens
+ * (whose chunk does not stay in L1 under a row stream), blocks of 8 rows, which share the
+ * widening or split of each token chunk, with the 1 KiB prefetch into L2 (a Zen 4, where
+ * one row at a time is slower; Intel is unmeasured with it).  docs/performance.md, "The
+ * dense bf16 kernel". */
 #define MXFP4X_AVX512_DENSE_ODD_MASK ((int)0xFFFF0000u)
 
 /* 32 bf16 weights or tokens at p: their even and odd elements as float32 */
@@ -643,9 +617,9 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
  * of those pairs and the odd ones the low halves of the pairs one further on, a second
  * vpermt2d (`odd`, a constant).  The partial first and last lines come from zero-filled
  * copies, so nothing outside the row is read.  The same chunks as the unaligned form, so
- * the same bits.  Kimi K3's dense matrices as its checkpoint maps them (40 bytes into a
- * line), one token, one thread of an AMD Zen 5, through _cpu.dense_bf16: 27.7 GB/s with
- * unaligned loads, 38.5 with these. */
+ * the same bits.  Much faster than unaligned loads on Kimi K3's dense matrices as its
+ * checkpoint maps them, 40 bytes into a line (docs/performance.md, "The dense bf16
+ * kernel"). */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t *w,
                                                                  int64_t rs, int64_t d_in,
                                                                  const void *x, int64_t xs,
@@ -753,17 +727,13 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_avx512(const uint16_t *wr, int
 }
 
 /* Rows [row_start, row_end) x n_tok tokens, in groups of up to 4 tokens: one or two bf16
- * tokens one row at a time on an AMD Zen 5 (two tokens: 32-33 GB/s against 24-27 for the
- * former 4 x 4 blocks, `kernel_bench dense avx512 6144 2 7168 4`, offsets 0 and 40); one
- * float32 token in blocks of 8 rows; otherwise blocks of 4 rows x 2 tokens, for 3 or 4
- * tokens run twice over each block while its rows are in cache (16 accumulators: 4 x 4
- * would need 32).  Three or four tokens read at 18-22 GB/s there against the former
- * blocks' 22-24: two accumulators per (row, token) cost their products more work per
- * byte at four tokens than they save at one (one row at a time, 17 GB/s; 2 x 4 blocks
- * 15-18).  On an AMD Zen 4 too (`kernel_bench dense avx512 6144 T 7168 4`, one thread):
- * three / four tokens 13-14 / 12-12.5 GB/s in 4 x 2 blocks, 11.4-11.8 / 10.3-10.8 in 2 x
- * 4, 8.9-9.0 / 8.3-9.0 one row at a time; 8-row blocks token by token 13.0-13.4 /
- * 10.6-11.0.  There the blocks under 8 rows prefetch 2 KiB ahead (mxfp4x_dense_pf_near). */
+ * tokens one row at a time on an AMD Zen 5; one float32 token in blocks of 8 rows;
+ * otherwise blocks of 4 rows x 2 tokens, for 3 or 4 tokens run twice over each block
+ * while its rows are in cache (16 accumulators: 4 x 4 would need 32).  Two accumulators
+ * per (row, token) cost three or four tokens a little against the one-token stream they
+ * speed; of the blockings measured on a Zen 5 and a Zen 4, 4 x 2 reads fastest there
+ * (docs/performance.md, "The dense bf16 kernel").  On a Zen 4 the blocks under 8 rows
+ * prefetch 2 KiB ahead (mxfp4x_dense_pf_near). */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_avx512_to(const uint16_t *w, int64_t row_stride,
                                                         int64_t row_start, int64_t row_end,
                                                         int64_t d_in, const void *x,

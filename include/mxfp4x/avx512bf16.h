@@ -37,10 +37,9 @@
  *     bits wherever nothing is subnormal (vdpbf16ps matched it on every one of 3.2e6
  *     random cells on an Intel Xeon and on an AMD EPYC Zen 4), and where something is,
  *     a float32 sum within the float32 bound instead of a flushed one.  Four rows by
- *     four tokens at a time: gpt-oss-20b's down projection, bf16 tokens each holding a
- *     few latents under 2^-60 (a SwiGLU's far-negative gates), took 1.2-1.4x the unit's
- *     time at one token and 1.9x at 64 on an AMD EPYC Zen 4, where the float64 path it
- *     took before ran 20-26x the unit's time at one token, 70-74x at 64;
+ *     four tokens at a time, near the unit's time where the float64 path is many times
+ *     it (a SwiGLU's far-negative gates leave such latents: docs/performance.md, "AMD
+ *     Zen 4");
  *   - values that could overflow a float32 product or sum (a latent of 2^64 or more, inf,
  *     NaN; a scale byte of 160 or more): the exact path, float64 products and sums in
  *     pair order (elements 2k, 2k + 1; GGUF: k, k + 16), rounded once. */
@@ -65,32 +64,17 @@
 #define MXFP4X_BF16DP_TILE_ROWS 48
 #define MXFP4X_BF16DP_MR 4
 #define MXFP4X_BF16DP_NT 4  /* tokens per fused block */
-/* ... but a last 4 + 1 tokens as one block of 5: on an AMD EPYC Zen 5 (kernel_bench
- * gemv_bf16, 40 experts of Kimi K3's 3072 x 3584 from DRAM, 768-row tasks, medians of 5) 5
- * tokens ran at 315 against 275 GFLOP/s (307 against 266 in another run), 9 at 340 against
- * 323; blocks of 6 spilled their 24 accumulators (12 tokens as 6 + 6: 298 against 388 as
- * 4 + 4 + 4). */
+/* ... but a last 4 + 1 tokens as one block of 5 (its rows decoded once); blocks of 6
+ * spill their 24 accumulators (an AMD Zen 5: docs/performance.md, "Few tokens and the
+ * path switches"). */
 #define MXFP4X_BF16DP_NT_MAX 5
 #define MXFP4X_BF16DP_PNT 6 /* tokens per panel block */
-/* Fused up to this many tokens per expert, decoded panel above.  Streaming gpt-oss-20b
- * gate/up rows from DRAM (one thread, benchmarks/kernel_bench.c gemv_bf16): on an Intel
- * Xeon, with the panel before its slices, fused 2.1 / 3.8 / 7.7 / 11.3 ns per row-group at
- * 1 / 4 / 8 / 12 tokens, the panel 4.5 / 6.5 / 9.5 / 11.0; on an AMD EPYC Zen 5, with the
- * sliced panel, fused 1.4 / 1.8 / 2.3 / 2.5 / 3.3 at 6 / 8 / 10 / 12 / 16 tokens, the panel
- * 2.4 / 2.9 / 3.0 / 3.2 / 3.9.  12: the Xeon's crossover, and every CPU's but an AMD Zen 4's
- * or Zen 5's.  A Zen 5 (AMD family 1Ah) takes 32: there, in alternated runs (kernel_bench,
- * 8 experts from DRAM, medians of 5), fused against the panel in 48-row tiles took 2.6 /
- * 2.8 / 3.5 / 4.1 / 5.6 / 7.1 ns per row-group against 3.7 / 3.7 / 4.9 / 4.9 / 6.5 / 8.2 at
- * 13 / 16 / 20 / 24 / 32 / 40 tokens, level at 48-128; whole calls in the driver's wide
- * tiles (alternated in one process, 2 threads, medians), switch 12 / 24 / 32: gpt-oss-20b
- * gate/up T = 128 41.2 / 37.4 / - ms, T = 192 51.3 / 48.8 / -, then 24 / 32 / 48: T = 256
- * 62.9 / 59.3 / 59.5; Kimi K3 w1 (128 experts, top-16) T = 144 100.6 / 92.2 / -, T = 384
- * 235 / 228 / 233.  A Zen 4 (family 19h; its Zen 3 siblings have no AVX-512) takes 32 too:
- * there (kernel_bench gemv_bf16 avx512bf16 5760 T 90 8, the two switches' builds
- * alternated, three rounds) 4.6-4.7 / 5.6-5.7 / 7.0-7.1 / 8.4-8.6 / 11.1-11.4 ns per
- * row-group against 5.8 / 6.4-6.6 / 7.8 / 9.0-9.1 / 11.6 at 13 / 16 / 20 / 24 / 32 tokens,
- * and fused or panel level at 40-48 tokens.  MXFP4X_BF16DP_GEMV_MAX_TOKENS set from
- * outside sets every CPU's. */
+/* Fused up to this many tokens per expert, decoded panel above: where the two cross
+ * streaming rows from DRAM.  12: the Xeon's crossover, and every CPU's but an AMD Zen 4's
+ * or Zen 5's; a Zen 5 (AMD family 1Ah) and a Zen 4 (family 19h; its Zen 3 siblings have
+ * no AVX-512) take 32, where the fused path outruns the panel up to about 40 tokens
+ * (docs/performance.md, "Few tokens and the path switches").
+ * MXFP4X_BF16DP_GEMV_MAX_TOKENS set from outside sets every CPU's. */
 #ifdef MXFP4X_BF16DP_GEMV_MAX_TOKENS
 #ifndef MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN
 #define MXFP4X_BF16DP_GEMV_MAX_TOKENS_ZEN MXFP4X_BF16DP_GEMV_MAX_TOKENS
@@ -131,8 +115,8 @@ MXFP4X_BF16DP_INLINE __m512i mxfp4x_bf16dp_decode(const uint8_t *b, uint8_t s) {
  *   hi: word j = element 2 (j % 16) + 1                  (its high nibble).
  * Lane i of vdpbf16ps thus adds the pair (words 2i, 2i + 1) of one group: lanes 0-7 group
  * g, lanes 8-15 group g + 1.  Per row-group that is 1.5 shuffle-unit operations (widen,
- * two lookups per two groups) instead of 2, and on an AMD EPYC Zen 4 the one-token gemv ran
- * 17 % faster in cache (0.71 against 0.86 ns per row-group).  An odd last group, and every
+ * two lookups per two groups) instead of 2 (faster on a Zen 4: docs/performance.md,
+ * "Decode and the one-token gemv").  An odd last group, and every
  * group of the halves arrangement (GGUF blocks of 17 bytes, not back to back), take the
  * one-group decode above.  Chunk c (32 words) of a row is thus: lo (c even) or hi (c odd)
  * of pair c / 2, or the one-group decode of the last group; the latents are gathered into
@@ -560,16 +544,13 @@ static const mxfp4x_bf16dp_panel_fn mxfp4x_bf16dp_panel_full[MXFP4X_BF16DP_PNT +
 /* The panel path walks a row's chunks in slices of at most this many (KC), each slice over
  * every 4-row block of the tile before the next, for one block of 6 tokens: the slice of
  * the 6 tokens' latents (6 x KC x 64 bytes) stays in L1 while the rows' slices stream from
- * L2.  Whole rows at once, 4 rows and 6 tokens of gpt-oss's 2880 latents were 58 KB: over
- * a 48 KB L1, and the latents came from L2 again for every row block. */
+ * L2.  Whole rows at once, 4 rows and 6 tokens of gpt-oss's 2880 latents are 58 KB: over
+ * a 48 KB L1, so the latents would come from L2 again for every row block. */
 #ifndef MXFP4X_BF16DP_KC
 #define MXFP4X_BF16DP_KC 64
 #endif
-/* ... but on an AMD Zen 4 (family 19h) whole rows, one slice: there the slices ran slower,
- * their latents in L1 or not (one thread, in cache, `kernel_bench gemv_bf16 avx512bf16
- * 768 66 G`, two rounds): G = 90 192 GFLOP/s in slices of 64 against 208 whole, G = 96
- * (Kimi K3 w2) 184-191 against 203-209, G = 112 (w1) 196 against 210-211, G = 224 183-190
- * against 214-215 (slices of 112: 202-207), 36 tokens at G = 90 186 against 199-201.
+/* ... but on an AMD Zen 4 (family 19h) whole rows, one slice: there the slices run
+ * slower, their latents in L1 or not (docs/performance.md, "Tiles, tasks and panels").
  * MXFP4X_BF16DP_KC_ZEN4 = 0 means whole rows. */
 #ifndef MXFP4X_BF16DP_KC_ZEN4
 #define MXFP4X_BF16DP_KC_ZEN4 0

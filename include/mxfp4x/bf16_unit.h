@@ -52,10 +52,10 @@ MXFP4X_BF16_UNIT_INLINE int mxfp4x_bf16_row_unsafe(const mxfp4x_rows *w, int64_t
  * [MXFP4X_AMX_MIN_SCALE, MXFP4X_AMX_MAX_SCALE), so mxfp4x_bf16_row_unsafe is 0 for each
  * (real checkpoints' scales lie there).  One pass over the rows' scale bytes where they lie
  * back to back (group stride 1, row stride G: the safetensors layout), 128 bytes at a time;
- * 0 (ask row by row) elsewhere or when a byte is outside.  At one token (gpt-oss-20b
- * gate/up, bf16, one thread, AMD EPYC Zen 5) the row-by-row test alone took 6.5 % of the
- * call's samples; with this pass first, the tile loop 2.5 % (of which this pass, as a
- * running min and max 64 bytes at a time, 1.7 %: one test per byte, below, halves it). */
+ * 0 (ask row by row) elsewhere or when a byte is outside.  At one token the row-by-row
+ * test alone is a visible share of a call, and one wrapped test per byte (below) is
+ * cheaper than a running min and max (docs/performance.md, "The bf16 units, AMX and
+ * float64"). */
 MXFP4X_BF16_UNIT_INLINE int mxfp4x_bf16_rows_safe(const mxfp4x_rows *w, int64_t r0,
                                                   int64_t r1) {
     const int64_t G = w->n_groups, n = (r1 - r0) * G;

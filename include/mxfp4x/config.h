@@ -135,39 +135,30 @@
 #else
 #define MXFP4X_PREFETCH_L2(p) ((void)(p))
 #endif
-/* The dense bf16 kernels' prefetch distance along each row: at one token (4 rows of
- * Kimi K3's 7168 x 3584 weights, one thread, Intel Xeon with AVX-512, the kernel alone
- * in C) 1024 bytes took the stream from 10.6-11.0 to 11.9-12.1 GB/s; 512 and 2048 were in
- * between. */
+/* The dense bf16 kernels' prefetch distance along each row: the best of those measured
+ * on a Xeon at one token (docs/performance.md, "The dense bf16 kernel"). */
 #ifndef MXFP4X_DENSE_PREFETCH
 #define MXFP4X_DENSE_PREFETCH 1024
 #endif
 /* ... and where cpu.h's mxfp4x_dense_pf_far says so, with the non-temporal hint this far
- * ahead (one row streamed at a time, avx512.h): on an AMD Zen 5, one thread, Kimi K3's
- * dense matrices at one token, 4 KiB read 37.5 GB/s, 8 KiB 40.5. */
+ * ahead (one row streamed at a time, avx512.h): on an AMD Zen 5 8 KiB reads faster than
+ * 4 (docs/performance.md, "The dense bf16 kernel"). */
 #ifndef MXFP4X_DENSE_PREFETCH_FAR
 #define MXFP4X_DENSE_PREFETCH_FAR 8192
 #endif
 /* ... and on an AMD Zen 4 (cpu.h's mxfp4x_dense_pf_near) blocks of fewer than 8 rows (two to
- * four tokens) this far ahead, the same 8 KiB in flight as 8 rows at 1 KiB: one thread,
- * `kernel_bench dense avx512 6144 T 7168 4` with bf16 tokens 40 bytes into a line, three
- * rounds, 1 / 1.5 / 2 / 3 / 4 KiB read 17.3-18.8 / 18.5-21.3 / 20.2-21.2 / 19.3-21.7 /
- * 20.6-21.5 GB/s at two tokens and 11.6-12.4 / 12.6-12.8 / 13.3-13.7 / 13.5-13.7 /
- * 12.6-13.3 at four (one token, 8 rows: 24.5-25.4 at 1 KiB, 24.8-26.0 at 2). */
+ * four tokens) this far ahead, the same 8 KiB in flight as 8 rows at 1 KiB: the best of
+ * the distances measured there (docs/performance.md, "The dense bf16 kernel"). */
 #ifndef MXFP4X_DENSE_PREFETCH_ZEN4
 #define MXFP4X_DENSE_PREFETCH_ZEN4 2048
 #endif
 
 /* Where a row's line that far ahead (any distance above) would pass the row's end, the
  * prefetch goes as far into the same row of the next block (mr rows on): this many bytes
- * further.  Past the end it fell in the next row of the same block, already being read,
- * so every block began on rows nobody had fetched.  One thread of an AMD EPYC Zen 4,
- * `kernel_bench dense ISA ROWS 1 COLS M`, bf16 tokens, the two builds alternated three
- * times: 4096 x 2880 (a gpt-oss attention projection, rows of 5.6 KiB) 21.6-21.7 ->
- * 23.3-24.2 GB/s, 40 bytes into a line 22.2-22.5 -> 24.7-26.0, float32 tokens 21.5-21.6
- * -> 23.4-24.3, avx2 19.5-20.0 -> 22.0-23.0; 2880 x 4096 24.3-25.1 -> 25.0-25.5.  Two
- * threads read 31-36 GB/s either way.  Prefetches never fault: the last block's go past
- * its rows harmlessly. */
+ * further.  Past the end it would fall in the next row of the same block, already being
+ * read, so every block would begin on rows nobody had fetched (docs/performance.md, "The
+ * dense bf16 kernel").  Prefetches never fault: the last block's go past its rows
+ * harmlessly. */
 #define MXFP4X_DENSE_WRAP(mr, rs, d_in) ((((int64_t)(mr)) * (rs) - (d_in)) * 2)
 /* The bytes from element `at` of a row to the line prefetched for it: pfd, or pfd + wrap
  * where at + pfd bytes would pass the row's d_in elements. */

@@ -46,7 +46,7 @@ static int mxfp4x_isa_decision(const mxfp4x_cpu_facts *f) {
  * it names none: the default is the first of them in the kernel table (dispatch.h).  A
  * rule on CPUID facts, never a timing, so a host's default (and its bits) is known
  * before it runs:
- *   amx         never: 1.2x avx512's time at 1-4 tokens per expert (docs/platforms.md);
+ *   amx         never: slower than avx512 at 1-4 tokens per expert (docs/platforms.md);
  *   avx512bf16  on AMD only (CPUID.0 vendor "AuthenticAMD": Zen 4 and later): there
  *               vdpbf16ps issues at the FMA's instruction rate, twice its multiply-adds;
  *               Intel issues it at half that, slower than avx512's float32 FMAs. */
@@ -264,17 +264,10 @@ static inline int mxfp4x_cpu_amd_zen4_or_5(void) {
 }
 
 /* Whether the AVX-512 gemv kernels prefetch the row block after next (mxfp4x.h) into L1:
- * on an AMD Zen 5 (family 1Ah); elsewhere into L2.  On a Zen 5 (one thread reads ~40 GB/s)
- * whole gpt-oss-20b gate/up calls, the two builds alternated process by process (six
- * rounds, medians, the order rotated): float32 T = 1 1.49 -> 1.42 ms on one thread, T = 4
- * 5.21 -> 5.02 on one and 3.01 -> 2.84 on two; bf16 within +-3 %.  On a Zen 4 L2 is the
- * faster target: one thread, Kimi K3 w1 rows from DRAM (`kernel_bench gemv_bf16 avx512bf16
- * 3072 1 112 40` and `gemv avx512 ...`), three rounds, into L1 bf16 1.22-1.27 ns per
- * row-group against 0.94-1.07 into L2 (once 1.39), float32 1.58-1.61 against 1.26-1.45
- * (one, three or four blocks ahead measured level with two); Intel is unmeasured.  The
- * kernels that prefetch so are compiled twice, the hint a constant in each: a run-time
- * test per line made GCC duplicate the loops and spill their pointers, and gave the gain
- * back.
+ * on an AMD Zen 5 (family 1Ah), where that is faster; elsewhere into L2, the faster target
+ * on a Zen 4 (Intel is unmeasured).  docs/performance.md, "Prefetch".  The kernels that
+ * prefetch so are compiled twice, the hint a constant in each: a run-time test per line
+ * made GCC duplicate the loops and spill their pointers, and gave the gain back.
  * -DMXFP4X_PF_L1=0 or 1 forces it (benchmarks/kernel_bench.c). */
 static inline int mxfp4x_pf_into_l1(void) {
 #ifdef MXFP4X_PF_L1
@@ -286,11 +279,9 @@ static inline int mxfp4x_pf_into_l1(void) {
 
 /* Whether the AVX-512 dense bf16 kernel (avx512.h) streams a row with the far
  * non-temporal prefetch (MXFP4X_DENSE_PREFETCH_FAR bytes ahead, _MM_HINT_NTA) rather than
- * the 1 KiB one into L2: on an AMD Zen 5 (family 1Ah), where it read Kimi K3's dense
- * matrices at one token at 40 GB/s against 31 at best with the L2 hint (one thread; one
- * thread reads ~40 GB/s there).  On an AMD Zen 4 it is slower (17.5-19.4 against 25-27
- * GB/s, one thread; avx512.h), so Zen 4 keeps the L2 hint; Intel is unmeasured and keeps
- * it too.
+ * the 1 KiB one into L2: on an AMD Zen 5 (family 1Ah), where it reads at about one
+ * thread's read bandwidth.  On an AMD Zen 4 it is slower, so Zen 4 keeps the L2 hint;
+ * Intel is unmeasured and keeps it too (docs/performance.md, "The dense bf16 kernel").
  * -DMXFP4X_DENSE_FAR=0 or 1 forces it. */
 static inline int mxfp4x_dense_pf_far(void) {
 #ifdef MXFP4X_DENSE_FAR
@@ -302,10 +293,10 @@ static inline int mxfp4x_dense_pf_far(void) {
 
 /* The T1 prefetch distance of the AVX-512 dense kernel's blocks under 8 rows (two to four
  * tokens, avx512.h): MXFP4X_DENSE_PREFETCH_ZEN4 (2 KiB) on an AMD Zen 4 (family 19h), where
- * it read two to four tokens 10-22 % faster (config.h); elsewhere MXFP4X_DENSE_PREFETCH
- * (1 KiB; 8-row blocks take that everywhere).  A run-time value, not a compiled variant:
- * a third copy of the kernels (a constant distance) built with -fwrapv, as the extension
- * is, spilled in the four-token blocks and read 8 GB/s instead of 13.
+ * it reads two to four tokens faster (config.h); elsewhere MXFP4X_DENSE_PREFETCH (1 KiB;
+ * 8-row blocks take that everywhere).  A run-time value, not a compiled variant: a third
+ * copy of the kernels (a constant distance) built with -fwrapv, as the extension is,
+ * spilled in the four-token blocks (docs/performance.md, "The dense bf16 kernel").
  * -DMXFP4X_DENSE_NEAR=N forces N. */
 static inline int64_t mxfp4x_dense_pf_near(void) {
 #ifdef MXFP4X_DENSE_NEAR

@@ -35,8 +35,8 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
 #if MXFP4X_HAVE_X86_SIMD
 #if MXFP4X_HAVE_AMX
     /* avx512's kernels; bf16 latents of float32 calls on AMX tiles (amx.h).  Never the
-     * default (cpu.h), so chosen only by MXFP4X_ISA=amx or isa="amx": 3-4.5x avx512's
-     * speed from 8 tokens per expert up, but 1.2x its time at 1-4 (docs/platforms.md). */
+     * default (cpu.h), so chosen only by MXFP4X_ISA=amx or isa="amx": faster than avx512
+     * from 8 tokens per expert up, slower at 1-4 (docs/platforms.md). */
     {.isa = MXFP4X_ISA_AMX,
      .name = MXFP4X_ISA_NAME_AMX,
      MXFP4X_AVX512_FLOAT32_KERNELS,
@@ -129,19 +129,12 @@ static const mxfp4x_kernels *mxfp4x_kernel_at(int i) {
     return (i >= 0 && i < MXFP4X_N_KERNELS) ? &mxfp4x_kernel_table[i] : NULL;
 }
 
-/* On an AMD Zen 5 (family 1Ah) and Zen 4 the AVX-512 float32 gemv (4 tokens per decode in
- * registers) ran faster than decode + panel_dot (a Zen 4: or level) at every batch
- * measured, so there it takes
- * up to 256 tokens per expert (more than a long prefill's chunk gives an expert; the panel
- * stays reachable, and tested, above).  Alternated in one process,
- * medians: gpt-oss-20b gate/up T = 256, 2 threads, 105 -> 85 ms; T = 512, 1 thread, 474 ->
- * 352-372 ms (a switch of 128 / every block); T = 1024, 2 threads, 475 -> 417 / 355 ms;
- * Kimi K3 w1 (128 experts, top-16) T = 512, 2 threads, 596 -> 470 ms.  On an AMD Zen 4
- * (family 19h; its Zen 3 siblings have no AVX-512) too: gpt-oss-20b gate/up, the two
- * switches' builds alternated twice (medians of each run), T = 256 332-334 -> 318-319 ms
- * on one thread and 170-172 -> 159 on two, T = 512 697-702 -> 646-658 and 342-351 ->
- * 324-330, T = 1024 and 2048 on two threads level (674-684 / 650-683, 1373-1394 /
- * 1349-1379).  Elsewhere the entry's own gemv_max_tokens (measured on a Xeon for AVX-512). */
+/* On an AMD Zen 5 (family 1Ah) and Zen 4 (family 19h; its Zen 3 siblings have no AVX-512)
+ * the AVX-512 float32 gemv (4 tokens per decode in registers) runs faster than decode +
+ * panel_dot (a Zen 4: or level) at every batch measured, so there it takes up to 256
+ * tokens per expert (more than a long prefill's chunk gives an expert; the panel stays
+ * reachable, and tested, above): docs/performance.md, "Few tokens and the path switches".
+ * Elsewhere the entry's own gemv_max_tokens (measured on a Xeon for AVX-512). */
 #ifndef MXFP4X_AVX512_GEMV_MAX_TOKENS_ZEN
 #define MXFP4X_AVX512_GEMV_MAX_TOKENS_ZEN 256
 #endif

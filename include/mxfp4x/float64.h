@@ -9,10 +9,9 @@
  * accumulator per (row, token) is scalar.h's acc[0..3], lane j adding the product of
  * elements i + j, multiply and add apart (no FMA); at the end lanes (0, 2) and (1, 3), then
  * the two.  Blocks of 8 rows for one token (eight add chains in flight) and 4 rows x 2
- * tokens; the edges through the same inlined form.  On an AMD EPYC Zen 4, gpt-oss-20b
- * gate/up at one token on two threads: 14.7 ms on the avx2 entry with scalar.h's decode and
- * this dot, where scalar.h's kernels took 19.0; 8.8 with avx2.h's decode, 6.2 on the AVX-512
- * entries. */
+ * tokens; the edges through the same inlined form.  Faster than scalar.h's kernels, more so
+ * with each entry's own decode (a Zen 4: docs/performance.md, "The bf16 units, AMX and
+ * float64"). */
 
 MXFP4X_F64_INLINE void MXFP4X_F64_NAME(mxfp4x_dot_block_f64)(const double *panel,
                                                             int64_t d_in, int64_t r, int mr,

@@ -287,11 +287,9 @@ MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_gguf(const uint8_t *base, int64_t row_stri
  * A gemv call reads blocks of 4 rows; while it computes one, it prefetches the one after
  * next (MXFP4X_PF_AHEAD below) into L2 one line per group (two every eighth group: a GGUF
  * block of 4 rows is 68 bytes per group), in address order, and that block's scale bytes
- * (a separate array) into L1 at once.  Measured on an Intel Xeon with AVX-512 (one
- * thread, weights streamed from DRAM, benchmarks/kernel_bench.c): one line per row every
- * 4 groups, the 4 rows interleaved, ran at 2.1 ns per row-group, the lines in address
- * order at 2.0, and with the next call's first block (next_blocks) fetched too at
- * 1.75-1.8 (then one block ahead).
+ * (a separate array) into L1 at once.  On an Intel Xeon with AVX-512 the lines in address
+ * order, and the next call's first block (next_blocks) fetched too, each streamed faster
+ * than one line per row every 4 groups (docs/performance.md, "Prefetch").
  * The AVX-512 kernels are compiled twice, `l1` a constant in each: their lines go into L1
  * on the cores where that measured faster (mxfp4x_pf_into_l1 in cpu.h: AMD Zen 5).
  * The AVX-512 one-token gemv reads blocks of 8 rows and fetches the next block (8 rows
@@ -302,11 +300,9 @@ typedef struct {
     int l1; /* fetch into L1 (T0) rather than L2 (T1) */
 } mxfp4x_pf_cursor;
 
-/* How far ahead, in blocks: the block after next.  On an AMD EPYC Zen 5 (one thread reads
- * ~40 GB/s) one block of gpt-oss rows ahead (5.8 KB) arrived too late: the one-token gemv
- * streamed 8 experts of 5760 x 2880 at a median 0.72 ns per row-group with one block
- * ahead, 0.65 with two, 0.72 with three (bf16 latents; float32 0.95 -> 0.82, 4 tokens
- * 1.42 -> 1.30); avx2 (bound by its decode) and GGUF rows measured the same. */
+/* How far ahead, in blocks: the block after next.  On an AMD EPYC Zen 5 one block of
+ * gpt-oss rows ahead (5.8 KB) arrives too late, and three are no better than two; avx2
+ * (bound by its decode) and GGUF rows are level (docs/performance.md, "Prefetch"). */
 #ifndef MXFP4X_PF_AHEAD
 #define MXFP4X_PF_AHEAD 2
 #endif
@@ -442,8 +438,8 @@ typedef int64_t (*mxfp4x_bf16_scratch_fn)(int64_t n_groups);
 typedef int (*mxfp4x_count_fn)(void);
 
 /* The driver uses gemv for experts with at most gemv_max_tokens tokens in a call (a
- * per-ISA crossover, measured: see each ISA's header; dispatch.h's mxfp4x_gemv_switch may
- * move it for a core), and decode + panel_dot above it (where the panel's store and
+ * per-ISA crossover, measured: each ISA's header, docs/performance.md; dispatch.h's
+ * mxfp4x_gemv_switch may move it for a core), and decode + panel_dot above it (where the panel's store and
  * reload pay off). */
 
 typedef struct {
