@@ -60,30 +60,19 @@ cdef enum:
 # Forward tiles grow (up to WIDE_TILES x the ISA's tile rows) when some expert takes the
 # panel path, while every thread keeps >= TASKS_PER_THREAD tasks to balance: an expert's
 # latents (64 tokens of gpt-oss-20b: 737 KB) are then read from L3 once per wide tile
-# instead of once per tile, and the call ran 5-6 % faster (T = 512, gpt-oss-20b gate/up,
-# 1 thread, Xeon with AVX-512: 790-800 ms at 1x, 745-750 at 3x, 745-757 at 6x).  A tile's
-# size changes no bit: each dot is the kernels', each element combined in the pairs' order.
+# instead of once per tile.  A tile's size changes no bit: each dot is the kernels', each
+# element combined in the pairs' order.
 # bfloat16 latents on a bf16 unit (48-row tiles, tokens 2 bytes wide) go up to 16x: an
 # expert's 64 gpt-oss-20b tokens (368 KB) are otherwise read from L3 for every 69 KB of
-# weights.  T = 512 gpt-oss-20b gate/up on an AMD EPYC Zen 5, calls alternated in one
-# process: 1 thread 258 -> 236 / 240 / 227 ms at 4x / 8x / 16x (a second round 270 ->
-# 262 / - / 248), 2 threads 157 -> 148 / 133 / 129; T = 128 (16 tokens per expert) level;
-# float32 latents level at 16x against 4x (509, 498 ms).
+# weights; float32 latents gain nothing from more than 4x.
 # A bf16 unit's calls widen from WIDE_BF16_FROM tokens per expert on, fused gemv or not:
 # there every pair has its own gathered latents, and an expert with more than one
-# block of tokens (4, or a last 5) read them from L3 again for every 48-row tile.
-# Alternated in one process, AMD EPYC Zen 5, 128 experts top-16: Kimi K3 w1 at T = 144
-# (18 tokens per expert, the fused gemv) 204 -> 155 ms on 1 thread, 104 -> 86 on 2; K3
-# w2 114 -> 96; T = 96 157 -> 119 (1 thread), 67 -> 59 (2); gpt-oss-20b gate/up T =
-# 32-128 level to 5 % faster; T = 4-48 level.  float32 latents (token rows shared by the
-# experts) level there.
+# block of tokens (4, or a last 5) would read them from L3 again for every 48-row tile
+# (float32 latents, whose token rows the experts share, gain nothing there).
 # With wide tiles and more than one thread, the last TAIL_TASKS tasks per thread are of the
 # ISA's own tile rows: tasks are handed out in order, and a thread that took the last wide
-# tile kept the others waiting (libgomp's spin was 4 % of a call's samples).  Alternated
-# in one process, 2 threads, AMD EPYC Zen 5 (a slow minute), tail of 0 / 2 / 4 per thread:
-# gpt-oss-20b gate/up bf16 T = 512 167 / 160 / 163 ms, T = 64 24.1 / 23.6 / 23.8, T = 16
-# 7.96 / 7.61 / 7.71; float32 T = 512 264 / 260 / 259; Kimi K3 w1 bf16 T = 144 131 / 128 /
-# 126, T = 512 410 / 400 / 435.
+# tile would keep the others waiting in libgomp's spin.
+# The measurements behind each: docs/performance.md, "Tiles, tasks and panels".
 cdef enum:
     WIDE_TILES = 4
     WIDE_TILES_BF16 = 16
@@ -192,8 +181,8 @@ cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,
     ``team`` (0: n_threads as asked, before it is limited to n_tasks): an OpenMP build's
     team for the step, the call's thread count for every step of a call, so that no step
     shrinks the team: libgomp ends the pool's threads a smaller team leaves out and
-    starts them again for the next larger one, which cost a one-token bf16 call on 16
-    cores half its time (docs/performance.md).  Any thread of the team may take a task,
+    starts them again for the next larger one, which slows one-token calls on many cores
+    (docs/performance.md, "Threads and the facade").  Any thread of the team may take a task,
     so tid < max(team, n_threads) indexes per-thread scratch; at most n_tasks threads
     take one.  A step that one thread would run (n_threads or n_tasks 1) runs in the
     calling thread, with no team; so does every step in a process forked after a team
@@ -686,8 +675,8 @@ cdef void _gather_task(void *ctx, int64_t task, int tid) noexcept nogil:
 cdef inline void *align64(void *p) noexcept nogil:
     """The first 64-byte boundary at or after p (allocate 63 bytes more).  Scratch that
     the kernels load whole 64-byte vectors from starts on a cache line: glibc's large
-    blocks start 16 bytes past a page, and then every such load spans two lines (the
-    panel dot ran at 86 instead of 130 GFLOP/s, benchmarks/kernel_bench.c, Xeon)."""
+    blocks start 16 bytes past a page, and then every such load spans two lines
+    (docs/performance.md, "Tiles, tasks and panels")."""
     return <void *>((<uintptr_t>p + 63) & ~(<uintptr_t>63))
 
 
@@ -937,7 +926,7 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
     cdef int64_t stride = d_out, col0 = 0
     # ... which start from init (or dst) just before the first sum: the lines of the task's
     # slices of init and dst, hinted here, arrive during its first dot products (a cold
-    # read of them per task cost 6 % of a one-token call)
+    # read of them per task shows in a one-token call: docs/performance.md, "Prefetch")
     cdef bint started = assign or call.init == NULL
     if w.sums_len:
         sums = <real *>(lanes + w.lanes_len)
@@ -965,9 +954,8 @@ cdef void _forward_task(real dummy, const Work *w, int64_t task, char *mine) noe
             rows.next_scales = after.scales + row_start * after.row_stride_scales
         elif next_task < w.n_tasks:
             # the last expert: the first expert's rows of that next task.  Without it
-            # each task began on rows nobody had fetched: gpt-oss-20b gate/up, float32,
-            # one token on one thread of an AMD Zen 5, medians of 8 alternated processes:
-            # 1.40-1.43 -> 1.32-1.36 ms
+            # each task would begin on rows nobody had fetched (docs/performance.md,
+            # "Prefetch")
             after = &call.experts.rows[w.r.active[0]]
             next_row = _task_row_start(w, next_task)
             rows.next_blocks = after.blocks + next_row * after.row_stride_blocks
