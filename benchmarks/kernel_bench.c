@@ -23,9 +23,8 @@
  *
  * gemv passes each call the next call's first rows as the driver does (mxfp4x_rows's
  * prefetch hint); KB_NO_HINT=1 in the environment leaves it out.  KB_HUGE=1 asks for
- * transparent huge pages under the weights (as numpy does for its arrays; torch does not):
- * on a KVM Xeon the avx512 gemv at one token went from 1.9 to 1.75 ns per row-group, the
- * amx gemv from 2.7 to 2.2.
+ * transparent huge pages under the weights (as numpy does for its arrays; torch does not;
+ * what they give per CPU: docs/performance.md).
  *
  * Prints the best of several runs: time, GFLOP/s and, for gemv, ns and GB/s per
  * row-group (16 packed bytes + 1 scale byte). */
