@@ -5,9 +5,10 @@ import numpy as np
 import torch
 
 from . import _cpu, _cpu_impl, _threads
+from ._arguments import check_isa, check_num_threads
 from ._ops import experts_op, forward_ad_in_use, functorch_grad_in_use, runs_direct, slots_op
 from ._torch_impl import mxfp4_experts_torch, slots_torch
-from ._validation import check_inputs, check_isa, check_num_threads
+from ._validation import check_inputs
 from ._version import __version__
 
 BACKENDS = ("auto", "cpu", "torch")

@@ -1,166 +1,32 @@
-"""Input coercion and checks.  Every error names the argument, what it got and
-what was expected, and is raised before any kernel runs."""
-import operator
-import weakref
-from typing import NamedTuple, Optional
-
+"""The op's inputs checked together: coerced (``_coerce``), then shapes that agree with
+each other (stacked experts or one tensor per expert, the safetensors or the GGUF
+arrangement), before any kernel runs.  Every error names the argument, what it got and
+what was expected."""
 import numpy as np
 import torch
 
-from . import _cpu, _threads
-from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES, torch_e8m0_dtype
-
-# ISA names, fixed at import: checked in plain Python, so torch.compile traces the check
-_COMPILED_ISAS = tuple(_cpu.compiled_isas())
-_RUNNABLE_ISAS = tuple(_cpu.runnable_isas())
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_INT_DTYPES = tuple(d for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                                getattr(torch, "uint16", None), getattr(torch, "uint32", None),
-                                getattr(torch, "uint64", None)) if d is not None)
-
-
-def _dtype_name(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-_UINT64 = getattr(torch, "uint64", None)
-_WIDE_UNSIGNED = tuple(d for d in (getattr(torch, "uint16", None), getattr(torch, "uint32", None),
-                                    getattr(torch, "uint64", None)) if d is not None)
-
-
-def _min_max(t):
-    """(min, max) as Python ints, read back in one transfer (one device sync for GPU
-    ids); torch has no min/max for uint16/32/64."""
-    if t.dtype not in _WIDE_UNSIGNED:
-        lo, hi = torch.stack(torch.aminmax(t)).tolist()
-        return int(lo), int(hi)
-    if t.element_size() < 8:
-        t = t.to(torch.int64)  # exact: uint16/uint32 fit
-        return int(t.min()), int(t.max())
-    # uint64: its bit pattern as int64 puts values >= 2^63 below zero; report them as the
-    # unsigned values they are
-    v = t.view(torch.int64) if t.is_contiguous() or t.dim() == 0 else \
-        t.contiguous().view(torch.int64)
-    high = v < 0
-    low_vals, high_vals = v[~high], v[high]
-    lo = int(low_vals.min()) if low_vals.numel() else int(high_vals.min()) + 2 ** 64
-    hi = int(high_vals.max()) + 2 ** 64 if high_vals.numel() else int(low_vals.max())
-    return lo, hi
-
-
-class _WritableView:
-    """Exposes a read-only array's memory as writable to numpy (and keeps it alive)."""
-
-    def __init__(self, arr):
-        self.arr = arr
-        self.__array_interface__ = dict(arr.__array_interface__, data=(arr.ctypes.data, False))
-
-
-def writable_view(arr):
-    """``arr`` itself, or for a read-only array (a read-only np.memmap of a checkpoint)
-    a view of the same memory that torch.from_numpy accepts without its "not writable"
-    warning: mxfp4x never writes to its inputs.  No warnings filter is touched, so
-    this is safe from any number of threads."""
-    if arr.flags.writeable:
-        return arr
-    return np.asarray(_WritableView(arr))
-
-
-def as_tensor(name, value):
-    """A torch tensor viewing (or, for lists, holding) ``value``; never a write."""
-    if isinstance(value, torch.Tensor):
-        if value.is_nested:  # its layout reads strided too
-            raise TypeError(f"{name}: expected a dense tensor, got a nested tensor; pad it "
-                            f"first (.to_padded_tensor(0))")
-        if value.layout != torch.strided:
-            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout "
-                            f"{value.layout}; call .to_dense() first")
-        return value
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind not in "biuf":
-            raise TypeError(f"{name}: expected a numeric array, got a numpy array of dtype "
-                            f"{value.dtype}")
-        if any(s < 0 or s % value.itemsize for s in value.strides) or \
-                not value.dtype.isnative:  # torch views neither (e.g. a structured field)
-            value = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("="))
-        try:
-            return torch.from_numpy(writable_view(value))
-        except TypeError:
-            return torch.from_numpy(value.astype(np.int64 if value.dtype.kind in "iu"
-                                                 else np.float64))
-    if isinstance(value, (list, tuple)):
-        try:
-            return torch.tensor(value)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            kind = ValueError if "sequence" in str(exc) else TypeError
-            raise kind(f"{name}: cannot make a tensor from this {type(value).__name__} "
-                       f"({exc})") from None
-    raise TypeError(f"{name}: expected a torch.Tensor, a numpy array or nested lists, got "
-                    f"{type(value).__name__}")
-
-
-def check_rank(name, t, rank, dims):
-    if t.dim() != rank:
-        raise ValueError(f"{name}: expected a {rank}-D tensor {dims}, got shape "
-                         f"{tuple(t.shape)}")
-
-
-def float_tensor(name, t, allow_int=True):
-    """Float tensors pass; integer ones are promoted to the default float dtype."""
-    if t.dtype in FLOAT_DTYPES:
-        return t
-    if allow_int and t.dtype in _INT_DTYPES:
-        return t.to(torch.get_default_dtype())
-    raise TypeError(f"{name}: expected a float tensor (float16, bfloat16, float32, float64"
-                    f"{' or an integer tensor' if allow_int else ''}), got dtype "
-                    f"{_dtype_name(t.dtype)}")
-
-
-_E8M0 = torch_e8m0_dtype()
-
-
-def byte_tensor(name, t):
-    """uint8 passes as is; float8_e8m0fnu scales are their bytes (read by view: a cast by
-    value would turn byte s into 2^(s-127)); other integer dtypes must hold values in
-    [0, 255]."""
-    if t.dtype == torch.uint8:
-        return t
-    if _E8M0 is not None and t.dtype == _E8M0:
-        return t.view(torch.uint8)
-    if t.dtype not in _INT_DTYPES:
-        raise TypeError(f"{name}: expected an integer tensor of bytes (uint8, or any integer "
-                        f"dtype with values in [0, 255]), got dtype {_dtype_name(t.dtype)}")
-    if _compiling():
-        raise TypeError(f"{name}: under torch.compile pass uint8 bytes (got dtype "
-                        f"{_dtype_name(t.dtype)}): their range cannot be checked in a graph")
-    if t.numel() and not t.is_meta:  # (meta tensors hold no values to check)
-        lo, hi = _min_max(t)
-        if lo < 0 or hi > 255:
-            raise ValueError(
-                f"{name}: byte values must lie in [0, 255], got values in [{lo}, {hi}] "
-                f"(dtype {_dtype_name(t.dtype)}); if these are int8 bytes, pass "
-                f"{name}.view(torch.uint8)")
-    return t.to(torch.uint8)
-
-
-def bytes_by_view(name, t):
-    """A checkpoint's bytes, by view, never by value: uint8 as is, int8 and float8_e8m0fnu
-    viewed as uint8 (a file typed I8 or F8_E8M0 holds the same bytes).  The op's rule
-    (:func:`byte_tensor`) differs on purpose: a caller's int8 tensor there holds values,
-    and a negative one is an error, not a byte."""
-    if t.dtype == torch.uint8:
-        return t
-    if t.dtype == torch.int8 or (_E8M0 is not None and t.dtype == _E8M0):
-        return t.view(torch.uint8)
-    raise TypeError(f"{name}: expected bytes (U8, I8 or F8_E8M0), got {t.dtype}")
-
-
-def index_tensor(name, t):
-    if t.dtype not in _INT_DTYPES or t.dtype == torch.bool:
-        raise TypeError(f"{name}: expected an integer tensor (int32 or int64) of expert ids, "
-                        f"got dtype {_dtype_name(t.dtype)}")
-    return t
+# mxfp4x/models/ and mxfp4x/nn.py still import these from here; every other module
+# imports them from their homes (_arguments, _coerce, _weak_group)
+from ._arguments import (  # noqa: F401
+    ExpertRange,
+    NumThreads,
+    check_isa,
+    check_range_within,
+    num_threads_arg,
+    parse_expert_range,
+)
+from ._coerce import (  # noqa: F401 (bytes_by_view: re-exported, as above)
+    _UINT64,
+    _min_max,
+    as_tensor,
+    byte_tensor,
+    bytes_by_view,
+    check_rank,
+    float_tensor,
+    index_tensor,
+)
+from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
+from ._weak_group import WeakGroup  # noqa: F401 (re-exported, as above)
 
 
 def check_op_call(x, packed, sel, mix=None, shared=None):
@@ -433,10 +299,6 @@ def _float_matrix(name, t, shape, dims, why):
     return t
 
 
-def _compiling():
-    return torch.compiler.is_compiling()
-
-
 def expert_id_error(bad, n_experts):
     """The error for an expert id outside [0, n_experts), wherever it is found."""
     return IndexError(f"selected_experts: expert id {bad} is outside [0, {n_experts}) "
@@ -451,138 +313,3 @@ def check_expert_ids(sel, n_experts):
         lo, hi = _min_max(sel)
         if lo < 0 or hi >= n_experts:
             raise expert_id_error(lo if lo < 0 else hi, n_experts)
-
-
-_RANGE_LIMIT = 2 ** 62
-
-
-class WeakGroup:
-    """A ``group`` attribute (a torch.distributed process group, or None) held by a weak
-    reference.  An object that outlives ``destroy_process_group()`` (a model kept to the
-    end of a script) would otherwise keep the group to the end of the process, and gloo's
-    group destroyed that late aborted the process at exit ("terminate called without an
-    active exception", 4 runs in 10); torch's own registry keeps a live group alive."""
-
-    def __set_name__(self, owner, name):
-        self.key = f"_{name}_ref"
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return self
-        ref = obj.__dict__.get(self.key)
-        if ref is None:
-            return None
-        group = ref()
-        if group is None:
-            raise RuntimeError("group: the torch.distributed process group this was built "
-                               "with was destroyed (destroy_process_group); build it again "
-                               "with a live group")
-        return group
-
-    def __set__(self, obj, value):
-        try:
-            obj.__dict__[self.key] = None if value is None else weakref.ref(value)
-        except TypeError:
-            raise TypeError(f"group: expected a torch.distributed process group or None, "
-                            f"got {type(value).__name__}") from None
-
-
-class ExpertRange(NamedTuple):
-    """A parsed ``expert_range``: the experts e0..e1-1, Python ints, 0 <= e0 <= e1.  A
-    tuple, so it compares equal to ``(e0, e1)``; :func:`parse_expert_range` returns it,
-    and takes it back as it is (a load parses what the user gave once, and hands this on
-    to every step)."""
-    e0: int
-    e1: int
-
-
-def parse_expert_range(expert_range) -> ExpertRange:
-    """``expert_range`` as (e0, e1), Python ints with 0 <= e0 <= e1 <= 2^62 (larger cannot
-    be real, and fits int64), from a pair or a range of step 1: the one reading of the
-    held experts, for the ops, the modules and their loaders.  A TypeError or ValueError
-    naming ``expert_range`` otherwise."""
-    if isinstance(expert_range, ExpertRange):
-        return expert_range
-    if isinstance(expert_range, range):
-        if expert_range.step != 1:
-            raise ValueError(f"expert_range: expected a range of step 1, got {expert_range}")
-        expert_range = (expert_range.start, expert_range.stop)
-    if isinstance(expert_range, (str, bytes)) or not hasattr(expert_range, "__iter__"):
-        raise TypeError(f"expert_range: expected a pair of ints (e0, e1) or a range, got "
-                        f"{type(expert_range).__name__}")
-    values = list(expert_range)
-    if len(values) != 2:
-        raise ValueError(f"expert_range: expected a pair of ints (e0, e1), got {len(values)} "
-                         f"values")
-    try:
-        if any(isinstance(v, bool) for v in values):
-            raise TypeError
-        e0, e1 = (operator.index(v) for v in values)
-    except TypeError:
-        raise TypeError(f"expert_range: expected a pair of ints (e0, e1), got "
-                        f"{tuple(type(v).__name__ for v in values)}") from None
-    if not 0 <= e0 <= e1 <= _RANGE_LIMIT:
-        raise ValueError(f"expert_range: expected (e0, e1) with 0 <= e0 <= e1, got "
-                         f"{(e0, e1)}")
-    return ExpertRange(e0, e1)
-
-
-def check_range_within(expert_range: ExpertRange, n_experts: int, what: str) -> None:
-    """A ValueError naming ``expert_range`` when it passes the ``n_experts`` experts
-    ``what`` holds (before a read of rows that are not there)."""
-    if expert_range.e1 > n_experts:
-        raise ValueError(f"expert_range: {tuple(expert_range)} passes the {n_experts} "
-                         f"experts of {what}")
-
-
-def check_isa(isa, name="isa"):
-    """None (the default ISA) or the name of an ISA this CPU runs; ValueError otherwise."""
-    if isa is None:
-        return None
-    if not isinstance(isa, str) or isa not in _COMPILED_ISAS:
-        raise ValueError(f"{name}={isa!r} is not an ISA of mxfp4x; choose one of "
-                         f"{list(_RUNNABLE_ISAS)} (compiled: {list(_COMPILED_ISAS)})")
-    if isa not in _RUNNABLE_ISAS:
-        raise ValueError(f"{name}={isa!r}: this CPU (or OS) cannot run {isa}; choose one of "
-                         f"{list(_RUNNABLE_ISAS)}")
-    return isa
-
-
-def num_threads_arg(num_threads) -> Optional[int]:
-    """The one rule for a ``num_threads`` the user gives, to an op, a module or a loader:
-    None (torch.get_num_threads() when a call runs) or a positive int (numpy integers
-    too), returned as a Python int.  A bool, a float (even 2.0) or a string is a
-    TypeError, 0 or less a ValueError, each naming ``num_threads``."""
-    if num_threads is None:
-        return None
-    if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)):
-        raise TypeError(f"num_threads: expected None or a positive int, got "
-                        f"{type(num_threads).__name__} {num_threads!r}")
-    if num_threads < 1:
-        raise ValueError(f"num_threads: expected None or a positive int, got {num_threads}")
-    return int(num_threads)
-
-
-def check_num_threads(num_threads):
-    """:func:`num_threads_arg`, capped as mxfp4x._threads caps it (a larger request is
-    accepted), or 0 for "torch.get_num_threads() when the kernel runs"."""
-    n = num_threads_arg(num_threads)
-    return 0 if n is None else _threads.resolve(n)
-
-
-class NumThreads:
-    """A module's ``num_threads`` attribute, checked by :func:`num_threads_arg` whenever it
-    is set (in the constructor and afterwards), so a bad count is refused where it is
-    given, not at the first forward after a model of many GB has loaded.  Reads give None
-    or a Python int."""
-
-    def __set_name__(self, owner, name):
-        self.key = f"_{name}"
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return self
-        return obj.__dict__.get(self.key)
-
-    def __set__(self, obj, value):
-        obj.__dict__[self.key] = num_threads_arg(value)

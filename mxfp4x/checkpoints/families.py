@@ -70,10 +70,10 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from .._arguments import ExpertRange, check_range_within, parse_expert_range
+from .._coerce import bytes_by_view as as_bytes
 from .._format import GROUP_BYTES
 from .._progress import Progress
-from .._validation import ExpertRange, check_range_within, parse_expert_range
-from .._validation import bytes_by_view as as_bytes
 from ._header import read_json
 from .gguf import MXFP4, GGUFCheckpoint
 from .safetensors import SafeTensorsCheckpoint

@@ -48,14 +48,8 @@ import torch.distributed as dist
 
 from .. import _cpu, _threads
 from .._api import _check_backend
-from .._validation import (
-    _dtype_name,
-    as_tensor,
-    check_num_threads,
-    float_tensor,
-    index_tensor,
-    parse_expert_range,
-)
+from .._arguments import check_num_threads, parse_expert_range
+from .._coerce import _dtype_name, as_tensor, float_tensor, index_tensor
 from ._agreement import _LIMIT, _OPS, _PRODUCTS, _agree, _compute, _facts
 from ._autograd import _d_out, _EPFunction, _validate, empty_experts
 from ._routing import ExpertRouting

@@ -4,6 +4,8 @@ carries a call (and its gradient) across the all-to-alls."""
 import torch
 
 from .. import _cpu, _cpu_impl, _threads
+from .._arguments import parse_expert_range
+from .._coerce import as_tensor
 from .._format import GGUF_BLOCK_BYTES, GROUP_BYTES
 from .._ops import (
     mxfp4_experts_grad_latents_list_op,
@@ -11,13 +13,7 @@ from .._ops import (
     runs_direct,
     slots_op,
 )
-from .._validation import (
-    SKIP,
-    as_tensor,
-    check_inputs,
-    is_expert_list,
-    parse_expert_range,
-)
+from .._validation import SKIP, check_inputs, is_expert_list
 from ._agreement import _BACKWARD, _GRADIENTS, _PRODUCTS, _compute
 from ._routing import ExpertRouting
 

@@ -395,7 +395,7 @@ def test_readonly_numpy_input_is_read_in_place(rng):
     layer = random_layer(rng, 3, 2, 2, 16, 2)
     packed = layer["packed_weights"].numpy().copy()
     packed.setflags(write=False)
-    t = mxfp4x._validation.as_tensor("packed_weights", packed)
+    t = mxfp4x._coerce.as_tensor("packed_weights", packed)
     assert t.data_ptr() == packed.ctypes.data  # a view, not a copy
     assert not packed.flags.writeable
 

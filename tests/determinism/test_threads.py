@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _cpu, _cpu_impl, _probes, _threads, _validation
+from mxfp4x import _arguments, _cpu, _cpu_impl, _probes, _threads
 from mxfp4x.testing.layers import random_layer
 
 THREADED = _threads.backend() != "serial"
@@ -258,13 +258,13 @@ def test_thread_policy_has_one_owner():
     assert (info["threads"], info["openmp"], info["num_threads"]) == (
         _threads.backend(), _threads.have_openmp(), torch_default)
     # the user-facing check keeps its errors and takes the cap from the owner
-    assert _validation.check_num_threads(None) == 0
-    assert _validation.check_num_threads(10 ** 6) == _threads.MAX_THREADS
+    assert _arguments.check_num_threads(None) == 0
+    assert _arguments.check_num_threads(10 ** 6) == _threads.MAX_THREADS
     with pytest.raises(ValueError, match="num_threads"):
-        _validation.check_num_threads(0)
+        _arguments.check_num_threads(0)
     with pytest.raises(TypeError, match="num_threads"):
-        _validation.check_num_threads(2.0)
-    assert not hasattr(_validation, "MAX_THREADS")
+        _arguments.check_num_threads(2.0)
+    assert not hasattr(_arguments, "MAX_THREADS")
 
 
 def test_driver_boundary_takes_only_resolved_thread_counts():

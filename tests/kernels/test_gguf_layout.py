@@ -391,7 +391,7 @@ def test_memory_mapped_blocks_are_read_in_place(rng, tmp_path, isa):
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=header, shape=blocks.shape)
     got = mxfp4x.mxfp4_experts(**dict(lay, packed_weights=mm), isa=isa)
     assert torch.equal(got, want)
-    from mxfp4x._validation import as_tensor
+    from mxfp4x._coerce import as_tensor
     t = as_tensor("packed_weights", mm)
     assert t.data_ptr() == mm.ctypes.data
     assert _cpu_impl.experts_of(t, None).owner.data_ptr() == mm.ctypes.data

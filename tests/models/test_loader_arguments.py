@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _validation, nn
+from mxfp4x import _arguments, nn
 from mxfp4x.testing.gpt_oss import write_gpt_oss_layer
 from mxfp4x.testing.kimi_k3 import k3_config, write_k3_checkpoint
 
@@ -172,7 +172,7 @@ def test_the_modules_use_the_ops_rule(rng, k3):
     the op's words."""
     for bad in BAD_THREADS:
         with pytest.raises((TypeError, ValueError)) as op:
-            _validation.check_num_threads(bad)
+            _arguments.check_num_threads(bad)
         with pytest.raises(type(op.value)) as module:
             nn.MXFP4Experts(E, 32, 64, num_threads=bad)
         assert str(module.value) == str(op.value)
@@ -275,11 +275,11 @@ def test_every_loader_shows_its_parameters(name):
 def test_one_load_parses_the_range_once(monkeypatch, gpt_oss, k3):
     """The pair is read once per load, however many steps use it (a gpt-oss load read it
     up to six times)."""
-    real = _validation.parse_expert_range
+    real = _arguments.parse_expert_range
     raw = []
 
     def counting(value):
-        if not isinstance(value, _validation.ExpertRange):  # an already parsed range
+        if not isinstance(value, _arguments.ExpertRange):  # an already parsed range
             raw.append(value)
         return real(value)
     for mod in list(sys.modules.values()):
