@@ -669,7 +669,8 @@ def _patches(kind, layer, point, exc):
     """(object, attribute, replacement) for the bad rank's fault at ``point`` of layer B
     (``layer``): its own forward wrapped (armed while it runs; enter, leave and the
     backward hooks), and the functions it calls at the other points."""
-    from mxfp4x.models import gpt_oss, kimi_k3
+    from mxfp4x.models import gpt_oss
+    from mxfp4x.models.kimi_k3 import block as kimi_block  # where the block looks them up
     forward = layer._forward
 
     def wrapped(*args):
@@ -698,9 +699,9 @@ def _patches(kind, layer, point, exc):
     if point == "router":
         patches.append((layer.router, "forward", before(layer.router.forward, "router")))
     elif point == "down_proj":
-        patches.append((kimi_k3, "_linear", before(kimi_k3._linear, "down_proj")))
+        patches.append((kimi_block, "_linear", before(kimi_block._linear, "down_proj")))
     elif point == "norm":
-        patches.append((kimi_k3, "_rms_norm", before(kimi_k3._rms_norm, "norm")))
+        patches.append((kimi_block, "_rms_norm", before(kimi_block._rms_norm, "norm")))
     elif point == "shared":
         patches.append((layer, "shared", before(layer.shared, "shared")))
     elif point == "between" and kind.startswith("gptoss"):
