@@ -83,7 +83,7 @@ import numpy as np
 import torch
 
 from .._format import E2M1_TABLE, E8M0_BIAS, E8M0_NAN, GROUP
-from ._header import MappedFile, _short, check_regular_file, open_regular_file
+from ._files import MappedFile, _short, check_regular_file, open_regular_file
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)

@@ -40,19 +40,17 @@ import numpy as np
 import torch
 
 from .._io import atomic_write
+from ._files import MappedFile, _short, open_regular_file
 from ._header import (  # noqa: F401 (UnsupportedDtypeError, MAX_*_BYTES: public)
     _TORCH_NAME,
     _VIEW_AS,
     MAX_HEADER_BYTES,
     MAX_JSON_BYTES,
-    MappedFile,
     UnsupportedDtypeError,
     _check_disjoint,
     _check_entry,
     _Entry,
     _parse_json,
-    _short,
-    open_regular_file,
     read_json,
 )
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf_files import F32, MXFP4, STRING, encode, kv, tensor_info
 
-from mxfp4x.checkpoints import _header
+from mxfp4x.checkpoints import _files
 from mxfp4x.checkpoints.families import read_config
 from mxfp4x.checkpoints.gguf import GGUFCheckpoint, GGUFFile, is_gguf
 from mxfp4x.checkpoints.safetensors import SafeTensorsCheckpoint, SafeTensorsFile, save_file
@@ -145,7 +145,7 @@ def test_a_model_written_to_does_not_change_the_next_one_loaded(tmp_path):
 
 def test_without_libc_mmap_tensors_are_private_too(tmp_path, monkeypatch):
     """Where libc's mmap is not used (Windows): Python's mmap, copy-on-write, likewise."""
-    monkeypatch.setattr(_header, "_LIBC", None)
+    monkeypatch.setattr(_files, "_LIBC", None)
     f = SafeTensorsFile(_write_st(tmp_path / "m.safetensors"))
     g = GGUFFile(_write_gguf(tmp_path / "m.gguf"))
     for reader in (f, g):
@@ -287,7 +287,7 @@ def test_a_closed_reader_refuses_every_read(tmp_path):
 
 _PIPES = textwrap.dedent("""
     import json, os, sys
-    from mxfp4x.checkpoints import _header
+    from mxfp4x.checkpoints import _files
     from mxfp4x.checkpoints.families import read_config
     from mxfp4x.checkpoints.gguf import GGUFCheckpoint, GGUFFile, is_gguf
     from mxfp4x.checkpoints.safetensors import SafeTensorsCheckpoint, SafeTensorsFile, save_file
@@ -335,7 +335,7 @@ _PIPES = textwrap.dedent("""
             second)
     print("is_gguf", is_gguf(gg), flush=True)
     # a path that becomes a named pipe after it was checked: the open does not block either
-    _header.check_regular_file = lambda path: None
+    _files.check_regular_file = lambda path: None
     refused("replaced after the check", lambda: SafeTensorsFile(fifo), fifo)
     print("done", flush=True)
 """)
