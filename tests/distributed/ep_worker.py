@@ -669,8 +669,9 @@ def _patches(kind, layer, point, exc):
     """(object, attribute, replacement) for the bad rank's fault at ``point`` of layer B
     (``layer``): its own forward wrapped (armed while it runs; enter, leave and the
     backward hooks), and the functions it calls at the other points."""
-    from mxfp4x.models import gpt_oss
-    from mxfp4x.models.kimi_k3 import block as kimi_block  # where the block looks them up
+    # the modules whose functions the forwards look up at call time
+    from mxfp4x.models.gpt_oss import experts as gpt_oss_experts
+    from mxfp4x.models.kimi_k3 import block as kimi_block
     forward = layer._forward
 
     def wrapped(*args):
@@ -705,8 +706,8 @@ def _patches(kind, layer, point, exc):
     elif point == "shared":
         patches.append((layer, "shared", before(layer.shared, "shared")))
     elif point == "between" and kind.startswith("gptoss"):
-        patches.append((gpt_oss, "accumulation_dtype",
-                        before(gpt_oss.accumulation_dtype, "between")))
+        patches.append((gpt_oss_experts, "accumulation_dtype",
+                        before(gpt_oss_experts.accumulation_dtype, "between")))
     elif point == "products" and kind.startswith("kimi"):
         experts = layer.experts if kind == "kimi-moe" else layer
         patches.append((experts, "mlp", before(experts.mlp, "products")))
