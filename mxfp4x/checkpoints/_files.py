@@ -1,15 +1,16 @@
 """What every checkpoint reader opens and maps files with: regular files only
 (:func:`open_regular_file`: safetensors and GGUF files, indexes, config.json), a new
 private mapping of just the bytes each read asks for (:func:`map_file_bytes`), and the
-readers' shared base (:class:`MappedFile`).  Also how their messages show hostile values
-(``_short``: shortened, never recursing into them)."""
+readers' shared base, their file's life from open to close (:class:`MappedFile`).  Also
+how their messages show hostile values (``_short``: shortened, never recursed into)."""
 import ctypes
 import mmap
 import os
 import reprlib
 import stat
+import threading
 import weakref
-from typing import Any, BinaryIO, Iterable
+from typing import Any, BinaryIO, Callable, Iterable, TypeVar
 
 import numpy as np
 
@@ -124,26 +125,61 @@ def map_file_bytes(fh: BinaryIO, path: str, begin: int, end: int, size_at_open: 
     return np.asarray(_Mapping(addr, end - start, begin - start, end - begin))
 
 
+_Header = TypeVar("_Header")
+_Reader = TypeVar("_Reader", bound="MappedFile")
+
+
 class MappedFile:
-    """What the two readers share (SafeTensorsFile, GGUFFile): every read maps bytes of
-    their open file ``_fh`` (``path``, ``_size`` bytes when opened) under ``_lock``, and
-    is refused once the file is closed."""
+    """What the two readers share (SafeTensorsFile, GGUFFile): their file's life.  The
+    file ``path`` is opened once and its header read (:meth:`_open`); it stays open
+    until :meth:`close` (or the reader is collected), so every mapping is of the file
+    whose header was checked, even if the path is replaced.  Every read maps bytes of
+    that open file ``_fh`` (``_size`` bytes when opened) under ``_lock``, and is
+    refused once the file is closed."""
 
     path: str
     _fh: BinaryIO
     _lock: Any
     _size: int
 
-    def _closed(self) -> ValueError:
-        return ValueError(f"{self.path}: the file was closed; tensors already read stay "
-                          f"valid, reading another needs the file opened again")
+    def _open(self, read_header: Callable[[BinaryIO, str, int], _Header]) -> _Header:
+        """Open ``path`` (:func:`open_regular_file`) and return ``read_header(file, path,
+        size)``; the file is closed again if that raises."""
+        fh = open_regular_file(self.path)
+        try:
+            size = os.fstat(fh.fileno()).st_size
+            header = read_header(fh, self.path, size)
+        except BaseException:
+            fh.close()
+            raise
+        self._fh, self._size = fh, size
+        self._closer = weakref.finalize(self, fh.close)
+        self._lock = threading.Lock()  # a mapping and close() never interleave
+        return header
+
+    def close(self) -> None:
+        """Close the file; tensors already returned stay valid (their mappings outlive it),
+        and reading another is a ``ValueError`` naming the file."""
+        with self._lock:
+            self._closer()
+
+    def __enter__(self: _Reader) -> _Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        """Refuse a read once the file is closed."""
+        if self._fh.closed:
+            raise ValueError(f"{self.path}: the file was closed; tensors already read stay "
+                             f"valid, reading another needs the file opened again")
 
     def _map(self, begin: int, end: int, names: Iterable[str]) -> np.ndarray:
         """A new private mapping of file bytes [begin, end) (absolute), the bytes of
         tensors ``names`` (:func:`map_file_bytes`: checked against the file's size)."""
         with self._lock:  # the file stays open while it is mapped
-            if self._fh.closed:
-                raise self._closed()
+            self._check_open()
             return map_file_bytes(self._fh, self.path, begin, end, self._size, names)
 
 

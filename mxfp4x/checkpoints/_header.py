@@ -8,7 +8,8 @@ files are opened as every checkpoint file is (``_files``: regular files only).""
 import json
 import math
 import os
-from typing import Any, Dict, List, Mapping, NamedTuple, Tuple
+import struct
+from typing import Any, BinaryIO, Dict, List, Mapping, NamedTuple, Tuple
 
 import numpy as np
 import torch
@@ -147,3 +148,35 @@ def _check_disjoint(path: str, entries: Mapping[str, _Entry]) -> None:
         if begin1 < end0:
             raise ValueError(f"{path}: tensors {_short.repr(name0)} and {_short.repr(name1)} "
                              f"share bytes (data_offsets overlap at {begin1})")
+
+
+def read_header(fh: BinaryIO, path: str, size: int) -> Tuple[
+        Dict[str, Any], Dict[str, str], Dict[str, _Entry], int]:
+    """The header of the open safetensors file ``fh`` (``path``, ``size`` bytes), every
+    entry checked: (the parsed JSON less ``__metadata__``, the metadata, the entries,
+    where the data section starts)."""
+    head = fh.read(8)
+    if len(head) != 8:
+        raise ValueError(f"{path}: not a safetensors file ({size} bytes, shorter "
+                         f"than the 8-byte header length)")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8 or n > MAX_HEADER_BYTES:
+        raise ValueError(f"{path}: not a safetensors file (header length {n}, file "
+                         f"size {size})")
+    raw = fh.read(n)
+    if len(raw) != n:
+        raise ValueError(f"{path}: the file shrank while its header was read")
+    header = _parse_json(path, raw, "the header")
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (header is not a JSON "
+                         f"object)")
+    metadata = header.pop("__metadata__", {})
+    if not (isinstance(metadata, dict)
+            and all(isinstance(v, str) for v in metadata.values())):
+        raise ValueError(f"{path}: __metadata__ is not an object of strings: "
+                         f"{_short.repr(metadata)}")
+    data_size = size - 8 - n
+    entries = {name: _check_entry(path, name, info, data_size)
+               for name, info in header.items()}
+    _check_disjoint(path, entries)
+    return header, metadata, entries, 8 + n

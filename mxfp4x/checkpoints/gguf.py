@@ -60,8 +60,6 @@ import operator
 import os
 import re
 import struct
-import threading
-import weakref
 from array import array
 from types import MappingProxyType
 from typing import (
@@ -685,16 +683,7 @@ class GGUFFile(MappedFile):
 
     def __init__(self, path: str):
         self.path = os.fspath(path)
-        fh = open_regular_file(self.path)
-        try:
-            size = os.fstat(fh.fileno()).st_size
-            version, metadata, types, alignment, data_start, tensors = _parse(
-                fh, self.path, size)
-        except BaseException:
-            fh.close()
-            raise
-        self._fh = fh
-        self._closer = weakref.finalize(self, fh.close)
+        version, metadata, types, alignment, data_start, tensors = self._open(_parse)
         self.version: int = version
         self.alignment: int = alignment
         self.data_offset: int = data_start
@@ -703,20 +692,6 @@ class GGUFFile(MappedFile):
         self.tensors: Mapping[str, GGUFTensorInfo] = MappingProxyType(tensors)
         arch = metadata.get(ARCHITECTURE_KEY)
         self.architecture: Optional[str] = arch if isinstance(arch, str) else None
-        self._size = size
-        self._lock = threading.Lock()  # a mapping and close() never interleave
-
-    def close(self) -> None:
-        """Close the file; tensors already returned stay valid (their mappings outlive it),
-        and reading another is a ``ValueError`` naming the file."""
-        with self._lock:
-            self._closer()
-
-    def __enter__(self) -> "GGUFFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def keys(self) -> Iterable[str]:
         return self.tensors.keys()
@@ -776,8 +751,7 @@ class GGUFFile(MappedFile):
 
     def _readable(self, name: str) -> GGUFTensorInfo:
         """The tensor about to be read (the file must still be open)."""
-        if self._fh.closed:
-            raise self._closed()
+        self._check_open()
         return self.tensor(name)
 
     def _view(self, t: GGUFTensorInfo, mapped: Optional[np.ndarray], mapped_at: int,

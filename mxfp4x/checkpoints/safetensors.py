@@ -32,7 +32,6 @@ import os
 import stat
 import struct
 import threading
-import weakref
 from types import MappingProxyType
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
@@ -40,25 +39,20 @@ import numpy as np
 import torch
 
 from .._io import atomic_write
-from ._files import MappedFile, _short, open_regular_file
-from ._header import (  # noqa: F401 (UnsupportedDtypeError, MAX_*_BYTES: public)
+from ._files import MappedFile, _short
+from ._header import (  # noqa: F401 (MAX_*_BYTES: public)
+    _NP,
     _TORCH_NAME,
     _VIEW_AS,
     MAX_HEADER_BYTES,
     MAX_JSON_BYTES,
     UnsupportedDtypeError,
-    _check_disjoint,
-    _check_entry,
     _Entry,
-    _parse_json,
+    read_header,
     read_json,
 )
 
-_NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
-       "F8_E8M0": np.uint8,
-       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-       "BOOL": np.bool_}
-# dtypes numpy lacks: stored as same-width integers, viewed back (never cast by value)
+
 class SafeTensorsFile(MappedFile):
     """Read access to one .safetensors file; ``get`` returns zero-copy tensors, each call
     its own copy-on-write mapping (a write to one never reaches another).
@@ -68,57 +62,12 @@ class SafeTensorsFile(MappedFile):
 
     def __init__(self, path: str):
         self.path = path
-        fh = open_regular_file(path)
-        try:
-            size = os.fstat(fh.fileno()).st_size
-            head = fh.read(8)
-            if len(head) != 8:
-                raise ValueError(f"{path}: not a safetensors file ({size} bytes, shorter "
-                                 f"than the 8-byte header length)")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > MAX_HEADER_BYTES:
-                raise ValueError(f"{path}: not a safetensors file (header length {n}, file "
-                                 f"size {size})")
-            raw = fh.read(n)
-            if len(raw) != n:
-                raise ValueError(f"{path}: the file shrank while its header was read")
-            header = _parse_json(path, raw, "the header")
-            if not isinstance(header, dict):
-                raise ValueError(f"{path}: not a safetensors file (header is not a JSON "
-                                 f"object)")
-            metadata = header.pop("__metadata__", {})
-            if not (isinstance(metadata, dict)
-                    and all(isinstance(v, str) for v in metadata.values())):
-                raise ValueError(f"{path}: __metadata__ is not an object of strings: "
-                                 f"{_short.repr(metadata)}")
-            data_size = size - 8 - n
-            entries = {name: _check_entry(path, name, info, data_size)
-                       for name, info in header.items()}
-            _check_disjoint(path, entries)
-        except BaseException:
-            fh.close()
-            raise
-        self._fh = fh
-        self._closer = weakref.finalize(self, fh.close)
+        header, metadata, entries, base = self._open(read_header)
         self.metadata: Dict[str, str] = metadata
         # the parsed JSON, for inspection; reads use the validated entries only
         self.header: Mapping[str, Any] = MappingProxyType(header)
         self._entries: Dict[str, _Entry] = entries
-        self._base = 8 + n
-        self._size = size
-        self._lock = threading.Lock()  # a mapping and close() never interleave
-
-    def close(self) -> None:
-        """Close the file; tensors already returned stay valid (their mappings outlive it),
-        and reading another is a ``ValueError`` naming the file."""
-        with self._lock:
-            self._closer()
-
-    def __enter__(self) -> "SafeTensorsFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self._base = base
 
     def keys(self) -> Iterable[str]:
         return self._entries.keys()
@@ -177,8 +126,7 @@ class SafeTensorsFile(MappedFile):
 
     def _entry(self, name: str) -> _Entry:
         """The entry of a tensor about to be read (the file must still be open)."""
-        if self._fh.closed:
-            raise self._closed()
+        self._check_open()
         if name not in self._entries:
             raise KeyError(f"{self.path}: no tensor named {name!r}")
         e = self._entries[name]
