@@ -80,6 +80,29 @@ def check_dims(source: str, expected: Dict[str, Tuple[Optional[int], int, str]])
             raise ValueError(f"{source}: {key} is {stated}, but {where} {found}")
 
 
+def config_integer(config: dict, source: str, key: str) -> Optional[int]:
+    """``config[key]`` as an int of at least 1, None where the config does not state it:
+    a size for :func:`check_dims`; a ValueError naming ``source`` and the key for what is
+    not one."""
+    return _integer(f"{source}: {key}", config[key]) if key in config else None
+
+
+def check_gguf_dims(ckpt, found: Dict[str, Tuple[int, str]]) -> None:
+    """:func:`check_dims` of the sizes a GGUF file's metadata states (``{arch}.<key>``,
+    integers, where the file has them): ``found`` maps ``<key>`` to (the tensors' value,
+    which tensors say so)."""
+    keys = {key: f"{ckpt.architecture}.{key}" for key in found}
+    check_dims(str(ckpt.root), {keys[key]: (gguf_integer_if_any(ckpt, keys[key]), value, where)
+                                for key, (value, where) in found.items()})
+
+
+def require_tensor(ckpt, name: str, what: str) -> None:
+    """A ValueError naming the checkpoint and the tensor where ``ckpt`` lacks ``name``
+    (``what`` it is)."""
+    if name not in ckpt:
+        raise ValueError(f"{ckpt.root}: no tensor {name!r} ({what})")
+
+
 def expert_range_of(expert_range, n_local: int, group, *, subset_without_group: bool = False
                     ) -> ExpertRange:
     """(e0, e1) of the experts a module holds: all of them (0, n_local) unless
@@ -99,6 +122,19 @@ def expert_range_of(expert_range, n_local: int, group, *, subset_without_group: 
     if group is None and e0 != 0 and not subset_without_group:
         raise ValueError("expert_range: a module holding some of the experts needs group= "
                          "(torch.distributed) to reach the others")
+    return rng
+
+
+def expert_range_within(expert_range, n_experts: int, whose: str) -> ExpertRange:
+    """(e0, e1) of the experts a load maps: all ``n_experts`` when ``expert_range`` is
+    None, else a non-empty range within them; a ValueError naming ``whose`` experts they
+    are otherwise."""
+    rng = ExpertRange(0, n_experts) if expert_range is None else \
+        parse_expert_range(expert_range)
+    e0, e1 = rng
+    if not 0 <= e0 < e1 <= n_experts:
+        raise ValueError(f"expert_range: expected 0 <= e0 < e1 <= {n_experts} ({whose}), "
+                         f"got {(e0, e1)}")
     return rng
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ..._validation import ExpertRange
 from ...checkpoints.families import gguf_naming, load_gguf_experts
-from .._common import check_dims, gguf_integer, gguf_integer_if_any
+from .._common import check_gguf_dims, gguf_integer, require_tensor
 from .experts import GptOssExperts
 from .router import GptOssRouter
 from .tensors import check_experts, check_router
@@ -42,9 +42,7 @@ def from_gguf(cls, gguf, layer: int, top_k: Optional[int] = None,
     names = (naming.router.format(layer=layer),
              (naming.router_bias or "").format(layer=layer))  # gpt-oss's has a bias
     for name in names:
-        if name not in gguf:
-            raise ValueError(f"{gguf.root}: no tensor {name!r} (the router of layer "
-                             f"{layer})")
+        require_tensor(gguf, name, f"the router of layer {layer}")
     weight, bias = (gguf.get(name) for name in names)
     check_router(weight, bias, experts,
                  [f"{gguf.tensor(name).path}: tensor {name!r}" for name in names])
@@ -69,20 +67,15 @@ def experts_from_gguf(ckpt, layer: int, *, limit: float = 7.0, alpha: float = 1.
     t = {f"{role}_blocks": blocks[role] for role in ("gate", "up", "down")}
     for role in ("gate", "up", "down"):
         name = names[f"{role}_bias"]
-        if name not in ckpt:
-            raise ValueError(f"{ckpt.root}: no tensor {name!r} (the {role} experts' bias "
-                             f"of layer {layer})")
+        require_tensor(ckpt, name, f"the {role} experts' bias of layer {layer}")
         t[f"{role}_bias"] = ckpt.get(name)
     total, hidden, ff = check_experts(
         t, expert_range,
         {arg: f"{ckpt.tensor(name).path}: tensor {name!r}" for arg, name in names.items()})
     # the sizes the metadata states, where it does (llama.cpp's converter writes them)
-    sizes = ((f"{ckpt.architecture}.expert_count", total, "the experts' biases hold"),
-             (f"{ckpt.architecture}.embedding_length", hidden, "the experts' blocks are"),
-             (f"{ckpt.architecture}.expert_feed_forward_length", ff,
-              "the experts' blocks are"))
-    check_dims(str(ckpt.root), {key: (gguf_integer_if_any(ckpt, key), found, what)
-                                for key, found, what in sizes})
+    check_gguf_dims(ckpt, {"expert_count": (total, "the experts' biases hold"),
+                           "embedding_length": (hidden, "the experts' blocks are"),
+                           "expert_feed_forward_length": (ff, "the experts' blocks are")})
     return GptOssExperts.from_gguf_blocks(
         t["gate_blocks"], t["up_blocks"], t["gate_bias"], t["up_bias"], t["down_blocks"],
         t["down_bias"], limit=limit, alpha=alpha, num_threads=num_threads,

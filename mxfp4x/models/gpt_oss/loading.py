@@ -3,6 +3,7 @@ as the family's registry entry names them, ``mxfp4x.checkpoints.families.GPT_OSS
 layer's experts (:func:`experts_from_safetensors`) and block (:func:`from_safetensors`),
 which the classes' ``from_checkpoint`` call, and every layer's experts
 (:func:`load_gpt_oss_experts`)."""
+import functools
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from ..._progress import Progress
@@ -10,7 +11,7 @@ from ..._validation import ExpertRange, num_threads_arg, parse_expert_range
 from ...checkpoints import families as ck
 from ...checkpoints.families import GPT_OSS
 from ...checkpoints.safetensors import SafeTensorsCheckpoint
-from .._common import _integer, check_dims
+from .._common import check_dims, config_integer
 from .config import activation, checkpoint_config
 from .experts import GptOssExperts
 from .router import GptOssRouter
@@ -65,8 +66,7 @@ def from_safetensors(cls, path, layer: int, top_k: Optional[int] = None,
     experts = GptOssExperts.from_checkpoint(ckpt, layer, prefix, expert_range=expert_range,
                                             num_threads=num_threads, group=group,
                                             limit=limit, alpha=alpha)
-    def stated(key):
-        return _integer(f"{source}: {key}", config[key]) if key in config else None
+    stated = functools.partial(config_integer, config, source)
     check_dims(source, {
         GPT_OSS.n_experts_key: (stated(GPT_OSS.n_experts_key), experts.n_experts,
                                 "the experts' biases hold"),

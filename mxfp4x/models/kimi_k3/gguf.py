@@ -7,10 +7,16 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import numpy as np
 import torch
 
-from ..._validation import ExpertRange, num_threads_arg, parse_expert_range
+from ..._validation import num_threads_arg
 from ...checkpoints import families as ck
 from ...checkpoints.gguf import MXFP4, GGUFCheckpoint
-from .._common import check_dims, gguf_integer, gguf_integer_if_any
+from .._common import (
+    check_gguf_dims,
+    expert_range_within,
+    gguf_integer,
+    gguf_integer_if_any,
+    require_tensor,
+)
 from .config import block_config, situ_betas
 from .experts import KimiK3Experts
 from .router import KimiK3Router
@@ -84,8 +90,7 @@ def gguf_config(ckpt: GGUFCheckpoint, config: Optional[dict] = None) -> Dict[str
 def _gguf_dense(ckpt: GGUFCheckpoint, name: str, shape: tuple, what: str) -> torch.Tensor:
     """A dense tensor of the block: F32/F16/BF16 as a view of a mapping of just its bytes,
     other types (Q8_0, ...) dequantized once to float32; its shape checked."""
-    if name not in ckpt:
-        raise ValueError(f"{ckpt.root}: no tensor {name!r} ({what})")
+    require_tensor(ckpt, name, what)
     info = ckpt.tensor(name)
     if info.ggml_type == MXFP4:
         t = ckpt.dequantize(name)
@@ -119,12 +124,7 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
     raw = gguf_config(ckpt, config)
     cfg = block_config(raw, f"{ckpt.root} (metadata or config)")
     n_experts = cfg["num_experts"]
-    rng = ExpertRange(0, n_experts) if expert_range is None else \
-        parse_expert_range(expert_range)
-    e0, e1 = rng
-    if not 0 <= e0 < e1 <= n_experts:
-        raise ValueError(f"expert_range: expected 0 <= e0 < e1 <= {n_experts} (the "
-                         f"file's experts), got {(e0, e1)}")
+    rng = expert_range_within(expert_range, n_experts, "the file's experts")
     name = naming.tensor(layer, "down")
     if name in ckpt and ckpt.tensor(name).shape[:1] != (n_experts,):
         raise ValueError(f"{ckpt.root}: tensor {name!r} holds {ckpt.tensor(name).shape[0]} "
@@ -136,9 +136,7 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
                            expert_range=rng, num_threads=num_threads, group=group)
     latent = routed.d_latent
     router_name = naming.router.format(layer=layer)
-    if router_name not in ckpt:
-        raise ValueError(f"{ckpt.root}: no tensor {router_name!r} (the router of layer "
-                         f"{layer})")
+    require_tensor(ckpt, router_name, f"the router of layer {layer}")
     router_shape = ckpt.tensor(router_name).shape
     if len(router_shape) != 2:
         raise ValueError(f"{ckpt.root}: tensor {router_name!r} is {list(router_shape)}, "
@@ -149,8 +147,7 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
                        "the router's score-correction bias")
     shared_name = str(naming.shared)
     sg_name = shared_name.format(layer=layer, proj="gate")
-    if sg_name not in ckpt:
-        raise ValueError(f"{ckpt.root}: no tensor {sg_name!r} (the shared experts' gate)")
+    require_tensor(ckpt, sg_name, "the shared experts' gate")
     d_shared = ckpt.tensor(sg_name).shape[0]
     # the shapes the safetensors path and KimiK3MoE check too (dense_shapes)
     shapes = dense_shapes(hidden, latent, d_shared)
@@ -163,14 +160,10 @@ def from_gguf(cls, path, layer: int, expert_range=None, num_threads: Optional[in
     down, up, norm = dense["down_proj"], dense["up_proj"], dense.get("norm_weight")
     sg, su, sd = dense["shared_gate"], dense["shared_up"], dense["shared_down"]
     # the sizes the metadata states, where it does
-    sizes = ((f"{ckpt.architecture}.embedding_length", hidden,
-              f"tensor {router_name!r} has columns"),
-             (f"{ckpt.architecture}.expert_latent_length", latent,
-              "the routed experts' latents are"),
-             (f"{ckpt.architecture}.expert_feed_forward_length", routed.d_ff,
-              "the routed experts' width is"))
-    check_dims(str(ckpt.root), {key: (gguf_integer_if_any(ckpt, key), found, what)
-                                for key, found, what in sizes})
+    check_gguf_dims(ckpt, {
+        "embedding_length": (hidden, f"tensor {router_name!r} has columns"),
+        "expert_latent_length": (latent, "the routed experts' latents are"),
+        "expert_feed_forward_length": (routed.d_ff, "the routed experts' width is")})
     router = KimiK3Router(gate_w, bias, top_k=cfg["num_experts_per_token"],
                           renormalize=cfg["moe_renormalize"],
                           scaling=cfg["routed_scaling_factor"],

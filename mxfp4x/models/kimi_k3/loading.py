@@ -2,13 +2,13 @@
 which :meth:`KimiK3MoE.from_checkpoint` calls): a folder of ``config.json`` and one or
 sharded ``.safetensors`` files, the tensors named as the family's registry entry names
 them (``mxfp4x.checkpoints.families.KIMI_K3``)."""
+import functools
 import os
 from typing import TYPE_CHECKING, Optional
 
 from ..._progress import Progress
-from ..._validation import ExpertRange, parse_expert_range
 from ...checkpoints import families as ck
-from .._common import _flag, _integer, check_dims, check_tensor
+from .._common import _flag, check_dims, check_tensor, config_integer, expert_range_within
 from .config import block_config, situ_betas
 from .experts import KimiK3Experts
 from .router import KimiK3Router
@@ -36,13 +36,8 @@ def from_safetensors(cls, path, layer: int, expert_range=None,
     prefix = ck.find_prefix(ckpt, layout, layer)
     base = prefix + layout.block.format(layer=layer)
     n_experts = hyper["num_experts"]
-    rng = ExpertRange(0, n_experts) if expert_range is None else \
-        parse_expert_range(expert_range)
-    e0, e1 = rng
-    if not 0 <= e0 < e1 <= n_experts:
-        raise ValueError(f"expert_range: expected 0 <= e0 < e1 <= {n_experts} (the "
-                         f"checkpoint's experts), got {(e0, e1)}")
-    ids = list(range(e0, e1))
+    rng = expert_range_within(expert_range, n_experts, "the checkpoint's experts")
+    ids = list(range(*rng))
     bar = Progress(len(ids), f"layer {layer} experts") if progress else None
     proj = ck.load_experts(ckpt, layout, layer, ids, prefix, bar)
     beta, linear_beta = situ_betas(config)
@@ -74,9 +69,7 @@ def from_safetensors(cls, path, layer: int, expert_range=None,
                          f"config.json's num_experts is {n_experts}")
     norm = dense.get("norm_weight")
     sizes = check_block(dense["router"], routed, {**dense, "norm_weight": norm}, names)
-
-    def stated(key):
-        return _integer(f"{source}: {key}", config[key]) if key in config else None
+    stated = functools.partial(config_integer, config, source)
     shared = stated("num_shared_experts")
     check_dims(source, {
         "hidden_size": (stated("hidden_size"), sizes["hidden"],
