@@ -8,17 +8,12 @@ import numpy as np
 import torch
 
 from ._api import mxfp4_experts
+from ._arguments import NumThreads, check_range_within, num_threads_arg, parse_expert_range
+from ._coerce import as_tensor
+from ._coerce import bytes_by_view as as_bytes
 from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 from ._quantize import quantize
-from ._validation import (
-    NumThreads,
-    WeakGroup,
-    as_tensor,
-    check_range_within,
-    num_threads_arg,
-    parse_expert_range,
-)
-from ._validation import bytes_by_view as as_bytes
+from ._weak_group import WeakGroup
 from .checkpoints.safetensors import SafeTensorsCheckpoint
 from .models._common import BytesByView, bytes_of, expert_range_of
 from .models.gpt_oss import (  # noqa: F401
@@ -50,7 +45,7 @@ class MXFP4Experts(BytesByView):
     (the bytes themselves), as the checkpoint readers do.
     """
 
-    group = WeakGroup()  # held weakly: _validation.WeakGroup
+    group = WeakGroup()  # held weakly: _weak_group.WeakGroup
     num_threads = NumThreads()  # checked whenever it is set
     _byte_buffers = ("packed_weights", "scale_bytes")
 

@@ -8,7 +8,8 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .._validation import ExpertRange, as_tensor, byte_tensor, bytes_by_view, parse_expert_range
+from .._arguments import ExpertRange, parse_expert_range
+from .._coerce import as_tensor, byte_tensor, bytes_by_view
 
 
 def bytes_of(name, t):

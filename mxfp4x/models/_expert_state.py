@@ -13,8 +13,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .._coerce import bytes_by_view
 from .._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
-from .._validation import bytes_by_view
 from ._common import BytesByView
 
 

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from ... import _dense
+from ..._arguments import num_threads_arg
 from ..._format import accumulation_dtype
-from ..._validation import num_threads_arg
 from ...checkpoints.gguf import GGUFCheckpoint, is_gguf
 from .experts import KimiK3Experts, clip, situ
 from .gguf import from_gguf

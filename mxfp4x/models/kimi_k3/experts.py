@@ -6,8 +6,10 @@ from typing import List, Optional
 import torch
 
 from ..._api import mxfp4_experts, mxfp4_experts_slots
+from ..._arguments import NumThreads, check_isa
+from ..._coerce import as_tensor, float_tensor, index_tensor
 from ..._format import accumulation_dtype
-from ..._validation import NumThreads, WeakGroup, as_tensor, check_isa, float_tensor, index_tensor
+from ..._weak_group import WeakGroup
 from .._common import _positive, expert_range_of
 from .._expert_state import ExpertMatrix, _ExpertWeights, _matrix_shape, _split, _Stamp, _Weights
 
@@ -55,7 +57,7 @@ class KimiK3Experts(torch.nn.Module):
     checked here.
     """
 
-    group = WeakGroup()  # held weakly: _validation.WeakGroup
+    group = WeakGroup()  # held weakly: _weak_group.WeakGroup
     num_threads = NumThreads()  # checked whenever it is set
 
     def __init__(self, w1, w3, w2, beta: float = 4.0, linear_beta: Optional[float] = 25.0,
