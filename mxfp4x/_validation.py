@@ -5,28 +5,16 @@ what was expected."""
 import numpy as np
 import torch
 
-# mxfp4x/models/ and mxfp4x/nn.py still import these from here; every other module
-# imports them from their homes (_arguments, _coerce, _weak_group)
-from ._arguments import (  # noqa: F401
-    ExpertRange,
-    NumThreads,
-    check_isa,
-    check_range_within,
-    num_threads_arg,
-    parse_expert_range,
-)
-from ._coerce import (  # noqa: F401 (bytes_by_view: re-exported, as above)
+from ._coerce import (
     _UINT64,
     _min_max,
     as_tensor,
     byte_tensor,
-    bytes_by_view,
     check_rank,
     float_tensor,
     index_tensor,
 )
 from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
-from ._weak_group import WeakGroup  # noqa: F401 (re-exported, as above)
 
 
 def check_op_call(x, packed, sel, mix=None, shared=None):
