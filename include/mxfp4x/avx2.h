@@ -85,6 +85,35 @@ MXFP4X_AVX2_INLINE __m256 mxfp4x_fma_group_avx2(const __m256 *w, const float *xg
     return acc;
 }
 
+/* One group decoded into the panel at p (generic/decode.h). */
+MXFP4X_AVX2_INLINE void mxfp4x_decode_store_avx2(const uint8_t *b, uint8_t s,
+                                                 const mxfp4x_avx2_tables *t, float *p) {
+    __m256 wv[4];
+    mxfp4x_decode_group_avx2(b, s, t, wv);
+    _mm256_storeu_ps(p, wv[0]);
+    _mm256_storeu_ps(p + 8, wv[1]);
+    _mm256_storeu_ps(p + 16, wv[2]);
+    _mm256_storeu_ps(p + 24, wv[3]);
+}
+
+/* The microkernel the drivers of generic/ are compiled over (generic/interface.h). */
+#define MXFP4X_MK_NAME(name) name##_avx2
+#define MXFP4X_MK_FN MXFP4X_AVX2_FN
+#define MXFP4X_MK_INLINE MXFP4X_AVX2_INLINE
+#define MXFP4X_MK_VEC __m256
+#define MXFP4X_MK_LANES 8
+#define MXFP4X_MK_LOAD(p) _mm256_loadu_ps(p)
+#define MXFP4X_MK_STORE(p, v) _mm256_storeu_ps((p), (v))
+#define MXFP4X_MK_SET1(f) _mm256_set1_ps(f)
+#define MXFP4X_MK_ADD(a, b) _mm256_add_ps((a), (b))
+#define MXFP4X_MK_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define MXFP4X_MK_FMA1(a, b, c) \
+    _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)))
+#define MXFP4X_MK_TABLES mxfp4x_avx2_tables
+#define MXFP4X_MK_LOAD_TABLES mxfp4x_avx2_load_tables
+#define MXFP4X_MK_DECODE_STORE mxfp4x_decode_store_avx2
+#include "generic/interface.h"
+
 /* Fused decode + dot for one token; four rows at a time so four independent
  * FMA chains hide the latency, each row with the exact single-row sequence. */
 MXFP4X_AVX2_FN void mxfp4x_gemv1_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
@@ -167,51 +196,9 @@ MXFP4X_AVX2_INLINE void mxfp4x_gemv_tokens_avx2(const mxfp4x_rows *w, int64_t ro
     }
 }
 
-MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
-                                         int64_t row_end, const float *x, int64_t x_stride,
-                                         const int64_t *x_rows, int64_t n_tok, float *out,
-                                         int64_t out_stride) {
-    int64_t t;
-    int c;
-    if (n_tok == 1) {
-        mxfp4x_gemv1_f32_avx2(w, row_start, row_end, x + x_rows[0] * x_stride, out);
-        return;
-    }
-    for (t = 0; t < n_tok; t += 4) {
-        const int nt = n_tok - t < 4 ? (int)(n_tok - t) : 4;
-        const float *xs[4];
-        float *o = out + t * out_stride;
-        for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
-        switch (nt) { /* constant token counts: accumulators stay in registers */
-        case 4: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 4, o, out_stride); break;
-        case 3: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 3, o, out_stride); break;
-        case 2: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 2, o, out_stride); break;
-        default: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 1, o, out_stride); break;
-        }
-    }
-}
-
-MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
-                                           int64_t row_end, float *panel) {
-    const mxfp4x_avx2_tables t = mxfp4x_avx2_load_tables();
-    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    int64_t r, g;
-    __m256 wv[4];
-    for (r = row_start; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
-        const uint8_t *s = w->scales + r * w->row_stride_scales;
-        float *p = panel + (r - row_start) * d_in;
-        for (g = 0; g < w->n_groups; g++) {
-            float *pg = p + g * MXFP4X_GROUP;
-            mxfp4x_decode_group_avx2(b + g * gb, s[g * gs], &t, wv);
-            _mm256_storeu_ps(pg, wv[0]);
-            _mm256_storeu_ps(pg + 8, wv[1]);
-            _mm256_storeu_ps(pg + 16, wv[2]);
-            _mm256_storeu_ps(pg + 24, wv[3]);
-        }
-    }
-}
+#define MXFP4X_MK_GEMV_NT 4
+#include "generic/gemv_tokens.h"
+#include "generic/decode.h"
 
 /* ---- panel x tokens: register-blocked micro-kernel over k-chunks ----
  *
@@ -232,19 +219,13 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_sta
 #define MXFP4X_AVX2_MR 3          /* panel rows per register block */
 #define MXFP4X_AVX2_NT 4          /* tokens per register block */
 #define MXFP4X_AVX2_TOKENS 64     /* tokens per super-block (bounds the scratch) */
-/* floats parked per (MR x NT) block: one 8-lane accumulator per (row, token) */
-#define MXFP4X_AVX2_BLOCK_FLOATS (MXFP4X_AVX2_MR * MXFP4X_AVX2_NT * 8)
-MXFP4X_STATIC_ASSERT(MXFP4X_AVX2_TOKENS % MXFP4X_AVX2_NT == 0, "whole token blocks");
 
-/* panel_dot's scratch: the parked accumulators of every block of one super-block. */
-static int64_t mxfp4x_panel_scratch_f32_avx2(int64_t n_rows) {
-    return ((n_rows + MXFP4X_AVX2_MR - 1) / MXFP4X_AVX2_MR) *
-           (MXFP4X_AVX2_TOKENS / MXFP4X_AVX2_NT) * MXFP4X_AVX2_BLOCK_FLOATS;
-}
-
-MXFP4X_AVX2_INLINE void mxfp4x_block_avx2(const float *p0, const float *p1, const float *p2,
-                                          int mr, const float *const *xs, int nt, int64_t k0,
+/* The register block of generic/panel_chunked.h: lanes[(r * NT + c) * 8 + l] is lane l
+ * of (row r, token c)'s accumulator. */
+MXFP4X_AVX2_INLINE void mxfp4x_block_avx2(const float *const *ps, int mr,
+                                          const float *const *xs, int nt, int64_t k0,
                                           int64_t k1, float *lanes) {
+    const float *p0 = ps[0], *p1 = ps[1], *p2 = ps[2];
     __m256 a[3][4];
     int r, c;
     int64_t i;
@@ -270,11 +251,11 @@ MXFP4X_AVX2_INLINE void mxfp4x_block_avx2(const float *p0, const float *p1, cons
 }
 
 /* Specialised by (mr, nt) at compile time through the constant arguments. */
-MXFP4X_AVX2_FN void mxfp4x_block_dispatch_avx2(const float *p0, const float *p1,
-                                               const float *p2, int mr, const float *const *xs,
-                                               int nt, int64_t k0, int64_t k1, float *lanes) {
+MXFP4X_AVX2_FN void mxfp4x_block_dispatch_avx2(const float *const *ps, int mr,
+                                               const float *const *xs, int nt, int64_t k0,
+                                               int64_t k1, float *lanes) {
 #define MXFP4X_AVX2_CASE(M, N)                                                             \
-    case (M) * 8 + (N): mxfp4x_block_avx2(p0, p1, p2, M, xs, N, k0, k1, lanes); break;
+    case (M) * 8 + (N): mxfp4x_block_avx2(ps, M, xs, N, k0, k1, lanes); break;
     switch (mr * 8 + nt) {
         MXFP4X_AVX2_CASE(3, 4) MXFP4X_AVX2_CASE(3, 3) MXFP4X_AVX2_CASE(3, 2)
         MXFP4X_AVX2_CASE(3, 1) MXFP4X_AVX2_CASE(2, 4) MXFP4X_AVX2_CASE(2, 3)
@@ -285,75 +266,17 @@ MXFP4X_AVX2_FN void mxfp4x_block_dispatch_avx2(const float *p0, const float *p1,
 #undef MXFP4X_AVX2_CASE
 }
 
-MXFP4X_AVX2_FN void mxfp4x_panel_dot_f32_avx2(const float *panel, int64_t n_rows,
-                                              int64_t n_groups, const float *x, int64_t x_stride,
-                                              const int64_t *x_rows, int64_t n_tok, float *out,
-                                              int64_t out_stride, float *scratch) {
-    const int64_t d_in = n_groups * MXFP4X_GROUP;
-    int64_t t0, k0, r, t;
-    int c, rr;
-    if (d_in == 0) { /* empty dot products: the k loop below would write nothing */
-        for (t = 0; t < n_tok; t++)
-            for (r = 0; r < n_rows; r++) out[t * out_stride + r] = 0.0f;
-        return;
-    }
-    /* tokens in super-blocks of MXFP4X_AVX2_TOKENS: bounded scratch, L2-sized latents */
-    for (t0 = 0; t0 < n_tok; t0 += MXFP4X_AVX2_TOKENS) {
-        const int64_t t1 = t0 + MXFP4X_AVX2_TOKENS < n_tok ? t0 + MXFP4X_AVX2_TOKENS : n_tok;
-        for (k0 = 0; k0 < d_in; k0 += MXFP4X_AVX2_KC) {
-            const int64_t k1 = k0 + MXFP4X_AVX2_KC < d_in ? k0 + MXFP4X_AVX2_KC : d_in;
-            for (r = 0; r < n_rows; r += MXFP4X_AVX2_MR) {
-                const int mr = n_rows - r < MXFP4X_AVX2_MR ? (int)(n_rows - r) : MXFP4X_AVX2_MR;
-                const float *p0 = panel + r * d_in;
-                const float *p1 = mr > 1 ? p0 + d_in : p0, *p2 = mr > 2 ? p0 + 2 * d_in : p0;
-                for (t = t0; t < t1; t += MXFP4X_AVX2_NT) {
-                    const int nt = t1 - t < MXFP4X_AVX2_NT ? (int)(t1 - t) : MXFP4X_AVX2_NT;
-                    const float *xs[MXFP4X_AVX2_NT];
-                    float *lb = scratch + ((r / MXFP4X_AVX2_MR) * (MXFP4X_AVX2_TOKENS / MXFP4X_AVX2_NT) +
-                                           (t - t0) / MXFP4X_AVX2_NT) * MXFP4X_AVX2_BLOCK_FLOATS;
-                    for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
-                    if (k0 == 0) memset(lb, 0, MXFP4X_AVX2_BLOCK_FLOATS * sizeof(float));
-                    mxfp4x_block_dispatch_avx2(p0, p1, p2, mr, xs, nt, k0, k1, lb);
-                    if (k1 == d_in)
-                        for (rr = 0; rr < mr; rr++)
-                            for (c = 0; c < nt; c++)
-                                out[(t + c) * out_stride + r + rr] =
-                                    mxfp4x_hsum8_avx2(_mm256_loadu_ps(lb + (rr * 4 + c) * 8));
-                }
-            }
-        }
-    }
-}
+#define MXFP4X_MK_PANEL_MR MXFP4X_AVX2_MR
+#define MXFP4X_MK_PANEL_NT MXFP4X_AVX2_NT
+#define MXFP4X_MK_PANEL_TOKENS MXFP4X_AVX2_TOKENS
+#define MXFP4X_MK_PANEL_KC MXFP4X_AVX2_KC
+#define MXFP4X_MK_PANEL_PARK 8 /* one 8-lane accumulator per (row, token) */
+#define MXFP4X_MK_HSUM_PARKED(l) mxfp4x_hsum8_avx2(_mm256_loadu_ps(l))
+#include "generic/panel_chunked.h"
 
-/* dst[j] += sum_r coef[r] * panel[r][j]: 64 columns held in 8 accumulators while the
- * rows stream past; a column tail of width % 8 falls back to scalar FMAs. */
-MXFP4X_AVX2_FN void mxfp4x_axpy_rows_f32_avx2(const float *panel, int64_t n_rows,
-                                              int64_t width, const float *coef, float *dst) {
-    int64_t j = 0, r;
-    int c;
-    for (; j + 64 <= width; j += 64) {
-        __m256 a[8];
-        for (c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(dst + j + 8 * c);
-        for (r = 0; r < n_rows; r++) {
-            const __m256 cf = _mm256_set1_ps(coef[r]);
-            const float *p = panel + r * width + j;
-            for (c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(cf, _mm256_loadu_ps(p + 8 * c), a[c]);
-        }
-        for (c = 0; c < 8; c++) _mm256_storeu_ps(dst + j + 8 * c, a[c]);
-    }
-    for (; j + 8 <= width; j += 8) {
-        __m256 a = _mm256_loadu_ps(dst + j);
-        for (r = 0; r < n_rows; r++)
-            a = _mm256_fmadd_ps(_mm256_set1_ps(coef[r]), _mm256_loadu_ps(panel + r * width + j), a);
-        _mm256_storeu_ps(dst + j, a);
-    }
-    for (; j < width; j++) {
-        __m128 a = _mm_set_ss(dst[j]);
-        for (r = 0; r < n_rows; r++)
-            a = _mm_fmadd_ss(_mm_set_ss(coef[r]), _mm_set_ss(panel[r * width + j]), a);
-        dst[j] = _mm_cvtss_f32(a);
-    }
-}
+/* axpy_rows: 64 columns held in 8 accumulators while the rows stream past. */
+#define MXFP4X_MK_AXPY_VECS 8
+#include "generic/axpy_rows.h"
 
 /* The float64 path's decode (scalar.h states it; the same bits).  Every E2M1 value times
  * a power of two has zero low 32 bits as a double, so per group the high halves of the
@@ -418,20 +341,9 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f64_avx2(const mxfp4x_rows *w, int64_t row_sta
 #include "float64.h"
 
 /* Roofline: 10 independent vfmadd231ps chains (hides the 4-5 cycle latency on two ports). */
-MXFP4X_AVX2_FN float mxfp4x_fma_loop_avx2(int64_t iters, float seed, int64_t *flops) {
-    __m256 a[10];
-    const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
-    int64_t i;
-    int j;
-    float out[8];
-    for (j = 0; j < 10; j++) a[j] = _mm256_set1_ps(seed + (float)j);
-    for (i = 0; i < iters; i++)
-        for (j = 0; j < 10; j++) a[j] = _mm256_fmadd_ps(a[j], m, c);
-    for (j = 1; j < 10; j++) a[0] = _mm256_add_ps(a[0], a[j]);
-    _mm256_storeu_ps(out, a[0]);
-    *flops = iters * 10 * 8 * 2;
-    return out[0];
-}
+#define MXFP4X_MK_FMA_CHAINS 10
+#include "generic/fma_probe.h"
+#include "generic/end.h"
 
 /* ---- dense bf16 rows x float32 tokens (mxfp4x.h, mxfp4x_dense_bf16_fn) ----
  * One 8-lane accumulator per (row, token): lane l sums w[i] x[i] over i = l (mod 8)

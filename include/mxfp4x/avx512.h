@@ -55,6 +55,35 @@ MXFP4X_AVX512_INLINE void mxfp4x_decode_group_avx512(const uint8_t *b, uint8_t s
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), t);
 }
 
+/* One group decoded into the panel at p (generic/decode.h). */
+MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_decode_store_avx512(const uint8_t *b, uint8_t s,
+                                                            const mxfp4x_no_tables *t,
+                                                            float *p) {
+    __m512 lo, hi;
+    (void)t;
+    mxfp4x_decode_group_avx512(b, s, &lo, &hi);
+    _mm512_storeu_ps(p, lo);
+    _mm512_storeu_ps(p + 16, hi);
+}
+
+/* The microkernel the drivers of generic/ are compiled over (generic/interface.h). */
+#define MXFP4X_MK_NAME(name) name##_avx512
+#define MXFP4X_MK_FN MXFP4X_AVX512_FN
+#define MXFP4X_MK_INLINE MXFP4X_AVX512_INLINE_ALWAYS
+#define MXFP4X_MK_VEC __m512
+#define MXFP4X_MK_LANES 16
+#define MXFP4X_MK_LOAD(p) _mm512_loadu_ps(p)
+#define MXFP4X_MK_STORE(p, v) _mm512_storeu_ps((p), (v))
+#define MXFP4X_MK_SET1(f) _mm512_set1_ps(f)
+#define MXFP4X_MK_ADD(a, b) _mm512_add_ps((a), (b))
+#define MXFP4X_MK_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define MXFP4X_MK_FMA1(a, b, c) \
+    _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)))
+#define MXFP4X_MK_TABLES mxfp4x_no_tables
+#define MXFP4X_MK_LOAD_TABLES mxfp4x_no_tables_load
+#define MXFP4X_MK_DECODE_STORE mxfp4x_decode_store_avx512
+#include "generic/interface.h"
+
 /* One group of 4 rows (bytes from b, row stride sb, sb3 = 3 sb; scale bytes from s, ss,
  * ss3) against one token's latents xe, xo: a[i] = fma(hi, xo, fma(lo, xe, a[i])). */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_group4_avx512(const uint8_t *b, const uint8_t *s,
@@ -298,23 +327,7 @@ MXFP4X_AVX512_FN void mxfp4x_gemv_f32_avx512(const mxfp4x_rows *w, int64_t row_s
     }
 }
 
-MXFP4X_AVX512_FN void mxfp4x_decode_f32_avx512(const mxfp4x_rows *w, int64_t row_start,
-                                               int64_t row_end, float *panel) {
-    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    int64_t r, g;
-    __m512 lo, hi;
-    for (r = row_start; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
-        const uint8_t *s = w->scales + r * w->row_stride_scales;
-        float *p = panel + (r - row_start) * d_in;
-        for (g = 0; g < w->n_groups; g++) {
-            mxfp4x_decode_group_avx512(b + g * gb, s[g * gs], &lo, &hi);
-            _mm512_storeu_ps(p + g * MXFP4X_GROUP, lo);
-            _mm512_storeu_ps(p + g * MXFP4X_GROUP + 16, hi);
-        }
-    }
-}
+#include "generic/decode.h"
 
 /* ---- panel x tokens: a register block of MR = 4 rows x NT = 6 tokens ----
  *
@@ -405,8 +418,6 @@ MXFP4X_AVX512_FN void mxfp4x_panel_dot_f32_avx512(const float *panel, int64_t n_
     }
 }
 
-/* dst[j] += sum_r coef[r] * panel[r][j]: 128 columns in 8 accumulators; tails of
- * 16 then 1 column (scalar FMAs). */
 /* The float64 path's decode (scalar.h states it; the same bits): per group the 16 E2M1
  * values times the scale in two zmm of doubles, then vpermt2pd on the zero-extended bytes
  * (it reads index bits 3..0: bit 3 picks the negative half) for the low nibbles and, shifted
@@ -450,51 +461,15 @@ MXFP4X_AVX512_FN void mxfp4x_decode_f64_avx512(const mxfp4x_rows *w, int64_t row
 #define MXFP4X_F64_NOINLINE MXFP4X_AVX512_NOINLINE
 #include "float64.h"
 
-MXFP4X_AVX512_FN void mxfp4x_axpy_rows_f32_avx512(const float *panel, int64_t n_rows,
-                                                  int64_t width, const float *coef,
-                                                  float *dst) {
-    int64_t j = 0, r;
-    int c;
-    for (; j + 128 <= width; j += 128) {
-        __m512 a[8];
-        for (c = 0; c < 8; c++) a[c] = _mm512_loadu_ps(dst + j + 16 * c);
-        for (r = 0; r < n_rows; r++) {
-            const __m512 cf = _mm512_set1_ps(coef[r]);
-            const float *p = panel + r * width + j;
-            for (c = 0; c < 8; c++) a[c] = _mm512_fmadd_ps(cf, _mm512_loadu_ps(p + 16 * c), a[c]);
-        }
-        for (c = 0; c < 8; c++) _mm512_storeu_ps(dst + j + 16 * c, a[c]);
-    }
-    for (; j + 16 <= width; j += 16) {
-        __m512 a = _mm512_loadu_ps(dst + j);
-        for (r = 0; r < n_rows; r++)
-            a = _mm512_fmadd_ps(_mm512_set1_ps(coef[r]), _mm512_loadu_ps(panel + r * width + j),
-                                a);
-        _mm512_storeu_ps(dst + j, a);
-    }
-    for (; j < width; j++) {
-        __m128 a = _mm_set_ss(dst[j]);
-        for (r = 0; r < n_rows; r++)
-            a = _mm_fmadd_ss(_mm_set_ss(coef[r]), _mm_set_ss(panel[r * width + j]), a);
-        dst[j] = _mm_cvtss_f32(a);
-    }
-}
+/* axpy_rows, dst[j] += sum_r coef[r] * panel[r][j]: 128 columns in 8 accumulators; tails of
+ * 16 then 1 column (scalar FMAs). */
+#define MXFP4X_MK_AXPY_VECS 8
+#include "generic/axpy_rows.h"
 
 /* Roofline: 12 independent zmm FMA chains. */
-MXFP4X_AVX512_FN float mxfp4x_fma_loop_avx512(int64_t iters, float seed, int64_t *flops) {
-    __m512 a[12];
-    const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
-    int64_t i;
-    int j;
-    float out[16];
-    for (j = 0; j < 12; j++) a[j] = _mm512_set1_ps(seed + (float)j);
-    for (i = 0; i < iters; i++)
-        for (j = 0; j < 12; j++) a[j] = _mm512_fmadd_ps(a[j], m, c);
-    for (j = 1; j < 12; j++) a[0] = _mm512_add_ps(a[0], a[j]);
-    _mm512_storeu_ps(out, a[0]);
-    *flops = iters * 12 * 16 * 2;
-    return out[0];
-}
+#define MXFP4X_MK_FMA_CHAINS 12
+#include "generic/fma_probe.h"
+#include "generic/end.h"
 
 /* ---- dense bf16 rows x float32 or bf16 tokens (mxfp4x.h, mxfp4x_dense_bf16_fn) ----
  *

@@ -105,6 +105,17 @@ def test_every_intrinsic_of_avx512_h_is_checked():
         "(tests/platform/test_emulation.py) or shim it in include/mxfp4x/emulate_avx512.h")
 
 
+def test_the_generic_drivers_hold_no_intrinsic():
+    """include/mxfp4x/generic/ is compiled inside each ISA header over that header's
+    macros: an intrinsic written there would escape the check above (and run unchecked
+    under SIMDe), so every instruction stays in the ISA's own header."""
+    generic = sorted((HEADERS / "mxfp4x" / "generic").glob("*.h"))
+    assert generic, "include/mxfp4x/generic/ holds the drivers"
+    for path in generic:
+        found = re.findall(r"\b_mm(?:256|512)?_\w+|\bv\w+q_[a-z]\w*", _code(path))
+        assert not found, f"{path.name} calls {sorted(set(found))}: move them into the ISA's macros"
+
+
 # ---- the C-level checker, native and emulated ---------------------------------------
 
 def _simde_flags():
