@@ -196,8 +196,33 @@ MXFP4X_AVX2_INLINE void mxfp4x_gemv_tokens_avx2(const mxfp4x_rows *w, int64_t ro
     }
 }
 
-#define MXFP4X_MK_GEMV_NT 4
-#include "generic/gemv_tokens.h"
+/* Not generic/gemv_tokens.h: here a lone token of several runs gemv_tokens, and the
+ * one-token call gemv1 outside the switch; the generic switch compiled to more
+ * instructions per token at 2 to 5 tokens (docs/performance.md, "Generic drivers"). */
+MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
+                                         int64_t row_end, const float *x, int64_t x_stride,
+                                         const int64_t *x_rows, int64_t n_tok, float *out,
+                                         int64_t out_stride) {
+    int64_t t;
+    int c;
+    if (n_tok == 1) {
+        mxfp4x_gemv1_f32_avx2(w, row_start, row_end, x + x_rows[0] * x_stride, out);
+        return;
+    }
+    for (t = 0; t < n_tok; t += 4) {
+        const int nt = n_tok - t < 4 ? (int)(n_tok - t) : 4;
+        const float *xs[4];
+        float *o = out + t * out_stride;
+        for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
+        switch (nt) { /* constant token counts: accumulators stay in registers */
+        case 4: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 4, o, out_stride); break;
+        case 3: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 3, o, out_stride); break;
+        case 2: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 2, o, out_stride); break;
+        default: mxfp4x_gemv_tokens_avx2(w, row_start, row_end, xs, 1, o, out_stride); break;
+        }
+    }
+}
+
 #include "generic/decode.h"
 
 /* ---- panel x tokens: register-blocked micro-kernel over k-chunks ----
