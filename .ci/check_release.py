@@ -34,7 +34,8 @@ def main():
                 "mxfp4x/_cpu.pxd", "mxfp4x/_probes.pyx", "mxfp4x/_capi.pxd",
                 "include/mxfp4x/dispatch.h", "include/mxfp4x/avx2.h",
                 "include/mxfp4x/avx512.h", "include/mxfp4x/scalar.h", "include/mxfp4x/cpu.h",
-                "include/mxfp4x/neon.h", "include/mxfp4x/threads.h", "include/mxfp4x/amx.h"}
+                "include/mxfp4x/neon.h", "include/mxfp4x/threads.h", "include/mxfp4x/amx.h",
+                "include/mxfp4x/generic/decode.h", "include/mxfp4x/dense/avx512.h"}
         missing = need - names
         if missing:
             sys.exit(f"sdist lacks {sorted(missing)}")

@@ -86,17 +86,9 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* One group of one row: 16 bytes -> 32 bf16 words (word 2k: low nibble of byte k, word
- * 2k + 1: its high nibble) of the scaled table of scale byte s, stored at dst. */
+/* One group of one row (bf16_unit.h's decode) stored at dst. */
 MXFP4X_AMX_INLINE void mxfp4x_amx_decode_group(const uint8_t *b, uint8_t s, uint16_t *dst) {
-    const __m512i t = _mm512_castsi256_si512(
-        _mm256_load_si256((const __m256i *)mxfp4x_e2m1_scaled_bf16[s]));
-    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    /* (d | d << 12) & 0x000F000F: the low nibble in word 0, the high nibble in word 1 */
-    const __m512i idx =
-        _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000F000F),
-                                  0xA8);
-    _mm512_storeu_si512((void *)dst, _mm512_permutexvar_epi16(idx, t));
+    _mm512_storeu_si512((void *)dst, mxfp4x_bf16_decode_group(b, s));
 }
 
 /* The exact path of one (row, token): float64 products and sums over the natural element

@@ -85,6 +85,35 @@ MXFP4X_AVX2_INLINE __m256 mxfp4x_fma_group_avx2(const __m256 *w, const float *xg
     return acc;
 }
 
+/* One group decoded into the panel at p (generic/decode.h). */
+MXFP4X_AVX2_INLINE void mxfp4x_decode_store_avx2(const uint8_t *b, uint8_t s,
+                                                 const mxfp4x_avx2_tables *t, float *p) {
+    __m256 wv[4];
+    mxfp4x_decode_group_avx2(b, s, t, wv);
+    _mm256_storeu_ps(p, wv[0]);
+    _mm256_storeu_ps(p + 8, wv[1]);
+    _mm256_storeu_ps(p + 16, wv[2]);
+    _mm256_storeu_ps(p + 24, wv[3]);
+}
+
+/* The microkernel the drivers of generic/ are compiled over (generic/interface.h). */
+#define MXFP4X_MK_NAME(name) name##_avx2
+#define MXFP4X_MK_FN MXFP4X_AVX2_FN
+#define MXFP4X_MK_INLINE MXFP4X_AVX2_INLINE
+#define MXFP4X_MK_VEC __m256
+#define MXFP4X_MK_LANES 8
+#define MXFP4X_MK_LOAD(p) _mm256_loadu_ps(p)
+#define MXFP4X_MK_STORE(p, v) _mm256_storeu_ps((p), (v))
+#define MXFP4X_MK_SET1(f) _mm256_set1_ps(f)
+#define MXFP4X_MK_ADD(a, b) _mm256_add_ps((a), (b))
+#define MXFP4X_MK_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define MXFP4X_MK_FMA1(a, b, c) \
+    _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)))
+#define MXFP4X_MK_TABLES mxfp4x_avx2_tables
+#define MXFP4X_MK_LOAD_TABLES mxfp4x_avx2_load_tables
+#define MXFP4X_MK_DECODE_STORE mxfp4x_decode_store_avx2
+#include "generic/interface.h"
+
 /* Fused decode + dot for one token; four rows at a time so four independent
  * FMA chains hide the latency, each row with the exact single-row sequence. */
 MXFP4X_AVX2_FN void mxfp4x_gemv1_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
@@ -167,6 +196,9 @@ MXFP4X_AVX2_INLINE void mxfp4x_gemv_tokens_avx2(const mxfp4x_rows *w, int64_t ro
     }
 }
 
+/* Not generic/gemv_tokens.h: here a lone token of several runs gemv_tokens, and the
+ * one-token call gemv1 outside the switch; the generic switch compiled to more
+ * instructions per token at 2 to 5 tokens (docs/performance.md, "Generic drivers"). */
 MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
                                          int64_t row_end, const float *x, int64_t x_stride,
                                          const int64_t *x_rows, int64_t n_tok, float *out,
@@ -191,27 +223,7 @@ MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start
     }
 }
 
-MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
-                                           int64_t row_end, float *panel) {
-    const mxfp4x_avx2_tables t = mxfp4x_avx2_load_tables();
-    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    int64_t r, g;
-    __m256 wv[4];
-    for (r = row_start; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
-        const uint8_t *s = w->scales + r * w->row_stride_scales;
-        float *p = panel + (r - row_start) * d_in;
-        for (g = 0; g < w->n_groups; g++) {
-            float *pg = p + g * MXFP4X_GROUP;
-            mxfp4x_decode_group_avx2(b + g * gb, s[g * gs], &t, wv);
-            _mm256_storeu_ps(pg, wv[0]);
-            _mm256_storeu_ps(pg + 8, wv[1]);
-            _mm256_storeu_ps(pg + 16, wv[2]);
-            _mm256_storeu_ps(pg + 24, wv[3]);
-        }
-    }
-}
+#include "generic/decode.h"
 
 /* ---- panel x tokens: register-blocked micro-kernel over k-chunks ----
  *
@@ -232,19 +244,13 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f32_avx2(const mxfp4x_rows *w, int64_t row_sta
 #define MXFP4X_AVX2_MR 3          /* panel rows per register block */
 #define MXFP4X_AVX2_NT 4          /* tokens per register block */
 #define MXFP4X_AVX2_TOKENS 64     /* tokens per super-block (bounds the scratch) */
-/* floats parked per (MR x NT) block: one 8-lane accumulator per (row, token) */
-#define MXFP4X_AVX2_BLOCK_FLOATS (MXFP4X_AVX2_MR * MXFP4X_AVX2_NT * 8)
-MXFP4X_STATIC_ASSERT(MXFP4X_AVX2_TOKENS % MXFP4X_AVX2_NT == 0, "whole token blocks");
 
-/* panel_dot's scratch: the parked accumulators of every block of one super-block. */
-static int64_t mxfp4x_panel_scratch_f32_avx2(int64_t n_rows) {
-    return ((n_rows + MXFP4X_AVX2_MR - 1) / MXFP4X_AVX2_MR) *
-           (MXFP4X_AVX2_TOKENS / MXFP4X_AVX2_NT) * MXFP4X_AVX2_BLOCK_FLOATS;
-}
-
-MXFP4X_AVX2_INLINE void mxfp4x_block_avx2(const float *p0, const float *p1, const float *p2,
-                                          int mr, const float *const *xs, int nt, int64_t k0,
+/* The register block of generic/panel_chunked.h: lanes[(r * NT + c) * 8 + l] is lane l
+ * of (row r, token c)'s accumulator. */
+MXFP4X_AVX2_INLINE void mxfp4x_block_avx2(const float *const *ps, int mr,
+                                          const float *const *xs, int nt, int64_t k0,
                                           int64_t k1, float *lanes) {
+    const float *p0 = ps[0], *p1 = ps[1], *p2 = ps[2];
     __m256 a[3][4];
     int r, c;
     int64_t i;
@@ -270,11 +276,11 @@ MXFP4X_AVX2_INLINE void mxfp4x_block_avx2(const float *p0, const float *p1, cons
 }
 
 /* Specialised by (mr, nt) at compile time through the constant arguments. */
-MXFP4X_AVX2_FN void mxfp4x_block_dispatch_avx2(const float *p0, const float *p1,
-                                               const float *p2, int mr, const float *const *xs,
-                                               int nt, int64_t k0, int64_t k1, float *lanes) {
+MXFP4X_AVX2_FN void mxfp4x_block_dispatch_avx2(const float *const *ps, int mr,
+                                               const float *const *xs, int nt, int64_t k0,
+                                               int64_t k1, float *lanes) {
 #define MXFP4X_AVX2_CASE(M, N)                                                             \
-    case (M) * 8 + (N): mxfp4x_block_avx2(p0, p1, p2, M, xs, N, k0, k1, lanes); break;
+    case (M) * 8 + (N): mxfp4x_block_avx2(ps, M, xs, N, k0, k1, lanes); break;
     switch (mr * 8 + nt) {
         MXFP4X_AVX2_CASE(3, 4) MXFP4X_AVX2_CASE(3, 3) MXFP4X_AVX2_CASE(3, 2)
         MXFP4X_AVX2_CASE(3, 1) MXFP4X_AVX2_CASE(2, 4) MXFP4X_AVX2_CASE(2, 3)
@@ -285,75 +291,17 @@ MXFP4X_AVX2_FN void mxfp4x_block_dispatch_avx2(const float *p0, const float *p1,
 #undef MXFP4X_AVX2_CASE
 }
 
-MXFP4X_AVX2_FN void mxfp4x_panel_dot_f32_avx2(const float *panel, int64_t n_rows,
-                                              int64_t n_groups, const float *x, int64_t x_stride,
-                                              const int64_t *x_rows, int64_t n_tok, float *out,
-                                              int64_t out_stride, float *scratch) {
-    const int64_t d_in = n_groups * MXFP4X_GROUP;
-    int64_t t0, k0, r, t;
-    int c, rr;
-    if (d_in == 0) { /* empty dot products: the k loop below would write nothing */
-        for (t = 0; t < n_tok; t++)
-            for (r = 0; r < n_rows; r++) out[t * out_stride + r] = 0.0f;
-        return;
-    }
-    /* tokens in super-blocks of MXFP4X_AVX2_TOKENS: bounded scratch, L2-sized latents */
-    for (t0 = 0; t0 < n_tok; t0 += MXFP4X_AVX2_TOKENS) {
-        const int64_t t1 = t0 + MXFP4X_AVX2_TOKENS < n_tok ? t0 + MXFP4X_AVX2_TOKENS : n_tok;
-        for (k0 = 0; k0 < d_in; k0 += MXFP4X_AVX2_KC) {
-            const int64_t k1 = k0 + MXFP4X_AVX2_KC < d_in ? k0 + MXFP4X_AVX2_KC : d_in;
-            for (r = 0; r < n_rows; r += MXFP4X_AVX2_MR) {
-                const int mr = n_rows - r < MXFP4X_AVX2_MR ? (int)(n_rows - r) : MXFP4X_AVX2_MR;
-                const float *p0 = panel + r * d_in;
-                const float *p1 = mr > 1 ? p0 + d_in : p0, *p2 = mr > 2 ? p0 + 2 * d_in : p0;
-                for (t = t0; t < t1; t += MXFP4X_AVX2_NT) {
-                    const int nt = t1 - t < MXFP4X_AVX2_NT ? (int)(t1 - t) : MXFP4X_AVX2_NT;
-                    const float *xs[MXFP4X_AVX2_NT];
-                    float *lb = scratch + ((r / MXFP4X_AVX2_MR) * (MXFP4X_AVX2_TOKENS / MXFP4X_AVX2_NT) +
-                                           (t - t0) / MXFP4X_AVX2_NT) * MXFP4X_AVX2_BLOCK_FLOATS;
-                    for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
-                    if (k0 == 0) memset(lb, 0, MXFP4X_AVX2_BLOCK_FLOATS * sizeof(float));
-                    mxfp4x_block_dispatch_avx2(p0, p1, p2, mr, xs, nt, k0, k1, lb);
-                    if (k1 == d_in)
-                        for (rr = 0; rr < mr; rr++)
-                            for (c = 0; c < nt; c++)
-                                out[(t + c) * out_stride + r + rr] =
-                                    mxfp4x_hsum8_avx2(_mm256_loadu_ps(lb + (rr * 4 + c) * 8));
-                }
-            }
-        }
-    }
-}
+#define MXFP4X_MK_PANEL_MR MXFP4X_AVX2_MR
+#define MXFP4X_MK_PANEL_NT MXFP4X_AVX2_NT
+#define MXFP4X_MK_PANEL_TOKENS MXFP4X_AVX2_TOKENS
+#define MXFP4X_MK_PANEL_KC MXFP4X_AVX2_KC
+#define MXFP4X_MK_PANEL_PARK 8 /* one 8-lane accumulator per (row, token) */
+#define MXFP4X_MK_HSUM_PARKED(l) mxfp4x_hsum8_avx2(_mm256_loadu_ps(l))
+#include "generic/panel_chunked.h"
 
-/* dst[j] += sum_r coef[r] * panel[r][j]: 64 columns held in 8 accumulators while the
- * rows stream past; a column tail of width % 8 falls back to scalar FMAs. */
-MXFP4X_AVX2_FN void mxfp4x_axpy_rows_f32_avx2(const float *panel, int64_t n_rows,
-                                              int64_t width, const float *coef, float *dst) {
-    int64_t j = 0, r;
-    int c;
-    for (; j + 64 <= width; j += 64) {
-        __m256 a[8];
-        for (c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(dst + j + 8 * c);
-        for (r = 0; r < n_rows; r++) {
-            const __m256 cf = _mm256_set1_ps(coef[r]);
-            const float *p = panel + r * width + j;
-            for (c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(cf, _mm256_loadu_ps(p + 8 * c), a[c]);
-        }
-        for (c = 0; c < 8; c++) _mm256_storeu_ps(dst + j + 8 * c, a[c]);
-    }
-    for (; j + 8 <= width; j += 8) {
-        __m256 a = _mm256_loadu_ps(dst + j);
-        for (r = 0; r < n_rows; r++)
-            a = _mm256_fmadd_ps(_mm256_set1_ps(coef[r]), _mm256_loadu_ps(panel + r * width + j), a);
-        _mm256_storeu_ps(dst + j, a);
-    }
-    for (; j < width; j++) {
-        __m128 a = _mm_set_ss(dst[j]);
-        for (r = 0; r < n_rows; r++)
-            a = _mm_fmadd_ss(_mm_set_ss(coef[r]), _mm_set_ss(panel[r * width + j]), a);
-        dst[j] = _mm_cvtss_f32(a);
-    }
-}
+/* axpy_rows: 64 columns held in 8 accumulators while the rows stream past. */
+#define MXFP4X_MK_AXPY_VECS 8
+#include "generic/axpy_rows.h"
 
 /* The float64 path's decode (scalar.h states it; the same bits).  Every E2M1 value times
  * a power of two has zero low 32 bits as a double, so per group the high halves of the
@@ -418,118 +366,11 @@ MXFP4X_AVX2_FN void mxfp4x_decode_f64_avx2(const mxfp4x_rows *w, int64_t row_sta
 #include "float64.h"
 
 /* Roofline: 10 independent vfmadd231ps chains (hides the 4-5 cycle latency on two ports). */
-MXFP4X_AVX2_FN float mxfp4x_fma_loop_avx2(int64_t iters, float seed, int64_t *flops) {
-    __m256 a[10];
-    const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
-    int64_t i;
-    int j;
-    float out[8];
-    for (j = 0; j < 10; j++) a[j] = _mm256_set1_ps(seed + (float)j);
-    for (i = 0; i < iters; i++)
-        for (j = 0; j < 10; j++) a[j] = _mm256_fmadd_ps(a[j], m, c);
-    for (j = 1; j < 10; j++) a[0] = _mm256_add_ps(a[0], a[j]);
-    _mm256_storeu_ps(out, a[0]);
-    *flops = iters * 10 * 8 * 2;
-    return out[0];
-}
+#define MXFP4X_MK_FMA_CHAINS 10
+#include "generic/fma_probe.h"
+#include "generic/end.h"
 
-/* ---- dense bf16 rows x float32 tokens (mxfp4x.h, mxfp4x_dense_bf16_fn) ----
- * One 8-lane accumulator per (row, token): lane l sums w[i] x[i] over i = l (mod 8)
- * ascending, with FMA (bf16 widened exactly: vpmovzxwd + a 16-bit shift); the last
- * d_in % 8 elements through zero-filled copies; lanes reduced by mxfp4x_hsum8_avx2.
- * Blocks of up to 4 rows x 4 tokens (8 rows at one token), as avx512.h's. */
-MXFP4X_AVX2_INLINE __m256 mxfp4x_bf16x8_avx2(const uint16_t *p) {
-    return _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-MXFP4X_AVX2_INLINE void mxfp4x_dense_block_avx2(const uint16_t *w, int64_t rs, int64_t d_in,
-                                                const float *x, int64_t xs, int mr, int nt,
-                                                float *out, int64_t os) {
-    __m256 a[8][4], xv[4], wv; /* up to 8 rows x 1 token or 4 x 4 */
-    const int64_t body = d_in & ~(int64_t)7;
-    int64_t k;
-    const int64_t wrap = MXFP4X_DENSE_WRAP(mr, rs, d_in);
-    int i, c;
-    for (i = 0; i < mr; i++)
-        for (c = 0; c < nt; c++) a[i][c] = _mm256_setzero_ps();
-    for (k = 0; k < body; k += 8) {
-        if (!(k & 31)) { /* one line per row, MXFP4X_DENSE_PREFETCH bytes ahead (config.h) */
-            const int64_t ahead = MXFP4X_DENSE_AHEAD(k, MXFP4X_DENSE_PREFETCH, d_in, wrap);
-            for (i = 0; i < mr; i++)
-                MXFP4X_PREFETCH_L2((const char *)(w + i * rs + k) + ahead);
-        }
-        for (c = 0; c < nt; c++) xv[c] = _mm256_loadu_ps(x + c * xs + k);
-        for (i = 0; i < mr; i++) {
-            wv = mxfp4x_bf16x8_avx2(w + i * rs + k);
-            for (c = 0; c < nt; c++) a[i][c] = _mm256_fmadd_ps(wv, xv[c], a[i][c]);
-        }
-    }
-    if (body < d_in) {
-        const int n = (int)(d_in - body);
-        uint16_t wt[8];
-        float xt[8];
-        for (c = 0; c < nt; c++) {
-            memset(xt, 0, sizeof xt);
-            memcpy(xt, x + c * xs + body, (size_t)n * sizeof(float));
-            xv[c] = _mm256_loadu_ps(xt);
-        }
-        for (i = 0; i < mr; i++) {
-            memset(wt, 0, sizeof wt);
-            memcpy(wt, w + i * rs + body, (size_t)n * sizeof(uint16_t));
-            wv = mxfp4x_bf16x8_avx2(wt);
-            for (c = 0; c < nt; c++) a[i][c] = _mm256_fmadd_ps(wv, xv[c], a[i][c]);
-        }
-    }
-    for (i = 0; i < mr; i++)
-        for (c = 0; c < nt; c++) out[c * os + i] = mxfp4x_hsum8_avx2(a[i][c]);
-}
-
-#define MXFP4X_AVX2_DENSE_CASE(M, N)                                                       \
-    case (M) * 8 + (N):                                                                    \
-        mxfp4x_dense_block_avx2(w + r * row_stride, row_stride, d_in, xt, x_stride, M, N, o, \
-                                out_stride);                                               \
-        break;
-#define MXFP4X_AVX2_DENSE_ROW(M)                                                           \
-    MXFP4X_AVX2_DENSE_CASE(M, 1) MXFP4X_AVX2_DENSE_CASE(M, 2)                              \
-    MXFP4X_AVX2_DENSE_CASE(M, 3) MXFP4X_AVX2_DENSE_CASE(M, 4)
-
-MXFP4X_AVX2_FN void mxfp4x_dense_bf16_avx2(const uint16_t *w, int64_t row_stride,
-                                           int64_t row_start, int64_t row_end, int64_t d_in,
-                                           const float *x, int64_t x_stride, int64_t n_tok,
-                                           float *out, int64_t out_stride) {
-    int64_t t, r;
-    for (t = 0; t < n_tok; t += 4) {
-        const int nt = n_tok - t < 4 ? (int)(n_tok - t) : 4;
-        const float *xt = x + t * x_stride;
-        if (nt == 1) { /* one token: blocks of up to 8 rows, eight row streams in flight
-                          * (the same chain per row, so the same bits as blocks of 4) */
-            for (r = row_start; r < row_end; r += 8) {
-                const int mr = row_end - r < 8 ? (int)(row_end - r) : 8;
-                float *o = out + t * out_stride + (r - row_start);
-                switch (mr * 8 + 1) {
-                    MXFP4X_AVX2_DENSE_CASE(8, 1) MXFP4X_AVX2_DENSE_CASE(7, 1)
-                    MXFP4X_AVX2_DENSE_CASE(6, 1) MXFP4X_AVX2_DENSE_CASE(5, 1)
-                    MXFP4X_AVX2_DENSE_CASE(4, 1) MXFP4X_AVX2_DENSE_CASE(3, 1)
-                    MXFP4X_AVX2_DENSE_CASE(2, 1) MXFP4X_AVX2_DENSE_CASE(1, 1)
-                default: break;
-                }
-            }
-            continue;
-        }
-        for (r = row_start; r < row_end; r += 4) {
-            const int mr = row_end - r < 4 ? (int)(row_end - r) : 4;
-            float *o = out + t * out_stride + (r - row_start);
-            switch (mr * 8 + nt) {
-                MXFP4X_AVX2_DENSE_ROW(4)
-                MXFP4X_AVX2_DENSE_ROW(3)
-                MXFP4X_AVX2_DENSE_ROW(2)
-                MXFP4X_AVX2_DENSE_ROW(1)
-            default: break;
-            }
-        }
-    }
-}
+#include "dense/avx2.h"
 
 #endif /* MXFP4X_HAVE_X86_SIMD */
 #endif /* MXFP4X_AVX2_H */

@@ -94,19 +94,6 @@ static int mxfp4x_bf16dp_gemv_max_tokens(void) {
 MXFP4X_STATIC_ASSERT(MXFP4X_BF16DP_TILE_ROWS % MXFP4X_BF16DP_MR == 0,
                      "avx512bf16: tasks of whole row blocks");
 
-/* Group g's 16 bytes -> 32 bf16 words of the scaled table of scale byte s (word 2k: low
- * nibble of byte k, word 2k + 1: its high nibble). */
-MXFP4X_BF16DP_INLINE __m512i mxfp4x_bf16dp_decode(const uint8_t *b, uint8_t s) {
-    const __m512i t = _mm512_castsi256_si512(
-        _mm256_load_si256((const __m256i *)mxfp4x_e2m1_scaled_bf16[s]));
-    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    /* (d | d << 12) & 0x000F000F: the low nibble in word 0, the high nibble in word 1 */
-    const __m512i idx =
-        _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000F000F),
-                                  0xA8);
-    return _mm512_permutexvar_epi16(idx, t);
-}
-
 /* The pairs arrangement (gpt-oss rows: 16-byte groups back to back) takes its groups two
  * at a time: groups g, g + 1 (32 bytes) widened to 32 words by one vpmovzxbw, word j =
  * byte j % 16 of group g + j / 16, and looked up twice in the two groups' scaled tables
@@ -229,7 +216,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_f32_block(const mxfp4x_rows *w, int64_t 
     for (; g < G; g++) { /* one group per chunk */
         MXFP4X_PF_STEP(pf, g);
         for (i = 0; i < mr; i++) {
-            const __m512i v = mxfp4x_bf16dp_decode(w->blocks + (r + i) * sb + g * gb,
+            const __m512i v = mxfp4x_bf16_decode_group(w->blocks + (r + i) * sb + g * gb,
                                                    w->scales[(r + i) * ss + g * gs]);
             we[i] = MXFP4X_BF16DP_F32_EVEN(v);
             wo[i] = MXFP4X_BF16DP_F32_ODD(v);
@@ -396,7 +383,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_gemv_block(const mxfp4x_rows *w, int64_t
         for (t = 0; t < nt; t++)
             x[t] = (__m512bh)_mm512_loadu_si512((const void *)(xs[t] + g * MXFP4X_GROUP));
         for (i = 0; i < mr; i++) {
-            const __m512bh wv = (__m512bh)mxfp4x_bf16dp_decode(b[i] + g * gb, sc[i][g * gs]);
+            const __m512bh wv = (__m512bh)mxfp4x_bf16_decode_group(b[i] + g * gb, sc[i][g * gs]);
             for (t = 0; t < nt; t++) a[i][t] = _mm512_dpbf16_ps(a[i][t], wv, x[t]);
         }
     }
@@ -451,7 +438,7 @@ MXFP4X_BF16DP_INLINE void mxfp4x_bf16dp_decode_rows(const mxfp4x_rows *w, int64_
             }
         for (; g < G; g++)
             _mm512_store_si512((void *)(d + g * MXFP4X_GROUP),
-                               mxfp4x_bf16dp_decode(b + g * gb, s[g * gs]));
+                               mxfp4x_bf16_decode_group(b + g * gb, s[g * gs]));
     }
 }
 

@@ -13,6 +13,19 @@
 #define MXFP4X_BF16_UNIT_INLINE \
     static inline MXFP4X_TARGET("avx512f,avx512bw,avx2") MXFP4X_ALWAYS_INLINE
 
+/* One group of one row, as both units take it: 16 bytes -> 32 bf16 words of the scaled
+ * table of scale byte s (word 2k: the low nibble of byte k, word 2k + 1: its high nibble). */
+MXFP4X_BF16_UNIT_INLINE __m512i mxfp4x_bf16_decode_group(const uint8_t *b, uint8_t s) {
+    const __m512i t = _mm512_castsi256_si512(
+        _mm256_load_si256((const __m256i *)mxfp4x_e2m1_scaled_bf16[s]));
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    /* (d | d << 12) & 0x000F000F: the low nibble in word 0, the high nibble in word 1 */
+    const __m512i idx =
+        _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000F000F),
+                                  0xA8);
+    return _mm512_permutexvar_epi16(idx, t);
+}
+
 /* Row r's flags (mxfp4x.h's MXFP4X_BF16_SMALL / _LARGE): MXFP4X_BF16_LARGE for a scale
  * byte >= MXFP4X_AMX_MAX_SCALE (255, NaN, included), else MXFP4X_BF16_SMALL for a group
  * with a nonzero magnitude code under a scale byte < MXFP4X_AMX_MIN_SCALE (its weights

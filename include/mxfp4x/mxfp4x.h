@@ -125,6 +125,16 @@ MXFP4X_INLINE float mxfp4x_e8m0_f32(uint8_t s) { return mxfp4x_e8m0_table.f[s]; 
 /* float64 twin: every E8M0 value is a normal binary64 number (or NaN). */
 MXFP4X_INLINE double mxfp4x_e8m0_f64(uint8_t s) { return (double)mxfp4x_e8m0_table.f[s]; }
 
+/* The decode constants of an entry whose decode needs none (generic/interface.h). */
+typedef struct {
+    char unused;
+} mxfp4x_no_tables;
+
+MXFP4X_INLINE mxfp4x_no_tables mxfp4x_no_tables_load(void) {
+    mxfp4x_no_tables t = {0};
+    return t;
+}
+
 /* The E2M1 table times every E8M0 scale, as float32 bits: mxfp4x_e2m1_scaled.u[s][c] is
  * the bits of e2m1[c] * 2^(s - 127) rounded to float32 once, i.e. exactly what one
  * float32 multiply of the two gives (the kernels' "table times scale"): exact while the

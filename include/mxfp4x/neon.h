@@ -106,6 +106,41 @@ MXFP4X_NEON_INLINE void mxfp4x_neon_zero4(float32x4_t *a) {
     a[0] = a[1] = a[2] = a[3] = vdupq_n_f32(0.0f);
 }
 
+/* One group decoded into the panel at p (generic/decode.h). */
+MXFP4X_NEON_INLINE void mxfp4x_decode_store_neon(const uint8_t *b, uint8_t s,
+                                                 const mxfp4x_neon_tables *t, float *p) {
+    float32x4_t wv[8];
+    int k;
+    mxfp4x_decode_group_neon(b, s, t, wv);
+    for (k = 0; k < 8; k++) vst1q_f32(p + 4 * k, wv[k]);
+}
+
+/* A (row, token)'s four parked accumulators, reduced by the tree (generic/panel_chunked.h). */
+MXFP4X_NEON_INLINE float mxfp4x_neon_hsum_parked(const float *l) {
+    float32x4_t a[4];
+    int j;
+    for (j = 0; j < 4; j++) a[j] = vld1q_f32(l + 4 * j);
+    return mxfp4x_neon_hsum(a);
+}
+
+/* The microkernel the drivers of generic/ are compiled over (generic/interface.h). */
+#define MXFP4X_MK_NAME(name) name##_neon
+#define MXFP4X_MK_FN MXFP4X_NEON_FN
+#define MXFP4X_MK_INLINE MXFP4X_NEON_INLINE
+#define MXFP4X_MK_VEC float32x4_t
+#define MXFP4X_MK_LANES 4
+#define MXFP4X_MK_LOAD(p) vld1q_f32(p)
+#define MXFP4X_MK_STORE(p, v) vst1q_f32((p), (v))
+#define MXFP4X_MK_SET1(f) vdupq_n_f32(f)
+#define MXFP4X_MK_ADD(a, b) vaddq_f32((a), (b))
+#define MXFP4X_MK_FMA(a, b, c) vfmaq_f32((c), (a), (b))
+#define MXFP4X_MK_FMA1(a, b, c) \
+    vgetq_lane_f32(vfmaq_f32(vdupq_n_f32(c), vdupq_n_f32(a), vdupq_n_f32(b)), 0)
+#define MXFP4X_MK_TABLES mxfp4x_neon_tables
+#define MXFP4X_MK_LOAD_TABLES mxfp4x_neon_load_tables
+#define MXFP4X_MK_DECODE_STORE mxfp4x_decode_store_neon
+#include "generic/interface.h"
+
 /* Fused decode + dot for one token: two rows at a time (8 independent FMA chains,
  * 2 fmla each per group, hide the 4-cycle FMA latency behind the two decodes; 8
  * accumulators + 8 latents + 8 weights + 3 tables fit the 32 q registers, where
@@ -180,44 +215,9 @@ MXFP4X_NEON_INLINE void mxfp4x_gemv_tokens_neon(const mxfp4x_rows *w, int64_t ro
 #define MXFP4X_NEON_TILE_ROWS 48
 #define MXFP4X_NEON_PANEL_BYTES (384 * 1024)
 
-MXFP4X_NEON_FN void mxfp4x_gemv_f32_neon(const mxfp4x_rows *w, int64_t row_start,
-                                         int64_t row_end, const float *x, int64_t x_stride,
-                                         const int64_t *x_rows, int64_t n_tok, float *out,
-                                         int64_t out_stride) {
-    int64_t t;
-    int c;
-    for (t = 0; t < n_tok; t += MXFP4X_NEON_NT) {
-        const int nt = n_tok - t < MXFP4X_NEON_NT ? (int)(n_tok - t) : MXFP4X_NEON_NT;
-        const float *xs[MXFP4X_NEON_NT];
-        float *o = out + t * out_stride;
-        for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
-        switch (nt) { /* constant token counts: accumulators stay in registers */
-        case 4: mxfp4x_gemv_tokens_neon(w, row_start, row_end, xs, 4, o, out_stride); break;
-        case 3: mxfp4x_gemv_tokens_neon(w, row_start, row_end, xs, 3, o, out_stride); break;
-        case 2: mxfp4x_gemv_tokens_neon(w, row_start, row_end, xs, 2, o, out_stride); break;
-        default: mxfp4x_gemv1_f32_neon(w, row_start, row_end, xs[0], o); break;
-        }
-    }
-}
-
-MXFP4X_NEON_FN void mxfp4x_decode_f32_neon(const mxfp4x_rows *w, int64_t row_start,
-                                           int64_t row_end, float *panel) {
-    const mxfp4x_neon_tables t = mxfp4x_neon_load_tables();
-    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    int64_t r, g;
-    int k;
-    float32x4_t wv[8];
-    for (r = row_start; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
-        const uint8_t *s = w->scales + r * w->row_stride_scales;
-        float *p = panel + (r - row_start) * d_in;
-        for (g = 0; g < w->n_groups; g++) {
-            mxfp4x_decode_group_neon(b + g * gb, s[g * gs], &t, wv);
-            for (k = 0; k < 8; k++) vst1q_f32(p + g * MXFP4X_GROUP + 4 * k, wv[k]);
-        }
-    }
-}
+#define MXFP4X_MK_GEMV_NT MXFP4X_NEON_NT
+#include "generic/gemv_tokens.h"
+#include "generic/decode.h"
 
 /* ---- panel x tokens: register-blocked micro-kernel over k-chunks ----
  *
@@ -232,16 +232,6 @@ MXFP4X_NEON_FN void mxfp4x_decode_f32_neon(const mxfp4x_rows *w, int64_t row_sta
 #define MXFP4X_NEON_MR 4       /* panel rows per register block */
 #define MXFP4X_NEON_PT 4       /* tokens per register block */
 #define MXFP4X_NEON_TOKENS 32  /* tokens per super-block (bounds the scratch) */
-/* floats parked per block: 4 accumulators of 4 lanes per (row, token) */
-#define MXFP4X_NEON_BLOCK_FLOATS (MXFP4X_NEON_MR * MXFP4X_NEON_PT * 16)
-MXFP4X_STATIC_ASSERT(MXFP4X_NEON_TOKENS % MXFP4X_NEON_PT == 0, "whole token blocks");
-MXFP4X_STATIC_ASSERT(MXFP4X_NEON_KC % MXFP4X_GROUP == 0, "chunks of whole groups");
-
-static int64_t mxfp4x_panel_scratch_f32_neon(int64_t n_rows) {
-    return ((n_rows + MXFP4X_NEON_MR - 1) / MXFP4X_NEON_MR) *
-           (MXFP4X_NEON_TOKENS / MXFP4X_NEON_PT) * MXFP4X_NEON_BLOCK_FLOATS;
-}
-
 /* lanes[(r * PT + c) * 16 + 4 j + l]: lane l of a_j of (row r, token c). */
 MXFP4X_NEON_INLINE void mxfp4x_block_neon(const float *const *ps, int mr,
                                           const float *const *xs, int nt, int64_t k0,
@@ -286,177 +276,26 @@ MXFP4X_NEON_FN void mxfp4x_block_dispatch_neon(const float *const *ps, int mr,
 #undef MXFP4X_NEON_CASE
 }
 
-MXFP4X_NEON_FN void mxfp4x_panel_dot_f32_neon(const float *panel, int64_t n_rows,
-                                              int64_t n_groups, const float *x, int64_t x_stride,
-                                              const int64_t *x_rows, int64_t n_tok, float *out,
-                                              int64_t out_stride, float *scratch) {
-    const int64_t d_in = n_groups * MXFP4X_GROUP;
-    int64_t t0, k0, r, t;
-    int c, rr;
-    if (d_in == 0) { /* empty dot products: the k loop below would write nothing */
-        for (t = 0; t < n_tok; t++)
-            for (r = 0; r < n_rows; r++) out[t * out_stride + r] = 0.0f;
-        return;
-    }
-    for (t0 = 0; t0 < n_tok; t0 += MXFP4X_NEON_TOKENS) {
-        const int64_t t1 = t0 + MXFP4X_NEON_TOKENS < n_tok ? t0 + MXFP4X_NEON_TOKENS : n_tok;
-        for (k0 = 0; k0 < d_in; k0 += MXFP4X_NEON_KC) {
-            const int64_t k1 = k0 + MXFP4X_NEON_KC < d_in ? k0 + MXFP4X_NEON_KC : d_in;
-            for (r = 0; r < n_rows; r += MXFP4X_NEON_MR) {
-                const int mr = n_rows - r < MXFP4X_NEON_MR ? (int)(n_rows - r) : MXFP4X_NEON_MR;
-                const float *ps[MXFP4X_NEON_MR];
-                for (rr = 0; rr < MXFP4X_NEON_MR; rr++)
-                    ps[rr] = panel + (r + (rr < mr ? rr : 0)) * d_in;
-                for (t = t0; t < t1; t += MXFP4X_NEON_PT) {
-                    const int nt = t1 - t < MXFP4X_NEON_PT ? (int)(t1 - t) : MXFP4X_NEON_PT;
-                    const float *xs[MXFP4X_NEON_PT];
-                    float *lb = scratch + ((r / MXFP4X_NEON_MR) *
-                                               (MXFP4X_NEON_TOKENS / MXFP4X_NEON_PT) +
-                                           (t - t0) / MXFP4X_NEON_PT) *
-                                              MXFP4X_NEON_BLOCK_FLOATS;
-                    for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
-                    if (k0 == 0) memset(lb, 0, MXFP4X_NEON_BLOCK_FLOATS * sizeof(float));
-                    mxfp4x_block_dispatch_neon(ps, mr, xs, nt, k0, k1, lb);
-                    if (k1 == d_in)
-                        for (rr = 0; rr < mr; rr++)
-                            for (c = 0; c < nt; c++) {
-                                const float *l = lb + (rr * MXFP4X_NEON_PT + c) * 16;
-                                float32x4_t a[4];
-                                int j;
-                                for (j = 0; j < 4; j++) a[j] = vld1q_f32(l + 4 * j);
-                                out[(t + c) * out_stride + r + rr] = mxfp4x_neon_hsum(a);
-                            }
-                }
-            }
-        }
-    }
-}
+#define MXFP4X_MK_PANEL_MR MXFP4X_NEON_MR
+#define MXFP4X_MK_PANEL_NT MXFP4X_NEON_PT
+#define MXFP4X_MK_PANEL_TOKENS MXFP4X_NEON_TOKENS
+#define MXFP4X_MK_PANEL_KC MXFP4X_NEON_KC
+#define MXFP4X_MK_PANEL_PARK 16 /* four 4-lane accumulators per (row, token) */
+#define MXFP4X_MK_HSUM_PARKED mxfp4x_neon_hsum_parked
+#include "generic/panel_chunked.h"
 
 /* dst[j] += sum_r coef[r] * panel[r][j], r ascending, one fmla per term: 64 columns in
  * 16 accumulators while the rows stream past; tails of 4 columns, then of 1 (the
  * same fused multiply-add in lane 0). */
-MXFP4X_NEON_FN void mxfp4x_axpy_rows_f32_neon(const float *panel, int64_t n_rows,
-                                              int64_t width, const float *coef, float *dst) {
-    int64_t j = 0, r;
-    int c;
-    for (; j + 64 <= width; j += 64) {
-        float32x4_t a[16];
-        for (c = 0; c < 16; c++) a[c] = vld1q_f32(dst + j + 4 * c);
-        for (r = 0; r < n_rows; r++) {
-            const float32x4_t cf = vdupq_n_f32(coef[r]);
-            const float *p = panel + r * width + j;
-            for (c = 0; c < 16; c++) a[c] = vfmaq_f32(a[c], cf, vld1q_f32(p + 4 * c));
-        }
-        for (c = 0; c < 16; c++) vst1q_f32(dst + j + 4 * c, a[c]);
-    }
-    for (; j + 4 <= width; j += 4) {
-        float32x4_t a = vld1q_f32(dst + j);
-        for (r = 0; r < n_rows; r++)
-            a = vfmaq_f32(a, vdupq_n_f32(coef[r]), vld1q_f32(panel + r * width + j));
-        vst1q_f32(dst + j, a);
-    }
-    for (; j < width; j++) {
-        float32x4_t a = vdupq_n_f32(dst[j]);
-        for (r = 0; r < n_rows; r++)
-            a = vfmaq_f32(a, vdupq_n_f32(coef[r]), vdupq_n_f32(panel[r * width + j]));
-        dst[j] = vgetq_lane_f32(a, 0);
-    }
-}
+#define MXFP4X_MK_AXPY_VECS 16
+#include "generic/axpy_rows.h"
 
 /* Roofline: 16 independent fmla chains (4 pipes x 4-cycle latency). */
-MXFP4X_NEON_FN float mxfp4x_fma_loop_neon(int64_t iters, float seed, int64_t *flops) {
-    float32x4_t a[16];
-    const float32x4_t m = vdupq_n_f32(0.999999f), c = vdupq_n_f32(1e-7f);
-    int64_t i;
-    int j;
-    for (j = 0; j < 16; j++) a[j] = vdupq_n_f32(seed + (float)j);
-    for (i = 0; i < iters; i++)
-        for (j = 0; j < 16; j++) a[j] = vfmaq_f32(c, a[j], m);
-    for (j = 1; j < 16; j++) a[0] = vaddq_f32(a[0], a[j]);
-    *flops = iters * 16 * 4 * 2;
-    return vgetq_lane_f32(a[0], 0);
-}
+#define MXFP4X_MK_FMA_CHAINS 16
+#include "generic/fma_probe.h"
+#include "generic/end.h"
 
-/* ---- dense bf16 rows x float32 tokens (mxfp4x.h, mxfp4x_dense_bf16_fn) ----
- * One 4-lane accumulator per (row, token): lane l sums w[i] x[i] over i = l (mod 4)
- * ascending, with fmla (bf16 widened exactly: ushll by 16); the last d_in % 4 elements
- * through zero-filled copies; lanes reduced as (0 + 2) + (1 + 3).  Blocks of up to 4
- * rows x 4 tokens. */
-MXFP4X_NEON_INLINE float32x4_t mxfp4x_bf16x4_neon(const uint16_t *p) {
-    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
-}
-
-MXFP4X_NEON_INLINE float mxfp4x_neon_hsum1(float32x4_t a) {
-    const float32x2_t d = vadd_f32(vget_low_f32(a), vget_high_f32(a));
-    return vget_lane_f32(d, 0) + vget_lane_f32(d, 1);
-}
-
-MXFP4X_NEON_INLINE void mxfp4x_dense_block_neon(const uint16_t *w, int64_t rs, int64_t d_in,
-                                                const float *x, int64_t xs, int mr, int nt,
-                                                float *out, int64_t os) {
-    float32x4_t a[4][4], xv[4], wv;
-    const int64_t body = d_in & ~(int64_t)3;
-    int64_t k;
-    int i, c;
-    for (i = 0; i < mr; i++)
-        for (c = 0; c < nt; c++) a[i][c] = vdupq_n_f32(0.0f);
-    for (k = 0; k < body; k += 4) {
-        for (c = 0; c < nt; c++) xv[c] = vld1q_f32(x + c * xs + k);
-        for (i = 0; i < mr; i++) {
-            wv = mxfp4x_bf16x4_neon(w + i * rs + k);
-            for (c = 0; c < nt; c++) a[i][c] = vfmaq_f32(a[i][c], wv, xv[c]);
-        }
-    }
-    if (body < d_in) {
-        const int n = (int)(d_in - body);
-        uint16_t wt[4];
-        float xt[4];
-        for (c = 0; c < nt; c++) {
-            memset(xt, 0, sizeof xt);
-            memcpy(xt, x + c * xs + body, (size_t)n * sizeof(float));
-            xv[c] = vld1q_f32(xt);
-        }
-        for (i = 0; i < mr; i++) {
-            memset(wt, 0, sizeof wt);
-            memcpy(wt, w + i * rs + body, (size_t)n * sizeof(uint16_t));
-            wv = mxfp4x_bf16x4_neon(wt);
-            for (c = 0; c < nt; c++) a[i][c] = vfmaq_f32(a[i][c], wv, xv[c]);
-        }
-    }
-    for (i = 0; i < mr; i++)
-        for (c = 0; c < nt; c++) out[c * os + i] = mxfp4x_neon_hsum1(a[i][c]);
-}
-
-#define MXFP4X_NEON_DENSE_CASE(M, N)                                                       \
-    case (M) * 8 + (N):                                                                    \
-        mxfp4x_dense_block_neon(w + r * row_stride, row_stride, d_in, xt, x_stride, M, N, o, \
-                                out_stride);                                               \
-        break;
-#define MXFP4X_NEON_DENSE_ROW(M)                                                           \
-    MXFP4X_NEON_DENSE_CASE(M, 1) MXFP4X_NEON_DENSE_CASE(M, 2)                              \
-    MXFP4X_NEON_DENSE_CASE(M, 3) MXFP4X_NEON_DENSE_CASE(M, 4)
-
-MXFP4X_NEON_FN void mxfp4x_dense_bf16_neon(const uint16_t *w, int64_t row_stride,
-                                           int64_t row_start, int64_t row_end, int64_t d_in,
-                                           const float *x, int64_t x_stride, int64_t n_tok,
-                                           float *out, int64_t out_stride) {
-    int64_t t, r;
-    for (t = 0; t < n_tok; t += 4) {
-        const int nt = n_tok - t < 4 ? (int)(n_tok - t) : 4;
-        const float *xt = x + t * x_stride;
-        for (r = row_start; r < row_end; r += 4) {
-            const int mr = row_end - r < 4 ? (int)(row_end - r) : 4;
-            float *o = out + t * out_stride + (r - row_start);
-            switch (mr * 8 + nt) {
-                MXFP4X_NEON_DENSE_ROW(4)
-                MXFP4X_NEON_DENSE_ROW(3)
-                MXFP4X_NEON_DENSE_ROW(2)
-                MXFP4X_NEON_DENSE_ROW(1)
-            default: break;
-            }
-        }
-    }
-}
+#include "dense/neon.h"
 
 #endif /* MXFP4X_HAVE_NEON */
 #endif /* MXFP4X_NEON_H */

@@ -79,19 +79,30 @@ static void mxfp4x_gemv_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int6
                                 out + t * out_stride);
 }
 
-static void mxfp4x_decode_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
-                                     float *panel) {
-    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    int64_t r, g;
-    for (r = row_start; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
-        const uint8_t *s = w->scales + r * w->row_stride_scales;
-        float *p = panel + (r - row_start) * d_in;
-        for (g = 0; g < w->n_groups; g++)
-            mxfp4x_decode_group_f32_scalar(b + g * gb, s[g * gs], p + g * MXFP4X_GROUP);
-    }
+/* The microkernel the drivers of generic/ are compiled over (generic/interface.h): plain
+ * C floats, a multiply and an add apart (the build never contracts them). */
+MXFP4X_INLINE void mxfp4x_decode_store_scalar(const uint8_t *b, uint8_t s,
+                                              const mxfp4x_no_tables *t, float *p) {
+    (void)t;
+    mxfp4x_decode_group_f32_scalar(b, s, p);
 }
+
+#define MXFP4X_MK_NAME(name) name##_scalar
+#define MXFP4X_MK_FN static
+#define MXFP4X_MK_INLINE MXFP4X_INLINE
+#define MXFP4X_MK_VEC float
+#define MXFP4X_MK_LANES 1
+#define MXFP4X_MK_LOAD(p) (*(p))
+#define MXFP4X_MK_STORE(p, v) (*(p) = (v))
+#define MXFP4X_MK_SET1(f) (f)
+#define MXFP4X_MK_ADD(a, b) ((a) + (b))
+#define MXFP4X_MK_FMA(a, b, c) ((a) * (b) + (c))
+#define MXFP4X_MK_FMA1(a, b, c) ((a) * (b) + (c))
+#define MXFP4X_MK_TABLES mxfp4x_no_tables
+#define MXFP4X_MK_LOAD_TABLES mxfp4x_no_tables_load
+#define MXFP4X_MK_DECODE_STORE mxfp4x_decode_store_scalar
+#include "generic/interface.h"
+#include "generic/decode.h"
 
 /* The scalar kernels are the spec, not a speed target: the driver's defaults (also the
  * float64 path's). */
@@ -125,26 +136,15 @@ static void mxfp4x_panel_dot_f32_scalar(const float *panel, int64_t n_rows, int6
     }
 }
 
-static void mxfp4x_axpy_rows_f32_scalar(const float *panel, int64_t n_rows, int64_t width,
-                                        const float *coef, float *dst) {
-    int64_t r, j;
-    for (r = 0; r < n_rows; r++)
-        for (j = 0; j < width; j++) dst[j] = dst[j] + coef[r] * panel[r * width + j];
-}
+/* axpy_rows: each column's terms in row order, 16 columns at a time. */
+#define MXFP4X_MK_AXPY_VECS 16
+#include "generic/axpy_rows.h"
 
 /* Roofline: 8 independent multiply-add chains (a mul and an add each: the build does not
  * contract them), about the best portable C reaches. */
-static float mxfp4x_fma_loop_scalar(int64_t iters, float seed, int64_t *flops) {
-    float a[8];
-    const float m = 0.999999f, c = 1e-7f;
-    int64_t i;
-    int j;
-    for (j = 0; j < 8; j++) a[j] = seed + (float)j;
-    for (i = 0; i < iters; i++)
-        for (j = 0; j < 8; j++) a[j] = a[j] * m + c;
-    *flops = iters * 8 * 2;
-    return a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
-}
+#define MXFP4X_MK_FMA_CHAINS 8
+#include "generic/fma_probe.h"
+#include "generic/end.h"
 
 /* Roofline: read n_words 64-bit words once (8 independent sums: the loads, not the adds,
  * are the limit), for the memory read bandwidth. */

@@ -34,6 +34,7 @@ from qemu_cpus import NUMPY_ENV
 ROOT = Path(__file__).resolve().parents[2]
 AVX512_H = HEADERS / "mxfp4x" / "avx512.h"
 FLOAT64_H = HEADERS / "mxfp4x" / "float64.h"
+DENSE_H = HEADERS / "mxfp4x" / "dense" / "avx512.h"
 EMULATE_H = HEADERS / "mxfp4x" / "emulate_avx512.h"
 EMULATED = ["-DMXFP4X_EMULATE_AVX512", "-Wno-psabi"]
 QEMU = shutil.which("qemu-x86_64")
@@ -93,8 +94,9 @@ def _code(path):
 
 
 def test_every_intrinsic_of_avx512_h_is_checked():
-    # avx512.h and the template it includes (float64.h: compiled there too)
-    used = set(re.findall(r"\b_mm(?:256|512)?_\w+", _code(AVX512_H) + _code(FLOAT64_H)))
+    # avx512.h and the files it includes (float64.h, dense/avx512.h: compiled there too)
+    used = set(re.findall(r"\b_mm(?:256|512)?_\w+",
+                          _code(AVX512_H) + _code(FLOAT64_H) + _code(DENSE_H)))
     shimmed = set(re.findall(r"#define\s+(_mm\w+)\(", _code(EMULATE_H)))
     assert {"_mm512_fmadd_ps", "_mm_fmadd_ss", "_mm512_cvtepu8_epi32",
             "_mm512_permutexvar_ps"} <= shimmed, shimmed
@@ -103,6 +105,17 @@ def test_every_intrinsic_of_avx512_h_is_checked():
         f"avx512.h uses {unchecked}, whose SIMDe emulation nobody has checked for "
         "bit-exactness: read its simde/x86 source, then list it in SIMDE_EXACT "
         "(tests/platform/test_emulation.py) or shim it in include/mxfp4x/emulate_avx512.h")
+
+
+def test_the_generic_drivers_hold_no_intrinsic():
+    """include/mxfp4x/generic/ is compiled inside each ISA header over that header's
+    macros: an intrinsic written there would escape the check above (and run unchecked
+    under SIMDe), so every instruction stays in the ISA's own header."""
+    generic = sorted((HEADERS / "mxfp4x" / "generic").glob("*.h"))
+    assert generic, "include/mxfp4x/generic/ holds the drivers"
+    for path in generic:
+        found = re.findall(r"\b_mm(?:256|512)?_\w+|\bv\w+q_[a-z]\w*", _code(path))
+        assert not found, f"{path.name} calls {sorted(set(found))}: move them into the ISA's macros"
 
 
 # ---- the C-level checker, native and emulated ---------------------------------------
