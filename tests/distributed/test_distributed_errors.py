@@ -296,7 +296,7 @@ def test_a_routing_that_fails_on_one_rank_fails_on_every_rank(worlds):
 
 def test_kimi_experts_check_their_isa_at_construction():
     """KimiK3Experts(..., isa="bogus", group=...) raises where it is built, before any
-    collective (the check lives in mxfp4x/_kimi_k3.py)."""
+    collective (the check lives in mxfp4x/models/kimi_k3/experts.py)."""
     import torch
     packed = torch.zeros((2, 32, 1, 16), dtype=torch.uint8)
     scales = torch.full((2, 32, 1), 127, dtype=torch.uint8)
