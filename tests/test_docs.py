@@ -93,7 +93,7 @@ def test_every_command_is_in_the_readme():
 
 _SOURCE_DIRS = ["mxfp4x", "include", "tests", "benchmarks", "scripts", ".ci"]
 _SOURCE_FILES = ["setup.py"]
-_CODE_SUFFIXES = (".py", ".pyx", ".pxd", ".pyi", ".h", ".c")
+_CODE_SUFFIXES = (".py", ".pyx", ".pxd", ".pxi", ".pyi", ".h", ".c")
 _SHELL_SUFFIXES = (".sh",)
 _SHELL_FILES = {os.path.join(".ci", "run")}
 _NAME = r"(MXFP4X_[A-Z0-9_]+)"
