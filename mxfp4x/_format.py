@@ -35,15 +35,18 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 E2M1_TABLE = np.array(E2M1_VALUES, dtype=np.float64)
 
 
-def accumulation_dtype(dtype):
+def accumulation_dtype(dtype, *others):
     """The dtype results are accumulated in for latents of ``dtype``: float64 for float64,
     float32 for every other float (the result is rounded to the latents' dtype once, at the
-    end).  A torch dtype gives a torch dtype, a name (``"bfloat16"``) a name."""
+    end).  With ``others`` (the mixture weights' dtype, for their gradient), float64 where
+    any of them is float64.  Torch dtypes give a torch dtype, names (``"bfloat16"``) a
+    name."""
+    dtypes = (dtype, *others)
     if isinstance(dtype, str):
-        return "float64" if dtype == "float64" else "float32"
+        return "float64" if "float64" in dtypes else "float32"
     import torch  # here, not at the top: the QEMU probes import this module without torch
 
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def torch_e8m0_dtype():

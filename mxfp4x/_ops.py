@@ -27,6 +27,7 @@ the PyTorch path before it indexes), so a traced graph checks them too.
 import torch
 
 from . import _cpu_impl, _torch_impl, _triton_impl
+from ._format import accumulation_dtype
 from ._validation import check_expert_ids, check_op_call
 
 _TAIL = 'int num_threads=0, str isa="") -> Tensor'
@@ -294,8 +295,7 @@ def _define(suffix, weights):
         if ctx.needs_input_grad[0]:
             d_x = grad_op(grad, packed, scales, sel, mix, x, ctx.num_threads, ctx.isa)
         if ctx.needs_input_grad[4]:
-            acc = torch.float64 if mix.dtype == torch.float64 or x.dtype == torch.float64 \
-                else torch.float32
+            acc = accumulation_dtype(x.dtype, mix.dtype)
             d_mix = _mix_grad(x, packed, scales, sel, grad, acc, ctx.num_threads,
                               ctx.isa).to(mix.dtype)
         if ctx.needs_input_grad[5]:

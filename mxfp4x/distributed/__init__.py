@@ -50,7 +50,8 @@ from .. import _cpu, _threads
 from .._api import _check_backend
 from .._arguments import check_num_threads, parse_expert_range
 from .._coerce import _dtype_name, as_tensor, float_tensor, index_tensor
-from ._agreement import _LIMIT, _OPS, _PRODUCTS, _agree, _compute, _facts
+from .._format import accumulation_dtype
+from ._agreement import _LIMIT, _OPS, _PRODUCTS, _agree, _facts
 from ._autograd import _d_out, _EPFunction, _validate, empty_experts
 from ._routing import ExpertRouting
 
@@ -218,7 +219,7 @@ def expert_parallel(local_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tenso
     plan = _agree(error, facts, group, ids)
     routing = ExpertRouting(plan, sel, False, group)
     recv = routing.send_rows_of(x.detach().cpu())
-    compute = _compute(x.dtype)
+    compute = accumulation_dtype(x.dtype)
     local = torch.empty((0, d_out), dtype=compute)
     try:
         rows = recv[routing.recv_row_of_pair].to(compute)

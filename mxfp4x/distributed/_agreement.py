@@ -98,10 +98,6 @@ _SHARED = (
 )
 
 
-def _compute(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _group_key(group):
     return id(group) if group is not None else "world"
 

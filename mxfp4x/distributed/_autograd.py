@@ -6,7 +6,7 @@ import torch
 from .. import _cpu, _cpu_impl, _threads
 from .._arguments import parse_expert_range
 from .._coerce import as_tensor
-from .._format import GGUF_BLOCK_BYTES, GROUP_BYTES
+from .._format import GGUF_BLOCK_BYTES, GROUP_BYTES, accumulation_dtype
 from .._ops import (
     mxfp4_experts_grad_latents_list_op,
     mxfp4_experts_grad_latents_op,
@@ -14,7 +14,7 @@ from .._ops import (
     slots_op,
 )
 from .._validation import SKIP, check_inputs, is_expert_list
-from ._agreement import _BACKWARD, _GRADIENTS, _PRODUCTS, _compute
+from ._agreement import _BACKWARD, _GRADIENTS, _PRODUCTS
 from ._routing import ExpertRouting
 
 
@@ -53,7 +53,7 @@ def empty_experts(d_out: int, n_groups: int, gguf: bool):
 def _local_products(routing: ExpertRouting, recv_x: torch.Tensor, packed, scales, threads,
                     isa, dtype):
     """W_e x per received pair, in the compute dtype, with the local kernels."""
-    compute = _compute(dtype)
+    compute = accumulation_dtype(dtype)
     x_pairs = recv_x[routing.recv_row_of_pair]
     if x_pairs.dtype != compute:
         x_pairs = x_pairs.to(compute)  # exact: the kernels upcast 16-bit latents anyway
@@ -108,7 +108,7 @@ class _EPFunction(torch.autograd.Function):
         if per_slot_outputs:
             ctx.save_for_backward()
             return dots.view(n_tokens, top_k, d_out).to(x.dtype)
-        compute = _compute(x.dtype)
+        compute = accumulation_dtype(x.dtype)
         out = shared.detach().to(compute, copy=True).contiguous()
         w = mix.detach().to(compute).contiguous()
         if out.device.type == "cpu":
@@ -125,7 +125,7 @@ class _EPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         routing = ctx.routing
-        compute = _compute(ctx.x_dtype)
+        compute = accumulation_dtype(ctx.x_dtype)
         n_tokens, top_k = routing.n_tokens, routing.top_k
         d_in = ctx.x_shape[-1]
         d_x = d_mix = d_shared = None
@@ -139,7 +139,7 @@ class _EPFunction(torch.autograd.Function):
             else:
                 dots, mix = ctx.saved_tensors
                 if ctx.needs_input_grad[1]:
-                    acc = torch.float64 if mix.dtype == torch.float64 else compute
+                    acc = accumulation_dtype(ctx.x_dtype, mix.dtype)
                     d_mix = (dots.view(n_tokens, top_k, ctx.d_out).to(acc) *
                              g.to(acc).unsqueeze(1)).sum(-1).to(mix.dtype)
                 if ctx.needs_input_grad[2]:

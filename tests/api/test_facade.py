@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mxfp4x
+from mxfp4x._format import accumulation_dtype
 from mxfp4x.testing.layers import random_layer
 
 
@@ -295,7 +296,7 @@ def test_16bit_mixture_weights_read_as_they_are(rng, x_dtype, mix_dtype):
     layer = random_layer(rng, 7, 3, 4, 9, 2, dtype=x_dtype)
     mix = torch.from_numpy(rng.standard_normal((7, 3))).to(mix_dtype)
     mix[0, 0], mix[1, 1], mix[2, 2] = 0.0, -0.0, torch.finfo(mix_dtype).tiny / 4
-    compute = torch.float64 if x_dtype == torch.float64 else torch.float32
+    compute = accumulation_dtype(x_dtype)
     y = mxfp4x.mxfp4_experts(**dict(layer, mixture_weights=mix))
     ref = mxfp4x.mxfp4_experts(**dict(layer, mixture_weights=mix.to(compute)))
     assert torch.equal(y.view(torch.uint8), ref.view(torch.uint8))

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import mxfp4x
 from mxfp4x import _cpu
+from mxfp4x._format import accumulation_dtype
 from mxfp4x._reference import mxfp4_experts_reference
 from mxfp4x.testing.layers import reference_and_bound
 
@@ -83,7 +84,7 @@ def _finite(a):
 
 def check(y, layer_np, out_dtype):
     """The fuzz oracle described in the module docstring; returns #outputs checked."""
-    acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(out_dtype)
     ref, bound = reference_and_bound(layer_np, out_dtype)
     x, mix, shared = (layer_np[k] for k in ("latent_tokens", "mixture_weights",
                                             "shared_output"))

@@ -13,6 +13,7 @@ import torch
 
 import mxfp4x
 from mxfp4x import _arguments, _cpu, _cpu_impl, _probes, _threads
+from mxfp4x._format import accumulation_dtype
 from mxfp4x.testing.layers import random_layer
 
 THREADED = _threads.backend() != "serial"
@@ -83,7 +84,7 @@ def test_long_batches_run_in_token_chunks_with_the_same_bits(isa, rng, monkeypat
     }
     whole = {name: call() for name, call in calls.items()}
     # the mixture weights' gradient: g . W x per slot, W x in the accumulation dtype
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(dtype)
     slots = mxfp4x.mxfp4_experts_slots(x.to(acc), *w, sel, isa=isa)
     want = (slots * grad.to(acc).unsqueeze(1)).sum(-1).to(mix.dtype)
     assert torch.equal(whole["mix_grad"], want)
