@@ -1,9 +1,9 @@
 import os
 
 import pytest
-import torch
 
 import mxfp4x
+from mxfp4x import _threads
 
 
 def pytest_report_header(config):
@@ -18,10 +18,8 @@ def threads(request):
     n = request.param
     if n > os.cpu_count():
         pytest.skip(f"{n} threads > {os.cpu_count()} CPUs")
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    yield n
-    torch.set_num_threads(old)
+    with _threads.torch_threads(n):
+        yield n
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,9 @@ asks for is resolved here: ``num_threads=None`` (or 0, its deferred form) means
 ``torch.get_num_threads()`` when the call runs.  Requests are checked for type and sign
 where the user passes them (``_arguments.check_num_threads``), which caps them here.
 """
+import contextlib
 import warnings
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -58,3 +59,16 @@ def resolve(num_threads: Optional[int] = None) -> int:
                           "'spawn' or 'forkserver' method to use more", RuntimeWarning,
                           stacklevel=4)
     return n
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's thread count set to ``n`` inside the block, and restored after it: what
+    measures a thread count within one process (the roofs, the measuring commands, the
+    benchmarks) runs under this, and leaves the caller's setting as it found it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

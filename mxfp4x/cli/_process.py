@@ -1,7 +1,5 @@
-"""What the measuring commands read about, and set on, this process."""
-import contextlib
-
-import torch
+"""What the measuring commands read about this process (torch's thread count is set
+through ``mxfp4x._threads.torch_threads``)."""
 
 
 def rss_mapped():
@@ -28,18 +26,6 @@ def default_threads():
     from mxfp4x import _threads
 
     return _threads.resolve(None)
-
-
-@contextlib.contextmanager
-def torch_threads(n):
-    """torch's thread count set for a measurement, and restored: the commands compare
-    thread counts within one run."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 # batches larger than this are timed once: each call takes seconds at model size

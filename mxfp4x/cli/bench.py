@@ -22,6 +22,7 @@ import time
 import torch
 
 import mxfp4x
+from mxfp4x import _threads
 from mxfp4x._format import matrix_bytes
 from mxfp4x._io import atomic_write
 from mxfp4x._progress import Progress
@@ -30,7 +31,7 @@ from mxfp4x.testing import roofline as _roofline
 from mxfp4x.testing.layers import assert_matches_reference
 
 from ._args import memory, outputs, positive_int, thread_count
-from ._process import default_threads, torch_threads
+from ._process import default_threads
 
 # the rows of each result checked against the float64 reference: enough to cross several
 # groups of the output, few enough that the reference takes no time beside the timing
@@ -143,7 +144,7 @@ def _measure(args, calls, packed, scales, th, case, roofs, isa, pre=None, probe=
         c = calls[i % len(calls)]
         mxfp4x.mxfp4_experts(c[0], packed, scales, c[1], c[2], c[3], backend=backend,
                              num_threads=th)
-    with torch_threads(th):
+    with _threads.torch_threads(th):
         # one pass over the calls first: a process's first calls run slower (at one token
         # on 2 threads of an AMD EPYC Zen 5 the first ten took 1.1-1.6 ms, the next
         # 0.8-1.0), and a model runs in the steady state

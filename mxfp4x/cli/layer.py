@@ -12,9 +12,11 @@ import time
 import numpy as np
 import torch
 
+from mxfp4x import _threads
+
 from ._args import expert_count, folder_to_make, memory, positive_int, thread_count
 from ._families import MODELS
-from ._process import default_threads, repeats, rss_mapped, torch_threads
+from ._process import default_threads, repeats, rss_mapped
 
 # what the float64 reference computes: it decodes every selected expert in numpy, so a
 # few tokens and rows keep it to seconds at model size
@@ -108,7 +110,7 @@ def _run(args, family, folder, n_experts):
         active = len(torch.unique(sel))
         n_bytes = active * family.expert_bytes()
         for th in args.threads or [default_threads()]:
-            with torch_threads(th):
+            with _threads.torch_threads(th):
                 family.set_threads(block, th)
                 experts = family.experts_alone(block, x, sel, w)
                 times, expert_times = [], []

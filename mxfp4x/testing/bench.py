@@ -7,6 +7,7 @@ import time
 import numpy as np
 import torch
 
+from .. import _threads
 from .._format import GROUP, GROUP_BYTES
 
 
@@ -91,12 +92,8 @@ def read_floor(n_bytes, threads, repeats=5):
     n_bufs = max(2, -(-256 * 2**20 // max(n_bytes, 1)))
     n_bufs = min(n_bufs, 64)
     bufs = [torch.ones(max(n_bytes // 4, 1), dtype=torch.float32) for _ in range(n_bufs)]
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads.torch_threads(threads):
         return best_time(lambda i: bufs[i % n_bufs].sum(), repeats=max(repeats, n_bufs))
-    finally:
-        torch.set_num_threads(old)
 
 
 def matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=torch.float32, repeats=3):
@@ -104,16 +101,12 @@ def matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=torch.float32, repe
     weights (top_k products of (n_tokens, d_in) x (d_in, d_out))."""
     w = torch.randn(d_out, d_in).to(dtype)
     x = torch.randn(n_tokens, d_in).to(dtype)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        def run(_):
-            for _k in range(top_k):
-                x @ w.T
+    def run(_):
+        for _k in range(top_k):
+            x @ w.T
+    with _threads.torch_threads(threads):
         run(0)
         return best_time(run, repeats=repeats)
-    finally:
-        torch.set_num_threads(old)
 
 
 def _read_int(path):
@@ -202,13 +195,9 @@ def predecoded_time(pre, calls, threads, repeats=2):
         return None
     for c in calls:  # decode (untimed), and a first run
         pre(*c)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads.torch_threads(threads):
         return best_time(lambda i: pre(*calls[i % len(calls)]),
                          repeats=max(repeats, len(calls)))
-    finally:
-        torch.set_num_threads(old)
 
 
 def floors(n_bytes, n_flops, roofs, threads, isa, dtype="float32"):

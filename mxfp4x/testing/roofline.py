@@ -51,13 +51,9 @@ def _read_numpy(buf, threads: int, repeats: int) -> float:
     ``torch.sum`` on the same memory."""
     own = _probes.read_peak(buf, threads, repeats)
     tbuf = torch.from_numpy(buf.view(np.float32))
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads.torch_threads(threads):
         tbuf.sum()
         return max(own, buf.nbytes / _best(tbuf.sum, repeats))
-    finally:
-        torch.set_num_threads(old)
 
 
 def read_bandwidth(threads: int, n_bytes: int = 5 << 28, repeats: int = 3) -> float:
@@ -107,13 +103,9 @@ class ReadProbe:
 def matmul_rate(threads: int, dtype, n: int = 2048, repeats: int = 3) -> float:
     """FLOP/s of torch.matmul of two n x n matrices of ``dtype``."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads.torch_threads(threads):
         a @ b
         return 2.0 * n ** 3 / _best(lambda: a @ b, repeats)
-    finally:
-        torch.set_num_threads(old)
 
 
 def measure(threads: Optional[List[int]] = None, quick: bool = False) -> Dict[str, object]:

@@ -268,6 +268,17 @@ def test_thread_policy_has_one_owner():
     assert not hasattr(_arguments, "MAX_THREADS")
 
 
+def test_torch_threads_restores_the_count_however_the_block_ends():
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    with _threads.torch_threads(other):
+        assert torch.get_num_threads() == other
+    assert torch.get_num_threads() == before
+    with pytest.raises(KeyError), _threads.torch_threads(other):
+        raise KeyError
+    assert torch.get_num_threads() == before
+
+
 def test_driver_boundary_takes_only_resolved_thread_counts():
     out = np.zeros((2, 3), np.float32)
     args = (np.zeros((4, 3), np.float32), np.zeros((2, 2), np.int64), np.ones((2, 2), np.float32))
