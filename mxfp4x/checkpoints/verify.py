@@ -125,7 +125,7 @@ class _Tally:
                     f"missing from the checkpoint: experts {start} to {end - 1} "
                     f"({end - start} experts)" if many else
                     f"missing from the checkpoint: expert {start}")
-                    + f" of config.json's num_experts {n_experts}, no tensor of "
+                    + f" of config.json's {layout.n_experts_key} {n_experts}, no tensor of "
                     + ("any of them" if many else "it")))
             start = end + 1
 
