@@ -27,6 +27,7 @@ import mxfp4x
 from mxfp4x import _cpu, _threads
 from mxfp4x._io import atomic_write
 from mxfp4x.testing import bench as _bench
+from mxfp4x.testing import roofline as _roofline
 
 BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gate_baseline.json")
 SHAPE = "gpt-oss-20b-down"
@@ -43,9 +44,11 @@ def measure(case, packed, scales, threads):
         mxfp4x.mxfp4_experts(c[0], packed, scales, c[1], c[2], c[3], num_threads=threads)
 
     run(0)
-    t = _bench.best_time(run, repeats=8 if case == "t1" else 3)
+    t = _roofline.best_time(run, repeats=8 if case == "t1" else 3)
     if case == "t1":
-        floor = _bench.read_floor(_bench.streamed_bytes(packed, scales, calls[0][1]), threads)
+        # the bytes at the machine's read bandwidth, measured now (the roofline's figure)
+        n_bytes = _bench.streamed_bytes(packed, scales, calls[0][1])
+        floor = n_bytes / _roofline.read_bandwidth(threads)
     else:
         floor = _bench.matmul_roof(n_tokens, top_k, d_out, d_in, threads, repeats=3)
     return t / floor

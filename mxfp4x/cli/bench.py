@@ -151,10 +151,10 @@ def _measure(args, calls, packed, scales, th, case, roofs, isa, pre=None, probe=
         for i in range(len(calls)):
             run(i, "cpu")
         before = probe.measure(th) if probe is not None else None
-        t_cpu = _bench.best_time(lambda i: run(i, "cpu"), repeats=args.repeats)
+        t_cpu = _roofline.best_time(lambda i: run(i, "cpu"), repeats=args.repeats)
         if probe is not None:
             roofs = _adjacent_roofs(roofs, th, before, probe.measure(th))
-        t_torch = (_bench.best_time(lambda i: run(i, "torch"), repeats=2)
+        t_torch = (_roofline.best_time(lambda i: run(i, "torch"), repeats=2)
                    if not args.no_torch else float("nan"))
     n_bytes = _bench.streamed_bytes(packed, scales, calls[0][1])
     n_flops = _bench.flops(n_tokens, top_k, d_out, d_in)

@@ -2,13 +2,12 @@
 floors of a case from the machine's roofs (``python -m mxfp4x roofline``, measured in
 the same process), a torch matmul roof, and the performance targets ``benchmarks/``
 holds each case to (the command shows a user the floors, not our targets)."""
-import time
-
 import numpy as np
 import torch
 
 from .. import _threads
 from .._format import GROUP, GROUP_BYTES
+from .roofline import best_time
 
 
 def _shapes():
@@ -69,31 +68,6 @@ def streamed_bytes(packed, scales, sel):
 
 def flops(n_tokens, top_k, d_out, d_in):
     return 2.0 * n_tokens * top_k * d_out * d_in
-
-
-def best_time(fn, repeats=5, min_time=0.0):
-    """Smallest wall time of ``repeats`` calls (fn gets the call index)."""
-    best = float("inf")
-    total = 0.0
-    i = 0
-    while i < repeats or total < min_time:
-        t0 = time.perf_counter()
-        fn(i)
-        dt = time.perf_counter() - t0
-        best = min(best, dt)
-        total += dt
-        i += 1
-    return best
-
-
-def read_floor(n_bytes, threads, repeats=5):
-    """Seconds to read n_bytes once from memory with ``threads`` threads (a sum over
-    a buffer rotated through > 256 MiB so it comes from DRAM, not cache)."""
-    n_bufs = max(2, -(-256 * 2**20 // max(n_bytes, 1)))
-    n_bufs = min(n_bufs, 64)
-    bufs = [torch.ones(max(n_bytes // 4, 1), dtype=torch.float32) for _ in range(n_bufs)]
-    with _threads.torch_threads(threads):
-        return best_time(lambda i: bufs[i % n_bufs].sum(), repeats=max(repeats, n_bufs))
 
 
 def matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=torch.float32, repeats=3):

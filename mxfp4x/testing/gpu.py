@@ -5,9 +5,10 @@ the torch backend computes in) and in the latents' dtype, and the wall time of a
 between two device synchronisations (so that host work inside a call, such as the
 per-expert loop, counts as a user would see it)."""
 import contextlib
-import time
 
 import torch
+
+from .roofline import best_time
 
 
 def _sync(device):
@@ -19,15 +20,11 @@ def synchronized_time(fn, device, repeats=5):
     """Smallest wall time of ``repeats`` calls of ``fn(i)``, each between two
     synchronisations of ``device``, after one call not counted (the first call's
     allocations and library loads)."""
-    fn(0)
-    _sync(device)
-    best = float("inf")
-    for i in range(repeats):
-        t0 = time.perf_counter()
+    def call(i):
         fn(i)
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    call(0)
+    return best_time(call, repeats)
 
 
 @contextlib.contextmanager
