@@ -11,11 +11,11 @@ import torch
 
 import mxfp4x
 from mxfp4x._format import matrix_bytes
+from mxfp4x._synthetic import gpt_oss as _gpt_oss
+from mxfp4x._synthetic import kimi_k3 as _kimi_k3
 from mxfp4x.checkpoints import families as ck
 from mxfp4x.models.gpt_oss import GPT_OSS_20B, GptOssMoE
 from mxfp4x.models.kimi_k3 import K3_SIZES
-from mxfp4x.testing import gpt_oss as _gpt_oss
-from mxfp4x.testing import kimi_k3 as _kimi_k3
 
 
 class Family(abc.ABC):

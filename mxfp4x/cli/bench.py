@@ -25,10 +25,10 @@ import mxfp4x
 from mxfp4x import _threads
 from mxfp4x._format import matrix_bytes
 from mxfp4x._io import atomic_write
+from mxfp4x._measure import bench as _bench
+from mxfp4x._measure import roofline as _roofline
 from mxfp4x._progress import Progress
-from mxfp4x.testing import bench as _bench
-from mxfp4x.testing import roofline as _roofline
-from mxfp4x.testing.layers import assert_matches_reference
+from mxfp4x._synthetic.layers import assert_matches_reference
 
 from ._args import memory, outputs, positive_int, thread_count
 from ._process import default_threads
@@ -264,7 +264,7 @@ def _run_cuda(args, device=None, roof_sizes=()):
     (``device``, ``roof_sizes``: another device and smaller roofs, for a check without
     a GPU)."""
     from mxfp4x import _triton_impl as _triton
-    from mxfp4x.testing import gpu
+    from mxfp4x._measure import gpu
 
     n_experts, top_k, d_out, d_in = _bench.SHAPES[args.shape]
     dtype, device = getattr(torch, args.dtype), device or torch.device("cuda")

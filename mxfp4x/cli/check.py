@@ -7,7 +7,7 @@ import torch
 
 import mxfp4x
 from mxfp4x import _cpu, _threads
-from mxfp4x.testing import layers as _testing
+from mxfp4x._synthetic import layers as _layers
 
 from ._args import nonnegative_int
 
@@ -33,10 +33,10 @@ def run(args):
         for dtype in DTYPES:
             for backend in ("cpu", "torch"):
                 for shape in SHAPES:
-                    layer = _testing.random_layer(rng, *shape, dtype=dtype, repeat_expert=True)
+                    layer = _layers.random_layer(rng, *shape, dtype=dtype, repeat_expert=True)
                     try:
                         y = mxfp4x.mxfp4_experts(**layer, backend=backend, isa=isa)
-                        _testing.assert_matches_reference(y, layer)
+                        _layers.assert_matches_reference(y, layer)
                         status = "ok"
                     except Exception as exc:  # noqa: BLE001 - reported, then counted
                         failures += 1

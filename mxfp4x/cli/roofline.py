@@ -1,7 +1,7 @@
 """the roofs of this machine: memory read bandwidth, FMA peak per ISA, torch.matmul"""
 import json
 
-from mxfp4x.testing import roofline as _roofline
+from mxfp4x._measure import roofline as _roofline
 
 from ._args import thread_count
 

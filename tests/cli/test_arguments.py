@@ -27,18 +27,18 @@ def no_work(monkeypatch, tmp_path):
     """Every command's first step of real work raises; temporary files go to tmp_path."""
     import torch.distributed
 
+    from mxfp4x._measure import bench as _bench
+    from mxfp4x._measure import roofline as _roofline
+    from mxfp4x._synthetic import gpt_oss as _gpt_oss
+    from mxfp4x._synthetic import kimi_k3 as _kimi_k3
+    from mxfp4x._synthetic import layers as _layers
     from mxfp4x.checkpoints import safetensors as _safetensors
     from mxfp4x.checkpoints import verify as _checkpoints
-    from mxfp4x.testing import bench as _bench
-    from mxfp4x.testing import gpt_oss as _gpt_oss
-    from mxfp4x.testing import kimi_k3 as _kimi_k3
-    from mxfp4x.testing import layers as _testing
-    from mxfp4x.testing import roofline as _roofline
 
     def work(*args, **kwargs):
         raise _WorkStarted
     for module, name in [(_roofline, "measure"), (_bench, "make_experts"),
-                         (_testing, "random_layer"), (mxfp4x, "quantize"),
+                         (_layers, "random_layer"), (mxfp4x, "quantize"),
                          (_safetensors, "save_file"), (_checkpoints, "verify_experts"),
                          (_checkpoints, "verify_gguf_experts"),
                          (_kimi_k3, "write_k3_checkpoint"), (_gpt_oss, "write_gpt_oss_layer"),

@@ -13,8 +13,8 @@ import torch
 
 import mxfp4x
 from mxfp4x import cli
+from mxfp4x._measure import bench as _bench
 from mxfp4x.checkpoints.safetensors import SafeTensorsFile, save_file
-from mxfp4x.testing import bench as _bench
 from mxfp4x.testing.layers import gguf_blocks_of
 
 NAMES = ["info", "bench", "check", "quantize", "verify", "layer", "roofline", "ep-bench"]
@@ -27,6 +27,18 @@ def test_every_command_module_is_a_command():
     assert [cli.command_name(m) for m in cli.COMMANDS] == NAMES
     for module in cli.COMMANDS:  # the help line --help shows
         assert module.__doc__.split("\n\n")[0].strip(), module
+
+
+def test_commands_do_not_import_the_test_helpers():
+    """The commands take what they share with the tests from mxfp4x._synthetic and
+    mxfp4x._measure, never from mxfp4x.testing (the tests' and benchmarks' package)."""
+    code = ("import pkgutil, sys, importlib, mxfp4x.cli as c\n"
+            "for m in pkgutil.iter_modules(c.__path__):\n"
+            "    importlib.import_module('mxfp4x.cli.' + m.name)\n"
+            "print(sorted(n for n in sys.modules if n.startswith('mxfp4x.testing')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_help_lists_every_command(cli_run):
@@ -164,8 +176,8 @@ def test_bench_floors_take_the_read_roofs_measured_beside_the_case(monkeypatch, 
     """bench measures the read roofs again just before and just after each case and takes
     the better (a noisy host's bandwidth moves between minutes), for that case only; with
     too little memory for the probe's buffers it keeps the roofs of the start and says so."""
+    from mxfp4x._measure import roofline
     from mxfp4x.cli import bench
-    from mxfp4x.testing import roofline
 
     class Probe:  # 20 GB/s before the case, 30 after; torch's memory 10 and 12
         seen = []
