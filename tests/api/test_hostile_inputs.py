@@ -362,7 +362,8 @@ def test_num_threads_beyond_the_cap_leaves_no_crowd_of_threads():
         print(threads, MAX_THREADS)
     """) if sys.platform.startswith("linux") else pytest.skip("reads /proc/self/status")
     threads, cap = (int(v) for v in out.split())
-    assert cap <= 256 and threads <= cap + 16, (threads, cap)
+    # the cap's value is held in one test (test_threads.py's test_thread_policy_has_one_owner)
+    assert threads <= cap + 16, (threads, cap)
 
 
 # ---- torch.compile, zero sizes, strides, ids ----------------------------------------------
