@@ -163,6 +163,20 @@ def _expert_ids(layout: ExpertNaming, names: Sequence[str]) -> List[int]:
     return sorted(ids)
 
 
+def _chosen_layers(layers: Optional[Sequence[int]], available: List[int], root: str,
+                   what: str) -> List[int]:
+    """The layers a verify checks: ``layers`` as ints (None: every layer in ``available``,
+    those the file holds ``what`` for); a ValueError naming the ones it does not hold."""
+    if layers is None:
+        return available
+    chosen = [int(layer) for layer in layers]
+    absent = [layer for layer in chosen if layer not in available]
+    if absent:
+        raise ValueError(f"layers: {root} holds no {what} for layer(s) {absent} (its expert "
+                         f"layers: {available})")
+    return chosen
+
+
 def verify_experts(path: Union[str, SafeTensorsCheckpoint],
                    layers: Optional[Sequence[int]] = None,
                    manifest: Optional[Dict[str, str]] = None,
@@ -196,15 +210,8 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
     if manifest is not None:
         manifest = check_manifest(manifest)
     held = expert_names(ckpt, layout)
-    available = sorted({layer for _, layer in held})
-    if layers is None:
-        layers = available
-    else:
-        layers = [int(layer) for layer in layers]
-        absent = [layer for layer in layers if layer not in available]
-        if absent:
-            raise ValueError(f"layers: {ckpt.root} holds no {layout.name} expert tensors for "
-                             f"layer(s) {absent} (its expert layers: {available})")
+    layers = _chosen_layers(layers, sorted({layer for _, layer in held}), ckpt.root,
+                            f"{layout.name} expert tensors")
     if not layers:
         example = layout.tensor(layout.prefixes[0], 1, 0, "down", layout.packed)
         raise ValueError(f"{ckpt.root}: no {layout.name} expert tensors (names like "
@@ -303,15 +310,7 @@ def verify_gguf_experts(path: Union[str, GGUFCheckpoint],
     if manifest is not None:
         manifest = check_manifest(manifest)
     held = gguf_expert_tensors(ckpt)
-    available = sorted(held)
-    if layers is None:
-        layers = available
-    else:
-        layers = [int(layer) for layer in layers]
-        absent = [layer for layer in layers if layer not in available]
-        if absent:
-            raise ValueError(f"layers: {ckpt.root} holds no expert tensors for layer(s) "
-                             f"{absent} (its expert layers: {available})")
+    layers = _chosen_layers(layers, sorted(held), ckpt.root, "expert tensors")
     if not layers:
         raise ValueError(f"{ckpt.root}: no expert tensors (names like "
                          f"'blk.0.ffn_down_exps.weight'): nothing to verify")
