@@ -1,5 +1,6 @@
-"""Training steps of a transformers causal LM with and without activation checkpointing
-(shared by tests/integrations/)."""
+"""Gradients of a transformers causal LM, shared by tests/integrations/: the input
+embeddings' gradient against a reference model's, and training steps with and without
+activation checkpointing."""
 import copy
 import warnings
 
@@ -41,3 +42,19 @@ def assert_same_training_grads(model, batches, trained=("layers.0.self_attn.",))
             assert torch.equal(a[name], b[name]), (step, name, (a[name] - b[name]).abs().max())
         for part in trained:
             assert any(b[n].abs().max() > 0 for n in b if part in n), (step, part)
+
+
+def assert_same_input_grads(model, reference, ids):
+    """The gradient of the squared logits' sum with respect to the input embeddings of
+    ``ids`` through ``model`` is ``reference``'s within 1e-5 of its largest element (and
+    that is not zero)."""
+    grads = []
+    for m in (model, reference):
+        emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        m(inputs_embeds=emb).logits.square().sum().backward()
+        grads.append(emb.grad)
+        m.zero_grad(set_to_none=True)
+    got, want = grads
+    assert want.abs().max() > 0
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * want.abs().max().item(), err

@@ -15,7 +15,10 @@ pytest.importorskip("accelerate", reason="transformers' own mxfp4 loader (the ba
 
 from safetensors import safe_open  # noqa: E402  (transformers' dependency)
 from safetensors.torch import save_file  # noqa: E402
-from training_steps import assert_same_training_grads  # noqa: E402  (tests/)
+from training_steps import (  # noqa: E402  (tests/)
+    assert_same_input_grads,
+    assert_same_training_grads,
+)
 
 import mxfp4x.integrations.transformers as mxt  # noqa: E402
 
@@ -436,17 +439,7 @@ def test_bf16_saves_the_released_bytes(checkpoint, tmp_path):
 
 def test_gradient_of_the_input_embeddings_matches(models):
     ours, dense = models
-    ids = _tokens(seed=4)
-    grads = []
-    for model in (ours, dense):
-        emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-        model(inputs_embeds=emb).logits.square().sum().backward()
-        grads.append(emb.grad)
-        model.zero_grad(set_to_none=True)
-    got, want = grads
-    assert want.abs().max() > 0
-    err = (got - want).abs().max().item()
-    assert err <= 1e-5 * want.abs().max().item(), err
+    assert_same_input_grads(ours, dense, _tokens(seed=4))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(checkpoint):

@@ -14,7 +14,10 @@ pytest.importorskip("accelerate", reason="transformers' loader wants accelerate"
 
 from memory_probe import measure, report  # noqa: E402  (tests/)
 from safetensors import safe_open  # noqa: E402  (transformers' dependency)
-from training_steps import assert_same_training_grads  # noqa: E402  (tests/)
+from training_steps import (  # noqa: E402  (tests/)
+    assert_same_input_grads,
+    assert_same_training_grads,
+)
 
 import mxfp4x  # noqa: E402
 import mxfp4x.integrations.transformers as mxt  # noqa: E402
@@ -145,16 +148,7 @@ def test_greedy_generate_matches_the_dequantized_model(loaded):
 
 def test_gradient_of_the_input_embeddings_matches(loaded):
     _, _, ours, _, deq = loaded
-    ids = _tokens(seed=4)
-    grads = []
-    for model in (ours, deq):
-        emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-        model(inputs_embeds=emb).logits.square().sum().backward()
-        grads.append(emb.grad)
-        model.zero_grad(set_to_none=True)
-    got, want = grads
-    assert want.abs().max() > 0
-    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert_same_input_grads(ours, deq, _tokens(seed=4))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(checkpoint):
