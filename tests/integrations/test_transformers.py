@@ -103,15 +103,22 @@ def _tokens(n=12, batch=2, seed=1):
     return torch.randint(0, SIZES["vocab_size"], (batch, n), generator=g)
 
 
+def _assert_same_logits(model, reference):
+    """``model``'s logits on ``_tokens()`` within 1e-5 of max|logit| of ``reference``'s;
+    returns both."""
+    ids = _tokens()
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * want.abs().max().item(), err
+    return got, want
+
+
 def test_logits_match_transformers_dequantized(models):
     ours, dense = models
     assert not isinstance(dense.model.layers[0].mlp.experts, mxt.GptOssMxfp4Experts)
-    ids = _tokens()
-    with torch.no_grad():
-        got, want = ours(ids).logits, dense(ids).logits
+    got, want = _assert_same_logits(ours, dense)
     assert got.dtype == want.dtype == torch.float32
-    err = (got - want).abs().max().item()
-    assert err <= 1e-5 * want.abs().max().item(), err
 
 
 def test_experts_the_checkpoint_keeps_dense_stay_dense(checkpoint, tmp_path):
@@ -141,10 +148,7 @@ def test_experts_the_checkpoint_keeps_dense_stay_dense(checkpoint, tmp_path):
     assert config.to_dict() == before
     assert isinstance(ours.model.layers[0].mlp.experts, mxt.GptOssMxfp4Experts)
     assert not isinstance(ours.model.layers[1].mlp.experts, mxt.GptOssMxfp4Experts)
-    ids = _tokens()
-    with torch.no_grad():
-        got, want = ours(ids).logits, dense(ids).logits
-    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    _assert_same_logits(ours, dense)
 
 
 def _folder_with(checkpoint, folder, edit_tensors=None, edit_config=None):
@@ -206,10 +210,7 @@ def test_modules_to_not_convert_dequantizes_the_mxfp4_experts_it_names(checkpoin
         with safe_open(os.path.join(checkpoint, "model.safetensors"), "pt") as f:
             bias = f.get_tensor(f"model.layers.{layer}.mlp.experts.down_proj_bias")
         assert torch.equal(experts.down_proj_bias, bias.float())
-    ids = _tokens()
-    with torch.no_grad():
-        got, want = ours(ids).logits, dense(ids).logits
-    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    got, _ = _assert_same_logits(ours, dense)
     ours.save_pretrained(tmp_path)
     with open(tmp_path / "config.json") as fh:
         assert pattern in json.load(fh)["quantization_config"]["modules_to_not_convert"]
@@ -217,7 +218,7 @@ def test_modules_to_not_convert_dequantizes_the_mxfp4_experts_it_names(checkpoin
     for layer in layers:
         assert type(again.model.layers[layer].mlp.experts) is GptOssExperts
     with torch.no_grad():
-        assert torch.equal(again(ids).logits, got)
+        assert torch.equal(again(_tokens()).logits, got)
 
 
 def test_dequantized_experts_take_the_model_dtype(checkpoint):
@@ -251,10 +252,7 @@ def test_experts_stored_dense_but_not_listed_load_as_stored(checkpoint, models, 
     ours, (_, dense) = _ours(folder), models
     assert isinstance(ours.model.layers[0].mlp.experts, mxt.GptOssMxfp4Experts)
     assert not isinstance(ours.model.layers[1].mlp.experts, mxt.GptOssMxfp4Experts)
-    ids = _tokens()
-    with torch.no_grad():
-        got, want = ours(ids).logits, dense(ids).logits
-    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    _assert_same_logits(ours, dense)
     assert "model.layers.1.mlp.experts" in ours.config.quantization_config.modules_to_not_convert
 
 
@@ -329,10 +327,7 @@ def test_gpt_oss_takes_grouped_attention_unless_asked(models, checkpoint):
     assert eager.config._attn_implementation == "eager"
     asked = transformers.AutoConfig.from_pretrained(checkpoint, attn_implementation="eager")
     assert _ours(checkpoint, config=asked).config._attn_implementation == "eager"
-    ids = _tokens()
-    with torch.no_grad():
-        got, want = ours(ids).logits, eager(ids).logits
-    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    _assert_same_logits(ours, eager)
 
 
 class _Heads(torch.nn.Module):
