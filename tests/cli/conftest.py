@@ -1,5 +1,6 @@
 """Fixtures of the command-line tests: the command line run in this process or in a new
-one, and tiny Kimi K3 checkpoints in the release's layout."""
+one, tiny Kimi K3 checkpoints in the release's layout, and a tensor's bytes tampered with
+in its file."""
 import subprocess
 import sys
 
@@ -52,3 +53,18 @@ def make_k3():
 def k3(tmp_path_factory, make_k3):
     """Read-only: tests that change a checkpoint write their own."""
     return make_k3(tmp_path_factory.mktemp("k3"))
+
+
+@pytest.fixture
+def flip_byte():
+    """``flip(checkpoint, name)``: one bit of the middle byte of tensor ``name`` flipped
+    in its file, in place (``checkpoint``: a SafeTensorsCheckpoint or a GGUFCheckpoint,
+    whose ``byte_range`` says where the tensor's bytes are)."""
+    def flip(checkpoint, name):
+        path, begin, end = checkpoint.byte_range(name)
+        with open(path, "r+b") as f:
+            f.seek((begin + end) // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x10]))
+    return flip

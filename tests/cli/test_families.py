@@ -39,15 +39,6 @@ def _copy(src, dst):
     return str(dst)
 
 
-def _flip_byte(folder, name):
-    path, begin, end = SafeTensorsCheckpoint(folder).byte_range(name)
-    with open(path, "r+b") as f:
-        f.seek((begin + end) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 def test_the_registry_holds_both_families_for_every_reader():
     from mxfp4x.cli._families import MODELS
     from mxfp4x.models.gpt_oss import tensor_names
@@ -68,7 +59,7 @@ def test_the_registry_holds_both_families_for_every_reader():
     assert names["down_bias"] == "model.layers.7.mlp.experts.down_proj_bias"
 
 
-def test_verify_a_gpt_oss_checkpoint(gpt_oss, tmp_path, cli_main):
+def test_verify_a_gpt_oss_checkpoint(gpt_oss, tmp_path, cli_main, flip_byte):
     """It was refused: "unknown MoE family (model_type 'gpt_oss')"."""
     folder = _copy(gpt_oss, tmp_path / "ck")
     manifest = tmp_path / "sha256.json"
@@ -81,7 +72,7 @@ def test_verify_a_gpt_oss_checkpoint(gpt_oss, tmp_path, cli_main):
     code, out, _ = cli_main("verify", folder, "--layers", "1", "--manifest", manifest)
     assert code == 0 and "4 expert tensors of layers [1] and 4 other tensors" in out
     victim = NAMES[3].format(1)
-    _flip_byte(folder, victim)
+    flip_byte(SafeTensorsCheckpoint(folder), victim)
     code, out, _ = cli_main("verify", folder, "--manifest", manifest)
     assert code == 1 and f"MISMATCH {victim}: the file's bytes differ from the manifest" in out
 

@@ -24,15 +24,6 @@ def _sha(path, name):
         return hashlib.sha256(f.read(end - begin)).hexdigest()
 
 
-def _flip_byte(path, name):
-    file_path, begin, end = GGUFCheckpoint(path).byte_range(name)
-    with open(file_path, "r+b") as f:
-        f.seek((begin + end) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 def test_info_lists_the_experts(tmp_path, cli_main):
     (path,) = tiny_gguf(tmp_path / "m.gguf")
     code, out, err = cli_main("info", path)
@@ -77,7 +68,7 @@ def test_info_refuses_what_is_not_a_gguf_file(tmp_path, cli_main, content):
     assert code == 2 and "argument file" in err and str(path) in err
 
 
-def test_verify_a_gguf_file_and_its_manifest(tmp_path, cli_main):
+def test_verify_a_gguf_file_and_its_manifest(tmp_path, cli_main, flip_byte):
     (path,) = tiny_gguf(tmp_path / "m.gguf")
     manifest = tmp_path / "sha256.json"
     code, out, err = cli_main("verify", path, "--write-manifest", manifest)
@@ -89,7 +80,7 @@ def test_verify_a_gguf_file_and_its_manifest(tmp_path, cli_main):
     code, out, _ = cli_main("verify", path, "--manifest", manifest)
     assert code == 0 and "and match the manifest" in out
     victim = "blk.1.ffn_up_exps.weight"
-    _flip_byte(path, victim)
+    flip_byte(GGUFCheckpoint(path), victim)
     code, out, _ = cli_main("verify", path, "--layers", "0", "--manifest", manifest)
     assert code == 1
     assert "3 expert tensors of layers [0] and 3 other tensors of the manifest" in out

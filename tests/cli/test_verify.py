@@ -15,18 +15,9 @@ from mxfp4x.testing.kimi_k3 import k3_config
 PREFIX = "language_model.model.layers.{}.block_sparse_moe.experts."
 
 
-def _flip_byte(folder, name):
-    path, begin, end = SafeTensorsCheckpoint(folder).byte_range(name)
-    with open(path, "r+b") as f:
-        f.seek((begin + end) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 @pytest.mark.parametrize("layers", [(1, 5), (5,)], ids=["1+5", "5"])
 def test_verify_finds_a_tampered_layer_above_num_hidden_layers(tmp_path, make_k3, cli_main,
-                                                              layers):
+                                                              layers, flip_byte):
     """Layer 5 of a 3-layer config: the loader reads it, so verify checks it (it used to
     check only layers below num_hidden_layers: "0 expert tensors ... match", exit 0)."""
     folder = make_k3(tmp_path / "ck", layers)
@@ -36,7 +27,7 @@ def test_verify_finds_a_tampered_layer_above_num_hidden_layers(tmp_path, make_k3
     assert code == 0 and f"{n} expert tensors of layers {list(layers)}" in out
     assert len(json.loads(manifest.read_text())) == n
     victim = PREFIX.format(5) + "3.w2.weight_packed"
-    _flip_byte(folder, victim)
+    flip_byte(SafeTensorsCheckpoint(folder), victim)
     block = mxfp4x.nn.KimiK3MoE.from_checkpoint(folder, layer=5, progress=False)
     assert block.experts.n_local == 16  # what verify must cover: the loader takes it
     code, out, _ = cli_main("verify", folder, "--manifest", manifest)
@@ -56,12 +47,13 @@ def test_verify_reports_a_manifest_entry_the_checkpoint_lacks(tmp_path, k3, cli_
     assert f"MISMATCH {ghost}: in the manifest but missing from the checkpoint" in out
 
 
-def test_verify_checks_manifest_entries_outside_the_layers_asked(tmp_path, make_k3, cli_main):
+def test_verify_checks_manifest_entries_outside_the_layers_asked(tmp_path, make_k3, cli_main,
+                                                                flip_byte):
     folder = make_k3(tmp_path / "ck")
     manifest = tmp_path / "sha256.json"
     assert cli_main("verify", folder, "--write-manifest", manifest)[0] == 0
     victim = PREFIX.format(5) + "0.w3.weight_scale"
-    _flip_byte(folder, victim)
+    flip_byte(SafeTensorsCheckpoint(folder), victim)
     code, out, _ = cli_main("verify", folder, "--layers", "1", "--manifest", manifest)
     assert code == 1
     assert "96 expert tensors of layers [1] and 96 other tensors of the manifest" in out
@@ -112,14 +104,14 @@ def test_verify_library_refuses_layers_without_experts(k3):
         verify_experts(k3, manifest=["not", "a", "dict"])  # type: ignore[arg-type]
 
 
-def test_verify_writes_no_manifest_after_a_mismatch(tmp_path, make_k3, cli_main):
+def test_verify_writes_no_manifest_after_a_mismatch(tmp_path, make_k3, cli_main, flip_byte):
     """A manifest is a reference: one written from files that failed verification would
     vouch for their bad bytes (it was written, whatever was found)."""
     folder = make_k3(tmp_path / "ck", [1])
     manifest, new, old = tmp_path / "sha256.json", tmp_path / "new.json", tmp_path / "old.json"
     assert cli_main("verify", folder, "--write-manifest", manifest)[0] == 0
     old.write_text('{"old": "manifest"}')
-    _flip_byte(folder, PREFIX.format(1) + "2.w3.weight_packed")
+    flip_byte(SafeTensorsCheckpoint(folder), PREFIX.format(1) + "2.w3.weight_packed")
     for target in (new, old):
         code, out, err = cli_main("verify", folder, "--manifest", manifest,
                                   "--write-manifest", target)
