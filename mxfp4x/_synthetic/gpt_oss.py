@@ -107,6 +107,14 @@ def gpt_oss_reference(block, h, idx, w, rows: Optional[slice] = None) -> np.ndar
     return out
 
 
+def released_quantization_config() -> Dict[str, Any]:
+    """config.json's ``quantization_config`` as gpt-oss is released: MXFP4 experts, the
+    attention, the router, the embeddings and the head left dense (a new dict each call)."""
+    return {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+
+
 GPT_OSS_20B_MODEL = dict(num_hidden_layers=24, num_local_experts=32, vocab_size=201088)
 """transformers' ``GptOssConfig`` defaults (gpt-oss-120b) with these, as released."""
 
@@ -236,9 +244,7 @@ def write_gpt_oss_model(folder: str, seed: int = 0, layers_per_file: int = 4,
     with atomic_write(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
         json.dump(index, fh, indent=1)
     out = cfg.to_dict()
-    out["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
-        "lm_head"]}
+    out["quantization_config"] = released_quantization_config()
     with atomic_write(os.path.join(folder, "config.json"), "w") as fh:
         json.dump(out, fh, indent=1)
     return out

@@ -8,11 +8,12 @@ from .._synthetic.gpt_oss import (
     HARMONY_TOKENS,
     SPECIAL_TOKENS,
     gpt_oss_reference,
+    released_quantization_config,
     write_gpt_oss_layer,
     write_gpt_oss_model,
     write_tokenizer,
 )
 
 __all__ = ["ARCHITECTURES", "CHUNK", "GPT_OSS_20B_MODEL", "HARMONY_TOKENS", "SPECIAL_TOKENS",
-           "gpt_oss_reference", "write_gpt_oss_layer", "write_gpt_oss_model",
-           "write_tokenizer"]
+           "gpt_oss_reference", "released_quantization_config", "write_gpt_oss_layer",
+           "write_gpt_oss_model", "write_tokenizer"]

@@ -21,6 +21,7 @@ from training_steps import (  # noqa: E402  (tests/)
 )
 
 import mxfp4x.integrations.transformers as mxt  # noqa: E402
+from mxfp4x.testing.gpt_oss import released_quantization_config  # noqa: E402
 
 EXPERT_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
                   "down_proj_blocks", "down_proj_scales", "down_proj_bias")
@@ -56,9 +57,7 @@ def _write_checkpoint(folder, seed=0):
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     cfg = config.to_dict()
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
-        "lm_head"]}
+    cfg["quantization_config"] = released_quantization_config()
     with open(os.path.join(folder, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=1)
     return folder
