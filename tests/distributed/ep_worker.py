@@ -291,6 +291,16 @@ def raiser(exc):
     return fail
 
 
+def reported(exc, limit):
+    """(type name, message) of an exception a case raised, as the parent reads them: the
+    message cut to ``limit`` characters, or "<unprintable>" where ``str`` itself raises."""
+    try:
+        message = str(exc)[:limit]
+    except Exception:  # noqa: BLE001 - Unprintable
+        message = "<unprintable>"
+    return type(exc).__name__, message
+
+
 class Entries:
     """Small layers for every distributed entry point and module, built once per world.
     ``call(entry, bad)`` runs one; ``bad`` holds the faults of this rank."""
@@ -441,11 +451,7 @@ def run_case(entries, case, rank):
             setattr(m, name, patches[name])
         entries.call(entry, bad)
     except BaseException as exc:  # noqa: BLE001 - reported, whatever it is
-        raised = type(exc).__name__
-        try:
-            message = str(exc)[:400]
-        except Exception:  # noqa: BLE001 - Unprintable
-            message = "<unprintable>"
+        raised, message = reported(exc, 400)
     finally:
         for (m, name), fn in saved.items():
             setattr(m, name, fn)
@@ -742,11 +748,7 @@ def run_stack(stacks, case, rank):
             equal = bool(torch.equal(bits(stacks.request(kind, b["layers"], i, stacks.mine,
                                                          grad)), b["want"][i]))
         except BaseException as exc:  # noqa: BLE001 - reported, whatever it is
-            raised = type(exc).__name__
-            try:
-                message = str(exc)[:300]
-            except Exception:  # noqa: BLE001 - Unprintable
-                message = "<unprintable>"
+            raised, message = reported(exc, 300)
         finally:
             FAULT.update(point=None, exc=None, armed=False)
             for obj, name, old in saved:
