@@ -13,7 +13,6 @@ weights come from memory, not cache.
 """
 import os
 import statistics
-import time
 
 import pytest
 import torch
@@ -57,20 +56,11 @@ def test_gguf_vs_safetensors(benchmark, n_tokens, threads):
         y = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared, num_threads=threads)
         assert_matches_reference(y[:3, rows], layer, rows=rows)
 
-    times: dict = {name: [] for name in weights}
-    state = {"i": 0}
-
-    def run():
-        """One call of each form on the same tokens, the order swapped every round."""
-        i = state["i"]
-        state["i"] += 1
-        c = calls[i % n_calls]
-        order = list(weights) if i % 2 == 0 else list(weights)[::-1]
-        for name in order:
-            packed, scales = weights[name]
-            t0 = time.perf_counter()
-            mxfp4x.mxfp4_experts(c[0], packed, scales, c[1], c[2], c[3], num_threads=threads)
-            times[name].append(time.perf_counter() - t0)
+    # one call of each form on the same tokens, the order swapped every round
+    run, times = _bench.alternating(
+        {name: (lambda c, w=w: mxfp4x.mxfp4_experts(c[0], w[0], w[1], c[1], c[2], c[3],
+                                                    num_threads=threads))
+         for name, w in weights.items()}, calls)
 
     benchmark.group = f"{SHAPE} T={n_tokens} float32 gguf vs safetensors"
     rounds = 1 if SMALL else (40 if n_tokens <= 32 else 10)

@@ -18,7 +18,6 @@ call's output is checked against the float64 reference of the block (same routin
 import os
 import statistics
 import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ import torch
 import mxfp4x
 from mxfp4x import _dense
 from mxfp4x.cli._families import MODELS
+from mxfp4x.testing import bench as _bench
 from mxfp4x.testing import kimi_k3 as _kimi_k3
 
 SMALL = os.environ.get("MXFP4X_BENCH_SMALL") == "1"
@@ -88,24 +88,16 @@ def test_k3_block(benchmark, roofs, n_tokens, threads):
     n_calls = 6
     calls = [tokens(b, n_tokens, i) for i in range(n_calls)]
     check(b, calls[0][:2], b(calls[0][:2]))
-    times: dict = {"mxfp4x": [], "torch_dense": []}
-    state = {"i": 0}
 
-    def one(mode, x):
+    def torch_dense(x):  # the peer: the dense products in torch, mxfp4x's kernel off
         old = _dense.MAX_TOKENS
-        _dense.MAX_TOKENS = 0 if mode == "torch_dense" else old
+        _dense.MAX_TOKENS = 0
         try:
-            t0 = time.perf_counter()
             b(x)
-            times[mode].append(time.perf_counter() - t0)
         finally:
             _dense.MAX_TOKENS = old
 
-    def run():
-        i = state["i"]
-        state["i"] += 1
-        for mode in (("mxfp4x", "torch_dense") if i % 2 == 0 else ("torch_dense", "mxfp4x")):
-            one(mode, calls[i % n_calls])
+    run, times = _bench.alternating({"mxfp4x": b, "torch_dense": torch_dense}, calls)
 
     benchmark.group = f"kimi-k3-block T={n_tokens} bfloat16"
     rounds = 1 if SMALL else 12

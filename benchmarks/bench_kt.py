@@ -204,20 +204,8 @@ def test_kt_vs_mxfp4x(benchmark, n_tokens, threads):
         assert err < 2.0 ** -5, f"{name}: error {err:.3g} of max |reference|"
     settle()
 
-    times: dict = {name: [] for name in sides}
-    state = {"i": 0}
-
-    def run():
-        """One call of each side on the same tokens, the order swapped every round."""
-        i = state["i"]
-        state["i"] += 1
-        c = calls[i % n_calls]
-        order = list(sides) if i % 2 == 0 else list(sides)[::-1]
-        for name in order:
-            t0 = time.perf_counter()
-            sides[name](c)
-            times[name].append(time.perf_counter() - t0)
-            settle()
+    # one call of each side on the same tokens, the order swapped every round
+    run, times = _bench.alternating(sides, calls, after=settle)
 
     benchmark.group = f"{SHAPE} T={n_tokens} bfloat16 kt-kernel vs mxfp4x"
     rounds = 1 if SMALL else (30 if n_tokens <= 32 else 5)
