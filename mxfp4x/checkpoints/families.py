@@ -221,12 +221,15 @@ def checkpoint_files(ckpt: SafeTensorsCheckpoint) -> List[str]:
     return sorted(files)
 
 
-def find_prefix(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int) -> str:
-    """The name prefix this checkpoint uses (e.g. "language_model." or none)."""
+def find_prefix(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int,
+                expert: int = 0) -> str:
+    """The name prefix this checkpoint uses (e.g. "language_model." or none), found by
+    expert ``expert``'s tensors (a file set holding only some experts, as an
+    expert-parallel rank's may, is probed by one of its own)."""
     for prefix in layout.prefixes:
-        if layout.tensor(prefix, layer, 0, "down", layout.packed) in ckpt:
+        if layout.tensor(prefix, layer, expert, "down", layout.packed) in ckpt:
             return prefix
-    tried = [layout.tensor(p, layer, 0, "down", layout.packed) for p in layout.prefixes]
+    tried = [layout.tensor(p, layer, expert, "down", layout.packed) for p in layout.prefixes]
     raise KeyError(f"{ckpt.root}: no {layout.name} experts for layer {layer} (looked for "
                    f"{tried})")
 

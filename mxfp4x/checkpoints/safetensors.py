@@ -330,6 +330,10 @@ class SafeTensorsCheckpoint:
                              f"no such tensor")
         return f
 
+    def keys(self) -> Iterable[str]:
+        """Every tensor name the checkpoint's files hold (index order, else file order)."""
+        return self._where.keys()
+
     def __contains__(self, name: str) -> bool:
         return name in self._where
 

@@ -114,6 +114,29 @@ def test_partial_load_maps_only_the_asked_experts(ckpt, rng):
             nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, expert_range=bad, progress=False)
 
 
+def test_files_holding_only_some_experts_load_their_range(tmp_path, ckpt, rng):
+    """An expert-parallel rank's own file set (experts 8..15 of layer 1, the rest of the
+    layer, nothing of experts 0..7) loads that range: the prefix is found by an expert
+    the files hold, not by expert 0."""
+    import glob
+    import shutil
+
+    from mxfp4x.checkpoints.safetensors import SafeTensorsCheckpoint, save_file
+    full = SafeTensorsCheckpoint(ckpt)
+    keep = {n: full.get(n).clone() for n in full.keys()
+            if not any(f".experts.{e}." in n for e in range(8))}
+    assert len(keep) < len(full.keys())
+    save_file(keep, str(tmp_path / "model.safetensors"))
+    shutil.copy(glob.glob(ckpt + "/config.json")[0], tmp_path / "config.json")
+    part = nn.KimiK3MoE.from_checkpoint(str(tmp_path), layer=1, expert_range=(8, 16),
+                                        progress=False)
+    whole = nn.KimiK3MoE.from_checkpoint(ckpt, layer=1, expert_range=(8, 16), progress=False)
+    h = torch.from_numpy(rng.standard_normal((5, 128))).float()
+    sel = torch.from_numpy(rng.integers(8, 16, (5, 4)))
+    w = torch.from_numpy(rng.random((5, 4))).float()
+    assert torch.equal(part.experts(h, sel, w), whole.experts(h, sel, w))
+
+
 @pytest.mark.skipif(getattr(torch, "float8_e8m0fnu", None) is None, reason="no e8m0 dtype")
 def test_no_prefix_and_typed_bytes(tmp_path, ckpt, rng):
     """No "language_model." prefix, bytes stored I8 and scales F8_E8M0: read by view,

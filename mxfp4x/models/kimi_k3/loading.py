@@ -33,11 +33,11 @@ def from_safetensors(cls, path, layer: int, expert_range=None,
     hyper = block_config(config, ck.config_path(root))
     ckpt = ck.open_checkpoint(path)
     layout = ck.KIMI_K3
-    prefix = ck.find_prefix(ckpt, layout, layer)
-    base = prefix + layout.block.format(layer=layer)
     n_experts = hyper["num_experts"]
     rng = expert_range_within(expert_range, n_experts, "the checkpoint's experts")
     ids = list(range(*rng))
+    prefix = ck.find_prefix(ckpt, layout, layer, ids[0] if ids else 0)  # one it holds
+    base = prefix + layout.block.format(layer=layer)
     bar = Progress(len(ids), f"layer {layer} experts") if progress else None
     proj = ck.load_experts(ckpt, layout, layer, ids, prefix, bar)
     beta, linear_beta = situ_betas(config)
