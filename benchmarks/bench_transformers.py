@@ -34,7 +34,7 @@ TOTAL_LAYERS = 24
 PREFILL = (128, 512)
 DECODE = 32
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_local_experts=4,
-             vocab_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             vocab_size=288, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              sliding_window=8)
 
 
