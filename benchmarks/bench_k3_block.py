@@ -7,7 +7,7 @@ reads the same bytes; the file is 2.3 GB instead of 15.7), bfloat16 tokens as th
 model runs, 1 and 2 threads.  Its read floor is every byte a call reads once -- the
 distinct selected experts (w1, w3, w2, their scales) and every dense weight (router and
 bias, down and up projections, norm, shared experts) -- over the read bandwidth measured
-in this session (``roofs``); the target is 1.5 x that floor at one token.
+in this pytest run (``roofs``); the target is 1.5 x that floor at one token.
 
 The peer is the same block with its dense products in torch (``F.linear``, mxfp4x's dense
 kernel switched off), timed interleaved with it call by call.  ``extra_info``: ``time_s``

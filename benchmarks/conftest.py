@@ -33,7 +33,7 @@ def roofs():
     return _ROOFS
 
 
-_ROOFS: dict = {}  # this session's roofs, for the summary below
+_ROOFS: dict = {}  # this pytest run's roofs, for the summary below
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
