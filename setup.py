@@ -188,12 +188,9 @@ def _extensions():
     from Cython.Build import cythonize
 
     here = os.path.dirname(os.path.abspath(__file__))
-    headers = [os.path.join("include", "mxfp4x", n) for n in
-               ("mxfp4x.h", "config.h", "cpu.h", "scalar.h", "avx2.h", "avx512.h", "float64.h",
-                "emulate_avx512.h", "emulate_amx.h", "neon.h", "amx.h", "avx512bf16.h",
-                "bf16_unit.h", "threads.h", "dispatch.h")] + \
-        [os.path.join("include", "mxfp4x", sub, n) for sub in ("generic", "dense") for n in
-         sorted(os.listdir(os.path.join(here, "include", "mxfp4x", sub)))]
+    headers = sorted(os.path.relpath(os.path.join(d, n), here)
+                     for d, _, names in os.walk(os.path.join(here, "include", "mxfp4x"))
+                     for n in names if n.endswith(".h"))
     exts = [Extension(f"mxfp4x.{name}", sources=[f"mxfp4x/{name}.pyx"],
                       include_dirs=[os.path.join(here, "include")], depends=headers)
             for name in ("_cpu", "_probes")]
