@@ -334,7 +334,7 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int nrb,
  * float32, and an FMA rounds the sum once, as the unit does.  The scale is taken out of
  * the chains: E and O are summed on the unscaled E2M1 values, and C += 2^(s-127) (E + O)
  * by one FMA.  Multiplying by a power of two commutes with each rounding while the values
- * stay normal and finite, which the exact-path conditions ensure (mxfp4x.h: unscaled
+ * stay normal and finite, which the exact-path conditions ensure (tables.h: unscaled
  * products are at least 2^-61 and under 2^67, scaled ones multiples of 2^-126 under
  * 2^104), so every step equals the tile's. */
 /* Up to this many tokens per expert the gemv outruns the tiles streaming from DRAM (a Xeon:
@@ -544,7 +544,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_gemv(const mxfp4x_rows *w, int64_t row_start, int6
         for (t0 = 0; t0 < n_tok; t0 += 4) {
             /* the next block of rows (or the next call's), fetched during the first pass */
             mxfp4x_pf_cursor pf = {NULL, NULL, 0};
-            /* one 16-row block ahead, as measured on the Xeon (mxfp4x.h) */
+            /* one 16-row block ahead, as measured on the Xeon (prefetch.h) */
             if (t0 == 0) pf = mxfp4x_pf_block_ahead(w, r, MXFP4X_AMX_ROWS, row_end, 1);
             nt = n_tok - t0 < 4 ? (int)(n_tok - t0) : 4;
             switch (nt) {

@@ -126,7 +126,7 @@ MXFP4X_AVX2_FN void mxfp4x_gemv1_f32_avx2(const mxfp4x_rows *w, int64_t row_star
     for (; r + 4 <= row_end; r += 4) {
         const uint8_t *b0 = w->blocks + r * sb;
         const uint8_t *s0 = w->scales + r * ss;
-        /* the next 4-row block (or the next call's first) into L2: mxfp4x.h (the
+        /* the next 4-row block (or the next call's first) into L2: prefetch.h (the
          * hardware prefetcher loses track of 4 interleaved short streams) */
         mxfp4x_pf_cursor pf = mxfp4x_pf_next_block(w, r, 4, row_end);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;

@@ -146,7 +146,7 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_gemv1_f32_avx512_to(const mxfp4x_rows *w
     for (; r + 4 <= row_end; r += 4) {
         const uint8_t *b0 = w->blocks + r * sb;
         const uint8_t *s0 = w->scales + r * ss;
-        /* a 4-row block ahead (or the next call's) into L2 or L1: mxfp4x.h */
+        /* a 4-row block ahead (or the next call's) into L2 or L1: prefetch.h */
         mxfp4x_pf_cursor pf = mxfp4x_pf_next_block_to(w, r, 4, row_end, l1);
         __m512 a[4];
         int i;

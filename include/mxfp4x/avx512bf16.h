@@ -26,7 +26,7 @@
  *
  * Exactness.  A bf16 latent times a scaled E2M1 value is exact in float32, and vdpbf16ps
  * rounds to nearest even, but it reads subnormal inputs as zero and flushes subnormal
- * results.  Neither can happen under amx.h's conditions (mxfp4x.h: nonzero weights at
+ * results.  Neither can happen under amx.h's conditions (tables.h: nonzero weights at
  * least 2^-59, nonzero finite latents at least 2^-60, so every product and partial sum is
  * a multiple of 2^-126; scale bytes under 160 and latents under 2^64, so nothing
  * overflows).  A token outside them (flagged by the gather) and a row outside them (a

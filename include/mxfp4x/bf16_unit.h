@@ -1,6 +1,6 @@
 /* mxfp4x/bf16_unit.h -- the exact-path tests shared by the bf16 dot-product units (amx.h's
  * tdpbf16ps, avx512bf16.h's vdpbf16ps), which both read subnormal inputs as zero and flush
- * subnormal results: mxfp4x.h's MXFP4X_AMX_* bounds decide, per row and per token, what
+ * subnormal results: tables.h's MXFP4X_AMX_* bounds decide, per row and per token, what
  * the unit may take.  AVX-512F + BW, inlined into each unit's own target region. */
 #ifndef MXFP4X_BF16_UNIT_H
 #define MXFP4X_BF16_UNIT_H
@@ -26,7 +26,7 @@ MXFP4X_BF16_UNIT_INLINE __m512i mxfp4x_bf16_decode_group(const uint8_t *b, uint8
     return _mm512_permutexvar_epi16(idx, t);
 }
 
-/* Row r's flags (mxfp4x.h's MXFP4X_BF16_SMALL / _LARGE): MXFP4X_BF16_LARGE for a scale
+/* Row r's flags (tables.h's MXFP4X_BF16_SMALL / _LARGE): MXFP4X_BF16_LARGE for a scale
  * byte >= MXFP4X_AMX_MAX_SCALE (255, NaN, included), else MXFP4X_BF16_SMALL for a group
  * with a nonzero magnitude code under a scale byte < MXFP4X_AMX_MIN_SCALE (its weights
  * could be or become subnormal), else 0.  The scale bytes are scanned first (64 at a time
@@ -119,7 +119,7 @@ MXFP4X_BF16_UNIT_INLINE __mmask32 mxfp4x_bf16_latents_large(__m512i v) {
     return _mm512_cmpgt_epu16_mask(a, huge);
 }
 
-/* A token's flags (mxfp4x.h) from the lanes of its latents found small and large. */
+/* A token's flags (tables.h) from the lanes of its latents found small and large. */
 static inline uint8_t mxfp4x_bf16_token_flags(__mmask32 small, __mmask32 large) {
     return (uint8_t)((small ? MXFP4X_BF16_SMALL : 0) | (large ? MXFP4X_BF16_LARGE : 0));
 }

@@ -129,7 +129,7 @@
 #else
 #define MXFP4X_PREFETCH(p) ((void)(p))
 #endif
-/* The same into L2 only (T1): the gemv kernels' next row block (mxfp4x.h). */
+/* The same into L2 only (T1): the gemv kernels' next row block (prefetch.h). */
 #if MXFP4X_ARCH_X86_64
 #define MXFP4X_PREFETCH_L2(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 #else

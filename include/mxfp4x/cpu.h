@@ -263,7 +263,7 @@ static inline int mxfp4x_cpu_amd_zen4_or_5(void) {
     return family == 0x19 || family == 0x1A;
 }
 
-/* Whether the AVX-512 gemv kernels prefetch the row block after next (mxfp4x.h) into L1:
+/* Whether the AVX-512 gemv kernels prefetch the row block after next (prefetch.h) into L1:
  * on an AMD Zen 5 (family 1Ah), where that is faster; elsewhere into L2, the faster target
  * on a Zen 4 (Intel is unmeasured).  docs/performance.md, "Prefetch".  The kernels that
  * prefetch so are compiled twice, the hint a constant in each: a run-time test per line
