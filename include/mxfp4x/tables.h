@@ -129,7 +129,7 @@ MXFP4X_ALIGN64 static const uint16_t mxfp4x_e2m1_scaled_bf16[256][16] =
 #define MXFP4X_AMX_MAX_SCALE 160
 #define MXFP4X_AMX_MAX_LATENT_EXP 191
 /* What a row or a token outside them needs instead of the unit (0: the unit takes it;
- * bf16_unit.h's tests): a value the unit could flush (MXFP4X_BF16_SMALL) takes
+ * bf16/unit.h's tests): a value the unit could flush (MXFP4X_BF16_SMALL) takes
  * vdpbf16ps's arithmetic in float32 FMAs, which keep subnormals (avx512bf16.h; amx.h
  * too); one that could overflow a float32 product or sum (MXFP4X_BF16_LARGE, with or
  * without SMALL) a float64 exact path. */

@@ -1,11 +1,11 @@
-/* mxfp4x/bf16_unit.h -- the exact-path tests shared by the bf16 dot-product units (amx.h's
+/* mxfp4x/bf16/unit.h -- the exact-path tests shared by the bf16 dot-product units (amx.h's
  * tdpbf16ps, avx512bf16.h's vdpbf16ps), which both read subnormal inputs as zero and flush
  * subnormal results: tables.h's MXFP4X_AMX_* bounds decide, per row and per token, what
  * the unit may take.  AVX-512F + BW, inlined into each unit's own target region. */
 #ifndef MXFP4X_BF16_UNIT_H
 #define MXFP4X_BF16_UNIT_H
 
-#include "mxfp4x.h"
+#include "../mxfp4x.h"
 
 #if MXFP4X_HAVE_AMX || MXFP4X_HAVE_AVX512BF16
 #include <immintrin.h>
