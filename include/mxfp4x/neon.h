@@ -30,18 +30,13 @@
  * panel_dot do exactly this, so they agree bit for bit (batch invariance; threads
  * own whole rows, so thread-count invariance too).
  *
- * Expected rates (ESTIMATES: no ARM hardware was available; counted from the code,
- * assuming 4 fully pipelined 128-bit SIMD pipes that all take fmla, tbl, zip, shll
- * and fmul, as on Apple M-class P-cores and, per Arm's guide, Neoverse V2):
- *   1 token (gemv1, 2 rows interleaved): 18 + 8 = 26 vector ops per 32 weights
- *     -> ~6.5 cycles, ~4.9 weights/cycle: ~16 G weights/s = ~31 GFLOP/s, ~8.4 GB/s of
- *     packed weights per core at 3.2 GHz (M-class P-core) and ~8-9 GB/s at 3.1-3.4 GHz
- *     (Neoverse V2); about one core's share of the memory bandwidth on both.
- *   4 tokens (gemv, one decode per group for all 4): 18 + 32 = 50 ops per
- *     4 x 32 weight-token products -> ~20.5 FLOP/cycle, ~64 % of the 32 FLOP/cycle
- *     fp32 FMA peak (102 GFLOP/s at 3.2 GHz).
- *   panel_dot (many tokens): 16 fmla per 8 q loads in the 4 x 4 register block,
- *     FMA-bound: ~80-90 % of peak if the 3 load ports keep up, the same on both.
+ * Instructions per regime (the rates they give, estimated: docs/performance.md, "ARM
+ * (NEON)"):
+ *   1 token (gemv1, 2 rows interleaved): the decode's 18 vector ops and 8 fmla per
+ *     32 weights.
+ *   several tokens (gemv, one decode per group for up to 4 tokens): 18 + 8 per token,
+ *     e.g. 18 + 32 per 4 x 32 weight-token products.
+ *   panel_dot (many tokens): a 4 x 4 register block, 16 fmla per 8 q loads.
  */
 #ifndef MXFP4X_NEON_H
 #define MXFP4X_NEON_H
