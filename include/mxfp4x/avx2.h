@@ -114,51 +114,16 @@ MXFP4X_AVX2_INLINE void mxfp4x_decode_store_avx2(const uint8_t *b, uint8_t s,
 #define MXFP4X_MK_DECODE_STORE mxfp4x_decode_store_avx2
 #include "generic/interface.h"
 
-/* Fused decode + dot for one token; four rows at a time so four independent
- * FMA chains hide the latency, each row with the exact single-row sequence. */
-MXFP4X_AVX2_FN void mxfp4x_gemv1_f32_avx2(const mxfp4x_rows *w, int64_t row_start,
-                                          int64_t row_end, const float *x, float *out) {
-    const mxfp4x_avx2_tables t = mxfp4x_avx2_load_tables();
-    const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    int64_t r = row_start, g;
-    __m256 wv[4];
-    for (; r + 4 <= row_end; r += 4) {
-        const uint8_t *b0 = w->blocks + r * sb;
-        const uint8_t *s0 = w->scales + r * ss;
-        /* the next 4-row block (or the next call's first) into L2: prefetch.h (the
-         * hardware prefetcher loses track of 4 interleaved short streams) */
-        mxfp4x_pf_cursor pf = mxfp4x_pf_next_block(w, r, 4, row_end);
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (g = 0; g < G; g++) {
-            const float *xg = x + g * MXFP4X_GROUP;
-            const int64_t ob = g * gb, os = g * gs;
-            MXFP4X_PF_STEP(pf, g);
-            mxfp4x_decode_group_avx2(b0 + ob, s0[os], &t, wv);
-            a0 = mxfp4x_fma_group_avx2(wv, xg, a0);
-            mxfp4x_decode_group_avx2(b0 + sb + ob, s0[ss + os], &t, wv);
-            a1 = mxfp4x_fma_group_avx2(wv, xg, a1);
-            mxfp4x_decode_group_avx2(b0 + 2 * sb + ob, s0[2 * ss + os], &t, wv);
-            a2 = mxfp4x_fma_group_avx2(wv, xg, a2);
-            mxfp4x_decode_group_avx2(b0 + 3 * sb + ob, s0[3 * ss + os], &t, wv);
-            a3 = mxfp4x_fma_group_avx2(wv, xg, a3);
-        }
-        out[r - row_start] = mxfp4x_hsum8_avx2(a0);
-        out[r - row_start + 1] = mxfp4x_hsum8_avx2(a1);
-        out[r - row_start + 2] = mxfp4x_hsum8_avx2(a2);
-        out[r - row_start + 3] = mxfp4x_hsum8_avx2(a3);
-    }
-    for (; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * sb;
-        const uint8_t *s = w->scales + r * ss;
-        __m256 a = _mm256_setzero_ps();
-        for (g = 0; g < G; g++) {
-            mxfp4x_decode_group_avx2(b + g * gb, s[g * gs], &t, wv);
-            a = mxfp4x_fma_group_avx2(wv, x + g * MXFP4X_GROUP, a);
-        }
-        out[r - row_start] = mxfp4x_hsum8_avx2(a);
-    }
-}
+/* The one-token gemv: generic/gemv1.h, four rows at a time (four independent FMA
+ * chains), the next 4-row block (or the next call's first) prefetched into L2: the
+ * hardware prefetcher loses track of 4 interleaved short streams. */
+#define MXFP4X_MK_GEMV1_MR 4
+#define MXFP4X_MK_GEMV1_PREFETCH 1
+#define MXFP4X_MK_ROW_ACCS 1
+#define MXFP4X_MK_DECODE_GROUP mxfp4x_decode_group_avx2
+#define MXFP4X_MK_FMA_GROUP(wv, xg, acc) ((acc)[0] = mxfp4x_fma_group_avx2((wv), (xg), (acc)[0]))
+#define MXFP4X_MK_HSUM_ACCS(acc) mxfp4x_hsum8_avx2((acc)[0])
+#include "generic/gemv1.h"
 
 /* Two rows at a time, each decoded once per group into registers and applied
  * to NT <= 4 tokens: 2*NT independent FMA chains hide the FMA latency.  A last

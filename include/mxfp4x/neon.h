@@ -136,45 +136,17 @@ MXFP4X_NEON_INLINE float mxfp4x_neon_hsum_parked(const float *l) {
 #define MXFP4X_MK_DECODE_STORE mxfp4x_decode_store_neon
 #include "generic/interface.h"
 
-/* Fused decode + dot for one token: two rows at a time (8 independent FMA chains,
+/* The one-token gemv: generic/gemv1.h, two rows at a time (8 independent FMA chains,
  * 2 fmla each per group, hide the 4-cycle FMA latency behind the two decodes; 8
- * accumulators + 8 latents + 8 weights + 3 tables fit the 32 q registers, where
- * four rows spilled), each row with the single-row sequence. */
-MXFP4X_NEON_FN void mxfp4x_gemv1_f32_neon(const mxfp4x_rows *w, int64_t row_start,
-                                          int64_t row_end, const float *x, float *out) {
-    const mxfp4x_neon_tables t = mxfp4x_neon_load_tables();
-    const int64_t G = w->n_groups, sb = w->row_stride_blocks, ss = w->row_stride_scales;
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    int64_t r = row_start, g;
-    int i;
-    float32x4_t wv[8];
-    for (; r + 2 <= row_end; r += 2) {
-        const uint8_t *b0 = w->blocks + r * sb;
-        const uint8_t *s0 = w->scales + r * ss;
-        float32x4_t a[2][4];
-        for (i = 0; i < 2; i++) mxfp4x_neon_zero4(a[i]);
-        for (g = 0; g < G; g++) {
-            const float *xg = x + g * MXFP4X_GROUP;
-            const int64_t ob = g * gb;
-            for (i = 0; i < 2; i++) {
-                mxfp4x_decode_group_neon(b0 + i * sb + ob, s0[i * ss + g * gs], &t, wv);
-                mxfp4x_neon_fma_group(wv, xg, a[i]);
-            }
-        }
-        for (i = 0; i < 2; i++) out[r + i - row_start] = mxfp4x_neon_hsum(a[i]);
-    }
-    for (; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * sb;
-        const uint8_t *s = w->scales + r * ss;
-        float32x4_t a[4];
-        mxfp4x_neon_zero4(a);
-        for (g = 0; g < G; g++) {
-            mxfp4x_decode_group_neon(b + g * gb, s[g * gs], &t, wv);
-            mxfp4x_neon_fma_group(wv, x + g * MXFP4X_GROUP, a);
-        }
-        out[r - row_start] = mxfp4x_neon_hsum(a);
-    }
-}
+ * accumulators + 8 latents + 8 weights + 3 tables fit the 32 q registers, where four
+ * rows spilled). */
+#define MXFP4X_MK_GEMV1_MR 2
+#define MXFP4X_MK_GEMV1_PREFETCH 0
+#define MXFP4X_MK_ROW_ACCS 4
+#define MXFP4X_MK_DECODE_GROUP mxfp4x_decode_group_neon
+#define MXFP4X_MK_FMA_GROUP mxfp4x_neon_fma_group
+#define MXFP4X_MK_HSUM_ACCS mxfp4x_neon_hsum
+#include "generic/gemv1.h"
 
 /* 2..4 tokens: one row at a time, each group decoded once into registers and
  * applied to every token (4 x NT accumulators, 8 weights, 3 tables: GCC 12 keeps

@@ -36,47 +36,21 @@ MXFP4X_INLINE void mxfp4x_decode_group_f32_scalar(const uint8_t *b, uint8_t s, f
     }
 }
 
+/* One group's multiply-adds into 16 accumulators: its 16 low-nibble products, then its
+ * 16 high-nibble ones (the layout's order), a multiply and an add apart. */
+MXFP4X_INLINE void mxfp4x_fma_group_scalar(const float *wg, const float *xg, float *acc) {
+    int j;
+    for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[j] * xg[j];
+    for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[16 + j] * xg[16 + j];
+}
+
 /* Deinterleaved dot product of one row against one latent row. */
 MXFP4X_INLINE float mxfp4x_dot_f32_scalar(const float *w, const float *x, int64_t n_groups) {
     float acc[16] = {0};
     int64_t g;
-    int j;
-    for (g = 0; g < n_groups; g++) {
-        const float *wg = w + g * MXFP4X_GROUP, *xg = x + g * MXFP4X_GROUP;
-        for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[j] * xg[j];
-        for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[16 + j] * xg[16 + j];
-    }
+    for (g = 0; g < n_groups; g++)
+        mxfp4x_fma_group_scalar(w + g * MXFP4X_GROUP, x + g * MXFP4X_GROUP, acc);
     return mxfp4x_hsum16_f32(acc);
-}
-
-/* Fused decode + dot, one group at a time (no panel in memory). */
-static void mxfp4x_gemv1_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
-                                    const float *x, float *out) {
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    int64_t r, g;
-    int j;
-    float wg[MXFP4X_GROUP];
-    for (r = row_start; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
-        const uint8_t *s = w->scales + r * w->row_stride_scales;
-        float acc[16] = {0};
-        for (g = 0; g < w->n_groups; g++) {
-            const float *xg = x + g * MXFP4X_GROUP;
-            mxfp4x_decode_group_f32_scalar(b + g * gb, s[g * gs], wg);
-            for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[j] * xg[j];
-            for (j = 0; j < 16; j++) acc[j] = acc[j] + wg[16 + j] * xg[16 + j];
-        }
-        out[r - row_start] = mxfp4x_hsum16_f32(acc);
-    }
-}
-
-static void mxfp4x_gemv_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
-                                   const float *x, int64_t x_stride, const int64_t *x_rows,
-                                   int64_t n_tok, float *out, int64_t out_stride) {
-    int64_t t;
-    for (t = 0; t < n_tok; t++)
-        mxfp4x_gemv1_f32_scalar(w, row_start, row_end, x + x_rows[t] * x_stride,
-                                out + t * out_stride);
 }
 
 /* The microkernel the drivers of generic/ are compiled over (generic/interface.h): plain
@@ -102,6 +76,26 @@ MXFP4X_INLINE void mxfp4x_decode_store_scalar(const uint8_t *b, uint8_t s,
 #define MXFP4X_MK_LOAD_TABLES mxfp4x_no_tables_load
 #define MXFP4X_MK_DECODE_STORE mxfp4x_decode_store_scalar
 #include "generic/interface.h"
+/* The one-token gemv (generic/gemv1.h): a row at a time, 16 accumulators, each group
+ * decoded into 32 floats first (no panel in memory). */
+#define MXFP4X_MK_GEMV1_MR 1
+#define MXFP4X_MK_GEMV1_PREFETCH 0
+#define MXFP4X_MK_ROW_ACCS 16
+#define MXFP4X_MK_DECODE_GROUP(b, s, t, wv) \
+    ((void)(t), mxfp4x_decode_group_f32_scalar((b), (s), (wv)))
+#define MXFP4X_MK_FMA_GROUP mxfp4x_fma_group_scalar
+#define MXFP4X_MK_HSUM_ACCS mxfp4x_hsum16_f32
+#include "generic/gemv1.h"
+
+static void mxfp4x_gemv_f32_scalar(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                                   const float *x, int64_t x_stride, const int64_t *x_rows,
+                                   int64_t n_tok, float *out, int64_t out_stride) {
+    int64_t t;
+    for (t = 0; t < n_tok; t++)
+        mxfp4x_gemv1_f32_scalar(w, row_start, row_end, x + x_rows[t] * x_stride,
+                                out + t * out_stride);
+}
+
 #include "generic/decode.h"
 
 /* The scalar kernels are the spec, not a speed target: the driver's defaults (also the

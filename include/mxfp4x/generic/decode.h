@@ -1,6 +1,6 @@
 /* mxfp4x/generic/decode.h -- decode_f32: rows [row_start, row_end) into a panel of
  * floats, one row after another, each group through MXFP4X_MK_DECODE_STORE (the
- * microkernel interface: generic/README.h). */
+ * microkernel interface: generic/interface.h). */
 
 MXFP4X_MK_FN void MXFP4X_MK_NAME(mxfp4x_decode_f32)(const mxfp4x_rows *w, int64_t row_start,
                                                     int64_t row_end, float *panel) {

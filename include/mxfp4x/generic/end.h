@@ -1,4 +1,4 @@
-/* mxfp4x/generic/end.h -- undefines the microkernel interface (generic/README.h), so
+/* mxfp4x/generic/end.h -- undefines the microkernel interface (generic/interface.h), so
  * that the next ISA header defines its own. */
 #undef MXFP4X_MK_NAME
 #undef MXFP4X_MK_FN
@@ -23,3 +23,9 @@
 #undef MXFP4X_MK_PANEL_PARK
 #undef MXFP4X_MK_HSUM_PARKED
 #undef MXFP4X_MK_GEMV_NT
+#undef MXFP4X_MK_GEMV1_MR
+#undef MXFP4X_MK_GEMV1_PREFETCH
+#undef MXFP4X_MK_ROW_ACCS
+#undef MXFP4X_MK_DECODE_GROUP
+#undef MXFP4X_MK_FMA_GROUP
+#undef MXFP4X_MK_HSUM_ACCS

@@ -19,7 +19,8 @@
  *                             s, tables *t) -> 32 floats at p in the entry's layout order
  * and, per driver: MXFP4X_MK_AXPY_VECS (axpy_rows.h), MXFP4X_MK_FMA_CHAINS (fma_probe.h),
  * MXFP4X_MK_PANEL_* and MXFP4X_MK_HSUM_PARKED (panel_chunked.h), MXFP4X_MK_GEMV_NT
- * (gemv_tokens.h).
+ * (gemv_tokens.h), MXFP4X_MK_GEMV1_MR, _PREFETCH, MXFP4X_MK_ROW_ACCS, MXFP4X_MK_DECODE_GROUP,
+ * MXFP4X_MK_FMA_GROUP and MXFP4X_MK_HSUM_ACCS (gemv1.h).
  *
  * The drivers fix loops and blocking; the microkernel fixes every arithmetic step.  A
  * driver runs each (row, token)'s microkernel steps in the order the entry's header
