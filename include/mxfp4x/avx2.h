@@ -241,9 +241,9 @@ MXFP4X_AVX2_INLINE void mxfp4x_block_avx2(const float *const *ps, int mr,
 }
 
 /* Specialised by (mr, nt) at compile time through the constant arguments. */
-MXFP4X_AVX2_FN void mxfp4x_block_dispatch_avx2(const float *const *ps, int mr,
-                                               const float *const *xs, int nt, int64_t k0,
-                                               int64_t k1, float *lanes) {
+MXFP4X_AVX2_FN void mxfp4x_block_switch_avx2(const float *const *ps, int mr,
+                                             const float *const *xs, int nt, int64_t k0,
+                                             int64_t k1, float *lanes) {
 #define MXFP4X_AVX2_CASE(M, N)                                                             \
     case (M) * 8 + (N): mxfp4x_block_avx2(ps, M, xs, N, k0, k1, lanes); break;
     switch (mr * 8 + nt) {

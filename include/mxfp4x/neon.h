@@ -226,9 +226,9 @@ MXFP4X_NEON_INLINE void mxfp4x_block_neon(const float *const *ps, int mr,
 }
 
 /* Specialised by (mr, nt) at compile time through the constant arguments. */
-MXFP4X_NEON_FN void mxfp4x_block_dispatch_neon(const float *const *ps, int mr,
-                                               const float *const *xs, int nt, int64_t k0,
-                                               int64_t k1, float *lanes) {
+MXFP4X_NEON_FN void mxfp4x_block_switch_neon(const float *const *ps, int mr,
+                                             const float *const *xs, int nt, int64_t k0,
+                                             int64_t k1, float *lanes) {
 #define MXFP4X_NEON_CASE(M, N)                                                             \
     case (M) * 8 + (N): mxfp4x_block_neon(ps, M, xs, N, k0, k1, lanes); break;
     switch (mr * 8 + nt) {

@@ -8,7 +8,7 @@
  * reduces them by the entry's tree.
  *
  * The entry supplies the register block, specialised by (mr, nt):
- *   MXFP4X_MK_NAME(mxfp4x_block_dispatch)(ps, mr, xs, nt, k0, k1, lanes)
+ *   MXFP4X_MK_NAME(mxfp4x_block_switch)(ps, mr, xs, nt, k0, k1, lanes)
  * ps[0..mr) the rows, xs[0..nt) the tokens, lanes[(r * NT + c) * PARK ...] the parked
  * accumulators of (row r, token c), loaded, advanced over [k0, k1), stored back. */
 
@@ -53,7 +53,7 @@ MXFP4X_MK_FN void MXFP4X_MK_NAME(mxfp4x_panel_dot_f32)(const float *panel, int64
                     float *lb = scratch + ((r / MR) * (TOKENS / NT) + (t - t0) / NT) * BLOCK;
                     for (c = 0; c < nt; c++) xs[c] = x + x_rows[t + c] * x_stride;
                     if (k0 == 0) memset(lb, 0, BLOCK * sizeof(float));
-                    MXFP4X_MK_NAME(mxfp4x_block_dispatch)(ps, mr, xs, nt, k0, k1, lb);
+                    MXFP4X_MK_NAME(mxfp4x_block_switch)(ps, mr, xs, nt, k0, k1, lb);
                     if (k1 == d_in)
                         for (rr = 0; rr < mr; rr++)
                             for (c = 0; c < nt; c++)
