@@ -1,7 +1,7 @@
 """Build of the mxfp4x CPU extensions.
 
-Two extensions with the same flags: mxfp4x._cpu (the kernels and the parallel driver)
-and mxfp4x._probes (the roofline loops and test hooks, which run through the driver's
+Two extensions with the same flags: mxfp4x._core.cpu (the kernels and the parallel driver)
+and mxfp4x._core.probes (the roofline loops and test hooks, which run through the driver's
 own parallel mechanism), built with OpenMP where the compiler has it (flags chosen by
 compiler type), on a pool of POSIX threads or serially otherwise (_threads below).
 No -march / -m<isa> flags: the SIMD variants carry their own target attributes and are
@@ -67,7 +67,7 @@ def _threads():
     tasks on POSIX threads of its own instead; Windows builds are serial.
 
     This is the build-time half of the thread policy (what gets compiled, decided before
-    the package exists); at run time mxfp4x/_threads.py owns it, reading what was built.
+    the package exists); at run time mxfp4x/_core/threads.py owns it, reading what was built.
     """
     if os.environ.get("MXFP4X_DISABLE_OPENMP", "") == "1":
         return "serial"
@@ -191,9 +191,9 @@ def _extensions():
     headers = sorted(os.path.relpath(os.path.join(d, n), here)
                      for d, _, names in os.walk(os.path.join(here, "include", "mxfp4x"))
                      for n in names if n.endswith(".h"))
-    exts = [Extension(f"mxfp4x.{name}", sources=[f"mxfp4x/{name}.pyx"],
+    exts = [Extension(f"mxfp4x._core.{name}", sources=[f"mxfp4x/_core/{name}.pyx"],
                       include_dirs=[os.path.join(here, "include")], depends=headers)
-            for name in ("_cpu", "_probes")]
+            for name in ("cpu", "probes")]
     return cythonize(exts, compiler_directives={"language_level": "3"},
                      include_path=[here])
 

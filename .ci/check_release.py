@@ -30,8 +30,9 @@ def main():
                        check=True, stdout=subprocess.DEVNULL)
         sdist = glob.glob(os.path.join(dist, "*.tar.gz"))[0]
         names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
-        need = {"setup.py", "pyproject.toml", "README.md", "LICENSE", "mxfp4x/_cpu.pyx",
-                "mxfp4x/_cpu.pxd", "mxfp4x/_probes.pyx", "mxfp4x/_capi.pxd", "mxfp4x/_cpu_tasks.pxi",
+        need = {"setup.py", "pyproject.toml", "README.md", "LICENSE", "mxfp4x/_core/cpu.pyx",
+                "mxfp4x/_core/cpu.pxd", "mxfp4x/_core/probes.pyx", "mxfp4x/_core/capi.pxd",
+                "mxfp4x/_core/cpu_tasks.pxi", "mxfp4x/_core/__init__.py",
                 "include/mxfp4x/dispatch.h", "include/mxfp4x/avx2.h",
                 "include/mxfp4x/avx512.h", "include/mxfp4x/scalar.h", "include/mxfp4x/cpu.h",
                 "include/mxfp4x/neon.h", "include/mxfp4x/threads.h", "include/mxfp4x/amx.h",

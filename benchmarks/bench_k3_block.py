@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _dense
+from mxfp4x._core import dense as _dense
 from mxfp4x.cli._families import MODELS
 from mxfp4x.testing import bench as _bench
 from mxfp4x.testing import kimi_k3 as _kimi_k3

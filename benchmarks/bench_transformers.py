@@ -275,7 +275,7 @@ def main(argv=None):
     rows = run(args.folder, args.layers, args.baseline_layers, context=args.context)
     if args.json:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from mxfp4x._io import atomic_write
+        from mxfp4x._core.files import atomic_write
         with atomic_write(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
 

@@ -3,7 +3,7 @@ import os
 import pytest
 
 import mxfp4x
-from mxfp4x import _threads
+from mxfp4x._core import threads as _threads
 
 
 def pytest_report_header(config):

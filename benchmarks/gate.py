@@ -24,8 +24,9 @@ import sys
 import time
 
 import mxfp4x
-from mxfp4x import _cpu, _threads
-from mxfp4x._io import atomic_write
+from mxfp4x._core import cpu as _cpu
+from mxfp4x._core import threads as _threads
+from mxfp4x._core.files import atomic_write
 from mxfp4x.testing import bench as _bench
 from mxfp4x.testing import roofline as _roofline
 

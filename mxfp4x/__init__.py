@@ -11,17 +11,17 @@ from typing import Any
 import torch  # noqa: F401
 
 try:
-    from . import _cpu  # noqa: F401
+    from ._core import cpu as _cpu  # noqa: F401
 except ImportError as _exc:  # a source checkout that was never built
     raise ImportError(
-        "mxfp4x: the compiled CPU extension mxfp4x._cpu is missing from "
+        "mxfp4x: the compiled CPU extension mxfp4x._core.cpu is missing from "
         f"{__path__[0]}. Install the package (`pip install mxfp4x`), or, in a source "
         "checkout, build it in place with an editable install: `pip install -e .`"
     ) from _exc
 
-from ._api import backend_info, mxfp4_experts, mxfp4_experts_slots  # noqa: E402
-from ._quantize import dequantize, quantize  # noqa: E402
-from ._reference import mxfp4_experts_reference as reference  # noqa: E402
+from ._core.api import backend_info, mxfp4_experts, mxfp4_experts_slots  # noqa: E402
+from ._core.quantize import dequantize, quantize  # noqa: E402
+from ._core.reference import mxfp4_experts_reference as reference  # noqa: E402
 from ._version import __version__  # noqa: E402
 
 __all__ = ["mxfp4_experts", "mxfp4_experts_slots", "quantize", "dequantize",

@@ -7,13 +7,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ._api import mxfp4_experts
-from ._arguments import NumThreads, check_range_within, num_threads_arg, parse_expert_range
-from ._coerce import as_tensor
-from ._coerce import bytes_by_view as as_bytes
-from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
-from ._quantize import quantize
-from ._weak_group import WeakGroup
+from ._core.api import mxfp4_experts
+from ._core.arguments import NumThreads, check_range_within, num_threads_arg, parse_expert_range
+from ._core.coerce import as_tensor
+from ._core.coerce import bytes_by_view as as_bytes
+from ._core.format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
+from ._core.quantize import quantize
+from ._core.weak_group import WeakGroup
 from .checkpoints.safetensors import SafeTensorsCheckpoint
 from .models._common import BytesByView, bytes_of, expert_range_of
 from .models.gpt_oss import (  # noqa: F401
@@ -45,7 +45,7 @@ class MXFP4Experts(BytesByView):
     (the bytes themselves), as the checkpoint readers do.
     """
 
-    group = WeakGroup()  # held weakly: _weak_group.WeakGroup
+    group = WeakGroup()  # held weakly: _core/weak_group.py
     num_threads = NumThreads()  # checked whenever it is set
     _byte_buffers = ("packed_weights", "scale_bytes")
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import mxfp4x
-from mxfp4x import _cpu
+from mxfp4x._core import cpu as _cpu
 
 # Hypothesis profiles, chosen by MXFP4X_HYPOTHESIS_PROFILE: "ci" (default, quick),
 # "dev" (more examples), "long" (a long run by hand).

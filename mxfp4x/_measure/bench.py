@@ -6,8 +6,8 @@ matmul roof, and torch on experts decoded ahead of time."""
 import numpy as np
 import torch
 
-from .. import _threads
-from .._format import GROUP, GROUP_BYTES
+from .._core import threads as _threads
+from .._core.format import GROUP, GROUP_BYTES
 from .roofline import best_time
 
 
@@ -147,7 +147,7 @@ class Predecoded:
 
     def weight(self, e):
         if e not in self.decoded:
-            from .._torch_impl import decode_expert
+            from .._core.torch_impl import decode_expert
             self.decoded[e] = decode_expert(
                 self.packed[e], None if self.scales is None else self.scales[e], self.dtype)
         return self.decoded[e]

@@ -12,7 +12,9 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from .. import _cpu, _probes, _threads
+from .._core import cpu as _cpu
+from .._core import probes as _probes
+from .._core import threads as _threads
 
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile",
          "asimd", "asimddp", "bf16", "i8mm", "sve")

@@ -53,7 +53,7 @@ def write_gpt_oss_layer(folder: str, layer: int = 0, seed: int = 0, **sizes) -> 
     under any of their config names) and its ``config.json``, with the release's keys
     (``num_experts_per_tok`` and ``experts_per_token`` both, ``architectures``); written
     a piece of a tensor at a time.  Returns the config."""
-    from .._io import atomic_write
+    from .._core.files import atomic_write
     from ..checkpoints.safetensors import write_file
 
     cfg = GPT_OSS.config(dict(GPT_OSS_20B, **GPT_OSS.config(sizes, "sizes")), "sizes")
@@ -83,7 +83,7 @@ def write_gpt_oss_layer(folder: str, layer: int = 0, seed: int = 0, **sizes) -> 
 def gpt_oss_reference(block, h, idx, w, rows: Optional[slice] = None) -> np.ndarray:
     """The experts block (``mxfp4x.nn.GptOssExperts``) in float64, for the given routing;
     ``rows`` restricts the output columns."""
-    from .._reference import decode_expert
+    from .._core.reference import decode_expert
 
     h = h.double().numpy()
     rows = slice(None) if rows is None else rows
@@ -136,7 +136,7 @@ def write_tokenizer(folder: str, vocab_size: int, model_max_length: int) -> Dict
     (``bos_token_id``, ``eos_token_id``, ``pad_token_id``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from .._io import atomic_write
+    from .._core.files import atomic_write
 
     symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
     specials = list(SPECIAL_TOKENS.values()) + list(HARMONY_TOKENS)
@@ -180,7 +180,7 @@ def write_gpt_oss_model(folder: str, seed: int = 0, layers_per_file: int = 4,
 
     import transformers
 
-    from .._io import atomic_write
+    from .._core.files import atomic_write
     from ..checkpoints.safetensors import write_file
 
     config = GPT_OSS.config(config, "config")  # any of the keys' names, as transformers

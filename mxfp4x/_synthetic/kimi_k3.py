@@ -19,7 +19,7 @@ def decode_gguf_expert(blocks) -> np.ndarray:
     """GGUF block_mxfp4 blocks (O, G, 17) or (O, G*17) -> the (O, 32*G) float64 matrix:
     each block's scale byte first, element j the low nibble of byte 1 + j, element j + 16
     its high nibble (scale byte 255 NaN, as mxfp4x's rule)."""
-    from .._format import E2M1_TABLE, e8m0_to_float64
+    from .._core.format import E2M1_TABLE, e8m0_to_float64
     b = np.asarray(blocks, dtype=np.uint8)
     b = b.reshape(b.shape[0], -1, 17)
     qs = b[..., 1:]
@@ -38,7 +38,7 @@ class _Decoded(dict):
         self.packed, self.scales = packed, scales
 
     def __missing__(self, e):
-        from .._reference import decode_expert
+        from .._core.reference import decode_expert
         p = self.packed[e]
         if self.scales is None:
             self[e] = w = decode_gguf_expert(p.numpy())
@@ -129,7 +129,7 @@ def write_k3_checkpoint(folder: str, config: dict, layers: Sequence[int], seed: 
     import json
     import os
 
-    from .._io import atomic_write
+    from .._core.files import atomic_write
     from ..checkpoints.safetensors import write_file
 
     text = config.get("text_config", config)

@@ -4,8 +4,8 @@ check`` and ``bench`` run, and the tests (through ``mxfp4x.testing.layers``)."""
 import numpy as np
 import torch
 
-from .._format import accumulation_dtype
-from .._reference import error_bound, mxfp4_experts_reference
+from .._core.format import accumulation_dtype
+from .._core.reference import error_bound, mxfp4_experts_reference
 
 
 def dtype_name(dtype):
@@ -47,7 +47,7 @@ def _np(t):
 def reference_and_bound(layer, out_dtype, rows=None):
     """(float64 reference, per-element error bound) for a result of ``out_dtype``.
 
-    The bound is ``_reference.error_bound`` for float32 accumulation (float64 for
+    The bound is ``mxfp4x._core.reference.error_bound`` for float32 accumulation (float64 for
     float64 outputs) over n = d_in + top_k + 2 terms, rounded once to ``out_dtype``.
     """
     x = _np(layer["latent_tokens"])

@@ -7,7 +7,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
-from .._arguments import ExpertRange, check_range_within, parse_expert_range
+from .._core.arguments import ExpertRange, check_range_within, parse_expert_range
 from .gguf import MXFP4, GGUFCheckpoint
 
 

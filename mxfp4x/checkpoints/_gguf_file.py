@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from .._format import E2M1_TABLE, E8M0_BIAS, E8M0_NAN, GROUP
+from .._core.format import E2M1_TABLE, E8M0_BIAS, E8M0_NAN, GROUP
 from ._files import MappedFile, open_regular_file
 from ._gguf_format import (
     _VIEW_TYPES,

@@ -10,7 +10,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 
-from .._format import GROUP
+from .._core.format import GROUP
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)

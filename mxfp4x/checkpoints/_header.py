@@ -14,7 +14,7 @@ from typing import Any, BinaryIO, Dict, List, Mapping, NamedTuple, Tuple
 import numpy as np
 import torch
 
-from .._format import torch_e8m0_dtype
+from .._core.format import torch_e8m0_dtype
 from ._files import _short, open_regular_file
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,

@@ -70,10 +70,10 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .._arguments import check_range_within, parse_expert_range
-from .._coerce import bytes_by_view as as_bytes
-from .._format import GROUP_BYTES
-from .._progress import Progress
+from .._core.arguments import check_range_within, parse_expert_range
+from .._core.coerce import bytes_by_view as as_bytes
+from .._core.format import GROUP_BYTES
+from .._core.progress import Progress
 from ._header import read_json
 from .safetensors import SafeTensorsCheckpoint
 

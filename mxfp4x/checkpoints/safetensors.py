@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Unio
 import numpy as np
 import torch
 
-from .._io import atomic_write
+from .._core.files import atomic_write
 from ._files import MappedFile, _short
 from ._header import (  # noqa: F401 (MAX_*_BYTES: public)
     _NP,

@@ -2,7 +2,7 @@
 
 Every argument is checked before any work starts (a bad one exits with status 2 and a
 one-line message, as argparse does), and every file a command writes is replaced whole
-(:func:`mxfp4x._io.atomic_write`): an error never leaves a user's file half-written.
+(:func:`mxfp4x._core.files.atomic_write`): an error never leaves a user's file half-written.
 Inputs are regular files (``_args.existing_file``: a named pipe would be waited on), and
 outputs pass one rule (``_args.outputs``): never a file the command reads, nor a file
 that would join the checkpoint folder it reads.

@@ -5,8 +5,8 @@ import argparse
 import os
 import stat
 
-from mxfp4x._io import check_writable
-from mxfp4x._threads import MAX_THREADS
+from mxfp4x._core.files import check_writable
+from mxfp4x._core.threads import MAX_THREADS
 from mxfp4x.checkpoints.families import config_path
 
 # what reading a checkpoint's config, index and headers raises on a bad one

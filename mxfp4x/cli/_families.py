@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import mxfp4x
-from mxfp4x._format import matrix_bytes
+from mxfp4x._core.format import matrix_bytes
 from mxfp4x._synthetic import gpt_oss as _gpt_oss
 from mxfp4x._synthetic import kimi_k3 as _kimi_k3
 from mxfp4x.checkpoints import families as ck

@@ -1,5 +1,5 @@
 """What the measuring commands read about this process (torch's thread count is set
-through ``mxfp4x._threads.torch_threads``)."""
+through ``mxfp4x._core.threads.torch_threads``)."""
 
 
 def rss_mapped():
@@ -23,7 +23,7 @@ def rss_mapped():
 
 
 def default_threads():
-    from mxfp4x import _threads
+    from mxfp4x._core import threads as _threads
 
     return _threads.resolve(None)
 

@@ -22,12 +22,12 @@ import time
 import torch
 
 import mxfp4x
-from mxfp4x import _threads
-from mxfp4x._format import matrix_bytes
-from mxfp4x._io import atomic_write
+from mxfp4x._core import threads as _threads
+from mxfp4x._core.files import atomic_write
+from mxfp4x._core.format import matrix_bytes
+from mxfp4x._core.progress import Progress
 from mxfp4x._measure import bench as _bench
 from mxfp4x._measure import roofline as _roofline
-from mxfp4x._progress import Progress
 from mxfp4x._synthetic.layers import assert_matches_reference
 
 from ._args import memory, outputs, positive_int, thread_count
@@ -263,7 +263,7 @@ def _run_cuda(args, device=None, roof_sizes=()):
     """The GPU path and the torch backend on the GPU, each case beside the GPU's floors and peer
     (``device``, ``roof_sizes``: another device and smaller roofs, for a check without
     a GPU)."""
-    from mxfp4x import _triton_impl as _triton
+    from mxfp4x._core import triton_impl as _triton
     from mxfp4x._measure import gpu
 
     n_experts, top_k, d_out, d_in = _bench.SHAPES[args.shape]

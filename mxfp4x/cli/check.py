@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 import mxfp4x
-from mxfp4x import _cpu, _threads
+from mxfp4x._core import cpu as _cpu
+from mxfp4x._core import threads as _threads
 from mxfp4x._synthetic import layers as _layers
 
 from ._args import nonnegative_int

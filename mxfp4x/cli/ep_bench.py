@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import mxfp4x
-from mxfp4x._format import GROUP
-from mxfp4x._io import atomic_write
+from mxfp4x._core.files import atomic_write
+from mxfp4x._core.format import GROUP
 from mxfp4x.checkpoints import families as ck
 
 from ._args import (

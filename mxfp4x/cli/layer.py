@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from mxfp4x import _threads
+from mxfp4x._core import threads as _threads
 
 from ._args import expert_count, folder_to_make, memory, positive_int, thread_count
 from ._families import MODELS

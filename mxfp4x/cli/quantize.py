@@ -4,7 +4,7 @@ Groups of 32 run along the last dimension; the scale rule is one of OCP MX v1.0'
 output may be the input itself: it is replaced whole once written. The input's
 __metadata__ entries are kept, beside ours (mxfp4x, scale_rule), which win on a clash."""
 import mxfp4x
-from mxfp4x._format import GROUP
+from mxfp4x._core.format import GROUP
 from mxfp4x.checkpoints import safetensors as _safetensors
 
 from ._args import existing_file, message, outputs

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from mxfp4x._io import atomic_write
+from mxfp4x._core.files import atomic_write
 from mxfp4x.checkpoints import families as ck
 from mxfp4x.checkpoints import verify as _verify
 from mxfp4x.checkpoints._header import read_json

@@ -21,7 +21,7 @@ own tokens' rows of ``shared + sum_k p W_e x``, **bit-identical** (CPU tensors) 
    ``all_gather`` then tells every rank whether every owner succeeded, so a failure there
    is an error on every rank too, instead of a rank waiting for products that never come;
 4. they come back with a second ``all_to_all_single``, and the home rank combines
-   ``shared + sum_k p W x`` with the CPU driver's own combine (``mxfp4x._cpu.combine``:
+   ``shared + sum_k p W x`` with the CPU driver's own combine (``mxfp4x._core.cpu.combine``:
    its order, ascending expert id then slot, and its arithmetic).
 
 ``mxfp4_experts_slots`` is the per-slot form (W x per slot, no combine); latents may be
@@ -46,11 +46,12 @@ from typing import Any, Callable, NoReturn, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _cpu, _threads
-from .._api import _check_backend
-from .._arguments import check_num_threads, parse_expert_range
-from .._coerce import _dtype_name, as_tensor, float_tensor, index_tensor
-from .._format import accumulation_dtype
+from .._core import cpu as _cpu
+from .._core import threads as _threads
+from .._core.api import _check_backend
+from .._core.arguments import check_num_threads, parse_expert_range
+from .._core.coerce import _dtype_name, as_tensor, float_tensor, index_tensor
+from .._core.format import accumulation_dtype
 from ._agreement import _LIMIT, _OPS, _PRODUCTS, _agree, _facts
 from ._autograd import _d_out, _EPFunction, _validate, empty_experts
 from ._routing import ExpertRouting

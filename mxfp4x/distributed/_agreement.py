@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from .._arguments import _RANGE_LIMIT
-from .._coerce import _dtype_name, _min_max
-from .._validation import expert_id_error
+from .._core.arguments import _RANGE_LIMIT
+from .._core.coerce import _dtype_name, _min_max
+from .._core.validation import expert_id_error
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _VERIFIED: Dict[Any, Tuple[Tuple[int, int], ...]] = {}  # group -> ranges, checked once

@@ -3,17 +3,19 @@ carries a call (and its gradient) across the all-to-alls."""
 
 import torch
 
-from .. import _cpu, _cpu_impl, _threads
-from .._arguments import parse_expert_range
-from .._coerce import as_tensor
-from .._format import GGUF_BLOCK_BYTES, GROUP_BYTES, accumulation_dtype
-from .._ops import (
+from .._core import cpu as _cpu
+from .._core import cpu_impl as _cpu_impl
+from .._core import threads as _threads
+from .._core.arguments import parse_expert_range
+from .._core.coerce import as_tensor
+from .._core.format import GGUF_BLOCK_BYTES, GROUP_BYTES, accumulation_dtype
+from .._core.ops import (
     mxfp4_experts_grad_latents_list_op,
     mxfp4_experts_grad_latents_op,
     runs_direct,
     slots_op,
 )
-from .._validation import SKIP, check_inputs, is_expert_list
+from .._core.validation import SKIP, check_inputs, is_expert_list
 from ._agreement import _BACKWARD, _GRADIENTS, _PRODUCTS
 from ._routing import ExpertRouting
 

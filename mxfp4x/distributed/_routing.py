@@ -7,9 +7,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._coerce import index_tensor
-from .._validation import expert_id_error
-from .._weak_group import WeakGroup
+from .._core.coerce import index_tensor
+from .._core.validation import expert_id_error
+from .._core.weak_group import WeakGroup
 from ._agreement import (
     _FAILED,
     _note,
@@ -29,7 +29,7 @@ class ExpertRouting:
     the plan, say) still takes part in the first exchange, flagging its failure in it, so
     every rank raises there and no data moves."""
 
-    group = WeakGroup()  # held weakly: _weak_group.WeakGroup
+    group = WeakGroup()  # held weakly: _core/weak_group.py
 
     def __init__(self, plan: _Plan, sel: torch.Tensor, rows_per_slot: bool, group):
         self.plan, self.group = plan, group

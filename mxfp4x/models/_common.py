@@ -8,8 +8,8 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .._arguments import ExpertRange, parse_expert_range
-from .._coerce import as_tensor, byte_tensor, bytes_by_view
+from .._core.arguments import ExpertRange, parse_expert_range
+from .._core.coerce import as_tensor, byte_tensor, bytes_by_view
 
 
 def bytes_of(name, t):

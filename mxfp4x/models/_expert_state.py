@@ -13,8 +13,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .._coerce import bytes_by_view
-from .._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
+from .._core.coerce import bytes_by_view
+from .._core.format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 from ._common import BytesByView
 
 
@@ -195,7 +195,7 @@ class _Weights:
         if self.tables is None:
             with self.lock:
                 if self.tables is None:
-                    from .. import _cpu_impl
+                    from .._core import cpu_impl as _cpu_impl
                     self.tables = (
                         _cpu_impl.experts_of(self.gate_up_packed, self.gate_up_scales),
                         _cpu_impl.experts_of(self.down_packed, self.down_scales))

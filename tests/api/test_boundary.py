@@ -1,11 +1,12 @@
-"""The typed boundary between Python and the kernels (mxfp4x._cpu.Experts / Call):
+"""The typed boundary between Python and the kernels (mxfp4x._core.cpu.Experts / Call):
 named modes, every array checked, stacked and per-expert tables equivalent."""
 import numpy as np
 import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _cpu, _cpu_impl
+from mxfp4x._core import cpu as _cpu
+from mxfp4x._core import cpu_impl as _cpu_impl
 from mxfp4x.testing.layers import random_layer
 
 
@@ -127,7 +128,7 @@ def test_per_expert_tensor_mismatch_is_named():
 
 
 def test_format_facts_agree():
-    from mxfp4x import _format
+    from mxfp4x._core import format as _format
     assert (_cpu.GROUP, _cpu.GROUP_BYTES) == (_format.GROUP, _format.GROUP_BYTES)
     assert _cpu.DTYPES == ("float32", "float64", "bfloat16", "float16")
 

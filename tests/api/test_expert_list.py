@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _ops
+from mxfp4x._core import ops as _ops
 from mxfp4x.checkpoints.safetensors import SafeTensorsFile, save_file
 from mxfp4x.testing.layers import assert_matches_reference, random_layer
 
@@ -43,7 +43,7 @@ def test_list_entries_are_not_copied(rng):
     layer = random_layer(rng, 4, 2, 3, 16, 2)
     listed = _as_list(layer)
     ptrs = [p.data_ptr() for p in listed["packed_weights"]]
-    from mxfp4x import _cpu_impl
+    from mxfp4x._core import cpu_impl as _cpu_impl
     ex = _cpu_impl.experts_of(listed["packed_weights"], listed["scale_bytes"])
     assert ex.owner[2] == [] and [p.data_ptr() for p in ex.owner[0]] == ptrs
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._format import accumulation_dtype
+from mxfp4x._core.format import accumulation_dtype
 from mxfp4x.testing.layers import random_layer
 
 
@@ -211,7 +211,7 @@ def test_weights_changed_in_place_or_replaced_are_read_again(rng, form):
     """Calls keep a table of each stacked weight tensor's addresses: whatever the caller
     does to the tensor between calls (new values, another storage, another shape or
     strides, another scale tensor), a call reads what the tensors hold then."""
-    from mxfp4x import _cpu_impl
+    from mxfp4x._core import cpu_impl as _cpu_impl
     from mxfp4x.testing.layers import gguf_blocks_of
 
     layer = random_layer(rng, 5, 2, 4, 7, 3)
@@ -259,7 +259,7 @@ def test_weights_are_not_kept_alive_by_calls(rng):
     import gc
     import weakref
 
-    from mxfp4x import _cpu_impl
+    from mxfp4x._core import cpu_impl as _cpu_impl
 
     gc.collect()
     layer = random_layer(rng, 3, 2, 4, 7, 2)
@@ -275,7 +275,7 @@ def test_weights_are_not_kept_alive_by_calls(rng):
 def test_weights_with_strided_rows_are_copied_per_call(rng):
     """Stacked weights whose rows are not contiguous are copied for the call (the kernels
     read rows of contiguous bytes), never kept."""
-    from mxfp4x import _cpu_impl
+    from mxfp4x._core import cpu_impl as _cpu_impl
 
     layer = random_layer(rng, 3, 2, 4, 7, 2)
     wide = torch.zeros(4, 7, 2, 32, dtype=torch.uint8)
@@ -311,7 +311,8 @@ def test_16bit_mixture_weights_read_as_they_are(rng, x_dtype, mix_dtype):
 
 
 def test_driver_checks_the_mixture_dtype(rng):
-    from mxfp4x import _cpu, _cpu_impl
+    from mxfp4x._core import cpu as _cpu
+    from mxfp4x._core import cpu_impl as _cpu_impl
 
     layer = random_layer(rng, 2, 2, 3, 5, 1)
     ex = _cpu_impl.experts_of(layer["packed_weights"], layer["scale_bytes"])

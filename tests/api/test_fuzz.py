@@ -18,9 +18,9 @@ from hypothesis import assume, given, note
 from hypothesis import strategies as st
 
 import mxfp4x
-from mxfp4x import _cpu
-from mxfp4x._format import accumulation_dtype
-from mxfp4x._reference import mxfp4_experts_reference
+from mxfp4x._core import cpu as _cpu
+from mxfp4x._core.format import accumulation_dtype
+from mxfp4x._core.reference import mxfp4_experts_reference
 from mxfp4x.testing.layers import reference_and_bound
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]

@@ -346,7 +346,7 @@ def test_working_memory_does_not_grow_with_the_tokens(case):
 def test_num_threads_beyond_the_cap_leaves_no_crowd_of_threads():
     out = _run("""
         import torch, mxfp4x
-        from mxfp4x._threads import MAX_THREADS
+        from mxfp4x._core.threads import MAX_THREADS
         g = torch.Generator().manual_seed(0)
         packed = torch.randint(0, 256, (2, 6000, 1, 16), dtype=torch.uint8, generator=g)
         scales = torch.randint(120, 130, (2, 6000, 1), dtype=torch.uint8, generator=g)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mxfp4x
-from mxfp4x import _cpu
+from mxfp4x._core import cpu as _cpu
 from mxfp4x.testing.layers import assert_matches_reference, random_layer
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]

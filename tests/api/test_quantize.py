@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._format import E2M1_VALUES
-from mxfp4x._reference import decode_expert, error_bound
+from mxfp4x._core.format import E2M1_VALUES
+from mxfp4x._core.reference import decode_expert, error_bound
 
 GRID = np.array(E2M1_VALUES[:8])
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x._reference import decode_expert, error_bound
+from mxfp4x._core.reference import decode_expert, error_bound
 from mxfp4x.testing.layers import acc_name, random_layer
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _ops
-from mxfp4x._reference import decode_expert, error_bound
+from mxfp4x._core import ops as _ops
+from mxfp4x._core.reference import decode_expert, error_bound
 from mxfp4x.testing.layers import acc_name, random_layer
 
 
@@ -225,7 +225,7 @@ def test_eager_calls_skip_the_dispatcher_only_when_the_op_would_add_nothing(rng,
     via_op = []
     for name in ("experts_op", "slots_op"):
         real = getattr(_ops, name)
-        monkeypatch.setattr(mxfp4x._api, name,
+        monkeypatch.setattr(mxfp4x._core.api, name,
                             lambda packed, real=real: via_op.append(1) or real(packed))
     plain = mxfp4x.mxfp4_experts(**layer)
     assert not via_op

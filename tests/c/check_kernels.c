@@ -9,7 +9,7 @@
  *   decode          all 256 bytes x 256 scale bytes, bit for bit against the definition
  *                   (E2M1 x 2^(s-127), NaN for s = 255), through the entry's layout
  *   gemv            against a float64 reference, within the documented bound
- *                   (mxfp4x/_reference.py error_bound, float32 accumulation)
+ *                   (mxfp4x/_core/reference.py error_bound, float32 accumulation)
  *   panel_dot       decode + panel_dot, the same
  *   batch           bit-identity of every (row, token): one-token gemv calls, one
  *                   several-token call, two calls on split row ranges (thread split),
@@ -154,7 +154,7 @@ static const char *named(const char *check, const char *gguf_check, int nibbles)
     return nibbles == MXFP4X_NIBBLES_HALVES ? gguf_check : check;
 }
 
-/* mxfp4x/_reference.py error_bound(magnitude, n_terms, "float32"). */
+/* mxfp4x/_core/reference.py error_bound(magnitude, n_terms, "float32"). */
 static double error_bound(double magnitude, int64_t n_terms) {
     const double u = ldexp(1.0, -24), n = (double)n_terms;
     return n * u / (1 - n * u) * magnitude + n * ldexp(1.0, -150);

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from mxfp4x import cli
-from mxfp4x._io import atomic_write
+from mxfp4x._core.files import atomic_write
 from mxfp4x.checkpoints import families as ck
 from mxfp4x.checkpoints.safetensors import SafeTensorsCheckpoint, write_file
 from mxfp4x.checkpoints.verify import verify_experts

@@ -12,7 +12,7 @@ import torch
 from gguf_files import tiny_gguf
 
 import mxfp4x
-from mxfp4x._threads import MAX_THREADS
+from mxfp4x._core.threads import MAX_THREADS
 from mxfp4x.checkpoints.safetensors import save_file
 
 PREFIX = "language_model.model.layers.{}.block_sparse_moe.experts."

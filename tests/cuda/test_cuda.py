@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _triton_impl, nn
+from mxfp4x import nn
+from mxfp4x._core import triton_impl as _triton_impl
 from mxfp4x.testing.kimi_k3 import k3_config, kimi_k3_reference, write_k3_checkpoint
 from mxfp4x.testing.layers import assert_matches_reference, gguf_blocks_of, random_layer
 

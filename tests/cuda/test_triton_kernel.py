@@ -1,4 +1,4 @@
-"""The GPU kernel (mxfp4x._triton_impl) against the float64 reference: on CUDA tensors
+"""The GPU kernel (mxfp4x._core.triton_impl) against the float64 reference: on CUDA tensors
 where a GPU is here, else on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
 set before Triton is imported: CI runs this file so).  Skipped without Triton, or without
 both a GPU and the interpreter; MXFP4X_REQUIRE_TRITON=1 makes that a failure."""
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from mxfp4x import _triton_impl as ti
-from mxfp4x._reference import decode_expert, mxfp4_experts_reference
+from mxfp4x._core import triton_impl as ti
+from mxfp4x._core.reference import decode_expert, mxfp4_experts_reference
 from mxfp4x.testing.layers import (
     assert_matches_reference,
     gguf_blocks_of,

@@ -395,7 +395,7 @@ def test_readonly_numpy_input_is_read_in_place(rng):
     layer = random_layer(rng, 3, 2, 2, 16, 2)
     packed = layer["packed_weights"].numpy().copy()
     packed.setflags(write=False)
-    t = mxfp4x._coerce.as_tensor("packed_weights", packed)
+    t = mxfp4x._core.coerce.as_tensor("packed_weights", packed)
     assert t.data_ptr() == packed.ctypes.data  # a view, not a copy
     assert not packed.flags.writeable
 
@@ -451,7 +451,7 @@ while True:
 """
 
 
-@pytest.mark.skipif(not hasattr(os, "fork") or mxfp4x._threads.backend() != "openmp",
+@pytest.mark.skipif(not hasattr(os, "fork") or mxfp4x._core.threads.backend() != "openmp",
                     reason="os.fork and an OpenMP build")
 @pytest.mark.parametrize("team", ["mxfp4x", "torch", "none"])
 def test_a_call_in_a_process_forked_after_threads_ran_does_not_hang(team):

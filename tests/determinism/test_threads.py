@@ -1,6 +1,6 @@
 """Determinism: bit-identical across thread counts, repeated calls and batches.  The
-threads themselves: one parallel mechanism for every step (mxfp4x._cpu.parallel_tasks),
-one owner of the policy (mxfp4x._threads), and steps that really run on the threads
+threads themselves: one parallel mechanism for every step (mxfp4x._core.cpu.parallel_tasks),
+one owner of the policy (mxfp4x._core.threads), and steps that really run on the threads
 asked for, in every threaded build (the normal OpenMP one, and the pthreads one of the
 .ci/run lane)."""
 import os
@@ -12,8 +12,12 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _arguments, _cpu, _cpu_impl, _probes, _threads
-from mxfp4x._format import accumulation_dtype
+from mxfp4x._core import arguments as _arguments
+from mxfp4x._core import cpu as _cpu
+from mxfp4x._core import cpu_impl as _cpu_impl
+from mxfp4x._core import probes as _probes
+from mxfp4x._core import threads as _threads
+from mxfp4x._core.format import accumulation_dtype
 from mxfp4x.testing.layers import random_layer
 
 THREADED = _threads.backend() != "serial"
@@ -53,7 +57,7 @@ def test_long_batches_run_in_token_chunks_with_the_same_bits(isa, rng, monkeypat
     # tokens here, every product (per token, per slot, per-slot latents, the transposed
     # one, the mixture weights' gradient; operands converted or copied chunk by chunk)
     # must keep its bits, and a chunk boundary must not drop or repeat a token
-    from mxfp4x import _cpu_impl
+    from mxfp4x._core import cpu_impl as _cpu_impl
     layer = random_layer(rng, 11, 3, 5, 70, 5, dtype=dtype, repeat_expert=True)
     w = (layer["packed_weights"], layer["scale_bytes"])
     x, sel, mix = layer["latent_tokens"], layer["selected_experts"], layer["mixture_weights"]
@@ -103,7 +107,7 @@ def test_token_chunks_are_as_few_and_as_equal_as_the_bound_allows(monkeypatch):
     """The chunks cover [0, T) in order, each within the bound's token count, as few as it
     allows, and of equal length but the last (512 tokens under a bound of 435: 256 + 256,
     not 435 + 77)."""
-    from mxfp4x import _cpu_impl
+    from mxfp4x._core import cpu_impl as _cpu_impl
     monkeypatch.setattr(_cpu_impl, "_MIN_CHUNK_TOKENS", 3)
     assert _cpu_impl._chunks(512, 1, 435) == [(0, 256), (256, 512)]
     assert _cpu_impl._chunks(0, 1, 435) == [(0, 0)]
@@ -292,19 +296,19 @@ def test_driver_boundary_takes_only_resolved_thread_counts():
 
 
 def test_one_parallel_mechanism_in_the_sources():
-    """prange / parallel() appear once, in _cpu.parallel_tasks: every step (the product's
+    """prange / parallel() appear once, in cpu.parallel_tasks: every step (the product's
     tasks, the layout copies, combine, the probes) goes through it."""
-    here = Path(mxfp4x.__file__).parent
+    here = Path(mxfp4x.__file__).parent / "_core"
     sources = sorted(here.glob("*.pyx")) + sorted(here.glob("*.pxi"))
     if not sources:
         pytest.skip("the .pyx sources are not installed beside the package")
     code = {p.name: re.sub(r"#[^\n]*|\"\"\".*?\"\"\"", "", p.read_text(), flags=re.S)
             for p in sources}
-    assert {"_cpu.pyx", "_probes.pyx", "_cpu_runtime.pxi"} <= set(code)
+    assert {"cpu.pyx", "probes.pyx", "cpu_runtime.pxi"} <= set(code)
     found = {(name, m) for name, text in code.items()
              for m in re.findall(r"\b(prange|parallel)\(", text)}
-    # _cpu_runtime.pxi is part of _cpu.pyx (included there)
-    assert found == {("_cpu_runtime.pxi", "prange"), ("_cpu_runtime.pxi", "parallel")}, found
+    # cpu_runtime.pxi is part of cpu.pyx (included there)
+    assert found == {("cpu_runtime.pxi", "prange"), ("cpu_runtime.pxi", "parallel")}, found
     assert sum(text.count("prange(") for text in code.values()) == 1
 
 

@@ -195,7 +195,7 @@ def test_dense_linear_module(rng):
     import copy
     import pickle
 
-    from mxfp4x._reference import error_bound
+    from mxfp4x._core.reference import error_bound
     lin = torch.nn.Linear(72, 40).to(torch.bfloat16)
     assert mxt.use_dense_kernels(torch.nn.Sequential(lin)) == 1
     assert type(lin) is mxt.DenseLinear

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _cpu
-from mxfp4x._reference import error_bound, mxfp4_experts_reference
+from mxfp4x._core import cpu as _cpu
+from mxfp4x._core.reference import error_bound, mxfp4_experts_reference
 from mxfp4x.testing.layers import gguf_blocks_of
 from mxfp4x.testing.layers import random_layer as _random_layer
 
@@ -266,7 +266,7 @@ def test_per_slot_latents(unit, rng):
 def _dots_f32(unit, x, packed, scales, sel, n_threads=1):
     """The float32 dot products of every (token, slot) before any rounding to bf16: the
     driver called as the op calls it, its result left in float32."""
-    from mxfp4x import _cpu_impl
+    from mxfp4x._core import cpu_impl as _cpu_impl
     ex = _cpu_impl.experts_of(packed, scales)
     out = np.full((sel.numel(), ex.d_out), np.nan, dtype=np.float32)
     _cpu.Call(ex, product="forward", compute="float32", selected=sel.to(torch.int64).numpy(),

@@ -115,7 +115,7 @@ def test_named_isa_runs_only_that_one(native):
 def test_kernel_tables_stay_on_their_architecture(native):
     """An x86-64 build never lists neon, an aarch64 build never lists an x86 ISA; the
     extension itself agrees with the checker's build of the same headers."""
-    from mxfp4x import _cpu
+    from mxfp4x._core import cpu as _cpu
 
     names = set(_listed(native))
     compiled = set(_cpu.compiled_isas())
@@ -157,7 +157,7 @@ def test_bf16_panel_slices_give_the_same_bits(native, tmp_path):
     MXFP4X_BF16DP_KC_ZEN4 applies).  The checker's rows have 37 groups, one slice at the
     default lengths; built with slices of 8 on every CPU (five slices, the last of 5) every
     bf16 check must pass and give the default build's digests."""
-    from mxfp4x import _cpu
+    from mxfp4x._core import cpu as _cpu
 
     if "avx512bf16" not in _cpu.runnable_isas():
         pytest.skip("this CPU cannot run avx512bf16")

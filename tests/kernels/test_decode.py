@@ -2,7 +2,9 @@
 import numpy as np
 import torch
 
-from mxfp4x import _probes, _reference, _torch_impl
+from mxfp4x._core import probes as _probes
+from mxfp4x._core import reference as _reference
+from mxfp4x._core import torch_impl as _torch_impl
 
 
 def _all_bytes_all_scales():

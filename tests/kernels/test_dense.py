@@ -1,4 +1,4 @@
-"""The dense bfloat16 product (mxfp4x._dense.linear, the kernels' dense_bf16): against a
+"""The dense bfloat16 product (mxfp4x._core.dense.linear, the kernels' dense_bf16): against a
 float64 reference within the documented bound on every runnable ISA, at widths off every
 lane count; bit-identical across thread counts, batches and row splits; torch's own
 F.linear wherever it does not apply; inputs untouched."""
@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mxfp4x import _cpu, _dense
-from mxfp4x._reference import error_bound
+from mxfp4x._core import cpu as _cpu
+from mxfp4x._core import dense as _dense
+from mxfp4x._core.reference import error_bound
 
 ISAS = _cpu.runnable_isas()
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _cpu, _probes, _threads
+from mxfp4x._core import cpu as _cpu
+from mxfp4x._core import probes as _probes
+from mxfp4x._core import threads as _threads
 from mxfp4x.testing.layers import random_layer, run_threads
 
 _PROBE = r"""

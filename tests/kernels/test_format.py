@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from mxfp4x import _format
+from mxfp4x._core import format as _format
 
 
 def test_e2m1_table_is_the_ocp_table():

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _cpu, _cpu_impl, _probes
-from mxfp4x._format import E2M1_TABLE
-from mxfp4x._reference import error_bound
+from mxfp4x._core import cpu as _cpu
+from mxfp4x._core import cpu_impl as _cpu_impl
+from mxfp4x._core import probes as _probes
+from mxfp4x._core.format import E2M1_TABLE
+from mxfp4x._core.reference import error_bound
 from mxfp4x.nn import MXFP4Experts
 from mxfp4x.testing.layers import acc_name, dtype_name
 
@@ -391,7 +393,7 @@ def test_memory_mapped_blocks_are_read_in_place(rng, tmp_path, isa):
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=header, shape=blocks.shape)
     got = mxfp4x.mxfp4_experts(**dict(lay, packed_weights=mm), isa=isa)
     assert torch.equal(got, want)
-    from mxfp4x._coerce import as_tensor
+    from mxfp4x._core.coerce import as_tensor
     t = as_tensor("packed_weights", mm)
     assert t.data_ptr() == mm.ctypes.data
     assert _cpu_impl.experts_of(t, None).owner.data_ptr() == mm.ctypes.data

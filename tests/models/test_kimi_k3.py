@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _dense, nn
+from mxfp4x import nn
+from mxfp4x._core import dense as _dense
 from mxfp4x.testing.kimi_k3 import k3_config, kimi_k3_reference, write_k3_checkpoint
 
 TINY = dict(hidden_size=256, routed_expert_hidden_size=128, num_experts=16,
@@ -158,7 +159,8 @@ def test_progress_bar_is_plain_off_a_terminal(ckpt, capsys):
 
 _RSS = r"""
 import sys, torch, mxfp4x
-from mxfp4x import _dense, nn
+from mxfp4x import nn
+from mxfp4x._core import dense as _dense
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import mxfp4x
-from mxfp4x import _arguments, nn
+from mxfp4x import nn
+from mxfp4x._core import arguments as _arguments
 from mxfp4x.testing.gpt_oss import write_gpt_oss_layer
 from mxfp4x.testing.kimi_k3 import k3_config, write_k3_checkpoint
 

@@ -8,7 +8,7 @@ import torch
 
 import mxfp4x
 from mxfp4x import nn
-from mxfp4x._reference import decode_expert
+from mxfp4x._core.reference import decode_expert
 from mxfp4x.checkpoints.safetensors import SafeTensorsCheckpoint, SafeTensorsFile, save_file
 from mxfp4x.testing.layers import random_layer
 

@@ -219,7 +219,7 @@ _PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchless_pro
 def test_emulated_extension_runs_without_avx():
     """The extension of the emulation lane: avx512 on a CPU without AVX (-cpu Nehalem),
     decode bit for bit and a product within the documented bound."""
-    from mxfp4x import _cpu
+    from mxfp4x._core import cpu as _cpu
 
     if _cpu.build_info().get("emulated") != "avx512":
         pytest.skip("the emulation lane's check: an extension built with "
@@ -229,7 +229,7 @@ def test_emulated_extension_runs_without_avx():
         if REQUIRE_QEMU:
             pytest.fail("MXFP4X_REQUIRE_QEMU=1 but qemu-x86_64 is missing")
         pytest.skip("qemu-x86_64 not installed (Debian: qemu-user)")
-    pkg_dir = str(Path(_cpu.__file__).resolve().parent)
+    pkg_dir = str(Path(_cpu.__file__).resolve().parent.parent)  # mxfp4x/
     env = {k: v for k, v in os.environ.items() if k != "MXFP4X_ISA"}
     env.update(NUMPY_ENV)
     env["OMP_NUM_THREADS"] = "1"

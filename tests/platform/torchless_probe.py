@@ -13,18 +13,18 @@ import numpy as np
 pkg = types.ModuleType("mxfp4x")
 pkg.__path__ = [sys.argv[1]]
 sys.modules["mxfp4x"] = pkg  # the package's modules, without its torch-importing __init__
-from mxfp4x import _cpu, _probes, _reference  # noqa: E402
+from mxfp4x._core import cpu, probes, reference  # noqa: E402
 
 isa = None if sys.argv[2] == "default" else sys.argv[2]
 n_threads = int(sys.argv[3])
-result = {"isa": _cpu.default_isa(), "isas": _cpu.runnable_isas(),
-          "emulated": _cpu.build_info()["emulated"]}
+result = {"isa": cpu.default_isa(), "isas": cpu.runnable_isas(),
+          "emulated": cpu.build_info()["emulated"]}
 
 packed = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (256, 1, 1))
 scales = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, 16))
-got = _probes.decode_rows(packed, scales, isa=isa)
+got = probes.decode_rows(packed, scales, isa=isa)
 with np.errstate(over="ignore"):
-    ref = _reference.decode_expert(packed, scales).astype(np.float32)
+    ref = reference.decode_expert(packed, scales).astype(np.float32)
 nan = np.isnan(ref)
 result["decode_ok"] = bool((np.isnan(got) == nan).all() and
                            (got[~nan].view(np.uint32) == ref[~nan].view(np.uint32)).all())
@@ -41,16 +41,16 @@ shared = rng.standard_normal((T, O)).astype(np.float32)
 y = shared.copy()
 table = np.array([[pk[e].ctypes.data, sc[e].ctypes.data, pk.strides[1], sc.strides[1]]
                   for e in range(E)], dtype=np.int64)
-experts = _cpu.Experts(table, d_out=O, n_groups=G, owner=(pk, sc))
-call = _cpu.Call(experts, product="forward", compute="float32", selected=sel, mix=mix, src=x,
+experts = cpu.Experts(table, d_out=O, n_groups=G, owner=(pk, sc))
+call = cpu.Call(experts, product="forward", compute="float32", selected=sel, mix=mix, src=x,
                  src_dtype="float32", src_rows="token", dst=y, dst_rows="token",
                  n_threads=n_threads, isa=isa)
 call.run()
 result["ran"] = call.isa
-ref = _reference.mxfp4_experts_reference(x, pk, sc, sel, mix, shared)
-mag = _reference.mxfp4_experts_reference(np.abs(x), pk, sc, sel, np.abs(mix), np.abs(shared),
+ref = reference.mxfp4_experts_reference(x, pk, sc, sel, mix, shared)
+mag = reference.mxfp4_experts_reference(np.abs(x), pk, sc, sel, np.abs(mix), np.abs(shared),
                                          absolute=True)
-bound = _reference.error_bound(mag, 32 * G + K + 2, "float32")
+bound = reference.error_bound(mag, 32 * G + K + 2, "float32")
 result["moe_ok"] = bool((np.abs(y - ref) <= bound).all())
 result["moe_worst"] = float((np.abs(y - ref) / bound).max())
 print(json.dumps(result))

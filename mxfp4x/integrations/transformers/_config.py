@@ -4,8 +4,8 @@ from typing import Any, Dict, Optional
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..._arguments import num_threads_arg
-from ..._quantize import SCALE_RULES
+from ..._core.arguments import num_threads_arg
+from ..._core.quantize import SCALE_RULES
 
 QUANT_METHOD = "mxfp4x"  # also the experts implementation's name in transformers
 FILE_FORMAT = "mxfp4"  # what the checkpoints we read (and write) call their format

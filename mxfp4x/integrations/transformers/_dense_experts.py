@@ -10,9 +10,9 @@ from transformers.core_model_loading import ConversionOps
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from ..._api import mxfp4_experts, mxfp4_experts_slots
-from ..._format import GROUP, GROUP_BYTES, accumulation_dtype
-from ..._quantize import quantize
+from ..._core.api import mxfp4_experts, mxfp4_experts_slots
+from ..._core.format import GROUP, GROUP_BYTES, accumulation_dtype
+from ..._core.quantize import quantize
 from ...models._common import view_loaded_bytes_hook
 from ._config import QUANT_METHOD
 

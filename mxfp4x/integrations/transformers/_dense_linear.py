@@ -4,12 +4,12 @@ from typing import Optional
 
 import torch
 
-from ... import _dense
+from ..._core import dense as _dense
 
 
 class DenseLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose forward, for bfloat16 weights at up to 4 tokens on CPU
-    without autograd, runs mxfp4x's dense kernel (``mxfp4x._dense.linear``: the weight
+    without autograd, runs mxfp4x's dense kernel (``mxfp4x._core.dense.linear``: the weight
     widened to float32 exactly, float32 products and sums, the bias added in float32,
     one rounding; torch's bf16 matrix-vector product reads the weight at about half the
     memory's rate).  Anything else is ``F.linear``.  Modules become this class in place

@@ -5,7 +5,7 @@ from typing import Optional
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..._arguments import num_threads_arg
+from ..._core.arguments import num_threads_arg
 from ._attention import ATTENTION
 from ._config import FILE_FORMAT, QUANT_METHOD, Mxfp4xConfig
 

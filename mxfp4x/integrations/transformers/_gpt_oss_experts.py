@@ -5,9 +5,9 @@ from typing import Optional
 
 import torch
 
-from ..._coerce import bytes_by_view
-from ..._format import GROUP, GROUP_BYTES
-from ..._quantize import dequantize
+from ..._core.coerce import bytes_by_view
+from ..._core.format import GROUP, GROUP_BYTES
+from ..._core.quantize import dequantize
 from ...models._common import BytesByView
 from ...models.gpt_oss import gpt_oss_experts
 from ._checkpoint_files import GPT_OSS_BIASES, GPT_OSS_DENSE, GPT_OSS_MXFP4

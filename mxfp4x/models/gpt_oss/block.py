@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from ..._arguments import num_threads_arg, parse_expert_range
+from ..._core.arguments import num_threads_arg, parse_expert_range
 from .experts import GptOssExperts
 from .gguf import _gguf_of, from_gguf
 from .loading import from_safetensors

@@ -6,10 +6,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..._api import mxfp4_experts, mxfp4_experts_slots
-from ..._arguments import NumThreads, num_threads_arg, parse_expert_range
-from ..._format import accumulation_dtype
-from ..._weak_group import WeakGroup
+from ..._core.api import mxfp4_experts, mxfp4_experts_slots
+from ..._core.arguments import NumThreads, num_threads_arg, parse_expert_range
+from ..._core.format import accumulation_dtype
+from ..._core.weak_group import WeakGroup
 from .._common import BytesByView, bytes_of, expert_range_of
 from .tensors import _GGUF, _SPLIT, check_experts
 
@@ -40,7 +40,7 @@ class GptOssExperts(BytesByView):
     up products run as two calls, interleaved back into ``gate_up``'s order.
     """
 
-    group = WeakGroup()  # held weakly: _weak_group.WeakGroup
+    group = WeakGroup()  # held weakly: _core/weak_group.py
     num_threads = NumThreads()  # checked whenever it is set
     # load_state_dict reads these by view (int8, float8_e8m0fnu), never by value
     _byte_buffers = ("gate_up_blocks", "gate_up_scales", "gate_blocks", "up_blocks",

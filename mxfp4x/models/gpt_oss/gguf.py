@@ -5,7 +5,7 @@ scales as GGUF blocks, gate and up split, read in place): the experts
 import os
 from typing import TYPE_CHECKING, Optional
 
-from ..._arguments import ExpertRange
+from ..._core.arguments import ExpertRange
 from ...checkpoints.families import gguf_naming, load_gguf_experts
 from .._common import check_gguf_dims, gguf_integer, require_tensor
 from .experts import GptOssExperts

@@ -6,8 +6,8 @@ which the classes' ``from_checkpoint`` call, and every layer's experts
 import functools
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from ..._arguments import ExpertRange, num_threads_arg, parse_expert_range
-from ..._progress import Progress
+from ..._core.arguments import ExpertRange, num_threads_arg, parse_expert_range
+from ..._core.progress import Progress
 from ...checkpoints import families as ck
 from ...checkpoints.families import GPT_OSS
 from ...checkpoints.safetensors import SafeTensorsCheckpoint

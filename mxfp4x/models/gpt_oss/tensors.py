@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..._arguments import ExpertRange, parse_expert_range
-from ..._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
+from ..._core.arguments import ExpertRange, parse_expert_range
+from ..._core.format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 from ...checkpoints.families import GPT_OSS
 from .._common import check_tensor
 

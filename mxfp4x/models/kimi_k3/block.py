@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from ... import _dense
-from ..._arguments import num_threads_arg
-from ..._format import accumulation_dtype
+from ..._core import dense as _dense
+from ..._core.arguments import num_threads_arg
+from ..._core.format import accumulation_dtype
 from ...checkpoints.gguf import GGUFCheckpoint, is_gguf
 from .experts import KimiK3Experts, clip, situ
 from .gguf import from_gguf
@@ -26,7 +26,7 @@ def _rms_norm(y, weight, eps):
 
 def _linear(x, w, num_threads):
     """F.linear with the weight in x's dtype; bf16 weights at a few tokens through the
-    compiled kernels on ``num_threads`` threads (mxfp4x._dense: torch's bf16
+    compiled kernels on ``num_threads`` threads (mxfp4x._core.dense: torch's bf16
     matrix-vector product reads them at about half the memory's rate)."""
     return _dense.linear(x, w, num_threads=num_threads)
 

@@ -5,11 +5,11 @@ from typing import List, Optional
 
 import torch
 
-from ..._api import mxfp4_experts, mxfp4_experts_slots
-from ..._arguments import NumThreads, check_isa
-from ..._coerce import as_tensor, float_tensor, index_tensor
-from ..._format import accumulation_dtype
-from ..._weak_group import WeakGroup
+from ..._core.api import mxfp4_experts, mxfp4_experts_slots
+from ..._core.arguments import NumThreads, check_isa
+from ..._core.coerce import as_tensor, float_tensor, index_tensor
+from ..._core.format import accumulation_dtype
+from ..._core.weak_group import WeakGroup
 from .._common import _positive, expert_range_of
 from .._expert_state import ExpertMatrix, _ExpertWeights, _matrix_shape, _split, _Stamp, _Weights
 
@@ -57,7 +57,7 @@ class KimiK3Experts(torch.nn.Module):
     checked here.
     """
 
-    group = WeakGroup()  # held weakly: _weak_group.WeakGroup
+    group = WeakGroup()  # held weakly: _core/weak_group.py
     num_threads = NumThreads()  # checked whenever it is set
 
     def __init__(self, w1, w3, w2, beta: float = 4.0, linear_beta: Optional[float] = 25.0,
@@ -210,7 +210,7 @@ class KimiK3Experts(torch.nn.Module):
 
     def _slots(self, x, table_index, packed, scales, sel, w: _Weights):
         if self._direct(x):
-            from ... import _cpu_impl
+            from ..._core import cpu_impl as _cpu_impl
             return _cpu_impl.experts(x, w.cpu_tables()[table_index], None, sel.to(torch.int64),
                                      None, None, self.num_threads or 0, per_slot_outputs=True,
                                      isa=self.isa)
@@ -255,7 +255,7 @@ class KimiK3Experts(torch.nn.Module):
         act = situ(gu[:, :top_k], self.beta) * clip(gu[:, top_k:], self.linear_beta)
         zeros = torch.zeros((h.shape[0], self.d_latent), dtype=acc, device=h.device)
         if self._direct(act) and self._direct(h):
-            from ... import _cpu_impl
+            from ..._core import cpu_impl as _cpu_impl
             out = _cpu_impl.experts(act, w.cpu_tables()[1], None, sel, mix.to(acc), zeros,
                                     self.num_threads or 0, isa=self.isa)
         else:

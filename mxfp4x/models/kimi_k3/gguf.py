@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import numpy as np
 import torch
 
-from ..._arguments import num_threads_arg
+from ..._core.arguments import num_threads_arg
 from ...checkpoints import families as ck
 from ...checkpoints.gguf import MXFP4, GGUFCheckpoint
 from .._common import (

@@ -6,7 +6,7 @@ import functools
 import os
 from typing import TYPE_CHECKING, Optional
 
-from ..._progress import Progress
+from ..._core.progress import Progress
 from ...checkpoints import families as ck
 from .._common import _flag, check_dims, check_tensor, config_integer, expert_range_within
 from .config import block_config, situ_betas

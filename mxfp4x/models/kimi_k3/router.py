@@ -5,8 +5,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ... import _dense
-from ..._format import accumulation_dtype
+from ..._core import dense as _dense
+from ..._core.format import accumulation_dtype
 from .._common import _flag, _real, check_routing
 
 
@@ -64,7 +64,7 @@ class KimiK3Router(torch.nn.Module):
         acc = accumulation_dtype(x.dtype)
         if acc == torch.float32 and _dense.takes(x, self.weight):
             # a few tokens, bf16 weight: the product of the float32-widened weight, read
-            # as bf16 at the memory's rate (mxfp4x._dense)
+            # as bf16 at the memory's rate (mxfp4x._core.dense)
             scores = torch.sigmoid(_dense.linear(x, self.weight, num_threads=num_threads,
                                                  out_dtype=acc))
         else:

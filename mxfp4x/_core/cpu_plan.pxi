@@ -1,4 +1,4 @@
-# mxfp4x/_cpu_plan.pxi -- part of mxfp4x/_cpu.pyx, which includes it (one module).
+# mxfp4x/_core/cpu_plan.pxi -- part of mxfp4x/_core/cpu.pyx, which includes it (one module).
 # The driver's plan of a call: the pairs routed by expert, the tasks and their tiles, and
 # the combine of per-slot products (combine).
 

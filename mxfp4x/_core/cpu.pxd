@@ -1,11 +1,11 @@
 # cython: language_level=3
-"""What the driver (mxfp4x/_cpu.pyx) lends the probes (mxfp4x/_probes.pyx): its one
+"""What the driver (mxfp4x/_core/cpu.pyx) lends the probes (mxfp4x/_core/probes.pyx): its one
 parallel mechanism, its choice of a kernel table entry, its allocator and its check of
 a thread count.  The probes measure and test the driver's own code through these, never
 a copy of it."""
 from libc.stdint cimport int64_t
 
-cimport mxfp4x._capi as c
+cimport mxfp4x._core.capi as c
 
 
 cdef void parallel_tasks(int n_threads, int64_t n_tasks, c.mxfp4x_task_fn fn,

@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import _cpu, _threads
+from . import cpu as _cpu
+from . import threads as _threads
 
 # Kimi K3's 3584 x 7168 and 7168 x 3584 bf16 weights, AMD EPYC Zen 4, medians of 25:
 # on 2 threads the kernel read them at 23 GB/s at 1 token (torch 14-16), 19-21 at 2,

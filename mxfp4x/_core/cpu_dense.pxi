@@ -1,4 +1,4 @@
-# mxfp4x/_cpu_dense.pxi -- part of mxfp4x/_cpu.pyx, which includes it (one module).
+# mxfp4x/_core/cpu_dense.pxi -- part of mxfp4x/_core/cpu.pyx, which includes it (one module).
 # dense_bf16: bf16 matrices times a few tokens through the entry's dense kernels.
 
 # dense_bf16(): each task owns output rows [task * DENSE_TILE_ROWS, ...) of every token.

@@ -1,4 +1,4 @@
-# mxfp4x/_cpu_call.pxi -- part of mxfp4x/_cpu.pyx, which includes it (one module).
+# mxfp4x/_core/cpu_call.pxi -- part of mxfp4x/_core/cpu.pyx, which includes it (one module).
 # The call description: Experts and Call, the one typed boundary a call crosses (mxfp4x_call
 # of include/mxfp4x/mxfp4x.h), built and checked in one place.
 
@@ -244,7 +244,7 @@ cdef class Call:
     def run(self, thread_log=None):
         """Run the call (GIL released); ``dst`` receives the result.
 
-        ``thread_log`` (a test hook; mxfp4x._probes.step_threads reads it): None, or a
+        ``thread_log`` (a test hook; mxfp4x._core.probes.step_threads reads it): None, or a
         zeroed (3, MAX_THREADS) uint64 array in which each step of the call (0: the
         latents into the kernel layout, 1: the product's tasks, 2: the result out of it)
         records, at [step, tid], the OS thread that ran one of its tasks as thread tid."""
@@ -264,9 +264,9 @@ cdef int _named(dict names, str value, str arg) except -1:
 
 
 cdef int checked_threads(int n_threads) except -1:
-    """n_threads itself, if mxfp4x._threads.resolve could have returned it (the policy is
+    """n_threads itself, if mxfp4x._core.threads.resolve could have returned it (the policy is
     decided there; this boundary only refuses what threads.h could not hold)."""
     if n_threads < 1 or n_threads > c.MXFP4X_MAX_THREADS:
         raise ValueError(f"n_threads: expected 1 to {c.MXFP4X_MAX_THREADS} (resolve a "
-                         f"request with mxfp4x._threads.resolve), got {n_threads}")
+                         f"request with mxfp4x._core.threads.resolve), got {n_threads}")
     return n_threads

@@ -4,7 +4,7 @@ expert ids).  Every error names the argument, what it got and what was expected.
 import numpy as np
 import torch
 
-from ._format import torch_e8m0_dtype
+from .format import torch_e8m0_dtype
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = tuple(d for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,

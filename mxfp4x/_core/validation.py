@@ -1,11 +1,11 @@
-"""The op's inputs checked together: coerced (``_coerce``), then shapes that agree with
+"""The op's inputs checked together: coerced (``coerce``), then shapes that agree with
 each other (stacked experts or one tensor per expert, the safetensors or the GGUF
 arrangement), before any kernel runs.  Every error names the argument, what it got and
 what was expected."""
 import numpy as np
 import torch
 
-from ._coerce import (
+from .coerce import (
     _UINT64,
     _min_max,
     as_tensor,
@@ -14,7 +14,7 @@ from ._coerce import (
     float_tensor,
     index_tensor,
 )
-from ._format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
+from .format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 
 
 def check_op_call(x, packed, sel, mix=None, shared=None):

@@ -1,4 +1,4 @@
-"""The Triton kernels of the GPU path (``mxfp4x._triton_impl`` says what they compute and
+"""The Triton kernels of the GPU path (``mxfp4x._core.triton_impl`` says what they compute and
 launches them); imported on the first call that runs them, so that ``import mxfp4x``
 never imports Triton."""
 import triton

@@ -1,4 +1,4 @@
-# Type stub of the compiled extension (mxfp4x/_cpu.pyx).
+# Type stub of the compiled extension (mxfp4x/_core/cpu.pyx).
 from typing import Any
 
 import numpy as np

@@ -26,9 +26,11 @@ the PyTorch path before it indexes), so a traced graph checks them too.
 """
 import torch
 
-from . import _cpu_impl, _torch_impl, _triton_impl
-from ._format import accumulation_dtype
-from ._validation import check_expert_ids, check_op_call
+from . import cpu_impl as _cpu_impl
+from . import torch_impl as _torch_impl
+from . import triton_impl as _triton_impl
+from .format import accumulation_dtype
+from .validation import check_expert_ids, check_op_call
 
 _TAIL = 'int num_threads=0, str isa="") -> Tensor'
 
@@ -40,7 +42,7 @@ def _mix_grad(x, packed, scales, sel, grad, acc, num_threads, isa):
     """The mixture weights' gradient d/dp_tk = g_t . W_k x_t in ``acc``; W x in the
     accumulation dtype (rounded to 16-bit latents first it would cost ~1e-2 relative; the
     upcast of x is exact).  Eager on plain CPU tensors it runs in the forward's token
-    chunks (_cpu_impl: at most _CHUNK_BYTES, or 1 / _CHUNK_WEIGHT_SHARE of the experts'
+    chunks (cpu_impl: at most _CHUNK_BYTES, or 1 / _CHUNK_WEIGHT_SHARE of the experts'
     bytes where that is more, never fewer than _MIN_CHUNK_TOKENS tokens), each chunk's
     arrays in buffers of the longest chunk, reused: the per-slot products (T, K, O) and
     their product with g, whole, took 2 T K O x 4 bytes (1.2 GiB for 100000 tokens of 16

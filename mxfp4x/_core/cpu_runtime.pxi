@@ -1,4 +1,4 @@
-# mxfp4x/_cpu_runtime.pxi -- part of mxfp4x/_cpu.pyx, which includes it (one module).
+# mxfp4x/_core/cpu_runtime.pxi -- part of mxfp4x/_core/cpu.pyx, which includes it (one module).
 # The driver's runtime: the ISAs this build holds and their choice, the one parallel
 # mechanism (parallel_tasks) and the fork rule, the FP environment, the build's facts.
 
@@ -18,7 +18,7 @@ def runnable_isas():
 
 def threads_backend():
     """How the driver's tasks run in parallel, as built: "openmp", "pthreads" or "serial"
-    (include/mxfp4x/threads.h).  Asked through mxfp4x._threads."""
+    (include/mxfp4x/threads.h).  Asked through mxfp4x._core.threads."""
     return c.mxfp4x_threads_name().decode()
 
 
@@ -27,7 +27,7 @@ def threads_backend():
 # threads that stayed in the parent.  So a process forked after one of our teams ran, or
 # from a parent with more threads than it had when this module was imported (libgomp's
 # pool stays alive between teams; importing torch starts one thread of its own), takes
-# every step in the calling thread (the same bits; _threads.resolve warns once).
+# every step in the calling thread (the same bits; threads.resolve warns once).
 cdef int _teams_ran = 0
 cdef int _forked_after_teams = 0
 

@@ -1,11 +1,11 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 # cython: initializedcheck=False, nonecheck=False
-"""Probes of the CPU driver, kept out of its module (mxfp4x/_cpu.pyx): the roofline's
+"""Probes of the CPU driver, kept out of its module (mxfp4x/_core/cpu.pyx): the roofline's
 loops (``fma_peak``, ``read_peak``) and the test hooks (``threads_used``,
 ``step_threads``, ``decode_rows``, ``isa_decision``, ``default_decision``).
 
 Everything parallel here runs through the driver's own mechanism
-(``mxfp4x._cpu.parallel_tasks``: prange under OpenMP, threads.h's workers otherwise), and
+(``mxfp4x._core.cpu.parallel_tasks``: prange under OpenMP, threads.h's workers otherwise), and
 every kernel is the driver's table entry (``kernels_of``), so a probe measures the code a
 call runs.  Numpy only, no torch: the QEMU portability tests load this module alone.
 """
@@ -16,10 +16,10 @@ import numpy as np
 from libc.stdint cimport int64_t, uint8_t, uint64_t, uintptr_t
 from libc.stdlib cimport free
 
-cimport mxfp4x._capi as c
-cimport mxfp4x._cpu as driver
+cimport mxfp4x._core.capi as c
+cimport mxfp4x._core.cpu as driver
 
-from mxfp4x._cpu import MAX_THREADS, Call, Experts, combine
+from mxfp4x._core.cpu import MAX_THREADS, Call, Experts, combine
 
 
 # ---- roofline ---------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def step_threads(int n_threads, isa=None):
 
 
 def built_with():
-    """This module's threads backend and compile flags: the same as _cpu's (setup.py
+    """This module's threads backend and compile flags: the same as cpu's (setup.py
     builds both extensions alike), which a test checks."""
     return {"threads": c.mxfp4x_threads_name().decode(),
             "cflags": (<bytes>c.MXFP4X_BUILD_CFLAGS).decode()}

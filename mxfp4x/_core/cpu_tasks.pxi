@@ -1,4 +1,4 @@
-# mxfp4x/_cpu_tasks.pxi -- part of mxfp4x/_cpu.pyx, which includes it (one module).
+# mxfp4x/_core/cpu_tasks.pxi -- part of mxfp4x/_core/cpu.pyx, which includes it (one module).
 # The driver's tasks: the forward and transposed products, the layout steps around them, and
 # _drive, which runs a call's steps through parallel_tasks.
 
@@ -303,7 +303,7 @@ cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
         with nogil:
             bad = _route(dummy, call, &w.r, fill)
         if bad >= 0:
-            from mxfp4x._validation import expert_id_error
+            from mxfp4x._core.validation import expert_id_error
             raise expert_id_error(call.selected[bad], call.experts.n_experts)
         n_x_rows = call.n_tokens * (call.top_k if (call.src_rows if forward else call.dst_rows)
                                     == c.MXFP4X_ROWS_PER_SLOT else 1)

@@ -26,7 +26,7 @@ import importlib.util
 
 import torch
 
-from ._torch_impl import d_out_of
+from .torch_impl import d_out_of
 
 TILE_TOKENS = 16  # pairs per tile: tl.dot needs 16 rows; fewer are padded with zeros
 BLOCK_O = 128  # output rows per tile program; a step is one group (32 inputs)
@@ -159,7 +159,7 @@ def pair_products(x, packed, scales, sel):
     if xs.stride(-1) != 1:
         xs = xs.contiguous()
     flat = sel.reshape(-1).to(torch.int64)
-    from . import _triton_kernels as k
+    from . import triton_kernels as k
 
     gguf = scales is None
     w_arg, s_arg, p_strides, s_strides, listed = _weights(packed, scales, x.device)

@@ -11,8 +11,8 @@ import functools
 import numpy as np
 import torch
 
-from . import _cpu
-from ._format import (
+from . import cpu as _cpu
+from .format import (
     E2M1_VALUES,
     GGUF_BLOCK_BYTES,
     GROUP,
@@ -21,7 +21,7 @@ from ._format import (
     e8m0_table_f32,
     e8m0_to_float64,
 )
-from ._validation import check_expert_ids
+from .validation import check_expert_ids
 
 
 def exact_on_cpu(fn):

@@ -8,7 +8,7 @@ of the pthreads workers's arrays; libgomp keeps the threads of its last team ali
 between parallel steps, so a larger request would only leave idle OS threads behind).  What a call
 asks for is resolved here: ``num_threads=None`` (or 0, its deferred form) means
 ``torch.get_num_threads()`` when the call runs.  Requests are checked for type and sign
-where the user passes them (``_arguments.check_num_threads``), which caps them here.
+where the user passes them (``arguments.check_num_threads``), which caps them here.
 """
 import contextlib
 import warnings
@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import _cpu
+from . import cpu as _cpu
 
 BACKENDS = ("openmp", "pthreads", "serial")  # threads.h's MXFP4X_THREADS_NAME values
 

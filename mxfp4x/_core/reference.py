@@ -6,7 +6,7 @@ only: the QEMU portability probe runs it without torch.)
 """
 import numpy as np
 
-from ._format import E2M1_TABLE, GROUP, e8m0_to_float64
+from .format import E2M1_TABLE, GROUP, e8m0_to_float64
 
 
 def decode_expert(packed_weights, scale_bytes, absolute=False):

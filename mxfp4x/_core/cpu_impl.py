@@ -1,5 +1,5 @@
 """The CPU backend in torch terms: the one place that turns tensors into a call of the
-compiled driver (``mxfp4x._cpu.Call``), which checks it and runs it.
+compiled driver (``mxfp4x._core.cpu.Call``), which checks it and runs it.
 
 Memory is arranged here and nowhere else: each expert row's packed bytes and scale
 bytes contiguous (outer expert / row strides pass through, so expert slices and
@@ -13,8 +13,9 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from . import _cpu, _threads
-from ._format import GGUF_BLOCK_BYTES, GROUP_BYTES, accumulation_dtype
+from . import cpu as _cpu
+from . import threads as _threads
+from .format import GGUF_BLOCK_BYTES, GROUP_BYTES, accumulation_dtype
 
 Bytes = Union[torch.Tensor, Sequence[torch.Tensor]]
 

@@ -4,12 +4,14 @@ from typing import Any, Dict, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import _cpu, _cpu_impl, _threads
-from ._arguments import check_isa, check_num_threads
-from ._ops import experts_op, forward_ad_in_use, functorch_grad_in_use, runs_direct, slots_op
-from ._torch_impl import mxfp4_experts_torch, slots_torch
-from ._validation import check_inputs
-from ._version import __version__
+from .._version import __version__
+from . import cpu as _cpu
+from . import cpu_impl as _cpu_impl
+from . import threads as _threads
+from .arguments import check_isa, check_num_threads
+from .ops import experts_op, forward_ad_in_use, functorch_grad_in_use, runs_direct, slots_op
+from .torch_impl import mxfp4_experts_torch, slots_torch
+from .validation import check_inputs
 
 BACKENDS = ("auto", "cpu", "torch")
 

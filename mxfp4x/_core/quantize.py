@@ -19,7 +19,7 @@ from typing import Any, Tuple
 
 import torch
 
-from ._format import E2M1_VALUES, GROUP, GROUP_BYTES, accumulation_dtype
+from .format import E2M1_VALUES, GROUP, GROUP_BYTES, accumulation_dtype
 
 SCALE_RULES = ("floor", "ceil", "even")
 _E2M1_EMAX = 2
@@ -94,8 +94,8 @@ def dequantize(packed_weights: Any, scale_bytes: Any,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(..., G, 16) bytes and (..., G) scale bytes -> (..., 32 G) values of ``dtype``
     (decoded exactly in float32, float64 for float64, then cast)."""
-    from ._coerce import as_tensor, byte_tensor
-    from ._torch_impl import decode_expert, exact_on_cpu
+    from .coerce import as_tensor, byte_tensor
+    from .torch_impl import decode_expert, exact_on_cpu
 
     packed = byte_tensor("packed_weights", as_tensor("packed_weights", packed_weights))
     scales = byte_tensor("scale_bytes", as_tensor("scale_bytes", scale_bytes))

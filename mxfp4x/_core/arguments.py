@@ -6,7 +6,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import _cpu, _threads
+from . import cpu as _cpu
+from . import threads as _threads
 
 # ISA names, fixed at import: checked in plain Python, so torch.compile traces the check
 _COMPILED_ISAS = tuple(_cpu.compiled_isas())
@@ -92,7 +93,7 @@ def num_threads_arg(num_threads) -> Optional[int]:
 
 
 def check_num_threads(num_threads):
-    """:func:`num_threads_arg`, capped as mxfp4x._threads caps it (a larger request is
+    """:func:`num_threads_arg`, capped as mxfp4x._core.threads caps it (a larger request is
     accepted), or 0 for "torch.get_num_threads() when the kernel runs"."""
     n = num_threads_arg(num_threads)
     return 0 if n is None else _threads.resolve(n)

@@ -1,4 +1,4 @@
-# Type stub of the compiled probes (mxfp4x/_probes.pyx).
+# Type stub of the compiled probes (mxfp4x/_core/probes.pyx).
 from typing import Any
 
 import numpy as np

@@ -1,12 +1,12 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 # cython: initializedcheck=False, nonecheck=False
 """The CPU backend's boundary, its parallel driver, and the driver's one parallel
-mechanism (``parallel_tasks``, shared with mxfp4x/_probes.pyx through _cpu.pxd).
+mechanism (``parallel_tasks``, shared with mxfp4x/_core/probes.pyx through cpu.pxd).
 
 The boundary: a call is described by one C struct (``mxfp4x_call`` in
-include/mxfp4x/mxfp4x.h, mirrored in _capi.pxd) held by a :class:`Call`.  Python
+include/mxfp4x/mxfp4x.h, mirrored in capi.pxd) held by a :class:`Call`.  Python
 builds a Call from numpy views of its tensors in one place
-(``mxfp4x._cpu_impl``); the Call checks it in one place (``_check``).  Modes are
+(``mxfp4x._core.cpu_impl``); the Call checks it in one place (``_check``).  Modes are
 named keywords; nothing that a mode does not use is passed.
 
 The driver (``Call.run``): one skeleton for both products.  Route the token-expert
@@ -20,8 +20,8 @@ No locks, no atomics.  The steps around it (the latents into the kernel layout, 
 transposed result out of it, :func:`combine`) are tasks of whole rows through the same
 mechanism.
 
-How many threads a call gets is decided in mxfp4x/_threads.py; the roofline probes and
-the test hooks live in mxfp4x/_probes.pyx, outside this module.
+How many threads a call gets is decided in mxfp4x/_core/threads.py; the roofline probes and
+the test hooks live in mxfp4x/_core/probes.pyx, outside this module.
 """
 import os
 
@@ -33,7 +33,7 @@ from libc.stdint cimport int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memset
 
-cimport mxfp4x._capi as c
+cimport mxfp4x._core.capi as c
 
 ctypedef fused real:
     float
@@ -96,8 +96,8 @@ cdef enum:
 cdef enum:
     PREFETCH_SLICE_BYTES = 64 << 10
 
-# The most threads this boundary takes (threads.h's MXFP4X_MAX_THREADS).  mxfp4x._threads reads it
-# from here and owns the policy: how a request becomes a count in [1, MAX_THREADS].
+# The most threads this boundary takes (threads.h's MXFP4X_MAX_THREADS).  threads.py reads it from
+# here and owns the policy: how a request becomes a count in [1, MAX_THREADS].
 MAX_THREADS = c.MXFP4X_MAX_THREADS
 
 # names <-> C enums: the modes of a call are named, never inferred
@@ -110,8 +110,8 @@ DTYPES = tuple(_DTYPES)
 
 
 # The module, by job: each file below is textually part of it.
-include "_cpu_runtime.pxi"
-include "_cpu_call.pxi"
-include "_cpu_plan.pxi"
-include "_cpu_tasks.pxi"
-include "_cpu_dense.pxi"
+include "cpu_runtime.pxi"
+include "cpu_call.pxi"
+include "cpu_plan.pxi"
+include "cpu_tasks.pxi"
+include "cpu_dense.pxi"
