@@ -1,5 +1,6 @@
 """Release checks that run here: the cibuildwheel configuration yields the expected
 build identifiers; the sdist holds everything needed to build the wheel from it; the
+wheel holds the two extensions where the package imports them and nothing stale; the
 wheel installs into a clean virtual environment and the test suite passes against it,
 run from a directory outside the checkout."""
 import glob
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 
 EXPECTED = {
     "linux": {f"cp3{v}-manylinux_{a}" for v in range(10, 15) for a in ("x86_64", "aarch64")},
@@ -25,8 +27,10 @@ def main():
             sys.exit(f"cibuildwheel {platform}: expected {sorted(expected)}, got {sorted(got)}")
         print(f"cibuildwheel {platform}: {len(got)} identifiers ok")
     with tempfile.TemporaryDirectory() as dist:
-        # --sdist --wheel builds the wheel from the sdist: a missing file fails here
-        subprocess.run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", dist],
+        # no --sdist / --wheel: build makes the sdist, then the wheel from it, so a file
+        # missing from the sdist fails here (with both flags it would build each from the
+        # checkout, and a stale build/lib/ of the checkout would end up in the wheel)
+        subprocess.run([sys.executable, "-m", "build", "--outdir", dist],
                        check=True, stdout=subprocess.DEVNULL)
         sdist = glob.glob(os.path.join(dist, "*.tar.gz"))[0]
         names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
@@ -41,9 +45,26 @@ def main():
         if missing:
             sys.exit(f"sdist lacks {sorted(missing)}")
         wheels = glob.glob(os.path.join(dist, "*.whl"))
+        check_wheel(wheels[0])
         print(f"sdist ok ({len(names)} files); wheel {os.path.basename(wheels[0])} "
               f"({os.path.getsize(wheels[0]) / 1e6:.2f} MB)")
         clean_venv_tests(wheels[0])
+
+
+def check_wheel(wheel):
+    """The wheel's extensions are mxfp4x._core.cpu and mxfp4x._core.probes and no other
+    (an extension left at a path the package no longer imports is a stale build's), with
+    the sources and stubs beside them."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    extensions = sorted(n.split(".", 1)[0] for n in names if n.endswith((".so", ".pyd")))
+    if extensions != ["mxfp4x/_core/cpu", "mxfp4x/_core/probes"]:
+        sys.exit(f"wheel: expected the extensions mxfp4x/_core/cpu and probes, got {extensions}")
+    need = {"mxfp4x/py.typed", "mxfp4x/nn.py", "mxfp4x/_core/cpu.pyi",
+            "mxfp4x/_core/probes.pyi", "mxfp4x/_core/cpu.pyx", "mxfp4x/_core/cpu.pxd",
+            "mxfp4x/_core/capi.pxd", "mxfp4x/_core/cpu_tasks.pxi", "mxfp4x/models/experts.py"}
+    missing = need - names
+    if missing:
+        sys.exit(f"wheel lacks {sorted(missing)}")
 
 
 def clean_venv_tests(wheel):
