@@ -9,7 +9,7 @@ from . import cpu as _cpu
 from . import cpu_impl as _cpu_impl
 from . import threads as _threads
 from .arguments import check_isa, check_num_threads
-from .ops import experts_op, forward_ad_in_use, functorch_grad_in_use, runs_direct, slots_op
+from .ops import forward_ad_in_use, forward_op_for, functorch_grad_in_use, runs_direct, slots_op_for
 from .torch_impl import mxfp4_experts_torch, slots_torch
 from .validation import check_inputs
 
@@ -90,7 +90,7 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike,
         return _cpu_impl.experts(x, packed, scales, sel, mix, shared, threads, isa=isa or None)
     _check_forward_ad(backend, (x, mix, shared), "mxfp4_experts")
     # the custom op: compiled kernels for CPU tensors, the PyTorch path elsewhere
-    return experts_op(packed)(x, packed, scales, _op_ids(sel), mix, shared, threads,
+    return forward_op_for(packed)(x, packed, scales, _op_ids(sel), mix, shared, threads,
                               isa or "")
 
 
@@ -114,7 +114,7 @@ def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
         return _cpu_impl.experts(x, packed, scales, sel, None, None, threads,
                                  per_slot_outputs=True, isa=isa or None)
     _check_forward_ad(backend, (x,), "mxfp4_experts_slots")
-    return slots_op(packed)(x, packed, scales, _op_ids(sel), threads, isa or "")
+    return slots_op_for(packed)(x, packed, scales, _op_ids(sel), threads, isa or "")
 
 
 def _op_ids(sel):

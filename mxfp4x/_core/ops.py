@@ -54,7 +54,7 @@ def _mix_grad(x, packed, scales, sel, grad, acc, num_threads, isa):
     d_out = grad.shape[-1]
     x_acc = x.dtype if x.element_size() >= 4 else acc
     if not runs_direct((x, sel, grad), (packed, scales)):
-        slots = slots_op(packed)(x.to(x_acc), packed, scales, sel, num_threads, isa)
+        slots = slots_op_for(packed)(x.to(x_acc), packed, scales, sel, num_threads, isa)
         return (slots.to(acc) * grad.to(acc).unsqueeze(1)).sum(-1)
     per_token = acc.itemsize * (2 * top_k * d_out + x.shape[1:].numel() + d_out)
     chunks = _cpu_impl._chunks(n_tokens, per_token,
@@ -331,11 +331,12 @@ mxfp4_experts_op, mxfp4_experts_slots_op, mxfp4_experts_grad_latents_op = _defin
  mxfp4_experts_grad_latents_list_op) = _define("_list", "Tensor[]")
 
 
-def experts_op(packed):
-    """The forward op for this form of the experts."""
+def forward_op_for(packed):
+    """The forward op for this form of the experts (a tensor: stacked; a list: one each)."""
     return mxfp4_experts_op if isinstance(packed, torch.Tensor) else mxfp4_experts_list_op
 
 
-def slots_op(packed):
+def slots_op_for(packed):
+    """The per-slot op for this form of the experts."""
     return mxfp4_experts_slots_op if isinstance(packed, torch.Tensor) \
         else mxfp4_experts_slots_list_op

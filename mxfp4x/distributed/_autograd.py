@@ -13,7 +13,7 @@ from .._core.ops import (
     mxfp4_experts_grad_latents_list_op,
     mxfp4_experts_grad_latents_op,
     runs_direct,
-    slots_op,
+    slots_op_for,
 )
 from .._core.validation import SKIP, check_inputs, is_expert_list
 from ._agreement import _BACKWARD, _GRADIENTS, _PRODUCTS
@@ -70,7 +70,7 @@ def _local_products(routing: ExpertRouting, recv_x: torch.Tensor, packed, scales
         return _cpu_impl.experts(x_pairs, packed, scales, sel, None, None, threads,
                                  per_slot_outputs=True, isa=isa or None).reshape(
             sel.shape[0], -1)
-    return slots_op(packed)(x_pairs, packed, scales, sel, threads, isa or "").reshape(
+    return slots_op_for(packed)(x_pairs, packed, scales, sel, threads, isa or "").reshape(
         sel.shape[0], -1)
 
 

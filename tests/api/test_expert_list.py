@@ -89,7 +89,7 @@ def test_list_ops_opcheck_and_compile(rng):
     compiled = torch.compile(lambda x, mix, shared: mxfp4x.mxfp4_experts(
         x, listed["packed_weights"], listed["scale_bytes"], sel, mix, shared), fullgraph=True)
     assert torch.equal(compiled(args[0], args[4], args[5]), mxfp4x.mxfp4_experts(**layer))
-    assert _ops.experts_op(listed["packed_weights"]) is _ops.mxfp4_experts_list_op
+    assert _ops.forward_op_for(listed["packed_weights"]) is _ops.mxfp4_experts_list_op
 
 
 @pytest.mark.parametrize("bad,exc,match", [
