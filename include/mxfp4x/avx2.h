@@ -202,7 +202,7 @@ MXFP4X_AVX2_FN void mxfp4x_gemv_f32_avx2(const mxfp4x_rows *w, int64_t row_start
 /* The gemv/panel crossover (tuned on AMD Zen 3): panels from 9 tokens per expert on. */
 #define MXFP4X_AVX2_GEMV_MAX_TOKENS 8
 /* Tuned on Zen 3 with the driver: 48-row tasks (the driver widens them with panel work,
- * _cpu.pyx's WIDE_TILES); panels of at most 384 KiB (Zen 3 L2: 512 KiB), the panel's
+ * _core/cpu.pyx's WIDE_TILES); panels of at most 384 KiB (Zen 3 L2: 512 KiB), the panel's
  * height hardly matters (docs/performance.md, "Tiles, tasks and panels"). */
 #define MXFP4X_AVX2_TILE_ROWS 48
 #define MXFP4X_AVX2_PANEL_BYTES (384 * 1024)

@@ -196,7 +196,7 @@ MXFP4X_AVX512_FN void mxfp4x_gemv1_f32_avx512(const mxfp4x_rows *w, int64_t row_
 /* Output rows per forward task: 48 = 12 gemv row blocks, 12 panel_dot row blocks; every
  * model shape still has >= 60 tasks for 2..N threads to balance (d_out >= 2880).  The
  * driver widens tasks up to 4x when an expert takes the panel path and every thread still
- * gets 8 (_cpu.pyx, WIDE_TILES). */
+ * gets 8 (_core/cpu.pyx, WIDE_TILES). */
 #define MXFP4X_AVX512_TILE_ROWS 48
 /* The panel's height hardly matters within L2 (a Xeon: docs/performance.md, "Tiles, tasks
  * and panels"); 384 KiB keeps it in any L2 of 1 MiB or more. */

@@ -7,7 +7,7 @@
 #include "mxfp4x.h"
 
 /* What detection reads; the decision below is a pure function of it (unit-tested
- * through mxfp4x._probes.isa_decision, including the macOS case no CI runs). */
+ * through mxfp4x._core.probes.isa_decision, including the macOS case no CI runs). */
 typedef struct {
     int osxsave, avx, fma, avx2, avx512f;
     uint64_t xcr0;

@@ -1,9 +1,9 @@
 /* mxfp4x/dispatch.h -- the kernel table, in order of preference: a call that names no ISA
  * runs the first entry this CPU may run by default (cpu.h's mxfp4x_isa_default_mask: the
  * entries with bf16 units come first and are the default only where that rule says).  The driver
- * (mxfp4x/_cpu.pyx) owns the table: it picks one entry per call, outside its parallel
- * region, and calls through its pointers; the probes (mxfp4x/_probes.pyx) take their
- * entries from the driver (kernels_of in _cpu.pxd), so they run the driver's own kernels. */
+ * (mxfp4x/_core/cpu.pyx) owns the table: it picks one entry per call, outside its parallel
+ * region, and calls through its pointers; the probes (mxfp4x/_core/probes.pyx) take their
+ * entries from the driver (kernels_of in _core/cpu.pxd), so they run the driver's own kernels. */
 #ifndef MXFP4X_DISPATCH_H
 #define MXFP4X_DISPATCH_H
 

@@ -97,7 +97,7 @@ typedef struct {
     int panel_row_block; /* panel_dot's rows per register block: panels hold a multiple */
     int gemv_max_tokens; /* gemv up to this many tokens per expert, panels above */
     int tile_rows;       /* output rows of W per forward task (a multiple of the blocks;
-                            the driver may take up to 4 tiles per task, _cpu.pyx) */
+                            the driver may take up to 4 tiles per task, _core/cpu.pyx) */
     int64_t panel_bytes; /* decoded rows a thread holds at once (float32 panel) */
     mxfp4x_gemv_f32_fn gemv_f32;
     mxfp4x_decode_f32_fn decode_f32;
@@ -125,8 +125,8 @@ typedef struct {
 
 /* ---- one call of the CPU driver, described once ------------------------------
  *
- * Built from tensors in one place (mxfp4x/_cpu_impl.py through the Call type of
- * mxfp4x/_cpu.pyx), checked in one place (_cpu.pyx, _check_call), and read by
+ * Built from tensors in one place (mxfp4x/_core/cpu_impl.py through the Call type of
+ * mxfp4x/_core/cpu.pyx), checked in one place (cpu.pyx, _check_call), and read by
  * the one driver skeleton.  Modes are named fields, never inferred from shapes.
  */
 

@@ -9,8 +9,8 @@
  *   serial    Windows, and MXFP4X_THREADS=serial / MXFP4X_DISABLE_OPENMP=1.
  *
  * Every parallel step of the extensions goes through one function,
- * mxfp4x._cpu.parallel_tasks (prange where MXFP4X_OPENMP, mxfp4x_run_tasks otherwise),
- * and the Python side asks mxfp4x._threads how many threads to pass it.
+ * mxfp4x._core.cpu.parallel_tasks (prange where MXFP4X_OPENMP, mxfp4x_run_tasks otherwise),
+ * and the Python side asks mxfp4x._core.threads how many threads to pass it.
  *
  * mxfp4x_run_tasks(n, n_tasks, fn, ctx) calls fn(ctx, task, tid) once for every task in
  * [0, n_tasks), on up to n threads (the caller is thread 0; tid < n indexes per-thread
@@ -19,7 +19,7 @@
  * a task never changes a result: a task owns its outputs (the driver's invariant).
  *
  * MXFP4X_MAX_THREADS bounds the workers' arrays; it is the one cap of the thread count
- * (mxfp4x._threads reads it through the extension). */
+ * (mxfp4x._core.threads reads it through the extension). */
 #ifndef MXFP4X_THREADS_H
 #define MXFP4X_THREADS_H
 
