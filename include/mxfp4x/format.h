@@ -124,42 +124,43 @@ typedef struct {
     int pf_far;
 } mxfp4x_rows;
 
-/* Rows with packed bytes and scales in separate arrays (gpt-oss safetensors). */
-MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_split(const uint8_t *blocks, const uint8_t *scales,
-                                             int64_t row_stride_blocks,
-                                             int64_t row_stride_scales, int64_t n_groups) {
+/* The descriptor of rows with these strides and arrangement, no prefetch hints: the one
+ * initializer of mxfp4x_rows_split and mxfp4x_rows_gguf. */
+MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_make(const uint8_t *blocks, const uint8_t *scales,
+                                            int64_t row_stride_blocks,
+                                            int64_t row_stride_scales, int64_t n_groups,
+                                            int64_t group_stride_blocks,
+                                            int64_t group_stride_scales, int nibbles) {
     mxfp4x_rows w;
     w.blocks = blocks;
     w.scales = scales;
     w.row_stride_blocks = row_stride_blocks;
     w.row_stride_scales = row_stride_scales;
     w.n_groups = n_groups;
-    w.group_stride_blocks = MXFP4X_GROUP_BYTES;
-    w.group_stride_scales = 1;
-    w.nibbles = MXFP4X_NIBBLES_PAIRS;
+    w.group_stride_blocks = group_stride_blocks;
+    w.group_stride_scales = group_stride_scales;
+    w.nibbles = nibbles;
     w.next_blocks = NULL;
     w.next_scales = NULL;
     w.pf_far = 0;
     return w;
 }
 
+/* Rows with packed bytes and scales in separate arrays (gpt-oss safetensors). */
+MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_split(const uint8_t *blocks, const uint8_t *scales,
+                                             int64_t row_stride_blocks,
+                                             int64_t row_stride_scales, int64_t n_groups) {
+    return mxfp4x_rows_make(blocks, scales, row_stride_blocks, row_stride_scales, n_groups,
+                            MXFP4X_GROUP_BYTES, 1, MXFP4X_NIBBLES_PAIRS);
+}
+
 /* Rows of GGUF block_mxfp4 blocks read in place: row r's blocks start at
  * base + r * row_stride. */
 MXFP4X_INLINE mxfp4x_rows mxfp4x_rows_gguf(const uint8_t *base, int64_t row_stride,
                                             int64_t n_groups) {
-    mxfp4x_rows w;
-    w.blocks = base + 1;
-    w.scales = base;
-    w.row_stride_blocks = row_stride;
-    w.row_stride_scales = row_stride;
-    w.n_groups = n_groups;
-    w.group_stride_blocks = MXFP4X_GGUF_BLOCK_BYTES;
-    w.group_stride_scales = MXFP4X_GGUF_BLOCK_BYTES;
-    w.nibbles = MXFP4X_NIBBLES_HALVES;
-    w.next_blocks = NULL;
-    w.next_scales = NULL;
-    w.pf_far = 0;
-    return w;
+    return mxfp4x_rows_make(base + 1, base, row_stride, row_stride, n_groups,
+                            MXFP4X_GGUF_BLOCK_BYTES, MXFP4X_GGUF_BLOCK_BYTES,
+                            MXFP4X_NIBBLES_HALVES);
 }
 
 
