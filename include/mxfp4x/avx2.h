@@ -240,22 +240,6 @@ MXFP4X_AVX2_INLINE void mxfp4x_block_avx2(const float *const *ps, int mr,
         for (c = 0; c < nt; c++) _mm256_storeu_ps(lanes + (r * 4 + c) * 8, a[r][c]);
 }
 
-/* Specialised by (mr, nt) at compile time through the constant arguments. */
-MXFP4X_AVX2_FN void mxfp4x_block_switch_avx2(const float *const *ps, int mr,
-                                             const float *const *xs, int nt, int64_t k0,
-                                             int64_t k1, float *lanes) {
-#define MXFP4X_AVX2_CASE(M, N)                                                             \
-    case (M) * 8 + (N): mxfp4x_block_avx2(ps, M, xs, N, k0, k1, lanes); break;
-    switch (mr * 8 + nt) {
-        MXFP4X_AVX2_CASE(3, 4) MXFP4X_AVX2_CASE(3, 3) MXFP4X_AVX2_CASE(3, 2)
-        MXFP4X_AVX2_CASE(3, 1) MXFP4X_AVX2_CASE(2, 4) MXFP4X_AVX2_CASE(2, 3)
-        MXFP4X_AVX2_CASE(2, 2) MXFP4X_AVX2_CASE(2, 1) MXFP4X_AVX2_CASE(1, 4)
-        MXFP4X_AVX2_CASE(1, 3) MXFP4X_AVX2_CASE(1, 2) MXFP4X_AVX2_CASE(1, 1)
-        default: break;
-    }
-#undef MXFP4X_AVX2_CASE
-}
-
 #define MXFP4X_MK_PANEL_MR MXFP4X_AVX2_MR
 #define MXFP4X_MK_PANEL_NT MXFP4X_AVX2_NT
 #define MXFP4X_MK_PANEL_TOKENS MXFP4X_AVX2_TOKENS

@@ -225,24 +225,6 @@ MXFP4X_NEON_INLINE void mxfp4x_block_neon(const float *const *ps, int mr,
     }
 }
 
-/* Specialised by (mr, nt) at compile time through the constant arguments. */
-MXFP4X_NEON_FN void mxfp4x_block_switch_neon(const float *const *ps, int mr,
-                                             const float *const *xs, int nt, int64_t k0,
-                                             int64_t k1, float *lanes) {
-#define MXFP4X_NEON_CASE(M, N)                                                             \
-    case (M) * 8 + (N): mxfp4x_block_neon(ps, M, xs, N, k0, k1, lanes); break;
-    switch (mr * 8 + nt) {
-        MXFP4X_NEON_CASE(4, 4) MXFP4X_NEON_CASE(4, 3) MXFP4X_NEON_CASE(4, 2)
-        MXFP4X_NEON_CASE(4, 1) MXFP4X_NEON_CASE(3, 4) MXFP4X_NEON_CASE(3, 3)
-        MXFP4X_NEON_CASE(3, 2) MXFP4X_NEON_CASE(3, 1) MXFP4X_NEON_CASE(2, 4)
-        MXFP4X_NEON_CASE(2, 3) MXFP4X_NEON_CASE(2, 2) MXFP4X_NEON_CASE(2, 1)
-        MXFP4X_NEON_CASE(1, 4) MXFP4X_NEON_CASE(1, 3) MXFP4X_NEON_CASE(1, 2)
-        MXFP4X_NEON_CASE(1, 1)
-        default: break;
-    }
-#undef MXFP4X_NEON_CASE
-}
-
 #define MXFP4X_MK_PANEL_MR MXFP4X_NEON_MR
 #define MXFP4X_MK_PANEL_NT MXFP4X_NEON_PT
 #define MXFP4X_MK_PANEL_TOKENS MXFP4X_NEON_TOKENS

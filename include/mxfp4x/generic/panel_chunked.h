@@ -7,13 +7,42 @@
  * sequence is the unchunked one; after the last chunk MXFP4X_MK_HSUM_PARKED(lanes)
  * reduces them by the entry's tree.
  *
- * The entry supplies the register block, specialised by (mr, nt):
- *   MXFP4X_MK_NAME(mxfp4x_block_switch)(ps, mr, xs, nt, k0, k1, lanes)
+ * The entry supplies the register block, always inlined:
+ *   MXFP4X_MK_NAME(mxfp4x_block)(ps, mr, xs, nt, k0, k1, lanes)
  * ps[0..mr) the rows, xs[0..nt) the tokens, lanes[(r * NT + c) * PARK ...] the parked
- * accumulators of (row r, token c), loaded, advanced over [k0, k1), stored back. */
+ * accumulators of (row r, token c), loaded, advanced over [k0, k1), stored back;
+ * mxfp4x_block_switch below calls it with constant (mr, nt), so each edge is compiled
+ * with its accumulators in registers. */
 
 MXFP4X_STATIC_ASSERT(MXFP4X_MK_PANEL_TOKENS % MXFP4X_MK_PANEL_NT == 0, "whole token blocks");
 MXFP4X_STATIC_ASSERT(MXFP4X_MK_PANEL_KC % MXFP4X_GROUP == 0, "chunks of whole groups");
+MXFP4X_STATIC_ASSERT(MXFP4X_MK_PANEL_NT == 4, "the switch below names tokens 4, 3, 2 and 1");
+MXFP4X_STATIC_ASSERT(MXFP4X_MK_PANEL_MR >= 2 && MXFP4X_MK_PANEL_MR <= 4, "rows 4 (3) 2 1");
+
+/* The register block specialised by (mr, nt) at compile time through constant arguments,
+ * rows and tokens descending. */
+MXFP4X_MK_FN void MXFP4X_MK_NAME(mxfp4x_block_switch)(const float *const *ps, int mr,
+                                                      const float *const *xs, int nt,
+                                                      int64_t k0, int64_t k1, float *lanes) {
+#define MXFP4X_MK_BLOCK_CASE(M, N)                                                         \
+    case (M) * 8 + (N): MXFP4X_MK_NAME(mxfp4x_block)(ps, M, xs, N, k0, k1, lanes); break;
+#define MXFP4X_MK_BLOCK_ROW(M)                                                             \
+    MXFP4X_MK_BLOCK_CASE(M, 4) MXFP4X_MK_BLOCK_CASE(M, 3)                                  \
+    MXFP4X_MK_BLOCK_CASE(M, 2) MXFP4X_MK_BLOCK_CASE(M, 1)
+    switch (mr * 8 + nt) {
+#if MXFP4X_MK_PANEL_MR >= 4
+        MXFP4X_MK_BLOCK_ROW(4)
+#endif
+#if MXFP4X_MK_PANEL_MR >= 3
+        MXFP4X_MK_BLOCK_ROW(3)
+#endif
+        MXFP4X_MK_BLOCK_ROW(2)
+        MXFP4X_MK_BLOCK_ROW(1)
+        default: break;
+    }
+#undef MXFP4X_MK_BLOCK_ROW
+#undef MXFP4X_MK_BLOCK_CASE
+}
 
 /* panel_dot's scratch: the parked accumulators of every block of one super-block. */
 static int64_t MXFP4X_MK_NAME(mxfp4x_panel_scratch_f32)(int64_t n_rows) {
