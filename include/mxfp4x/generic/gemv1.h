@@ -26,14 +26,14 @@ MXFP4X_MK_FN void MXFP4X_MK_NAME(mxfp4x_gemv1_f32)(const mxfp4x_rows *w, int64_t
         MXFP4X_MK_VEC a[MR][ACCS];
         for (i = 0; i < MR; i++)
             for (j = 0; j < ACCS; j++) a[i][j] = MXFP4X_MK_SET1(0.0f);
-        for (g = 0; g < G; g++) {
+        const uint8_t *bg = b0, *sg = s0;
+        for (g = 0; g < G; g++, bg += gb, sg += gs) {
             const float *xg = x + g * MXFP4X_GROUP;
-            const int64_t ob = g * gb, os = g * gs;
 #if MXFP4X_MK_GEMV1_PREFETCH
             MXFP4X_PF_STEP(pf, g);
 #endif
             for (i = 0; i < MR; i++) {
-                MXFP4X_MK_DECODE_GROUP(b0 + i * sb + ob, s0[i * ss + os], &t, wv);
+                MXFP4X_MK_DECODE_GROUP(bg + i * sb, sg[i * ss], &t, wv);
                 MXFP4X_MK_FMA_GROUP(wv, xg, a[i]);
             }
         }
