@@ -1,10 +1,10 @@
 # mxfp4x/_core/cpu_plan.pxi -- part of mxfp4x/_core/cpu.pyx, which includes it (one module).
-# The driver's plan of a call: the pairs routed by expert, the tasks and their tiles, and
+# The driver's plan of a call: the pairs grouped by expert, the tasks and their tiles, and
 # the combine of per-slot products (combine).
 
 # ---- the driver ---------------------------------------------------------------------------
 
-cdef struct Routing:
+cdef struct ByExpert:
     int64_t *offsets    # pairs of expert e: [offsets[e], offsets[e + 1]) of the sorted pairs
     int64_t *active     # experts with pairs, ascending
     int64_t n_active
@@ -17,7 +17,7 @@ cdef struct Routing:
 # What every task of one call reads; per-thread scratch is carved from `scratch`.
 cdef struct Work:
     const c.mxfp4x_call *call
-    Routing r
+    ByExpert r
     const void *x       # forward: latents prepared in the kernel layout; transposed: src
     void *out           # forward: call.dst; transposed: dx in the kernel layout
     int64_t n_tasks
@@ -56,7 +56,7 @@ cdef struct RowJob:
 # pairs into that expert's blocks of the call's buffer.
 cdef struct GatherJob:
     const c.mxfp4x_call *call
-    const Routing *r
+    const ByExpert *r
     uint16_t *xt
     uint8_t *unsafe
     int nibbles
@@ -90,8 +90,8 @@ cdef void *xmalloc(int64_t n_bytes, bint zero=False) except NULL:
     return p
 
 
-cdef int64_t _route(real dummy, const c.mxfp4x_call *call, Routing *r,
-                    int64_t *fill) noexcept nogil:
+cdef int64_t _group_by_expert(real dummy, const c.mxfp4x_call *call, ByExpert *r,
+                              int64_t *fill) noexcept nogil:
     """Stable counting sort of the pairs p = t * top_k + k by expert.  Returns -1, or
     the pair index of the first expert id outside [0, n_experts)."""
     cdef int64_t p, e, n_experts = call.experts.n_experts, top_k = call.top_k

@@ -301,7 +301,7 @@ cdef _drive(real dummy, const c.mxfp4x_call *call, uint64_t *log):
         w.r.pair_dst = <int64_t *>xmalloc(n_pairs * 8)
         w.r.pair_w = xmalloc(n_pairs * <int64_t>sizeof(real))
         with nogil:
-            bad = _route(dummy, call, &w.r, fill)
+            bad = _group_by_expert(dummy, call, &w.r, fill)
         if bad >= 0:
             from mxfp4x._core.validation import expert_id_error
             raise expert_id_error(call.selected[bad], call.experts.n_experts)

@@ -194,13 +194,13 @@ def read_config(path: str) -> dict:
     return text
 
 
-def num_experts(config: dict, layout: Optional[ExpertNaming] = None) -> int:
+def num_experts(config: dict, naming: Optional[ExpertNaming] = None) -> int:
     """The experts' count of a (text) config, under the family's name of it (Kimi K3's
     ``num_experts`` when no family is given; its aliases taken), checked: a positive
     int."""
-    layout = layout or KIMI_K3
-    key = layout.n_experts_key
-    n = layout.config(config).get(key)
+    naming = naming or KIMI_K3
+    key = naming.n_experts_key
+    n = naming.config(config).get(key)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"config.json: {key} is {n!r}, expected a positive int")
     return n
@@ -220,32 +220,32 @@ def checkpoint_files(ckpt: SafeTensorsCheckpoint) -> List[str]:
     return sorted(files)
 
 
-def find_prefix(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int,
+def find_prefix(ckpt: SafeTensorsCheckpoint, naming: ExpertNaming, layer: int,
                 expert: int = 0) -> str:
     """The name prefix this checkpoint uses (e.g. "language_model." or none), found by
     expert ``expert``'s tensors (a file set holding only some experts, as an
     expert-parallel rank's may, is probed by one of its own)."""
-    for prefix in layout.prefixes:
-        if layout.tensor(prefix, layer, expert, "down", layout.packed) in ckpt:
+    for prefix in naming.prefixes:
+        if naming.tensor(prefix, layer, expert, "down", naming.packed) in ckpt:
             return prefix
-    tried = [layout.tensor(p, layer, expert, "down", layout.packed) for p in layout.prefixes]
-    raise KeyError(f"{ckpt.root}: no {layout.name} experts for layer {layer} (looked for "
+    tried = [naming.tensor(p, layer, expert, "down", naming.packed) for p in naming.prefixes]
+    raise KeyError(f"{ckpt.root}: no {naming.name} experts for layer {layer} (looked for "
                    f"{tried})")
 
 
-def load_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int,
+def load_experts(ckpt: SafeTensorsCheckpoint, naming: ExpertNaming, layer: int,
                  experts: Sequence[int], prefix: str,
                  progress: Optional[Progress] = None) -> Dict[str, Tuple[list, list]]:
     """role -> (packed list, scales list) of the given experts, views of the mapped files
     (pages are read only when a kernel touches them)."""
-    out: Dict[str, Tuple[list, list]] = {role: ([], []) for role in layout.roles}
-    names = [layout.tensor(prefix, layer, e, role, kind) for e in experts
-             for role in layout.roles for kind in (layout.packed, layout.scale)]
+    out: Dict[str, Tuple[list, list]] = {role: ([], []) for role in naming.roles}
+    names = [naming.tensor(prefix, layer, e, role, kind) for e in experts
+             for role in naming.roles for kind in (naming.packed, naming.scale)]
     mapped = ckpt.get_many(names)  # one window per file: about these experts' bytes only
     for i, e in enumerate(experts):
-        for role in layout.roles:
-            pn = layout.tensor(prefix, layer, e, role, layout.packed)
-            sn = layout.tensor(prefix, layer, e, role, layout.scale)
+        for role in naming.roles:
+            pn = naming.tensor(prefix, layer, e, role, naming.packed)
+            sn = naming.tensor(prefix, layer, e, role, naming.scale)
             packed, scales = as_bytes(pn, mapped[pn]), as_bytes(sn, mapped[sn])
             if packed.dim() != 2 or packed.shape[1] % GROUP_BYTES or tuple(scales.shape) != (
                     packed.shape[0], packed.shape[1] // GROUP_BYTES):
@@ -258,7 +258,7 @@ def load_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int,
     return out
 
 
-def load_stacked_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, layer: int,
+def load_stacked_experts(ckpt: SafeTensorsCheckpoint, naming: ExpertNaming, layer: int,
                          prefix: str = "", expert_range=None,
                          roles: Optional[Iterable[str]] = None
                          ) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
@@ -270,10 +270,10 @@ def load_stacked_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, laye
     ``expert_range``); the shapes are the family's module's to check."""
     rng = None if expert_range is None else parse_expert_range(expert_range)
     out: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-    for role in layout.roles if roles is None else roles:
+    for role in naming.roles if roles is None else roles:
         pair = []
-        for kind in (layout.packed, layout.scale):
-            name = layout.tensor(prefix, layer, None, role, kind)
+        for kind in (naming.packed, naming.scale):
+            name = naming.tensor(prefix, layer, None, role, kind)
             if name not in ckpt:
                 raise ValueError(f"{ckpt.root}: no tensor {name!r} (the {role} experts of "
                                  f"layer {layer})")
@@ -288,18 +288,18 @@ def load_stacked_experts(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming, laye
     return out
 
 
-def iter_expert_tensors(layout: ExpertNaming, layers: Iterable[int], n_experts: int, prefix: str):
+def iter_expert_tensors(naming: ExpertNaming, layers: Iterable[int], n_experts: int, prefix: str):
     """Names of every expert tensor (packed and scale) of these layers (a stacked family's
     once per layer and projection)."""
     for layer in layers:
-        for e in [None] if layout.stacked else range(n_experts):
-            for role in layout.roles:
-                for kind in (layout.packed, layout.scale):
-                    yield layout.tensor(prefix, layer, e, role, kind)
+        for e in [None] if naming.stacked else range(n_experts):
+            for role in naming.roles:
+                for kind in (naming.packed, naming.scale):
+                    yield naming.tensor(prefix, layer, e, role, kind)
 
 
 def family_of(config: dict) -> ExpertNaming:
-    """The layout of a checkpoint's family from its (text) config."""
+    """The naming of a checkpoint's family from its (text) config."""
     for family in FAMILIES.values():
         if config.get("model_type") in family.model_types:
             return family
@@ -307,26 +307,26 @@ def family_of(config: dict) -> ExpertNaming:
                      f"knows {sorted(FAMILIES)}")
 
 
-def _name_pattern(layout: ExpertNaming) -> "re.Pattern[str]":
-    """A regular expression matching exactly the names ``layout.tensor`` makes (numbers
+def _name_pattern(naming: ExpertNaming) -> "re.Pattern[str]":
+    """A regular expression matching exactly the names ``naming.tensor`` makes (numbers
     without leading zeros, as ``str.format`` writes them)."""
     number = "0|[1-9][0-9]*"
     fields = {"layer": f"(?P<layer>{number})", "expert": f"(?P<expert>{number})",
-              "proj": "(?P<proj>" + "|".join(map(re.escape, sorted(layout.roles.values())))
+              "proj": "(?P<proj>" + "|".join(map(re.escape, sorted(naming.roles.values())))
                       + ")",
-              "kind": f"(?P<kind>{re.escape(layout.packed)}|{re.escape(layout.scale)})"}
+              "kind": f"(?P<kind>{re.escape(naming.packed)}|{re.escape(naming.scale)})"}
     body = "".join(re.escape(text) + (fields[name] if name else "")
-                   for text, name, _, _ in string.Formatter().parse(layout.expert))
-    prefixes = "|".join(map(re.escape, sorted(layout.prefixes, key=len, reverse=True)))
+                   for text, name, _, _ in string.Formatter().parse(naming.expert))
+    prefixes = "|".join(map(re.escape, sorted(naming.prefixes, key=len, reverse=True)))
     return re.compile(f"(?P<prefix>{prefixes}){body}")
 
 
 def expert_names(ckpt: SafeTensorsCheckpoint,
-                 layout: ExpertNaming) -> Dict[Tuple[str, int], List[str]]:
+                 naming: ExpertNaming) -> Dict[Tuple[str, int], List[str]]:
     """(prefix, layer) -> the names of every expert tensor the checkpoint holds, found by
     name: config.json's ``num_hidden_layers`` does not bound what a file holds, and a
     loader reads any layer it is asked for."""
-    pattern = _name_pattern(layout)
+    pattern = _name_pattern(naming)
     found: Dict[Tuple[str, int], List[str]] = {}
     # the checkpoint has no public list of names yet: its name -> file map is that list
     for name in ckpt._where:
@@ -336,9 +336,9 @@ def expert_names(ckpt: SafeTensorsCheckpoint,
     return found
 
 
-def moe_layers(ckpt: SafeTensorsCheckpoint, layout: ExpertNaming) -> List[int]:
+def moe_layers(ckpt: SafeTensorsCheckpoint, naming: ExpertNaming) -> List[int]:
     """The layers whose expert tensors this checkpoint holds."""
-    return sorted({layer for _, layer in expert_names(ckpt, layout)})
+    return sorted({layer for _, layer in expert_names(ckpt, naming)})
 
 
 # GGUF files (llama.cpp): their half of the registry lives in _gguf_families.py

@@ -109,7 +109,7 @@ class _Tally:
             self.mismatches.append((name, "the file's bytes differ from the manifest"
                                     if name in self.manifest else "missing from the manifest"))
 
-    def absent(self, layout: ExpertNaming, prefix: str, layer: int, present: List[int],
+    def absent(self, naming: ExpertNaming, prefix: str, layer: int, present: List[int],
                n_experts: int) -> None:
         """The experts below ``n_experts`` (config.json's count) with no tensor at all in
         the checkpoint, one mismatch per run of consecutive ids: a config may claim any
@@ -119,13 +119,13 @@ class _Tally:
             if end > start:
                 many = end - start > 1
                 ids = f"{start}..{end - 1}" if many else str(start)
-                name = prefix + layout.expert.format(layer=layer, expert=ids, proj="*",
+                name = prefix + naming.expert.format(layer=layer, expert=ids, proj="*",
                                                      kind="*")
                 self.mismatches.append((name, (
                     f"missing from the checkpoint: experts {start} to {end - 1} "
                     f"({end - start} experts)" if many else
                     f"missing from the checkpoint: expert {start}")
-                    + f" of config.json's {layout.n_experts_key} {n_experts}, no tensor of "
+                    + f" of config.json's {naming.n_experts_key} {n_experts}, no tensor of "
                     + ("any of them" if many else "it")))
             start = end + 1
 
@@ -152,9 +152,9 @@ class _Tally:
                 "mismatches": self.mismatches, "layers": layers, "manifest_other": other}
 
 
-def _expert_ids(layout: ExpertNaming, names: Sequence[str]) -> List[int]:
+def _expert_ids(naming: ExpertNaming, names: Sequence[str]) -> List[int]:
     """The expert ids of expert tensor names (``expert_names``'), sorted."""
-    pattern = _name_pattern(layout)
+    pattern = _name_pattern(naming)
     ids = set()
     for name in names:
         m = pattern.fullmatch(name)
@@ -205,70 +205,70 @@ def verify_experts(path: Union[str, SafeTensorsCheckpoint],
     ``(name, what)``."""
     ckpt = open_checkpoint(path)
     config = read_config(ckpt.root)
-    layout = family_of(config)
-    n_experts = num_experts(config, layout)
+    naming = family_of(config)
+    n_experts = num_experts(config, naming)
     if manifest is not None:
         manifest = check_manifest(manifest)
-    held = expert_names(ckpt, layout)
+    held = expert_names(ckpt, naming)
     layers = _chosen_layers(layers, sorted({layer for _, layer in held}), ckpt.root,
-                            f"{layout.name} expert tensors")
+                            f"{naming.name} expert tensors")
     if not layers:
-        example = layout.tensor(layout.prefixes[0], 1, 0, "down", layout.packed)
-        raise ValueError(f"{ckpt.root}: no {layout.name} expert tensors (names like "
+        example = naming.tensor(naming.prefixes[0], 1, 0, "down", naming.packed)
+        raise ValueError(f"{ckpt.root}: no {naming.name} expert tensors (names like "
                          f"{example!r}): nothing to verify")
     tally = _Tally(ckpt, manifest)
     wanted = set(layers)
-    kinds = (layout.packed, layout.scale)
+    kinds = (naming.packed, naming.scale)
     for prefix, layer in sorted((k for k in held if k[1] in wanted), key=lambda k: k[::-1]):
-        if layout.stacked:
-            _check_stacked(tally, ckpt, layout, prefix, layer, held[prefix, layer],
+        if naming.stacked:
+            _check_stacked(tally, ckpt, naming, prefix, layer, held[prefix, layer],
                            n_experts, handed)
             continue
         # the config's experts the files hold (some of their tensors at least), found by
         # name: lists of the config's num_experts experts would be as long as it claims
-        present = [e for e in _expert_ids(layout, held[prefix, layer]) if e < n_experts]
-        expected = [layout.tensor(prefix, layer, e, role, kind) for e in present
-                    for role in layout.roles for kind in kinds]
+        present = [e for e in _expert_ids(naming, held[prefix, layer]) if e < n_experts]
+        expected = [naming.tensor(prefix, layer, e, role, kind) for e in present
+                    for role in naming.roles for kind in kinds]
         names = expected + sorted(set(held[prefix, layer]) - set(expected))
         where = {name: _locate(ckpt, name) for name in names}
         loaded = handed
         if loaded is None:
             # the loader refuses an expert with a tensor missing: load the complete ones
             complete = [e for e in present if all(
-                isinstance(where[layout.tensor(prefix, layer, e, role, kind)], tuple)
-                for role in layout.roles for kind in kinds)]
-            proj = load_experts(ckpt, layout, layer, complete, prefix)
+                isinstance(where[naming.tensor(prefix, layer, e, role, kind)], tuple)
+                for role in naming.roles for kind in kinds)]
+            proj = load_experts(ckpt, naming, layer, complete, prefix)
             loaded = {}
             for role, (packed, scales) in proj.items():
                 for e, p, s in zip(complete, packed, scales, strict=True):
-                    loaded[layout.tensor(prefix, layer, e, role, layout.packed)] = p
-                    loaded[layout.tensor(prefix, layer, e, role, layout.scale)] = s
+                    loaded[naming.tensor(prefix, layer, e, role, naming.packed)] = p
+                    loaded[naming.tensor(prefix, layer, e, role, naming.scale)] = s
         for name in names:
             tally.check(name, where[name], loaded)
-        tally.absent(layout, prefix, layer, present, n_experts)
+        tally.absent(naming, prefix, layer, present, n_experts)
     return tally.result(layers)
 
 
-def _check_stacked(tally: _Tally, ckpt: SafeTensorsCheckpoint, layout: ExpertNaming,
+def _check_stacked(tally: _Tally, ckpt: SafeTensorsCheckpoint, naming: ExpertNaming,
                    prefix: str, layer: int, held: Sequence[str], n_experts: int,
                    handed: Optional[Dict[str, torch.Tensor]]) -> None:
     """One layer of a family whose tensors stack the layer's experts (gpt-oss): each
     projection's packed and scale tensors against what :func:`load_stacked_experts` (the
     family's loader) hands to the kernels; a tensor missing, or holding another number
     of experts than config.json's count, is a mismatch."""
-    kinds = (layout.packed, layout.scale)
-    expected = [layout.tensor(prefix, layer, None, role, kind) for role in layout.roles
+    kinds = (naming.packed, naming.scale)
+    expected = [naming.tensor(prefix, layer, None, role, kind) for role in naming.roles
                 for kind in kinds]
     names = expected + sorted(set(held) - set(expected))
     where = {name: _locate(ckpt, name) for name in names}
     loaded = handed
     if loaded is None:
         loaded = {}
-        for role in layout.roles:  # each alone: one refused must not hide the others
-            pair = [layout.tensor(prefix, layer, None, role, kind) for kind in kinds]
+        for role in naming.roles:  # each alone: one refused must not hide the others
+            pair = [naming.tensor(prefix, layer, None, role, kind) for kind in kinds]
             if all(isinstance(where[name], tuple) for name in pair):
                 try:
-                    got = load_stacked_experts(ckpt, layout, layer, prefix, roles=[role])
+                    got = load_stacked_experts(ckpt, naming, layer, prefix, roles=[role])
                 except (KeyError, OSError, ValueError):
                     continue
                 loaded.update(zip(pair, got[role], strict=True))
@@ -276,7 +276,7 @@ def _check_stacked(tally: _Tally, ckpt: SafeTensorsCheckpoint, layout: ExpertNam
         tally.check(name, where[name], loaded)
         if name in loaded and loaded[name].dim() and loaded[name].shape[0] != n_experts:
             tally.mismatches.append((name, f"holds {loaded[name].shape[0]} experts, "
-                                           f"config.json's {layout.n_experts_key} is "
+                                           f"config.json's {naming.n_experts_key} is "
                                            f"{n_experts}"))
 
 

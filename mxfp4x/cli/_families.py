@@ -47,7 +47,7 @@ class Family(abc.ABC):
 
     @abc.abstractmethod
     def write(self, folder: str, n_experts: int) -> None:
-        """A random layer with ``n_experts`` experts, in the release's layout."""
+        """A random layer with ``n_experts`` experts, in the release's naming."""
 
     @abc.abstractmethod
     def load(self, folder: str):

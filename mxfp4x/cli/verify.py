@@ -70,11 +70,11 @@ def check(args, error):
             files = args.opened.paths
         else:
             config = ck.read_config(args.checkpoint)
-            layout = ck.family_of(config)
-            ck.num_experts(config, layout)
+            naming = ck.family_of(config)
+            ck.num_experts(config, naming)
             args.opened = ck.open_checkpoint(args.checkpoint)
-            available = ck.moe_layers(args.opened, layout)
-            kind = layout.name
+            available = ck.moe_layers(args.opened, naming)
+            kind = naming.name
             files = ck.checkpoint_files(args.opened)
     except CHECKPOINT_ERRORS as exc:
         error(f"argument checkpoint: {message(exc)}")
