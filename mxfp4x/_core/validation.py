@@ -5,6 +5,7 @@ what was expected."""
 import numpy as np
 import torch
 
+from . import cpu as _cpu
 from .coerce import (
     _UINT64,
     _min_max,
@@ -185,11 +186,15 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
              "mixture_weights", "shared_output")
     raw = (latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
            shared_output)
-    listed = is_expert_list(packed_weights)
+    prepared = isinstance(packed_weights, _cpu.Experts)  # a module's table, built once
+    if prepared and scale_bytes is not None:
+        raise TypeError("scale_bytes: expected None with a prepared expert table (it holds "
+                        "the scales' addresses)")
+    listed = not prepared and is_expert_list(packed_weights)
     gguf = scale_bytes is None
     ts = [None if v is SKIP or (listed and n in ("packed_weights", "scale_bytes")) or
-          (gguf and n == "scale_bytes") else as_tensor(n, v)
-          for n, v in zip(names, raw, strict=True)]
+          (prepared and n == "packed_weights") or (gguf and n == "scale_bytes")
+          else as_tensor(n, v) for n, v in zip(names, raw, strict=True)]
     device = ts[0].device
     for n, v, t in zip(names, raw, ts, strict=True):
         if t is not None and t.device != device and isinstance(v, torch.Tensor):
@@ -208,7 +213,15 @@ def check_inputs(latent_tokens, packed_weights, scale_bytes, selected_experts,
                          f"MXFP4 group size); got shape {tuple(x.shape)}")
     n_groups = d_in // GROUP
 
-    if listed and gguf:
+    if prepared:
+        if device.type != "cpu":
+            raise ValueError(f"packed_weights: a prepared expert table runs on CPU tensors, "
+                             f"but latent_tokens is on {device}")
+        if packed_weights.n_groups != n_groups:
+            raise ValueError(f"latent_tokens: d_in = {d_in}, but the expert table's rows "
+                             f"hold {packed_weights.n_groups * GROUP} elements")
+        packed, n_experts, d_out = packed_weights, packed_weights.n_experts, packed_weights.d_out
+    elif listed and gguf:
         packed, n_experts, d_out = check_gguf_list(packed_weights, n_groups, d_in, device)
     elif listed:
         packed, scales, n_experts, d_out = check_expert_list(packed_weights, scale_bytes,

@@ -104,13 +104,12 @@ def require_tensor(ckpt, name: str, what: str) -> None:
         raise ValueError(f"{ckpt.root}: no tensor {name!r} ({what})")
 
 
-def expert_range_of(expert_range, n_local: int, group, *, subset_without_group: bool = False
-                    ) -> ExpertRange:
+def expert_range_of(expert_range, n_local: int, group) -> ExpertRange:
     """(e0, e1) of the experts a module holds: all of them (0, n_local) unless
     ``expert_range`` says which.  ``expert_range`` is a pair (e0, e1) or a ``range`` of
-    step 1.  A module holding some of the experts needs ``group`` (torch.distributed) to
-    reach the others, unless it may refuse tokens routed elsewhere
-    (``subset_without_group``)."""
+    step 1.  With ``group`` (torch.distributed) the ranks exchange the tokens routed to
+    the experts others hold; without, a token routed to an expert outside the range is an
+    IndexError (:func:`held_ids`)."""
     if expert_range is None:
         if group is not None:
             raise ValueError("expert_range: an expert-parallel module (group=...) needs the "
@@ -120,10 +119,23 @@ def expert_range_of(expert_range, n_local: int, group, *, subset_without_group: 
     if e1 - e0 != n_local:
         raise ValueError(f"expert_range: {(e0, e1)} names {e1 - e0} experts, the bytes hold "
                          f"{n_local}")
-    if group is None and e0 != 0 and not subset_without_group:
-        raise ValueError("expert_range: a module holding some of the experts needs group= "
-                         "(torch.distributed) to reach the others")
     return rng
+
+
+def held_ids(selected_experts, expert_range: ExpertRange):
+    """The local indices (id - e0) of global expert ids, for a module holding experts
+    [e0, e1) without a group; an IndexError naming the first id it does not hold."""
+    e0, e1 = expert_range
+    sel = torch.as_tensor(selected_experts)
+    if sel.is_floating_point() or sel.is_complex() or sel.dtype == torch.bool:
+        return sel  # the op names what it expected
+    sel = sel.to(torch.int64)
+    outside = (sel < e0) | (sel >= e1)
+    if bool(outside.any()):
+        raise IndexError(f"selected_experts: expert {int(sel[outside][0])} is not held by "
+                         f"this module (it holds experts {e0}..{e1 - 1}; pass group= to "
+                         f"reach the others)")
+    return sel - e0
 
 
 def expert_range_within(expert_range, n_experts: int, whose: str) -> ExpertRange:

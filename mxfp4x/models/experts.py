@@ -15,7 +15,7 @@ from .._core.format import GGUF_BLOCK_BYTES, GROUP, GROUP_BYTES
 from .._core.quantize import quantize
 from .._core.weak_group import WeakGroup
 from ..checkpoints.safetensors import SafeTensorsCheckpoint
-from ._common import BytesByView, bytes_of, expert_range_of
+from ._common import BytesByView, bytes_of, expert_range_of, held_ids
 
 __all__ = ["MXFP4Experts"]
 
@@ -141,6 +141,8 @@ class MXFP4Experts(BytesByView):
                                              mixture_weights, shared_output,
                                              expert_range=self.expert_range, group=self.group,
                                              num_threads=self.num_threads)
+        if self.expert_range[0]:  # some of the experts, no group: the ids it holds
+            selected_experts = held_ids(selected_experts, self.expert_range)
         return mxfp4_experts(latent_tokens, self.packed_weights, self.scale_bytes,
                              selected_experts, mixture_weights, shared_output,
                              num_threads=self.num_threads)

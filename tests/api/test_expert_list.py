@@ -138,3 +138,32 @@ def test_safetensors_f8_e8m0_and_i8_round_trip(tmp_path):
     assert torch.equal(scale.view(torch.uint8).flatten(), every)
     assert torch.equal(packed.view(torch.uint8).flatten(), every)
     np.testing.assert_array_equal(packed.view(torch.uint8).numpy().ravel(), np.arange(256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_a_prepared_table_goes_through_the_same_door(isa, rng, dtype):
+    """A module's expert table, built once (what Kimi K3's modules pass), runs through the
+    facade with the tensors' bits; the facade checks the rest of the call as for tensors
+    and refuses the table where the op, not the kernels, would run."""
+    from mxfp4x._core import api as _api
+    from mxfp4x._core import cpu_impl as _cpu_impl
+
+    layer = random_layer(rng, 13, 4, 3, 37, 3, dtype=dtype)
+    listed = _as_list(layer)
+    table = _cpu_impl.experts_of(listed["packed_weights"], listed["scale_bytes"])
+    x, sel = layer["latent_tokens"], layer["selected_experts"]
+    want = mxfp4x.mxfp4_experts(**layer, isa=isa)
+    got = _api.mxfp4_experts(x, table, None, sel, layer["mixture_weights"],
+                             layer["shared_output"], isa=isa)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(_api.mxfp4_experts_slots(x, table, None, sel, isa=isa),
+                       mxfp4x.mxfp4_experts_slots(x, layer["packed_weights"],
+                                                  layer["scale_bytes"], sel, isa=isa))
+    with pytest.raises(ValueError, match="latent_tokens: d_in"):
+        _api.mxfp4_experts_slots(x[:, :32], table, None, sel)
+    with pytest.raises(TypeError, match="scale_bytes"):
+        _api.mxfp4_experts_slots(x, table, listed["scale_bytes"], sel)
+    with pytest.raises(TypeError, match="prepared expert table"):
+        _api.mxfp4_experts_slots(x.detach().requires_grad_(), table, None, sel)
+    with pytest.raises(TypeError, match="prepared expert table"):
+        _api.mxfp4_experts_slots(x, table, None, sel, backend="torch")

@@ -294,3 +294,30 @@ def test_one_load_parses_the_range_once(monkeypatch, gpt_oss, k3):
         raw.clear()
         load(range(0, E))
         assert raw == [range(0, E)]
+
+
+@pytest.mark.parametrize("gguf", [False, True])
+def test_some_experts_without_a_group_refuse_the_others(gpt_oss, request, gguf):
+    """expert_range without a group means the same for every family: the module holds
+    those experts, gives the full module's bits for tokens routed to them, and refuses a
+    token routed elsewhere with an IndexError naming the expert."""
+    path = request.getfixturevalue("gpt_oss_gguf") if gguf else gpt_oss
+    blocks, scales = (f"model.layers.{LAYER}.mlp.experts.gate_up_proj_{k}"
+                      for k in ("blocks", "scales"))
+    rng = np.random.default_rng(7)
+    h = torch.from_numpy(rng.standard_normal((5, H))).float()
+    w = torch.from_numpy(rng.random((5, K))).float()
+    inside = torch.from_numpy(rng.integers(2, 5, (5, K)))
+    outside = inside.clone()
+    outside[3, 1] = 1
+    full = nn.GptOssExperts.from_checkpoint(path, LAYER)
+    part = nn.GptOssExperts.from_checkpoint(path, LAYER, expert_range=(2, 5))
+    assert torch.equal(part(h, inside, w), full(h, inside, w))
+    with pytest.raises(IndexError, match="expert 1 is not held"):
+        part(h, outside, w)
+    if not gguf:
+        full = nn.MXFP4Experts.from_safetensors(gpt_oss, blocks, scales)
+        part = nn.MXFP4Experts.from_safetensors(gpt_oss, blocks, scales, expert_range=(2, 5))
+        assert torch.equal(part(h, inside, w), full(h, inside, w))
+        with pytest.raises(IndexError, match="expert 1 is not held"):
+            part(h, outside, w)

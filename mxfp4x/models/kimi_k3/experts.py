@@ -9,6 +9,7 @@ from ..._core.api import mxfp4_experts, mxfp4_experts_slots
 from ..._core.arguments import NumThreads, check_isa
 from ..._core.coerce import as_tensor, float_tensor, index_tensor
 from ..._core.format import accumulation_dtype
+from ..._core.ops import runs_direct
 from ..._core.weak_group import WeakGroup
 from .._common import _positive, expert_range_of
 from .._expert_state import ExpertMatrix, _ExpertWeights, _matrix_shape, _split, _Stamp, _Weights
@@ -96,8 +97,7 @@ class KimiK3Experts(torch.nn.Module):
                                      f"{shapes[name][1]} matrix (as w1[0] says), got "
                                      f"{got[0]} x {got[1]}")
         self.d_latent, self.d_ff = d_latent, d_ff
-        self.expert_range = expert_range_of(expert_range, self.n_local, group,
-                                            subset_without_group=True)
+        self.expert_range = expert_range_of(expert_range, self.n_local, group)
         ids = self.expert_ids = list(range(*self.expert_range))
         self._stamp = _Stamp()
         for i, e in enumerate(ids):
@@ -203,17 +203,17 @@ class KimiK3Experts(torch.nn.Module):
 
     # ---- compute --------------------------------------------------------------------------
 
-    def _direct(self, x: torch.Tensor) -> bool:
-        """CPU inference: call the driver with the tables built once (a K3 layer passes
-        2688 expert tensors; re-reading them on every call would cost milliseconds)."""
-        return x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad)
+    @staticmethod
+    def _direct(*tensors) -> bool:
+        """Whether the op would call the CPU kernels directly (the core's rule): then the
+        tables built once go in (a K3 layer passes 2688 expert tensors; re-reading them on
+        every call would cost milliseconds)."""
+        return runs_direct(tensors, ())
 
     def _slots(self, x, table_index, packed, scales, sel, w: _Weights):
-        if self._direct(x):
-            from ..._core import cpu_impl as _cpu_impl
-            return _cpu_impl.experts(x, w.cpu_tables()[table_index], None, sel.to(torch.int64),
-                                     None, None, self.num_threads or 0, per_slot_outputs=True,
-                                     isa=self.isa)
+        if self._direct(x, sel):  # the tables built once, through the same door
+            return mxfp4_experts_slots(x, w.cpu_tables()[table_index], None, sel,
+                                       num_threads=self.num_threads, isa=self.isa)
         return mxfp4_experts_slots(x, list(packed), _listed(scales), sel,
                                    num_threads=self.num_threads, isa=self.isa)
 
@@ -254,13 +254,13 @@ class KimiK3Experts(torch.nn.Module):
         gu = self._slots(h, 0, w.gate_up_packed, w.gate_up_scales, both, w).to(acc)
         act = situ(gu[:, :top_k], self.beta) * clip(gu[:, top_k:], self.linear_beta)
         zeros = torch.zeros((h.shape[0], self.d_latent), dtype=acc, device=h.device)
-        if self._direct(act) and self._direct(h):
-            from ..._core import cpu_impl as _cpu_impl
-            out = _cpu_impl.experts(act, w.cpu_tables()[1], None, sel, mix.to(acc), zeros,
-                                    self.num_threads or 0, isa=self.isa)
-        else:
+        down = w.cpu_tables()[1] if self._direct(act, h, sel, mix) else None
+        if down is None:
             out = mxfp4_experts(act, list(w.down_packed), _listed(w.down_scales), sel,
                                 mix.to(acc), zeros, num_threads=self.num_threads, isa=self.isa)
+        else:  # the table built once, through the same door
+            out = mxfp4_experts(act, down, None, sel, mix.to(acc), zeros,
+                                num_threads=self.num_threads, isa=self.isa)
         return out.to(h.dtype)
 
     def extra_repr(self) -> str:
