@@ -563,3 +563,36 @@ def test_peak_memory_at_real_width(tmp_path):
     assert ours["experts"] >= packed
     assert ours["peak"] - ours["before"] < packed + 1.5 * 2**30
     assert theirs["peak"] > ours["peak"] + 2 * packed  # dequantized: 4x the bytes or more
+
+
+@pytest.mark.parametrize("float32_intermediate", [False, True])
+def test_bf16_model_feeds_the_down_projection_in_its_dtype(checkpoint, monkeypatch,
+                                                           float32_intermediate):
+    """As transformers' gpt-oss computes it, a bf16 model's SwiGLU output enters the down
+    projection as bf16 (rounded once from float32); the option keeps it float32."""
+    import mxfp4x.models.gpt_oss.experts as gpt_oss_experts_module
+    from mxfp4x.models.gpt_oss import gpt_oss_experts
+
+    model = _ours(checkpoint, dtype=torch.bfloat16, quantization_config=mxt.Mxfp4xConfig(
+        float32_intermediate=float32_intermediate))
+    experts = model.model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(5, SIZES["hidden_size"], generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, SIZES["num_local_experts"], (5, 2), generator=g)
+    p = torch.rand(5, 2, generator=g).to(torch.bfloat16)
+    seen = []
+    down = gpt_oss_experts_module.mxfp4_experts
+    monkeypatch.setattr(gpt_oss_experts_module, "mxfp4_experts",
+                        lambda x, *a, **k: seen.append(x.dtype) or down(x, *a, **k))
+    with torch.no_grad():
+        got = experts(h, idx, p)
+    assert seen == [torch.float32 if float32_intermediate else torch.bfloat16]
+    args = (h, idx, p, (experts.gate_up_proj_blocks, experts.gate_up_proj_scales),
+            experts.gate_up_proj_bias, (experts.down_proj_blocks, experts.down_proj_scales),
+            experts.down_proj_bias)
+    kw = dict(limit=experts.limit, alpha=experts.alpha)
+    with torch.no_grad():
+        rounded = gpt_oss_experts(*args, **kw, act_dtype=torch.bfloat16)
+        kept = gpt_oss_experts(*args, **kw)
+    assert not torch.equal(rounded, kept)  # the two orders differ on these inputs
+    assert torch.equal(got, kept if float32_intermediate else rounded)

@@ -357,3 +357,27 @@ def test_ungated_and_post_norm_experts(family):
         got = mxt.mxfp4x_experts_forward(twin, h, idx, w)
     assert want.abs().max() > 0
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("float32_intermediate", [False, True])
+def test_bf16_model_feeds_the_down_projection_in_its_dtype(checkpoint, monkeypatch,
+                                                           float32_intermediate):
+    """The activation's output enters the down projection in the model's dtype (bf16), as
+    transformers computes it; Mxfp4xConfig(float32_intermediate=True) keeps it float32."""
+    from mxfp4x.integrations.transformers import _dense_experts
+
+    _, path = checkpoint
+    model = _quiet(transformers.AutoModelForCausalLM.from_pretrained, path,
+                   dtype=torch.bfloat16, quantization_config=mxt.Mxfp4xConfig(
+                       float32_intermediate=float32_intermediate))
+    seen = []
+    for name in ("mxfp4_experts", "mxfp4_experts_slots"):
+        real = getattr(_dense_experts, name)
+        monkeypatch.setattr(_dense_experts, name,
+                            lambda x, w, *a, _f=real, **k: seen.append((x.dtype, w.shape))
+                            or _f(x, w, *a, **k))
+    with torch.no_grad():
+        out = model(_tokens()).logits
+    assert torch.isfinite(out).all()
+    downs = [dt for dt, shape in seen if shape == _experts(model)[0].down_proj.shape]
+    assert downs and set(downs) == {torch.float32 if float32_intermediate else torch.bfloat16}

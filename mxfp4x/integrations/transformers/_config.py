@@ -30,6 +30,12 @@ class Mxfp4xConfig(QuantizationConfigMixin):
     ``dense_kernels``: the model's bfloat16 ``nn.Linear`` layers (attention projections,
     the head) run on mxfp4x's dense kernel at up to 4 tokens (decode; see
     :class:`DenseLinear`); ``False`` leaves them to torch.
+    ``float32_intermediate``: the experts' activation output (gpt-oss's clamped SwiGLU, a
+    gated model's ``act_fn(gate) * up``) is computed in float32 and, as transformers
+    computes it in the model's dtype, rounded once to that dtype (bfloat16 for a bfloat16
+    model) before the down projection; ``True`` keeps it in float32 (the down projection
+    then runs on float32 latents: a little closer to the float64 reference, slower on
+    the bf16 units).
 
     An MXFP4 checkpoint's config is written back (``to_dict``, hence ``config.json``) as
     the checkpoint format, ``quant_method: "mxfp4"``: the bytes saved are the released
@@ -38,7 +44,7 @@ class Mxfp4xConfig(QuantizationConfigMixin):
 
     def __init__(self, modules_to_not_convert: Optional[list] = None,
                  num_threads: Optional[int] = None, scale_rule: str = "floor",
-                 dense_kernels: bool = True, **kwargs):
+                 dense_kernels: bool = True, float32_intermediate: bool = False, **kwargs):
         if scale_rule not in SCALE_RULES:
             raise ValueError(f"scale_rule: expected one of {SCALE_RULES}, got {scale_rule!r}")
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]  # not in their enum
@@ -46,6 +52,7 @@ class Mxfp4xConfig(QuantizationConfigMixin):
         self.num_threads = num_threads_arg(num_threads)  # the op's rule, before any loading
         self.scale_rule = scale_rule
         self.dense_kernels = bool(dense_kernels)
+        self.float32_intermediate = bool(float32_intermediate)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"quant_method": FILE_FORMAT,
@@ -53,4 +60,5 @@ class Mxfp4xConfig(QuantizationConfigMixin):
 
     def __repr__(self) -> str:
         return (f"Mxfp4xConfig(num_threads={self.num_threads}, scale_rule={self.scale_rule!r}, "
-                f"modules_to_not_convert={self.modules_to_not_convert})")
+                f"modules_to_not_convert={self.modules_to_not_convert}, "
+                f"float32_intermediate={self.float32_intermediate})")

@@ -126,7 +126,9 @@ def mxfp4x_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     decorated with ``@use_experts_implementation`` (gated or not, concatenated or
     interleaved gate/up through the module's own ``_apply_gate``, biases, a post-expert
     norm), its weights MXFP4 (``<w>`` / ``<w>_scales`` uint8 buffers). Accumulates in
-    float32 (float64 for float64) and returns the hidden states' dtype."""
+    float32 (float64 for float64); the activation's output is rounded to the hidden
+    states' dtype before the down projection (``Mxfp4xConfig(float32_intermediate=True)``:
+    kept in float32); returns the hidden states' dtype."""
     if not hasattr(self, "_mxfp4x_weights"):
         dense = getattr(self.config, "_mxfp4x_dense_implementation", QUANT_METHOD)
         original = getattr(type(self).forward, "__wrapped__", None)
@@ -150,6 +152,8 @@ def mxfp4x_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     if self.has_bias:
         h = h + getattr(self, up + "_bias")[top_k_index].to(acc)
     act = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    if not getattr(self, "_mxfp4x_float32_intermediate", False):
+        act = act.to(hidden_states.dtype)  # as transformers computes it: the model's dtype
     weights = top_k_weights.to(acc)
     if getattr(self, "has_post_expert_norm", False):
         y = mxfp4_experts_slots(act, self.down_proj, self.down_proj_scales, top_k_index,

@@ -52,13 +52,16 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
     if getattr(config, "model_type", None) == "gpt_oss" and \
             getattr(config, "_attn_implementation", None) is None:  # none asked in config=
         kwargs.setdefault("attn_implementation", ATTENTION)
+    # what the caller's config asks of the run (not written to the checkpoint)
+    run = {k: getattr(qc, k, default) for k, default in
+           (("dense_kernels", True), ("float32_intermediate", False))}
     found = getattr(config, "quantization_config", None)
     if found is None:  # dense experts: quantized at load (MXFP4 ones, in a checkpoint
         # whose config says nothing of them: the quantizer reads them as MXFP4)
         dense = Mxfp4xConfig(num_threads=threads,
                              scale_rule=getattr(qc, "scale_rule", "floor"),
                              modules_to_not_convert=getattr(qc, "modules_to_not_convert", None),
-                             dense_kernels=getattr(qc, "dense_kernels", True))
+                             **run)
         return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args,
                                                     config=config, quantization_config=dense,
                                                     **kwargs)
@@ -75,7 +78,6 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
                               list(getattr(qc, "modules_to_not_convert", None) or []))) or None
     # a dict, as config.json holds it: transformers dispatches on its quant_method
     config.quantization_config = {"quant_method": QUANT_METHOD, "num_threads": threads,
-                                  "modules_to_not_convert": skip,
-                                  "dense_kernels": getattr(qc, "dense_kernels", True)}
+                                  "modules_to_not_convert": skip, **run}
     return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args,
                                                 config=config, **kwargs)

@@ -16,7 +16,9 @@ from ._checkpoint_files import GPT_OSS_BIASES, GPT_OSS_DENSE, GPT_OSS_MXFP4
 class GptOssMxfp4Experts(BytesByView):
     """transformers' ``GptOssExperts`` with its experts in MXFP4: the same forward
     signature ``(hidden_states (T, H), router_indices (T, K), routing_weights (T, K))``,
-    computed as :class:`mxfp4x.nn.GptOssExperts` computes it (autograd included: the
+    computed as :class:`mxfp4x.nn.GptOssExperts` computes it, the SwiGLU output rounded to
+    the hidden states' dtype before the down projection as transformers' module has it
+    (``float32_intermediate=True`` keeps it in float32) (autograd included: the
     gradient flows to the hidden states, the routing weights and the biases; the bytes are
     frozen).
 
@@ -40,8 +42,9 @@ class GptOssMxfp4Experts(BytesByView):
     down_proj_scales: torch.Tensor
 
     def __init__(self, config, bias_dtype: Optional[torch.dtype] = None,
-                 num_threads: Optional[int] = None):
+                 num_threads: Optional[int] = None, float32_intermediate: bool = False):
         super().__init__()
+        self.float32_intermediate = bool(float32_intermediate)
         e, h, f = config.num_local_experts, config.hidden_size, config.intermediate_size
         if h % GROUP or f % GROUP:
             raise ValueError(f"hidden_size {h} and intermediate_size {f}: MXFP4 experts need "
@@ -75,7 +78,9 @@ class GptOssMxfp4Experts(BytesByView):
                                self.gate_up_proj_bias,
                                (self.down_proj_blocks, self.down_proj_scales),
                                self.down_proj_bias, limit=self.limit, alpha=self.alpha,
-                               num_threads=self.num_threads)
+                               num_threads=self.num_threads,
+                               act_dtype=None if self.float32_intermediate
+                               else hidden_states.dtype)
 
     def extra_repr(self) -> str:
         e, two_f, g, _ = self.gate_up_proj_blocks.shape

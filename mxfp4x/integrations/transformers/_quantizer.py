@@ -80,7 +80,8 @@ class Mxfp4xHfQuantizer(HfQuantizer):
                 continue  # transformers' module takes the file's dense weights
             with torch.device("meta"):
                 new = GptOssMxfp4Experts(config, bias_dtype=module.gate_up_proj_bias.dtype,
-                                         num_threads=qc.num_threads)
+                                         num_threads=qc.num_threads,
+                                         float32_intermediate=qc.float32_intermediate)
             new._mxfp4x_name = name + "."
             if listed:  # stored MXFP4: the bytes load as they are, dequantized after
                 self._mxfp4x_dequantize[name] = module
@@ -118,6 +119,7 @@ class Mxfp4xHfQuantizer(HfQuantizer):
             module = model.get_submodule(name)
             swap_to_mxfp4(module, shapes)
             module._mxfp4x_threads = self.quantization_config.num_threads
+            module._mxfp4x_float32_intermediate = self.quantization_config.float32_intermediate
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

@@ -10,7 +10,7 @@ from ..._core.api import mxfp4_experts, mxfp4_experts_slots
 from ..._core.arguments import NumThreads, num_threads_arg, parse_expert_range
 from ..._core.format import accumulation_dtype
 from ..._core.weak_group import WeakGroup
-from .._common import BytesByView, bytes_of, expert_range_of
+from .._common import BytesByView, bytes_of, expert_range_of, held_ids
 from .tensors import _GGUF, _SPLIT, check_experts
 
 
@@ -29,9 +29,10 @@ class GptOssExperts(BytesByView):
     ``down_blocks`` (E, H, F/32, 16), ``down_scales`` (E, H, F/32); parameters
     ``gate_up_bias`` (E, 2F) and ``down_bias`` (E, H).
 
-    Expert-parallel: with ``expert_range=(e0, e1)`` and ``group``, the block buffers hold
-    experts e0..e1-1 (the biases, small, stay whole) and both projections run through
-    :mod:`mxfp4x.distributed` (the gate/up per slot, the down combined).
+    Some of the experts: with ``expert_range=(e0, e1)`` the block buffers hold experts
+    e0..e1-1 (the biases, small, stay whole).  With ``group`` both projections run
+    through :mod:`mxfp4x.distributed` (the gate/up per slot, the down combined); without,
+    a token routed to an expert outside the range is an IndexError.
 
     From a GGUF file (:meth:`from_checkpoint` on a ``.gguf``; llama.cpp splits gate/up
     into gate rows ``0::2`` and up rows ``1::2``): :meth:`from_gguf_blocks`, buffers
@@ -166,26 +167,31 @@ def gpt_oss_experts(hidden_states: torch.Tensor, router_indices: torch.Tensor,
                     routing_weights: torch.Tensor, gate_up, gate_up_bias: torch.Tensor, down,
                     down_bias: torch.Tensor, limit: float = 7.0, alpha: float = 1.702,
                     num_threads: Optional[int] = None, expert_range=None,
-                    group=None) -> torch.Tensor:
+                    group=None, act_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The forward of :class:`GptOssExperts` as a function: ``gate_up`` and ``down`` are
     (blocks, scales) pairs of uint8 tensors in the checkpoint's layout (scales None:
     GGUF blocks; ``gate_up`` may be a :class:`GateAndUp` of GGUF blocks); the modules
     that hold these tensors under other names (``mxfp4x.integrations.transformers``) call
-    it."""
+    it.  ``act_dtype``: the dtype the SwiGLU output is rounded to (once) before the down
+    projection; None keeps it in the accumulation dtype (float32, float64 for float64)."""
     if group is not None:  # the whole computation inside the ranks' agreement
         from ...distributed import _scope
         return _scope.run(group, None, _experts_parallel, hidden_states, router_indices,
                           routing_weights, gate_up, gate_up_bias, down, down_bias, limit,
-                          alpha, num_threads, expert_range, group)
+                          alpha, num_threads, expert_range, group, act_dtype)
     return _experts_parallel(hidden_states, router_indices, routing_weights, gate_up,
                              gate_up_bias, down, down_bias, limit, alpha, num_threads,
-                             expert_range, group)
+                             expert_range, group, act_dtype)
 
 
 def _experts_parallel(hidden_states, router_indices, routing_weights, gate_up, gate_up_bias,
-                      down, down_bias, limit, alpha, num_threads, expert_range, group):
+                      down, down_bias, limit, alpha, num_threads, expert_range, group,
+                      act_dtype=None):
     """gpt_oss_experts' body (on one process when ``group`` is None)."""
     slots, combined = mxfp4_experts_slots, mxfp4_experts
+    weight_ids = router_indices  # the biases, whole, take the global ids
+    if group is None and expert_range is not None and expert_range[0]:
+        weight_ids = held_ids(router_indices, expert_range)  # some experts, no group
     if group is not None:
         from ... import distributed
         slots = functools.partial(distributed.mxfp4_experts_slots,
@@ -193,13 +199,13 @@ def _experts_parallel(hidden_states, router_indices, routing_weights, gate_up, g
         combined = functools.partial(distributed.mxfp4_experts,
                                      expert_range=expert_range, group=group)
     if isinstance(gate_up, GateAndUp):  # two calls, interleaved back: rows 2j gate, 2j+1 up
-        gate_out = slots(hidden_states, gate_up.gate, None, router_indices,
+        gate_out = slots(hidden_states, gate_up.gate, None, weight_ids,
                          num_threads=num_threads)  # checks the inputs
-        up_out = slots(hidden_states, gate_up.up, None, router_indices,
+        up_out = slots(hidden_states, gate_up.up, None, weight_ids,
                        num_threads=num_threads)
         gate_up_out = torch.stack((gate_out, up_out), dim=-1).flatten(-2)
     else:
-        gate_up_out = slots(hidden_states, gate_up[0], gate_up[1], router_indices,
+        gate_up_out = slots(hidden_states, gate_up[0], gate_up[1], weight_ids,
                             num_threads=num_threads)  # checks the inputs
     out_dtype = gate_up_out.dtype  # the latents' (integer latents: the default float dtype)
     acc = accumulation_dtype(out_dtype)
@@ -208,8 +214,10 @@ def _experts_parallel(hidden_states, router_indices, routing_weights, gate_up, g
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if act_dtype is not None:
+        act = act.to(act_dtype)
     weights = torch.as_tensor(routing_weights).to(acc)
     bias = (weights.unsqueeze(-1) * down_bias[router_indices].to(acc)).sum(1)
-    out = combined(act, down[0], down[1], router_indices, weights, bias,
+    out = combined(act, down[0], down[1], weight_ids, weights, bias,
                    num_threads=num_threads)
     return out.to(out_dtype)
