@@ -266,46 +266,52 @@ MXFP4X_AVX2_INLINE __m256i mxfp4x_f64_quad_avx2(__m256i table, __m256i idx, __m2
                            sign);
 }
 
-MXFP4X_AVX2_FN void mxfp4x_decode_f64_avx2(const mxfp4x_rows *w, int64_t row_start,
-                                           int64_t row_end, double *panel) {
-    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    /* magnitudes in the order the shuffle below leaves codes 0..7 in */
-    const __m256d m0 = _mm256_setr_pd(0.0, 0.5, 2.0, 3.0), m1 = _mm256_setr_pd(1.0, 1.5, 4.0, 6.0);
-    const __m256i top = _mm256_set1_epi64x((int64_t)0x8000000000000000ull);
-    int64_t r, g;
+/* The decode's constants: the magnitudes in the order the shuffle below leaves codes 0..7
+ * in, and the sign bit of a double. */
+typedef struct {
+    __m256d m0, m1;
+    __m256i top;
+} mxfp4x_avx2_f64_tables;
+
+MXFP4X_AVX2_INLINE mxfp4x_avx2_f64_tables mxfp4x_avx2_f64_load_tables(void) {
+    mxfp4x_avx2_f64_tables t;
+    t.m0 = _mm256_setr_pd(0.0, 0.5, 2.0, 3.0);
+    t.m1 = _mm256_setr_pd(1.0, 1.5, 4.0, 6.0);
+    t.top = _mm256_set1_epi64x((int64_t)0x8000000000000000ull);
+    return t;
+}
+
+/* One group (16 bytes at bg, scale byte sb) -> 32 doubles at pg (generic/decode_f64.h). */
+MXFP4X_AVX2_INLINE void mxfp4x_decode_group_f64_avx2(const uint8_t *bg, uint8_t sb,
+                                                     const mxfp4x_avx2_f64_tables *t,
+                                                     double *pg) {
+    const __m256d sc = _mm256_set1_pd(mxfp4x_e8m0_f64(sb));
+    /* dwords [hi 0, hi .5, hi 1, hi 1.5 | hi 2, hi 3, hi 4, hi 6] */
+    const __m256i table = _mm256_castps_si256(
+        _mm256_shuffle_ps(_mm256_castpd_ps(_mm256_mul_pd(t->m0, sc)),
+                          _mm256_castpd_ps(_mm256_mul_pd(t->m1, sc)), 0xDD));
+    const __m256i sign = sb == MXFP4X_E8M0_NAN ? _mm256_setzero_si256() : t->top;
     int j;
-    for (r = row_start; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
-        const uint8_t *s = w->scales + r * w->row_stride_scales;
-        double *p = panel + (r - row_start) * d_in;
-        for (g = 0; g < w->n_groups; g++) {
-            const uint8_t *bg = b + g * gb;
-            const uint8_t sb = s[g * gs];
-            const __m256d sc = _mm256_set1_pd(mxfp4x_e8m0_f64(sb));
-            /* dwords [hi 0, hi .5, hi 1, hi 1.5 | hi 2, hi 3, hi 4, hi 6] */
-            const __m256i table = _mm256_castps_si256(
-                _mm256_shuffle_ps(_mm256_castpd_ps(_mm256_mul_pd(m0, sc)),
-                                  _mm256_castpd_ps(_mm256_mul_pd(m1, sc)), 0xDD));
-            const __m256i sign = sb == MXFP4X_E8M0_NAN ? _mm256_setzero_si256() : top;
-            double *pg = p + g * MXFP4X_GROUP;
-            for (j = 0; j < 16; j += 4) {
-                int32_t four;
-                __m256i q;
-                memcpy(&four, bg + j, 4);
-                q = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(four));
-                _mm256_storeu_si256((__m256i *)(pg + j),
-                                    mxfp4x_f64_quad_avx2(table, _mm256_slli_epi64(q, 32),
-                                                         _mm256_and_si256(
-                                                             _mm256_slli_epi64(q, 60), sign)));
-                _mm256_storeu_si256((__m256i *)(pg + 16 + j),
-                                    mxfp4x_f64_quad_avx2(table, _mm256_slli_epi64(q, 28),
-                                                         _mm256_and_si256(
-                                                             _mm256_slli_epi64(q, 56), sign)));
-            }
-        }
+    for (j = 0; j < 16; j += 4) {
+        int32_t four;
+        __m256i q;
+        memcpy(&four, bg + j, 4);
+        q = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(four));
+        _mm256_storeu_si256((__m256i *)(pg + j),
+                            mxfp4x_f64_quad_avx2(table, _mm256_slli_epi64(q, 32),
+                                                 _mm256_and_si256(_mm256_slli_epi64(q, 60),
+                                                                  sign)));
+        _mm256_storeu_si256((__m256i *)(pg + 16 + j),
+                            mxfp4x_f64_quad_avx2(table, _mm256_slli_epi64(q, 28),
+                                                 _mm256_and_si256(_mm256_slli_epi64(q, 56),
+                                                                  sign)));
     }
 }
+
+#define MXFP4X_MK_F64_TABLES mxfp4x_avx2_f64_tables
+#define MXFP4X_MK_F64_LOAD_TABLES mxfp4x_avx2_f64_load_tables
+#define MXFP4X_MK_DECODE_F64 mxfp4x_decode_group_f64_avx2
+#include "generic/decode_f64.h"
 
 /* The float64 path's panel_dot and axpy_rows (float64.h), as mxfp4x_*_f64_avx2. */
 #define MXFP4X_F64_NAME(name) name##_avx2

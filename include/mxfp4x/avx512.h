@@ -426,33 +426,37 @@ MXFP4X_AVX512_FN void mxfp4x_panel_dot_f32_avx512(const float *panel, int64_t n_
  * scalar.h's product is the scale's own NaN for every code, so there both halves are it.
  * Faster than scalar.h's decode (a Zen 4: docs/performance.md, "The bf16 units, AMX and
  * float64"). */
-MXFP4X_AVX512_FN void mxfp4x_decode_f64_avx512(const mxfp4x_rows *w, int64_t row_start,
-                                               int64_t row_end, double *panel) {
-    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    const __m512d pos = _mm512_set_pd(6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.0);
-    const __m512i sign = _mm512_set1_epi64((int64_t)0x8000000000000000ull);
-    int64_t r, g;
-    for (r = row_start; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
-        const uint8_t *s = w->scales + r * w->row_stride_scales;
-        double *p = panel + (r - row_start) * d_in;
-        for (g = 0; g < w->n_groups; g++) {
-            const uint8_t *bg = b + g * gb;
-            const uint8_t sb = s[g * gs];
-            const __m512d tp = _mm512_mul_pd(pos, _mm512_set1_pd(mxfp4x_e8m0_f64(sb)));
-            const __m512d tn = sb == MXFP4X_E8M0_NAN ? tp
-                : _mm512_castsi512_pd(_mm512_xor_si512(_mm512_castpd_si512(tp), sign));
-            const __m512i i0 = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)bg));
-            const __m512i i1 = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(bg + 8)));
-            double *pg = p + g * MXFP4X_GROUP;
-            _mm512_storeu_pd(pg, _mm512_permutex2var_pd(tp, i0, tn));
-            _mm512_storeu_pd(pg + 8, _mm512_permutex2var_pd(tp, i1, tn));
-            _mm512_storeu_pd(pg + 16, _mm512_permutex2var_pd(tp, _mm512_srli_epi64(i0, 4), tn));
-            _mm512_storeu_pd(pg + 24, _mm512_permutex2var_pd(tp, _mm512_srli_epi64(i1, 4), tn));
-        }
-    }
+typedef struct {
+    __m512d pos;  /* the 8 E2M1 magnitudes, codes 0..7 */
+    __m512i sign; /* the sign bit of a double */
+} mxfp4x_avx512_f64_tables;
+
+MXFP4X_AVX512_INLINE_ALWAYS mxfp4x_avx512_f64_tables mxfp4x_avx512_f64_load_tables(void) {
+    mxfp4x_avx512_f64_tables t;
+    t.pos = _mm512_set_pd(6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5, 0.0);
+    t.sign = _mm512_set1_epi64((int64_t)0x8000000000000000ull);
+    return t;
 }
+
+/* One group (16 bytes at bg, scale byte sb) -> 32 doubles at pg (generic/decode_f64.h). */
+MXFP4X_AVX512_INLINE_ALWAYS void
+mxfp4x_decode_group_f64_avx512(const uint8_t *bg, uint8_t sb, const mxfp4x_avx512_f64_tables *t,
+                               double *pg) {
+    const __m512d tp = _mm512_mul_pd(t->pos, _mm512_set1_pd(mxfp4x_e8m0_f64(sb)));
+    const __m512d tn = sb == MXFP4X_E8M0_NAN ? tp
+        : _mm512_castsi512_pd(_mm512_xor_si512(_mm512_castpd_si512(tp), t->sign));
+    const __m512i i0 = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)bg));
+    const __m512i i1 = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i *)(bg + 8)));
+    _mm512_storeu_pd(pg, _mm512_permutex2var_pd(tp, i0, tn));
+    _mm512_storeu_pd(pg + 8, _mm512_permutex2var_pd(tp, i1, tn));
+    _mm512_storeu_pd(pg + 16, _mm512_permutex2var_pd(tp, _mm512_srli_epi64(i0, 4), tn));
+    _mm512_storeu_pd(pg + 24, _mm512_permutex2var_pd(tp, _mm512_srli_epi64(i1, 4), tn));
+}
+
+#define MXFP4X_MK_F64_TABLES mxfp4x_avx512_f64_tables
+#define MXFP4X_MK_F64_LOAD_TABLES mxfp4x_avx512_f64_load_tables
+#define MXFP4X_MK_DECODE_F64 mxfp4x_decode_group_f64_avx512
+#include "generic/decode_f64.h"
 
 /* The float64 path's panel_dot and axpy_rows (float64.h), as mxfp4x_*_f64_avx512. */
 #define MXFP4X_F64_NAME(name) name##_avx512

@@ -182,27 +182,28 @@ static void mxfp4x_dense_bf16_scalar(const uint16_t *w, int64_t row_stride, int6
  *              each product and each sum rounded once; (acc0 + acc2) + (acc1 + acc3);
  *   axpy_rows: dst[j] += coef[r] * panel[r][j] for r ascending, product and sum rounded. */
 
-static void mxfp4x_decode_f64(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
-                              double *panel) {
-    const int64_t d_in = w->n_groups * MXFP4X_GROUP;
-    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
-    int64_t r, g;
+/* One group's decode: pg[j] = e2m1[low nibble of byte j] * scale, pg[16 + j] = e2m1[its
+ * high nibble] * scale. */
+MXFP4X_INLINE void mxfp4x_decode_group_f64_scalar(const uint8_t *bg, uint8_t sb,
+                                                  const mxfp4x_no_tables *t, double *pg) {
+    const double sc = mxfp4x_e8m0_f64(sb);
     int j;
-    for (r = row_start; r < row_end; r++) {
-        const uint8_t *b = w->blocks + r * w->row_stride_blocks;
-        const uint8_t *s = w->scales + r * w->row_stride_scales;
-        double *p = panel + (r - row_start) * d_in;
-        for (g = 0; g < w->n_groups; g++) {
-            const uint8_t *bg = b + g * gb;
-            const double sc = mxfp4x_e8m0_f64(s[g * gs]);
-            double *pg = p + g * MXFP4X_GROUP;
-            for (j = 0; j < 16; j++) {
-                pg[j] = (double)mxfp4x_e2m1_f32[bg[j] & 0xF] * sc;
-                pg[16 + j] = (double)mxfp4x_e2m1_f32[bg[j] >> 4] * sc;
-            }
-        }
+    (void)t;
+    for (j = 0; j < 16; j++) {
+        pg[j] = (double)mxfp4x_e2m1_f32[bg[j] & 0xF] * sc;
+        pg[16 + j] = (double)mxfp4x_e2m1_f32[bg[j] >> 4] * sc;
     }
 }
+
+/* generic/decode_f64.h over it, unsuffixed: the float64 path's kernels of this file are
+ * named mxfp4x_*_f64 (the neon entry's too; the core names mxfp4x_decode_f64). */
+#define MXFP4X_MK_NAME(name) name
+#define MXFP4X_MK_FN static
+#define MXFP4X_MK_F64_TABLES mxfp4x_no_tables
+#define MXFP4X_MK_F64_LOAD_TABLES mxfp4x_no_tables_load
+#define MXFP4X_MK_DECODE_F64 mxfp4x_decode_group_f64_scalar
+#include "generic/decode_f64.h"
+#include "generic/end.h"
 
 static void mxfp4x_panel_dot_f64(const double *panel, int64_t n_rows, int64_t n_groups,
                                  const double *x, int64_t x_stride, const int64_t *x_rows,
