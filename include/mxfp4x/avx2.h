@@ -323,9 +323,10 @@ MXFP4X_AVX2_INLINE void mxfp4x_decode_group_f64_avx2(const uint8_t *bg, uint8_t 
 /* Roofline: 10 independent vfmadd231ps chains (hides the 4-5 cycle latency on two ports). */
 #define MXFP4X_MK_FMA_CHAINS 10
 #include "generic/fma_probe.h"
-#include "generic/end.h"
 
+/* The dense bf16 kernels (generic/dense_bf16.h). */
 #include "dense/avx2.h"
+#include "generic/end.h"
 
 #endif /* MXFP4X_HAVE_X86_SIMD */
 #endif /* MXFP4X_AVX2_H */

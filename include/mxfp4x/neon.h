@@ -242,9 +242,10 @@ MXFP4X_NEON_INLINE void mxfp4x_block_neon(const float *const *ps, int mr,
 /* Roofline: 16 independent fmla chains (4 pipes x 4-cycle latency). */
 #define MXFP4X_MK_FMA_CHAINS 16
 #include "generic/fma_probe.h"
-#include "generic/end.h"
 
+/* The dense bf16 kernels (generic/dense_bf16.h). */
 #include "dense/neon.h"
+#include "generic/end.h"
 
 #endif /* MXFP4X_HAVE_NEON */
 #endif /* MXFP4X_NEON_H */

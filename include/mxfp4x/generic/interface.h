@@ -21,7 +21,9 @@
  * MXFP4X_MK_PANEL_* and MXFP4X_MK_HSUM_PARKED (panel_chunked.h), MXFP4X_MK_GEMV_NT
  * (gemv_tokens.h), MXFP4X_MK_GEMV1_MR, _PREFETCH, MXFP4X_MK_ROW_ACCS, MXFP4X_MK_DECODE_GROUP,
  * MXFP4X_MK_FMA_GROUP and MXFP4X_MK_HSUM_ACCS (gemv1.h), MXFP4X_MK_F64_TABLES,
- * MXFP4X_MK_F64_LOAD_TABLES and MXFP4X_MK_DECODE_F64 (decode_f64.h: the float64 decode).
+ * MXFP4X_MK_F64_LOAD_TABLES and MXFP4X_MK_DECODE_F64 (decode_f64.h: the float64 decode),
+ * MXFP4X_MK_BF16_LOAD, MXFP4X_MK_HSUM, MXFP4X_MK_DENSE_MR1 and MXFP4X_MK_DENSE_PREFETCH
+ * (dense_bf16.h: the dense bf16 product).
  *
  * The drivers fix loops and blocking; the microkernel fixes every arithmetic step.  A
  * driver runs each (row, token)'s microkernel steps in the order the entry's header
