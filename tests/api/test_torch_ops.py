@@ -223,7 +223,7 @@ def test_eager_calls_skip_the_dispatcher_only_when_the_op_would_add_nothing(rng,
     from torch.utils._python_dispatch import TorchDispatchMode
     layer = random_layer(rng, 5, 2, 3, 24, 2)
     via_op = []
-    for name in ("experts_op", "slots_op"):
+    for name in ("forward_op_for", "slots_op_for"):
         real = getattr(_ops, name)
         monkeypatch.setattr(mxfp4x._core.api, name,
                             lambda packed, real=real: via_op.append(1) or real(packed))
