@@ -93,14 +93,34 @@ def _decode(model, clock, cache, token, steps):
     return {"total": total / steps, **per_step}
 
 
+def prompts(vocab, prefill, contexts):
+    """The token ids of one process's measurements, the same for every side and process
+    (numpy's generator, seed 0): ``first`` (the first forward, ``prefill[0]`` tokens),
+    ``prefill`` (n -> n ids) and ``decode`` (context -> the prompt its decoding steps
+    follow; contexts of 0 are left out)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def draw(n):
+        return rng.integers(0, vocab, n).tolist()
+    return {"first": draw(prefill[0]), "prefill": {n: draw(n) for n in prefill},
+            "decode": {n: draw(n) for n in contexts if n}}
+
+
 def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECODE,
-            context=0):
+            context=0, threads=None, logits_path=None):
     """One process's figures: load ``folder`` with ``layers`` layers through ``mode``
     (``mxfp4x`` or ``transformers``) and time prefills and a greedy decode; with
-    ``context``, also 16 decoding steps after a prompt of that many tokens."""
+    ``context``, also 16 decoding steps after a prompt of that many tokens.  ``threads``:
+    torch's (and so mxfp4x's) threads; ``logits_path``: where the first forward's
+    last-token logits are saved (float32 ``.npy``), to compare sides."""
+    import numpy as np
     import torch
     import transformers
 
+    if threads:
+        torch.set_num_threads(threads)
     warnings.simplefilter("ignore")
     transformers.logging.set_verbosity_error()
     config = transformers.AutoConfig.from_pretrained(folder)
@@ -121,26 +141,26 @@ def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECO
     load_peak = _rss_peak()
     model.eval()
     clock = _Clock(model)
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
+    ids = prompts(model.config.vocab_size, prefill, (prefill[0], context))
     out = {"mode": mode, "layers": layers, "dtype": dtype, "load_s": load_s,
            "load_peak_bytes": load_peak, "threads": torch.get_num_threads()}
     with torch.no_grad():
         # the first forward reads the weights transformers mapped lazily: part of loading
         # (as many tokens as the first prefill, so that every expert has been read)
         t0 = time.perf_counter()
-        model(torch.randint(0, vocab, (1, prefill[0]), generator=gen), logits_to_keep=1)
+        first = model(torch.tensor([ids["first"]]), logits_to_keep=1)
         out["first_forward_s"] = time.perf_counter() - t0
+        if logits_path:
+            np.save(logits_path, first.logits[0, -1].float().numpy())
         for n in prefill:
-            ids = torch.randint(0, vocab, (1, n), generator=gen)
             t0 = time.perf_counter()
-            model(ids, use_cache=True, logits_to_keep=1)
+            model(torch.tensor([ids["prefill"][n]]), use_cache=True, logits_to_keep=1)
             out[f"prefill_{n}_tok_s"] = n / (time.perf_counter() - t0)
         for n, steps, key in ((prefill[0], decode, "decode_step_s"),
                               (context, 16, f"decode_at_{context}_step_s")):
             if n:
-                ids = torch.randint(0, vocab, (1, n), generator=gen)
-                step = model(ids, use_cache=True, logits_to_keep=1)
+                step = model(torch.tensor([ids["decode"][n]]), use_cache=True,
+                             logits_to_keep=1)
                 out[key] = _decode(model, clock, step.past_key_values,
                                    step.logits[:, -1].argmax(-1, keepdim=True), steps)
     out["decode_tok_s"] = 1 / out["decode_step_s"]["total"]
@@ -149,16 +169,24 @@ def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECO
     return out
 
 
+def in_fresh_process(module, function, *args, **kw):
+    """``function(*args, **kw)`` of ``module`` (a file of benchmarks/) in a fresh Python
+    process (its own peak RSS, nothing left mapped by an earlier measurement): arguments
+    and result go as JSON, the result as the last line the process prints."""
+    code = ("import importlib, json, sys; sys.path.insert(0, sys.argv[1]); "
+            "f = getattr(importlib.import_module(sys.argv[2]), sys.argv[3]); "
+            "print(json.dumps(f(*json.loads(sys.argv[4]), **json.loads(sys.argv[5]))))")
+    run = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(
+        __file__)), module, function, json.dumps(args), json.dumps(kw)], capture_output=True,
+        text=True)
+    if run.returncode:
+        raise RuntimeError(f"{module}.{function}{tuple(args)} failed:\n{run.stderr[-4000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def _in_process(folder, mode, layers, **kw):
     """``measure`` in a fresh process (its own peak RSS)."""
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_transformers as b; "
-            "print(json.dumps(b.measure(*sys.argv[2:4], int(sys.argv[4]), **json.loads("
-            "sys.argv[5]))))")
-    run = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(
-        __file__)), folder, mode, str(layers), json.dumps(kw)], capture_output=True, text=True)
-    if run.returncode:
-        raise RuntimeError(f"{mode} with {layers} layers failed:\n{run.stderr[-4000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return in_fresh_process("bench_transformers", "measure", folder, mode, layers, **kw)
 
 
 def _available_bytes():
