@@ -43,20 +43,17 @@ def _check_device(backend, x):
                          f"{x.device}; use backend='torch' or 'auto'")
 
 
-def _weights(packed, scales):
-    """What runs_direct checks of the weights: a prepared table was checked when built."""
-    return () if isinstance(packed, _cpu.Experts) else (packed, scales)
-
-
-def _check_prepared(packed, backend, tensors):
-    """A prepared expert table (a module's, built once: ``cpu_impl.experts_of``) runs the
-    CPU kernels directly: CPU tensors, no autograd, no tracing; otherwise a TypeError
-    that says to pass the tensors themselves."""
-    if isinstance(packed, _cpu.Experts) and (backend == "torch" or
-                                              not runs_direct(tensors, ())):
+def _direct(packed, scales, backend, tensors) -> bool:
+    """Whether this call runs the CPU kernels directly (``runs_direct``).  A prepared expert
+    table (a module's, built once: ``cpu_impl.experts_of``; checked when built) runs only
+    so: elsewhere a TypeError that says to pass the tensors themselves."""
+    if not isinstance(packed, _cpu.Experts):
+        return backend != "torch" and runs_direct(tensors, (packed, scales))
+    if backend == "torch" or not runs_direct(tensors, ()):
         raise TypeError("packed_weights: a prepared expert table runs the CPU kernels "
                         "directly (CPU tensors, no gradient, not traced); pass the expert "
                         "tensors themselves here")
+    return True
 
 
 def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike,
@@ -97,12 +94,12 @@ def mxfp4_experts(latent_tokens: ArrayLike, packed_weights: ArrayLike,
         latent_tokens, packed_weights, scale_bytes, selected_experts, mixture_weights,
         shared_output)
     _check_device(backend, x)
-    _check_prepared(packed, backend, (x, sel, mix, shared))
+    direct = _direct(packed, scales, backend, (x, sel, mix, shared))
     if backend == "torch" and not x.is_meta:  # plain PyTorch ops (differentiable;
         # data-dependent routing, so torch.compile(fullgraph=True) needs the default backend,
         # which goes through the op; so do meta tensors, which have no ids to route by)
         return mxfp4_experts_torch(x, packed, scales, sel, mix, shared, x.dtype)
-    if runs_direct((x, sel, mix, shared), _weights(packed, scales)):  # what the op would run
+    if direct:  # what the op would run
         # (the ids converted to int64 chunk by chunk, never whole); no forward-mode AD there
         return _cpu_impl.experts(x, packed, scales, sel, mix, shared, threads, isa=isa or None)
     _check_forward_ad(backend, (x, mix, shared), "mxfp4_experts")
@@ -125,10 +122,10 @@ def mxfp4_experts_slots(latent_tokens: ArrayLike, packed_weights: ArrayLike,
     x, packed, scales, sel, _, _ = check_inputs(latent_tokens, packed_weights, scale_bytes,
                                                 selected_experts)
     _check_device(backend, x)
-    _check_prepared(packed, backend, (x, sel))
+    direct = _direct(packed, scales, backend, (x, sel))
     if backend == "torch" and not x.is_meta:
         return slots_torch(x, packed, scales, sel)
-    if runs_direct((x, sel), _weights(packed, scales)):  # what the op would run
+    if direct:  # what the op would run
         return _cpu_impl.experts(x, packed, scales, sel, None, None, threads,
                                  per_slot_outputs=True, isa=isa or None)
     _check_forward_ad(backend, (x,), "mxfp4_experts_slots")
