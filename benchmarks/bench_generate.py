@@ -2,7 +2,8 @@
 on the same random weights.
 
     python benchmarks/bench_generate.py [--layers N] [--threads 1 2] [--repeats 2]
-        [--prefill 128 512 [2048]] [--decode 32] [--context 4096] [--json out.json]
+        [--prefill 128 512 [2048]] [--decode 32] [--context 4096] [--sequences 8 32]
+        [--json out.json] [--plot out.png]
 
 writes (once) one random gpt-oss model (gpt-oss-20b's configuration; ``--layers N``: N
 layers of the real width) as a checkpoint in the released safetensors layout and as the
@@ -25,7 +26,10 @@ and prints one table: load time (the loading call, then a first forward of
 ``prefill[0]`` tokens, which reads what either side mapped lazily), peak RSS, prefill
 tokens/s at each ``--prefill`` length, decode tokens/s over ``--decode`` greedy steps
 after a ``prefill[0]``-token prompt (and, with ``--context N``, over 16 steps after N
-tokens), each side's figures the median of its ``--repeats`` processes; for mxfp4x, a
+tokens), the tokens/s of ``--sequences`` s sequences decoded together (8 greedy steps
+after s prompts of 64 tokens in one batch: transformers' batch on mxfp4x's side,
+llama.cpp's parallel decoding with a sequence slot each and one unified cache on the
+other), each side's figures the median of its ``--repeats`` processes; for mxfp4x, a
 decoding step's time split (the experts, the attention, the rest: router, norms,
 embedding, head) against its read floor: the bytes that part of the step reads (the
 selected experts' MXFP4 blocks and their biases; the attention's weights and its cache;
@@ -33,6 +37,7 @@ the router, the norms, one embedding row and the head; as mxfp4x holds them) ove
 read bandwidth measured in the same run (``mxfp4x.testing.roofline.read_bandwidth``,
 before and after the measurements, the better).  Both sides' last-token logits of the
 first forward are compared (cosine, top-1): the same model, not just the same sizes.
+``--plot`` draws decode tokens/s against the context and against the sequences.
 
 Under pytest (``pytest benchmarks``) one case runs it on a tiny model with one thread and
 one repeat with ``MXFP4X_BENCH_SMALL=1`` (CI's smoke run), on 4 layers of the real width
@@ -67,8 +72,9 @@ bt = _sibling("bench_transformers")
 say = bt.say
 
 GGUF_NAME = "gpt-oss.gguf"
-PREFILL, DECODE, UBATCH = bt.PREFILL, bt.DECODE, 512
-SMALL_RUN = dict(prefill=(16, 32), decode=4)
+PREFILL, DECODE = bt.PREFILL, bt.DECODE
+SMALL_RUN = dict(prefill=(16, 32), decode=4, sequences=(3,))
+SEQUENCES = (8, 32)
 SIDES = ("mxfp4x", "llama.cpp")
 
 
@@ -82,6 +88,8 @@ def default_folder(layers):
 
 gt = _sibling("gguf_twin")
 write_gguf, check_same_experts = gt.write_gguf, gt.check_same_experts
+side = _sibling("generate_sides")
+llama_missing, plot = side.llama_missing, side.plot
 
 
 def prepare(folder, layers=None, small=False):
@@ -111,68 +119,6 @@ def prepare(folder, layers=None, small=False):
     worst = check_same_experts(folder, path)
     say(f"the same experts in both files: largest difference {worst:.1e} of the output")
     return cfg, path
-
-
-# ---------------------------------------------------------------------------------------
-# llama.cpp's side (in its own process)
-
-
-def measure_llama(path, threads, prefill=PREFILL, decode=DECODE, context=0, logits_path=None):
-    """One process's figures of llama.cpp on the GGUF file ``path``, the same
-    measurements as bench_transformers' ``measure`` (the same token ids, a fresh cache
-    for each prefill, greedy decoding)."""
-    import llama_cpp
-
-    prefill = tuple(prefill)
-    longest = max(prefill + (context,))
-    n_ctx = -(-(longest + max(decode, 16) + 1) // 256) * 256
-    t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=max(longest, UBATCH),
-                          n_ubatch=UBATCH, n_threads=threads, n_threads_batch=threads,
-                          flash_attn=True, verbose=True)
-    load_s = time.perf_counter() - t0
-    load_peak = bt._rss_peak()
-    vocab = llm.n_vocab()
-    ids = bt.prompts(vocab, prefill, (prefill[0], context))
-
-    def logits():
-        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1),
-                                     shape=(vocab,))
-
-    def forward(tokens):
-        llm.reset()  # a new sequence: the cache from position 0
-        llm.eval(tokens)
-
-    out = {"mode": "llama.cpp", "layers": int(llm.metadata["gpt-oss.block_count"]),
-           "dtype": "gguf", "load_s": load_s, "load_peak_bytes": load_peak,
-           "threads": threads, "attention": "flash", "version": llama_cpp.__version__}
-    t0 = time.perf_counter()
-    forward(ids["first"])
-    out["first_forward_s"] = time.perf_counter() - t0
-    if logits_path:
-        np.save(logits_path, logits().copy())
-    for n in prefill:
-        t0 = time.perf_counter()
-        forward(ids["prefill"][n])
-        out[f"prefill_{n}_tok_s"] = n / (time.perf_counter() - t0)
-    for n, steps, key in ((prefill[0], decode, "decode_step_s"),
-                          (context, 16, f"decode_at_{context}_step_s")):
-        if n:
-            forward(ids["decode"][n])
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                llm.eval([int(np.argmax(logits()))])
-            out[key] = {"total": (time.perf_counter() - t0) / steps}
-    out["decode_tok_s"] = 1 / out["decode_step_s"]["total"]
-    out["peak_bytes"] = bt._rss_peak()
-    return out
-
-
-def llama_missing():
-    """Why llama.cpp's side cannot run here, or None."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "llama-cpp-python is not installed: pip install llama-cpp-python"
-    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -246,13 +192,15 @@ def _agreement(a, b):
 def table(result):
     """The measured table, as text."""
     rows, prefill = result["rows"], result["prefill"]
-    context = result["context"]
+    context, sequences = result["context"], result.get("sequences", [])
     head = (f"{'side':<11}{'thr':>4}{'load s':>8}{'1st s':>7}{'peak GiB':>9}"
             + "".join(f"{'prefill ' + str(n):>13}" for n in prefill)
             + f"{'decode@' + str(prefill[0]):>12}{'x floor':>8}"
-            + (f"{'decode@' + str(context):>13}{'x floor':>8}" if context else ""))
+            + (f"{'decode@' + str(context):>13}{'x floor':>8}" if context else "")
+            + "".join(f"{str(n) + ' seqs':>10}" for n in sequences))
     lines = [head, " " * 39 + f"{'tok/s':>13}" * len(prefill) + f"{'tok/s':>12}"
-             + (f"{'':>8}{'tok/s':>13}" if context else "")]
+             + (f"{'':>8}{'tok/s':>13}{'':>8}" if context else "")
+             + f"{'tok/s':>10}" * len(sequences)]
     for r in rows:
         floors = result["floors"][str(r["threads"])]
         line = (f"{r['mode']:<11}{r['threads']:>4}{r['load_s']:>8.1f}"
@@ -263,6 +211,10 @@ def table(result):
         at = r.get(f"decode_at_{context}_step_s") if context else None
         if at:
             line += f"{1 / at['total']:>13.2f}{at['total'] / floors['context']['total']:>8.2f}"
+        elif context:
+            line += " " * 21
+        line += "".join(f"{r[f'sequences_{n}_tok_s']:>10.1f}" if f"sequences_{n}_tok_s" in r
+                        else f"{'-':>10}" for n in sequences)
         lines.append(line)
     lines.append("")
     lines.append("mxfp4x's decoding step, ms (x its read floor): experts / attention / rest "
@@ -295,7 +247,7 @@ def table(result):
 
 
 def run(folder, layers=None, threads=(1, 2), repeats=2, prefill=PREFILL, decode=DECODE,
-        context=0, small=False):
+        context=0, small=False, sequences=SEQUENCES):
     """Write the model if ``folder`` has none, measure both sides, print the table and
     return the result (every process's figures in ``runs``, each side's medians in
     ``rows``)."""
@@ -316,7 +268,8 @@ def run(folder, layers=None, threads=(1, 2), repeats=2, prefill=PREFILL, decode=
                 for side in SIDES:
                     if side == "llama.cpp" and skipped:
                         continue
-                    kw = dict(prefill=prefill, decode=decode, context=context)
+                    kw = dict(prefill=prefill, decode=decode, context=context,
+                              sequences=list(sequences))
                     if rep == 0:
                         kw["logits_path"] = logits[side] = os.path.join(tmp, f"{side}-{th}.npy")
                     say(f"measuring {side}, {th} thread(s), process {rep + 1} of {repeats}")
@@ -326,7 +279,7 @@ def run(folder, layers=None, threads=(1, 2), repeats=2, prefill=PREFILL, decode=
                                                     "mxfp4x", cfg["num_hidden_layers"],
                                                     threads=th, **kw)
                         else:
-                            r = bt.in_fresh_process("bench_generate", "measure_llama", path,
+                            r = bt.in_fresh_process("generate_sides", "measure_llama", path,
                                                     th, **kw)
                     except RuntimeError as exc:
                         if side == "mxfp4x":
@@ -351,6 +304,7 @@ def run(folder, layers=None, threads=(1, 2), repeats=2, prefill=PREFILL, decode=
                   "num_experts_per_tok", "vocab_size")},
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "prefill": prefill, "decode": decode, "context": context,
+              "sequences": list(sequences), "sequence_prompt": bt.SEQUENCE_PROMPT,
               "contexts": contexts, "read_gbps": roofs, "step_bytes": nbytes,
               "floors": floors, "agreement": agreement, "llama_skipped": skipped,
               "rows": rows, "runs": runs}
@@ -372,6 +326,8 @@ def test_generate_end_to_end(benchmark, tmp_path):
     ours = [r for r in result["rows"] if r["mode"] == "mxfp4x"]
     assert ours and all(r["decode_tok_s"] > 0 for r in ours)
     assert min(ours[0]["decode_step_s"].values()) >= 0
+    assert all(r[f"sequences_{n}_tok_s"] > 0 for r in ours for n in kw.get("sequences",
+                                                                          SEQUENCES))
     if llama_missing() is None and not result["llama_skipped"]:
         assert any(r["mode"] == "llama.cpp" for r in result["rows"])
         # the same model on both sides: 1 - cosine 2e-5 on the tiny model (llama.cpp rounds
@@ -400,18 +356,30 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=0,
                    help="also time 16 decoding steps after a prompt of this many tokens "
                         "(e.g. 4096)")
+    p.add_argument("--sequences", type=int, nargs="*", default=list(SEQUENCES),
+                   help=f"also decode this many sequences together, each after a prompt of "
+                        f"{bt.SEQUENCE_PROMPT} tokens (default 8 32; none: --sequences)")
     p.add_argument("--json", default=None, help="also write the result to this file")
+    p.add_argument("--plot", default=None,
+                   help="also plot tokens/s against the context and against the sequences "
+                        "to this file (.png, .svg, ...; needs matplotlib)")
     args = p.parse_args(argv)
+    if args.plot:
+        import importlib.util as iu
+        if iu.find_spec("matplotlib") is None:
+            p.error("argument --plot: needs matplotlib (pip install matplotlib)")
     small = os.environ.get("MXFP4X_BENCH_SMALL") == "1"
     folder = args.folder or default_folder(args.layers or bt.TOTAL_LAYERS)
     if small and not args.folder:
         folder = tempfile.mkdtemp(prefix="mxfp4x-gpt-oss-small-")
     result = run(folder, args.layers, args.threads, args.repeats, args.prefill,
-                 args.decode, args.context, small=small)
+                 args.decode, args.context, small=small, sequences=args.sequences)
     if args.json:
         from mxfp4x._core.files import atomic_write
         with atomic_write(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
+    if args.plot:
+        plot(result, args.plot)
 
 
 if __name__ == "__main__":

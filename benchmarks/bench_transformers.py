@@ -33,6 +33,8 @@ import warnings
 TOTAL_LAYERS = 24
 PREFILL = (128, 512)
 DECODE = 32
+# several sequences decoding together (a server's case): each one's prompt, then the steps
+SEQUENCE_PROMPT, SEQUENCE_STEPS = 64, 8
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_local_experts=4,
              vocab_size=288, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              sliding_window=8)
@@ -93,11 +95,12 @@ def _decode(model, clock, cache, token, steps):
     return {"total": total / steps, **per_step}
 
 
-def prompts(vocab, prefill, contexts):
+def prompts(vocab, prefill, contexts, sequences=()):
     """The token ids of one process's measurements, the same for every side and process
     (numpy's generator, seed 0): ``first`` (the first forward, ``prefill[0]`` tokens),
-    ``prefill`` (n -> n ids) and ``decode`` (context -> the prompt its decoding steps
-    follow; contexts of 0 are left out)."""
+    ``prefill`` (n -> n ids), ``decode`` (context -> the prompt its decoding steps
+    follow; contexts of 0 are left out) and ``sequences`` (s -> s prompts of
+    SEQUENCE_PROMPT tokens, decoded together)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -105,16 +108,19 @@ def prompts(vocab, prefill, contexts):
     def draw(n):
         return rng.integers(0, vocab, n).tolist()
     return {"first": draw(prefill[0]), "prefill": {n: draw(n) for n in prefill},
-            "decode": {n: draw(n) for n in contexts if n}}
+            "decode": {n: draw(n) for n in contexts if n},
+            "sequences": {s: [draw(SEQUENCE_PROMPT) for _ in range(s)] for s in sequences}}
 
 
 def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECODE,
-            context=0, threads=None, logits_path=None):
+            context=0, threads=None, logits_path=None, sequences=()):
     """One process's figures: load ``folder`` with ``layers`` layers through ``mode``
     (``mxfp4x`` or ``transformers``) and time prefills and a greedy decode; with
-    ``context``, also 16 decoding steps after a prompt of that many tokens.  ``threads``:
-    torch's (and so mxfp4x's) threads; ``logits_path``: where the first forward's
-    last-token logits are saved (float32 ``.npy``), to compare sides."""
+    ``context``, also 16 decoding steps after a prompt of that many tokens; for each s of
+    ``sequences``, SEQUENCE_STEPS steps of s sequences decoded together after their
+    prompts (one batch).  ``threads``: torch's (and so mxfp4x's) threads;
+    ``logits_path``: where the first forward's last-token logits are saved (float32
+    ``.npy``), to compare sides."""
     import numpy as np
     import torch
     import transformers
@@ -141,7 +147,7 @@ def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECO
     load_peak = _rss_peak()
     model.eval()
     clock = _Clock(model)
-    ids = prompts(model.config.vocab_size, prefill, (prefill[0], context))
+    ids = prompts(model.config.vocab_size, prefill, (prefill[0], context), sequences)
     out = {"mode": mode, "layers": layers, "dtype": dtype, "load_s": load_s,
            "load_peak_bytes": load_peak, "threads": torch.get_num_threads()}
     with torch.no_grad():
@@ -163,6 +169,12 @@ def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECO
                              logits_to_keep=1)
                 out[key] = _decode(model, clock, step.past_key_values,
                                    step.logits[:, -1].argmax(-1, keepdim=True), steps)
+        for n_seq, batch in ids["sequences"].items():  # one batch, every prompt as long
+            step = model(torch.tensor(batch), use_cache=True, logits_to_keep=1)
+            out[f"sequences_{n_seq}_step_s"] = _decode(
+                model, clock, step.past_key_values,
+                step.logits[:, -1].argmax(-1, keepdim=True), SEQUENCE_STEPS)
+            out[f"sequences_{n_seq}_tok_s"] = n_seq / out[f"sequences_{n_seq}_step_s"]["total"]
     out["decode_tok_s"] = 1 / out["decode_step_s"]["total"]
     out["attention"] = model.config._attn_implementation
     out["peak_bytes"] = _rss_peak()
