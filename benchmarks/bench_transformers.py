@@ -81,6 +81,13 @@ class _Clock:
         self.spent = dict.fromkeys(self.spent, 0.0)
 
 
+def _greedy(logits):
+    """The next token of each sequence, as ``generate`` picks it greedily: the last
+    position's logits in float32 (bfloat16 ones cast first, as ``generate`` does), their
+    largest."""
+    return logits[:, -1].float().argmax(-1, keepdim=True)
+
+
 def _decode(model, clock, cache, token, steps):
     """``steps`` greedy decoding steps from ``cache``: seconds per step, and their split
     (the experts, the attention, the rest)."""
@@ -88,7 +95,7 @@ def _decode(model, clock, cache, token, steps):
     t0 = time.perf_counter()
     for _ in range(steps):
         step = model(token, past_key_values=cache, use_cache=True)
-        cache, token = step.past_key_values, step.logits[:, -1].argmax(-1, keepdim=True)
+        cache, token = step.past_key_values, _greedy(step.logits)
     total = time.perf_counter() - t0
     per_step = {k: v / steps for k, v in clock.spent.items()}
     per_step["rest"] = total / steps - sum(per_step.values())
@@ -168,12 +175,12 @@ def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECO
                 step = model(torch.tensor([ids["decode"][n]]), use_cache=True,
                              logits_to_keep=1)
                 out[key] = _decode(model, clock, step.past_key_values,
-                                   step.logits[:, -1].argmax(-1, keepdim=True), steps)
+                                   _greedy(step.logits), steps)
         for n_seq, batch in ids["sequences"].items():  # one batch, every prompt as long
             step = model(torch.tensor(batch), use_cache=True, logits_to_keep=1)
             out[f"sequences_{n_seq}_step_s"] = _decode(
                 model, clock, step.past_key_values,
-                step.logits[:, -1].argmax(-1, keepdim=True), SEQUENCE_STEPS)
+                _greedy(step.logits), SEQUENCE_STEPS)
             out[f"sequences_{n_seq}_tok_s"] = n_seq / out[f"sequences_{n_seq}_step_s"]["total"]
     out["decode_tok_s"] = 1 / out["decode_step_s"]["total"]
     out["attention"] = model.config._attn_implementation

@@ -339,7 +339,7 @@ class _Heads(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tq, tk", [(1, 1), (1, 37), (5, 5), (6, 40)])
+@pytest.mark.parametrize("tq, tk", [(1, 1), (1, 37), (5, 5), (6, 40), (2, 1030)])
 @pytest.mark.parametrize("sinks", [True, False])
 def test_grouped_attention_is_eager_attention(dtype, tq, tk, sinks):
     """Against transformers' own eager forms (gpt-oss's with sinks, Llama's without) on
