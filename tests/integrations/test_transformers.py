@@ -339,7 +339,7 @@ class _Heads(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tq, tk", [(1, 1), (1, 37), (5, 5), (6, 40), (2, 1030)])
+@pytest.mark.parametrize("tq, tk", [(1, 1), (1, 37), (5, 5), (6, 40), (2, 1030), (80, 96)])
 @pytest.mark.parametrize("sinks", [True, False])
 def test_grouped_attention_is_eager_attention(dtype, tq, tk, sinks):
     """Against transformers' own eager forms (gpt-oss's with sinks, Llama's without) on
@@ -363,10 +363,14 @@ def test_grouped_attention_is_eager_attention(dtype, tq, tk, sinks):
     got, got_w = mxt.grouped_attention(module, q, k, v, mask, 0.25, **extra)
     want, want_w = (oss if sinks else llama)(module, q, k, v, mask, 0.25)
     assert got.shape == want.shape == (b, tq, hq, d) and got.dtype == want.dtype == dtype
-    assert got_w.shape == want_w.shape and got_w.dtype == want_w.dtype
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    flash = tq >= 64  # a prompt: flash attention, its softmax in float32, no weights
+    tol = (1e-5 if flash else 1e-6) if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    torch.testing.assert_close(got_w, want_w, atol=tol, rtol=tol)
+    if flash:
+        assert got_w is None
+    else:
+        assert got_w.shape == want_w.shape and got_w.dtype == want_w.dtype
+        torch.testing.assert_close(got_w, want_w, atol=tol, rtol=tol)
 
 
 def test_grouped_attention_refuses_heads_that_do_not_group():
