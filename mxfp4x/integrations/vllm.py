@@ -155,7 +155,7 @@ class Mxfp4xMoEMethod(FusedMoEMethodBase):
         owner = extra_weight_attrs.get("weight_loader")
         extra_weight_attrs["weight_loader"] = _whole_tensor_loader(owner)
         u8 = torch.uint8
-        shapes = {"w13_weight": ((e, 2 * i, h // 2), u8),
+        shapes: dict = {"w13_weight": ((e, 2 * i, h // 2), u8),
                   "w13_weight_scale": ((e, 2 * i, h // GROUP), u8),
                   "w2_weight": ((e, h, i // 2), u8),
                   "w2_weight_scale": ((e, h, i // GROUP), u8)}
@@ -170,7 +170,7 @@ class Mxfp4xMoEMethod(FusedMoEMethodBase):
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None  # vLLM's kernels never see these experts
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+    def apply(self, layer: Any, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, shared_experts=None, shared_experts_input=None):
         e, two_i, _ = layer.w13_weight.shape
         h = layer.w2_weight.shape[1]
