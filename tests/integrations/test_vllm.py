@@ -80,8 +80,8 @@ def checkpoints(tmp_path_factory):
 def _generate(path, prompts=PROMPTS, **kw):
     """Greedy tokens and the top-5 log-probs of each step, per prompt, from a fresh
     ``vllm.LLM`` (its engine stopped before returning)."""
-    llm = vllm.LLM(model=path, dtype="bfloat16", max_model_len=MAX_LEN, seed=0,
-                   **{"enforce_eager": True, **kw})
+    llm = vllm.LLM(model=path, max_model_len=MAX_LEN, seed=0,
+                   **{"enforce_eager": True, "dtype": "bfloat16", **kw})
     try:
         params = vllm.SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -147,6 +147,25 @@ def test_greedy_tokens_and_log_probs_match_the_dense_model(ours, reference):
             if top[0] - top[1] > 0.1:
                 assert tok[step] == ref_tok[step]
     assert worst < 0.05, worst
+
+
+def test_float32_log_probs_match_transformers_dequantized_model(checkpoints):
+    """In float32, vLLM with mxfp4x's experts against transformers' own gpt-oss forward on
+    the dequantized weights (exact in float32; eager attention): each prompt's first
+    generated token's top-5 log-probs within 1e-3 (float32 rounding through two layers;
+    a wrong expert, bias, activation or gate/up order moves them by the size of the
+    logits), and the same greedy first token."""
+    got = _generate(checkpoints[0], quantization="mxfp4x", dtype="float32")
+    model = transformers.GptOssForCausalLM.from_pretrained(
+        checkpoints[1], dtype=torch.float32, attn_implementation="eager").eval()
+    worst = 0.0
+    for prompt, (tok, lps) in zip(PROMPTS, got, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0, -1].double()
+        want = torch.log_softmax(logits, -1)
+        assert tok[0] == int(want.argmax())
+        worst = max(worst, max(abs(lp - float(want[t])) for t, lp in lps[0].items()))
+    assert worst < 1e-3, worst
 
 
 def test_a_request_alone_or_among_others(checkpoints, ours):
