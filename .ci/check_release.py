@@ -1,8 +1,15 @@
 """Release checks that run here: the cibuildwheel configuration yields the expected
 build identifiers; the sdist holds everything needed to build the wheel from it; the
 wheel holds the two extensions where the package imports them and nothing stale; the
-wheel installs into a clean virtual environment and the test suite passes against it,
-run from a directory outside the checkout."""
+wheel installs into a clean virtual environment and the packaging tests pass against it
+(every module imports, the build's flags, the ISA dispatch, the op), run from a directory
+outside the checkout.  The full suite runs against the editable install (README command
+2); this run checks what the wheel adds: its files and its build.
+
+    python .ci/check_release.py build DIST   # identifiers, sdist -> wheel into DIST
+    python .ci/check_release.py test DIST    # DIST's wheel in a clean venv, its tests
+    python .ci/check_release.py              # both, in a temporary folder
+"""
 import glob
 import os
 import subprocess
@@ -18,7 +25,12 @@ EXPECTED = {
 }
 
 
-def main():
+# what the wheel's tests are (paths under tests/): the packaging checks and the op
+WHEEL_TESTS = ("platform/test_build.py", "kernels/test_dispatch.py", "api/test_moe.py",
+               "api/test_slots.py")
+
+
+def build(dist):
     for platform, expected in EXPECTED.items():
         out = subprocess.run(["cibuildwheel", "--print-build-identifiers", "--platform",
                               platform], capture_output=True, text=True, check=True).stdout
@@ -26,29 +38,41 @@ def main():
         if got != expected:
             sys.exit(f"cibuildwheel {platform}: expected {sorted(expected)}, got {sorted(got)}")
         print(f"cibuildwheel {platform}: {len(got)} identifiers ok")
+    # no --sdist / --wheel: build makes the sdist, then the wheel from it, so a file
+    # missing from the sdist fails here (with both flags it would build each from the
+    # checkout, and a stale build/lib/ of the checkout would end up in the wheel)
+    subprocess.run([sys.executable, "-m", "build", "--outdir", dist],
+                   check=True, stdout=subprocess.DEVNULL)
+    sdist = glob.glob(os.path.join(dist, "*.tar.gz"))[0]
+    names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
+    need = {"setup.py", "pyproject.toml", "README.md", "LICENSE", "mxfp4x/_core/cpu.pyx",
+            "mxfp4x/_core/cpu.pxd", "mxfp4x/_core/probes.pyx", "mxfp4x/_core/capi.pxd",
+            "mxfp4x/_core/cpu_tasks.pxi", "mxfp4x/_core/__init__.py",
+            "include/mxfp4x/dispatch.h", "include/mxfp4x/avx2.h",
+            "include/mxfp4x/avx512.h", "include/mxfp4x/scalar.h", "include/mxfp4x/cpu.h",
+            "include/mxfp4x/neon.h", "include/mxfp4x/threads.h", "include/mxfp4x/amx.h",
+            "include/mxfp4x/generic/decode.h", "include/mxfp4x/dense/avx512.h"}
+    missing = need - names
+    if missing:
+        sys.exit(f"sdist lacks {sorted(missing)}")
+    wheels = glob.glob(os.path.join(dist, "*.whl"))
+    check_wheel(wheels[0])
+    print(f"sdist ok ({len(names)} files); wheel {os.path.basename(wheels[0])} "
+          f"({os.path.getsize(wheels[0]) / 1e6:.2f} MB)")
+
+
+def main(argv):
+    if len(argv) == 3 and argv[1] in ("build", "test"):
+        if argv[1] == "build":
+            build(argv[2])
+        else:
+            clean_venv_tests(glob.glob(os.path.join(argv[2], "*.whl"))[0])
+        return
+    if len(argv) != 1:
+        sys.exit(__doc__)
     with tempfile.TemporaryDirectory() as dist:
-        # no --sdist / --wheel: build makes the sdist, then the wheel from it, so a file
-        # missing from the sdist fails here (with both flags it would build each from the
-        # checkout, and a stale build/lib/ of the checkout would end up in the wheel)
-        subprocess.run([sys.executable, "-m", "build", "--outdir", dist],
-                       check=True, stdout=subprocess.DEVNULL)
-        sdist = glob.glob(os.path.join(dist, "*.tar.gz"))[0]
-        names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
-        need = {"setup.py", "pyproject.toml", "README.md", "LICENSE", "mxfp4x/_core/cpu.pyx",
-                "mxfp4x/_core/cpu.pxd", "mxfp4x/_core/probes.pyx", "mxfp4x/_core/capi.pxd",
-                "mxfp4x/_core/cpu_tasks.pxi", "mxfp4x/_core/__init__.py",
-                "include/mxfp4x/dispatch.h", "include/mxfp4x/avx2.h",
-                "include/mxfp4x/avx512.h", "include/mxfp4x/scalar.h", "include/mxfp4x/cpu.h",
-                "include/mxfp4x/neon.h", "include/mxfp4x/threads.h", "include/mxfp4x/amx.h",
-                "include/mxfp4x/generic/decode.h", "include/mxfp4x/dense/avx512.h"}
-        missing = need - names
-        if missing:
-            sys.exit(f"sdist lacks {sorted(missing)}")
-        wheels = glob.glob(os.path.join(dist, "*.whl"))
-        check_wheel(wheels[0])
-        print(f"sdist ok ({len(names)} files); wheel {os.path.basename(wheels[0])} "
-              f"({os.path.getsize(wheels[0]) / 1e6:.2f} MB)")
-        clean_venv_tests(wheels[0])
+        build(dist)
+        clean_venv_tests(glob.glob(os.path.join(dist, "*.whl"))[0])
 
 
 def check_wheel(wheel):
@@ -76,9 +100,10 @@ def clean_venv_tests(wheel):
         pip = [py, "-m", "pip", "install", "--quiet"]
         subprocess.run(pip + ["torch==2.13.0"], check=True)
         subprocess.run(pip + [wheel + "[test]"], check=True)
-        out = subprocess.run([py, "-m", "pytest", os.path.join(root, "tests"), "-q",
-                              "-p", "no:cacheprovider", "-x", "-rfE", "--tb=short"], cwd=tmp,
-                             capture_output=True, text=True)
+        tests = [os.path.join(root, "tests", t) for t in WHEEL_TESTS]
+        out = subprocess.run([py, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider",
+                              "-x", "-rfE", "--tb=short"], cwd=tmp, capture_output=True,
+                             text=True)
         print(out.stdout[-600:])
         if out.returncode != 0:
             # the failing test's name, its short traceback and the seed, whatever their length
@@ -87,8 +112,8 @@ def clean_venv_tests(wheel):
                       if line.startswith(("FAILED", "ERROR"))]
             sys.exit("tests against the wheel in a clean venv failed:\n" + head + "\n"
                      + "\n".join(failed) + "\n" + out.stdout[-6000:] + "\n" + out.stderr[-2000:])
-        print("clean venv: the test suite passes against the installed wheel")
+        print("clean venv: the packaging tests pass against the installed wheel")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv)

@@ -17,8 +17,13 @@ Each side runs in a fresh process, the sides alternated, ``--repeats`` times:
   batch.
 
 vLLM's own side runs only on a CPU with AMX (elsewhere it stops: "No MXFP4 MoE backend
-supports the deployment configuration"), and is reported as skipped there.  Under pytest
-one tiny case runs where vLLM is installed (CI's vLLM lane), and is skipped elsewhere.
+supports the deployment configuration"), and is reported as skipped there.  llama.cpp's
+side runs where llama-cpp-python is installed in this environment and the checkpoint's
+GGUF twin (bench_generate's ``gpt-oss.gguf``) is in the folder: the same batches as its
+parallel decoding (a sequence slot per request, one unified cache, the prompts in one
+batch: how its server runs concurrent requests), on as many threads as vLLM's CPU backend
+takes (every core).  Under pytest one tiny case runs where vLLM is installed (CI's vLLM
+lane), and is skipped elsewhere.
 """
 import argparse
 import importlib.util
@@ -30,7 +35,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SIDES = ("mxfp4x", "vllm")
+SIDES = ("mxfp4x", "vllm", "llama.cpp")
 BATCHES, PROMPT, OUTPUT = (1, 8, 32), 128, 32
 
 
@@ -93,14 +98,23 @@ def measure(folder, side, batches=BATCHES, prompt=PROMPT, output=OUTPUT, max_len
 def run(folder, layers=4, batches=BATCHES, prompt=PROMPT, output=OUTPUT, repeats=2,
         small=False):
     """Both sides, alternated; prints the table, returns the result."""
-    bt = _generate_module().bt
+    generate = _generate_module()
+    bt = generate.bt
     prepare(folder, layers, small)
     runs, skipped = [], None
+    gguf = os.path.join(folder, generate.GGUF_NAME)
+    no_llama = generate.llama_missing() or (
+        None if os.path.exists(gguf) else f"no GGUF twin {gguf} (bench_generate.py writes it)")
     for rep in range(repeats):
         for side in SIDES:
-            if side == "vllm" and skipped:
+            if (side == "vllm" and skipped) or (side == "llama.cpp" and no_llama):
                 continue
             bt.say(f"measuring {side}, process {rep + 1} of {repeats}")
+            if side == "llama.cpp":
+                runs.append(bt.in_fresh_process(
+                    "generate_sides", "measure_llama_serving", gguf, os.cpu_count(),
+                    list(batches), prompt, output))
+                continue
             try:
                 runs.append(bt.in_fresh_process("bench_vllm", "measure", folder, side,
                                                 batches=list(batches), prompt=prompt,
@@ -121,17 +135,20 @@ def run(folder, layers=4, batches=BATCHES, prompt=PROMPT, output=OUTPUT, repeats
                          for k, v in mine[0].items()})
     from mxfp4x.testing.roofline import cpu_model
     result = {"cpu": cpu_model(), "layers": layers, "prompt": prompt, "output": output,
-              "batches": list(batches), "rows": rows, "runs": runs, "vllm_skipped": skipped}
-    head = f"{'side':<8}{'load s':>8}" + "".join(
+              "batches": list(batches), "rows": rows, "runs": runs, "vllm_skipped": skipped,
+              "llama_skipped": no_llama}
+    head = f"{'side':<10}{'load s':>8}" + "".join(
         f"{'b=' + str(b) + ' ttft s':>14}{'tok/s':>9}" for b in batches)
     bt.say(f"\nCPU: {result['cpu'].get('model', '?')}; gpt-oss, {layers} layers; prompts of "
            f"{prompt} tokens, {output} out; medians of {repeats} processes a side")
     bt.say(head)
     for r in rows:
-        bt.say(f"{r['side']:<8}{r['load_s']:>8.1f}" + "".join(
+        bt.say(f"{r['side']:<10}{r['load_s']:>8.1f}" + "".join(
             f"{r[f'ttft_{b}_s']:>14.2f}{r[f'tok_s_{b}']:>9.1f}" for b in batches))
     if skipped:
         bt.say(f"vLLM's own MXFP4 experts: skipped ({skipped})")
+    if no_llama:
+        bt.say(f"llama.cpp: skipped ({no_llama})")
     return result
 
 

@@ -15,16 +15,17 @@ PREFILL, DECODE, UBATCH = bt.PREFILL, bt.DECODE, 512
 say = bt.say
 
 
-def _llama_sequences(llm, batch_ids, threads):
-    """Seconds per step of SEQUENCE_STEPS greedy steps of len(batch_ids) sequences decoded
-    together by llama.cpp, after their prompts in one batch: a context of its own with a
-    sequence slot each and one unified cache, as llama.cpp's parallel decoding (the
-    ``llama-batched-bench`` and server pattern) runs them."""
+def _parallel(llm, batch_ids, steps, threads):
+    """len(batch_ids) sequences decoded together by llama.cpp, as its parallel decoding
+    (the ``llama-batched-bench`` and server pattern) runs them: a context of its own with
+    a sequence slot each and one unified cache, the prompts in one batch, then ``steps``
+    greedy steps of all sequences.  Returns the seconds of the prompts' batch and of the
+    steps."""
     import llama_cpp
 
     n_seq, n_prompt = len(batch_ids), len(batch_ids[0])
     p = llama_cpp.llama_context_default_params()
-    p.n_ctx = -(-(n_seq * (n_prompt + bt.SEQUENCE_STEPS + 1)) // 256) * 256
+    p.n_ctx = -(-(n_seq * (n_prompt + steps + 1)) // 256) * 256
     p.n_batch, p.n_ubatch = max(n_seq * n_prompt, n_seq), UBATCH
     p.n_seq_max, p.kv_unified = n_seq, True
     p.n_threads = p.n_threads_batch = threads
@@ -47,15 +48,46 @@ def _llama_sequences(llm, batch_ids, threads):
             llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)))) for i in outs]
 
     try:
+        t0 = time.perf_counter()
         nxt = run([(tok, pos, s, pos == n_prompt - 1) for s, ids in enumerate(batch_ids)
                    for pos, tok in enumerate(ids)])
-        t0 = time.perf_counter()
-        for step in range(bt.SEQUENCE_STEPS):
+        t1 = time.perf_counter()
+        for step in range(steps):
             nxt = run([(tok, n_prompt + step, s, True) for s, tok in enumerate(nxt)])
-        return (time.perf_counter() - t0) / bt.SEQUENCE_STEPS
+        return t1 - t0, time.perf_counter() - t1
     finally:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
+
+
+def _llama_sequences(llm, batch_ids, threads):
+    """Seconds per step of SEQUENCE_STEPS greedy steps of len(batch_ids) sequences decoded
+    together, after their prompts in one batch."""
+    return _parallel(llm, batch_ids, bt.SEQUENCE_STEPS, threads)[1] / bt.SEQUENCE_STEPS
+
+
+def measure_llama_serving(path, threads, batches, prompt, output):
+    """bench_vllm's measurements of llama.cpp on the GGUF file ``path``: for each batch
+    size b, b random prompts of ``prompt`` tokens decoded together (parallel decoding, as
+    llama.cpp's server runs concurrent requests), first to their first tokens (the time
+    to a batch's first tokens), then to ``output`` greedy tokens each, from a fresh cache
+    each time: output tokens/s of the batch."""
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    out = {"side": "llama.cpp", "load_s": time.perf_counter() - t0,
+           "version": llama_cpp.__version__}
+    vocab = llm.n_vocab()
+    rng = np.random.default_rng(0)
+    _parallel(llm, [rng.integers(0, vocab, 16).tolist()], 0, threads)  # warm-up
+    for b in batches:
+        reqs = rng.integers(0, vocab, (b, prompt)).tolist()
+        out[f"ttft_{b}_s"] = _parallel(llm, reqs, 0, threads)[0]
+        spent = sum(_parallel(llm, reqs, output - 1, threads))
+        out[f"tok_s_{b}"] = b * output / spent
+    return out
 
 
 def measure_llama(path, threads, prefill=PREFILL, decode=DECODE, context=0, logits_path=None,

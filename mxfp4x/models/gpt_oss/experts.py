@@ -167,37 +167,40 @@ def gpt_oss_experts(hidden_states: torch.Tensor, router_indices: torch.Tensor,
                     routing_weights: torch.Tensor, gate_up, gate_up_bias: torch.Tensor, down,
                     down_bias: torch.Tensor, limit: float = 7.0, alpha: float = 1.702,
                     num_threads: Optional[int] = None, expert_range=None,
-                    group=None, act_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                    group=None, act_dtype: Optional[torch.dtype] = None,
+                    isa: Optional[str] = None) -> torch.Tensor:
     """The forward of :class:`GptOssExperts` as a function: ``gate_up`` and ``down`` are
     (blocks, scales) pairs of uint8 tensors in the checkpoint's layout (scales None:
     GGUF blocks; ``gate_up`` may be a :class:`GateAndUp` of GGUF blocks); the modules
     that hold these tensors under other names (``mxfp4x.integrations.transformers``) call
     it.  ``act_dtype``: the dtype the SwiGLU output is rounded to (once) before the down
-    projection; None keeps it in the accumulation dtype (float32, float64 for float64)."""
+    projection; None keeps it in the accumulation dtype (float32, float64 for float64).
+    ``isa``: the CPU instruction set of both projections (None: the process's default)."""
     if group is not None:  # the whole computation inside the ranks' agreement
         from ...distributed import _scope
         return _scope.run(group, None, _experts_parallel, hidden_states, router_indices,
                           routing_weights, gate_up, gate_up_bias, down, down_bias, limit,
-                          alpha, num_threads, expert_range, group, act_dtype)
+                          alpha, num_threads, expert_range, group, act_dtype, isa)
     return _experts_parallel(hidden_states, router_indices, routing_weights, gate_up,
                              gate_up_bias, down, down_bias, limit, alpha, num_threads,
-                             expert_range, group, act_dtype)
+                             expert_range, group, act_dtype, isa)
 
 
 def _experts_parallel(hidden_states, router_indices, routing_weights, gate_up, gate_up_bias,
                       down, down_bias, limit, alpha, num_threads, expert_range, group,
-                      act_dtype=None):
+                      act_dtype=None, isa=None):
     """gpt_oss_experts' body (on one process when ``group`` is None)."""
-    slots, combined = mxfp4_experts_slots, mxfp4_experts
+    slots = functools.partial(mxfp4_experts_slots, isa=isa)
+    combined = functools.partial(mxfp4_experts, isa=isa)
     weight_ids = router_indices  # the biases, whole, take the global ids
     if group is None and expert_range is not None and expert_range[0]:
         weight_ids = held_ids(router_indices, expert_range)  # some experts, no group
     if group is not None:
         from ... import distributed
         slots = functools.partial(distributed.mxfp4_experts_slots,
-                                  expert_range=expert_range, group=group)
+                                  expert_range=expert_range, group=group, isa=isa)
         combined = functools.partial(distributed.mxfp4_experts,
-                                     expert_range=expert_range, group=group)
+                                     expert_range=expert_range, group=group, isa=isa)
     if isinstance(gate_up, GateAndUp):  # two calls, interleaved back: rows 2j gate, 2j+1 up
         gate_out = slots(hidden_states, gate_up.gate, None, weight_ids,
                          num_threads=num_threads)  # checks the inputs
