@@ -11,7 +11,10 @@
 #      (the Triton kernel and the torch backend);
 #   4. whether a token's row on the GPU has the same bits alone as in a batch, through
 #      the default path and the torch backend (cuBLAS's, which is not held to it);
-#   5. the CPU kernels on that machine's cores (bench, 1 and all threads) and the kernel
+#   5. gpt-oss (4 of gpt-oss-20b's layers at full width, random weights) decoding with its
+#      experts in CPU memory and the rest on the GPU (split_devices), beside the same model
+#      whole on the CPU: tokens/s and the same greedy tokens;
+#   6. the CPU kernels on that machine's cores (bench, 1 and all threads) and the kernel
 #      tests there (every ISA its CPU runs); MXFP4X_CUDA_CHECK_CPU=0 leaves this out.
 # Each step has a time limit; one failing step does not stop the next.
 set -u
@@ -61,6 +64,34 @@ for dtype in (torch.float32,):
                 backend=backend)[0], full[t]) for t in range(0, n, max(1, n // 16)))
             print(f"{backend}: {dtype} T={n}: {same} of {len(range(0, n, max(1, n // 16)))} "
                   "rows bit-identical alone and in the batch")
+EOF
+
+echo "== gpt-oss decoding, experts in CPU memory and the rest on the GPU, against all on the CPU"
+timeout 400 python3 - <<'EOF'
+import os, time
+import torch
+import mxfp4x.integrations.transformers as mxt
+from mxfp4x.testing.gpt_oss import write_gpt_oss_model
+
+folder = "/tmp/mxfp4x-gpt-oss-4-layers"
+if not os.path.exists(os.path.join(folder, "config.json")):
+    write_gpt_oss_model(folder, num_hidden_layers=4)
+ids = torch.randint(0, 200000, (1, 128), generator=torch.Generator().manual_seed(0))
+runs = {}
+for side in ("cpu", "split"):
+    model = mxt.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    dev = "cpu" if side == "cpu" else "cuda"
+    if side == "split":
+        mxt.split_devices(model, "cuda")
+    kw = dict(do_sample=False, max_new_tokens=32, min_new_tokens=32)
+    model.generate(ids.to(dev), do_sample=False, max_new_tokens=2)  # warm-up
+    t0 = time.perf_counter()
+    out = model.generate(ids.to(dev), **kw).cpu()
+    spent = time.perf_counter() - t0
+    runs[side] = out
+    print(f"{side}: {32 / spent:.2f} tok/s (prompt 128 + 32 greedy tokens, {spent:.2f} s)")
+    del model
+print("same greedy tokens:", torch.equal(runs["cpu"], runs["split"]))
 EOF
 
 [ "${MXFP4X_CUDA_CHECK_CPU:-1}" = 0 ] && exit 0

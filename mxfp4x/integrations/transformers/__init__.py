@@ -32,18 +32,18 @@ quantization_config=Mxfp4xConfig())`` works for these once this module is import
 Importing the package registers all three: the quantization method (``_quantizer.py``),
 the experts implementation (``_dense_experts.py``) and the attention ``"mxfp4x_grouped"``
 (``_attention.py``). The rest, one job a file: ``_config.py`` (:class:`Mxfp4xConfig`),
-``_gpt_oss_experts.py`` (:class:`GptOssMxfp4Experts`), ``_checkpoint_files.py`` (what the
-file holds, read from its headers), ``_dense_linear.py`` (:class:`DenseLinear`),
-``_from_pretrained.py``.
+``_gpt_oss_experts.py`` (:class:`GptOssMxfp4Experts`, :func:`split_devices`),
+``_checkpoint_files.py`` (what the file holds, read from its headers),
+``_dense_linear.py`` (:class:`DenseLinear`), ``_from_pretrained.py``.
 """
 from ._attention import ATTENTION, grouped_attention
 from ._config import Mxfp4xConfig
 from ._dense_experts import Mxfp4xQuantize, mxfp4x_experts_forward
 from ._dense_linear import DenseLinear, use_dense_kernels
 from ._from_pretrained import from_pretrained
-from ._gpt_oss_experts import GptOssMxfp4Experts
+from ._gpt_oss_experts import GptOssMxfp4Experts, split_devices
 from ._quantizer import Mxfp4xHfQuantizer
 
-__all__ = ["from_pretrained", "Mxfp4xConfig", "Mxfp4xHfQuantizer", "GptOssMxfp4Experts",
-           "Mxfp4xQuantize", "mxfp4x_experts_forward", "DenseLinear", "use_dense_kernels",
-           "grouped_attention", "ATTENTION"]
+__all__ = ["from_pretrained", "split_devices", "Mxfp4xConfig", "Mxfp4xHfQuantizer",
+           "GptOssMxfp4Experts", "Mxfp4xQuantize", "mxfp4x_experts_forward", "DenseLinear",
+           "use_dense_kernels", "grouped_attention", "ATTENTION"]

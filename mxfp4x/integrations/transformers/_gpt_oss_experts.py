@@ -1,6 +1,7 @@
 """gpt-oss experts with their experts in MXFP4 (:class:`GptOssMxfp4Experts`), under the
-checkpoint's tensor names, and the way back to transformers' dense module
-(:func:`dequantized_experts`) for the experts ``modules_to_not_convert`` names."""
+checkpoint's tensor names, the way back to transformers' dense module
+(:func:`dequantized_experts`) for the experts ``modules_to_not_convert`` names, and a model
+split across two devices with its experts in CPU memory (:func:`split_devices`)."""
 from typing import Optional
 
 import torch
@@ -73,6 +74,11 @@ class GptOssMxfp4Experts(BytesByView):
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
+        home = self.gate_up_proj_blocks.device
+        if hidden_states.device != home:  # experts kept in CPU memory (split_devices):
+            # the tokens cross to them and the result back, once a layer each way
+            return self.forward(hidden_states.to(home), router_indices.to(home),
+                                routing_weights.to(home)).to(hidden_states.device)
         return gpt_oss_experts(hidden_states, router_indices, routing_weights,
                                (self.gate_up_proj_blocks, self.gate_up_proj_scales),
                                self.gate_up_proj_bias,
@@ -104,3 +110,23 @@ def dequantized_experts(loaded: "GptOssMxfp4Experts", module: torch.nn.Module):
     for bias in GPT_OSS_BIASES:
         module._parameters[bias] = getattr(loaded, bias)
     return module
+
+
+def split_devices(model: torch.nn.Module, device) -> torch.nn.Module:
+    """Moves everything of ``model`` to ``device`` (e.g. ``"cuda"``) except its MXFP4
+    experts (:class:`GptOssMxfp4Experts`), which stay where they are (CPU memory, run by
+    mxfp4x's CPU kernels): attention, norms, embeddings, routers and the head on the GPU,
+    the experts' bytes, the bulk of a MoE model, never copied there.  Each experts call
+    takes its tokens from the GPU and hands its result back (one crossing a layer each
+    way; the next layer needs the result, so the two sides take turns).  In place; returns
+    ``model``.  Moving the model again (``.to``) moves the experts too."""
+    device = torch.device(device)
+    experts = [m for m in model.modules() if isinstance(m, GptOssMxfp4Experts)]
+    inside = {id(p) for m in experts for p in list(m.parameters()) + list(m.buffers())}
+
+    def move(t):
+        return t if id(t) in inside else t.to(device)
+    for m in model.modules():
+        if not isinstance(m, GptOssMxfp4Experts):
+            m._apply(move, recurse=False)
+    return model
