@@ -170,6 +170,16 @@ def test_it_claims_mxfp4_checkpoints_only_when_asked_or_refused():
         cfg.from_config({"quant_method": "fp8"})
 
 
+def test_the_experts_run_on_amx_where_the_cpu_has_it(monkeypatch):
+    """Every expert call of the plugin takes ``amx`` where this CPU runs it (mxfp4x's
+    default elsewhere, None); ``MXFP4X_ISA`` set leaves the choice to it."""
+    import mxfp4x
+    monkeypatch.delenv("MXFP4X_ISA", raising=False)
+    assert plugin.experts_isa() == ("amx" if "amx" in mxfp4x.backend_info()["isas"] else None)
+    monkeypatch.setenv("MXFP4X_ISA", "scalar")
+    assert plugin.experts_isa() is None
+
+
 def test_greedy_tokens_and_log_probs_match_the_dense_model(ours, reference):
     """The same model through vLLM: its experts dequantized (vLLM's bf16 MoE) against
     mxfp4x's exact experts.  Log-probs of the reference's top tokens agree to bf16
