@@ -50,19 +50,12 @@ def _generate_module():
     return sys.modules["bench_generate"]
 
 
-# the tiny model of the pytest case: as small as vLLM's CPU attention allows (head size 64)
-SMALL = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=96, num_local_experts=4,
-             num_experts_per_tok=2, vocab_size=288, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-             sliding_window=16)
-
-
 def prepare(folder, layers=4, small=False):
     """The random checkpoint in ``folder``, written if absent (its GGUF twin, which
     bench_generate adds, is not needed here)."""
     if not os.path.exists(os.path.join(folder, "config.json")):
-        from mxfp4x.testing.gpt_oss import write_gpt_oss_model
-        write_gpt_oss_model(folder, **(SMALL if small else {"num_hidden_layers": layers}))
+        from mxfp4x.testing.gpt_oss import TINY_GPT_OSS, write_gpt_oss_model
+        write_gpt_oss_model(folder, **(TINY_GPT_OSS if small else {"num_hidden_layers": layers}))
 
 
 def measure(folder, side, batches=BATCHES, prompt=PROMPT, output=OUTPUT, max_len=None):
@@ -97,7 +90,7 @@ def measure(folder, side, batches=BATCHES, prompt=PROMPT, output=OUTPUT, max_len
 
 def run(folder, layers=4, batches=BATCHES, prompt=PROMPT, output=OUTPUT, repeats=2,
         small=False):
-    """Both sides, alternated; prints the table, returns the result."""
+    """The sides, alternated; prints the table, returns the result."""
     generate = _generate_module()
     bt = generate.bt
     prepare(folder, layers, small)

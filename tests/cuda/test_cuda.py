@@ -187,26 +187,19 @@ def test_cuda_bench_command(tmp_path):
     assert ("Triton kernel on" in r.stdout) == _triton_impl.available()
 
 
-# a tiny gpt-oss (head size 64, so a GPU's attention takes it)
-_GPT_OSS = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=96, num_local_experts=4,
-                num_experts_per_tok=2, vocab_size=288, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-                sliding_window=16)
-
-
 def test_experts_in_cpu_memory_the_rest_on_the_device(tmp_path):
     """``split_devices``: attention, norms, router and head moved to the device, each
     layer's MXFP4 experts left in CPU memory (run by the CPU kernels, the tokens crossing
     each way); the logits and greedy tokens those of the model held whole on the CPU."""
     pytest.importorskip("transformers")
     import mxfp4x.integrations.transformers as mxt
-    from mxfp4x.testing.gpt_oss import write_gpt_oss_model
-    write_gpt_oss_model(str(tmp_path), seed=4, **_GPT_OSS)
+    from mxfp4x.testing.gpt_oss import TINY_GPT_OSS, write_gpt_oss_model
+    write_gpt_oss_model(str(tmp_path), seed=4, **TINY_GPT_OSS)
     whole = mxt.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     split = mxt.split_devices(mxt.from_pretrained(str(tmp_path), dtype=torch.float32).eval(),
                               DEVICE)
     experts = [m for m in split.modules() if isinstance(m, mxt.GptOssMxfp4Experts)]
-    assert len(experts) == _GPT_OSS["num_hidden_layers"]
+    assert len(experts) == TINY_GPT_OSS["num_hidden_layers"]
     held = {id(t) for m in experts for t in list(m.parameters()) + list(m.buffers())}
     assert all(t.device.type == "cpu" for m in experts for t in m.buffers())
     rest = [t for t in list(split.parameters()) + list(split.buffers()) if id(t) not in held]

@@ -20,13 +20,8 @@ vllm = pytest.importorskip("vllm", reason="needs vLLM's CPU backend (pip install
 transformers = pytest.importorskip("transformers")
 
 from mxfp4x.integrations import vllm as plugin  # noqa: E402
-from mxfp4x.testing.gpt_oss import write_gpt_oss_model  # noqa: E402
+from mxfp4x.testing.gpt_oss import TINY_GPT_OSS, write_gpt_oss_model  # noqa: E402
 
-# vLLM's CPU attention takes head sizes 32, 64, 80, ...; the rest as small as it allows
-SIZES = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=96, num_local_experts=4,
-             num_experts_per_tok=2, vocab_size=288, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-             sliding_window=16)
 MAX_LEN = 128
 PROMPTS = [[5, 17, 200, 33, 91, 14, 7, 250, 63, 2, 120, 77],  # of mixed lengths
            [44, 3, 180],
@@ -74,7 +69,7 @@ def checkpoints(tmp_path_factory):
     """The MXFP4 checkpoint and its dense twin."""
     root = tmp_path_factory.mktemp("gpt-oss-vllm")
     mxfp4, dense = str(root / "mxfp4"), str(root / "dense")
-    write_gpt_oss_model(mxfp4, **SIZES)
+    write_gpt_oss_model(mxfp4, **TINY_GPT_OSS)
     _write_dense_twin(mxfp4, dense)
     return mxfp4, dense
 
