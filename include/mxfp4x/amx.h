@@ -38,7 +38,9 @@
  * (row, token) cell, whatever the tile's position, so results do not depend on the
  * batch or the thread count (the suite checks both bit for bit).  Up to
  * MXFP4X_AMX_GEMV_MAX_TOKENS tokens a register gemv replays that arithmetic with FMAs
- * (mxfp4x_amx_gemv below): the same bits without the tiles. */
+ * (mxfp4x_amx_gemv below): the same bits without the tiles; up to
+ * MXFP4X_AMX_FEW_MAX_TOKENS the tiles read A from a small buffer in L1 (mxfp4x_amx_few),
+ * above from a panel of 64 decoded rows: the same products in the same order. */
 #ifndef MXFP4X_AMX_H
 #define MXFP4X_AMX_H
 
@@ -319,6 +321,103 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int nrb,
     }
 }
 
+/* ---- up to 64 tokens: the tiles fed from L1 ----
+ * Through the panel a row block's decoded groups (23 KiB of gpt-oss rows) leave L1 before
+ * the tiles read them back; at a few tokens per expert, where the products are few, that
+ * round trip bounds the call.  Here a chunk of rows is decoded a few groups at a time
+ * into a small buffer that the tiles read at once. */
+/* groups decoded per step (up to 64 rows x this many groups: 4 KiB each) */
+#ifndef MXFP4X_AMX_FEW_GROUPS
+#define MXFP4X_AMX_FEW_GROUPS 4
+#endif
+/* up to this many tokens per expert (4 blocks of 16: 4 C tiles of one row block) */
+#ifndef MXFP4X_AMX_FEW_MAX_TOKENS
+#define MXFP4X_AMX_FEW_MAX_TOKENS 64
+#endif
+MXFP4X_STATIC_ASSERT(MXFP4X_AMX_FEW_MAX_TOKENS <= 4 * MXFP4X_AMX_TOKENS,
+                     "amx few-token tiles: at most 4 C tiles");
+#define MXFP4X_AMX_FEW_STEP_ELEMS (MXFP4X_AMX_FEW_GROUPS * MXFP4X_AMX_TILE_ROWS * MXFP4X_GROUP)
+#define MXFP4X_AMX_BLOCK_ELEMS (MXFP4X_AMX_ROWS * MXFP4X_GROUP)
+
+/* Rows [r0, r0 + rows), groups [g0, g0 + gc) (gc <= MXFP4X_AMX_FEW_GROUPS) decoded into
+ * buf[i][j][16][32] (row block i, group g0 + j, as mxfp4x_amx_tiles reads A), a line of
+ * the next rows (pf) fetched per row.  Rows past `rows` in its last block keep what they
+ * hold: their C rows are never stored. */
+MXFP4X_AMX_INLINE void mxfp4x_amx_few_decode(const mxfp4x_rows *w, int64_t r0, int rows,
+                                             int64_t g0, int gc, uint16_t *buf,
+                                             mxfp4x_pf_cursor *pf) {
+    const int64_t sb = w->row_stride_blocks, ss = w->row_stride_scales;
+    const int64_t gb = w->group_stride_blocks, gs = w->group_stride_scales;
+    const uint8_t *bp = w->blocks + r0 * sb + g0 * gb, *sp = w->scales + r0 * ss + g0 * gs;
+    int m, j;
+    for (m = 0; m < rows; m++, bp += sb, sp += ss) {
+        uint16_t *d = buf + (m / MXFP4X_AMX_ROWS) * MXFP4X_AMX_FEW_GROUPS * MXFP4X_AMX_BLOCK_ELEMS +
+                      (m % MXFP4X_AMX_ROWS) * MXFP4X_GROUP;
+        if (gc == MXFP4X_AMX_FEW_GROUPS) {
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC unroll 8
+#endif
+            for (j = 0; j < MXFP4X_AMX_FEW_GROUPS; j++)
+                _mm512_store_si512((void *)(d + j * MXFP4X_AMX_BLOCK_ELEMS),
+                                   mxfp4x_bf16_decode_group(bp + j * gb, sp[j * gs]));
+        } else {
+            for (j = 0; j < gc; j++)
+                _mm512_store_si512((void *)(d + j * MXFP4X_AMX_BLOCK_ELEMS),
+                                   mxfp4x_bf16_decode_group(bp + j * gb, sp[j * gs]));
+        }
+        if (pf->p < pf->end) MXFP4X_PF_LINE(*pf);
+    }
+}
+
+/* mxfp4x_amx_bf16_rows for n_tok <= MXFP4X_AMX_FEW_MAX_TOKENS: the 4 C tiles as row
+ * blocks x token blocks (4 x 1 up to 16 tokens, 2 x 2 up to 32, 1 x 4 up to 64), a chunk
+ * of their rows at a time, accumulating its groups in order, one tdpbf16ps per group, as
+ * the panel path does (so the same bits), A from the step's buffer; the next chunk's
+ * rows (or the next call's) stream into L2 meanwhile.  buf: MXFP4X_AMX_FEW_STEP_ELEMS
+ * elements, 64-byte aligned; c: 4 x 256 floats. */
+MXFP4X_AMX_FN void mxfp4x_amx_few(const mxfp4x_rows *w, int64_t row_start, int64_t row_end,
+                                  const uint16_t *xt, int64_t n_tok, float *out,
+                                  int64_t out_stride, uint16_t *buf, float *c) {
+    const int64_t G = w->n_groups, d_in = G * MXFP4X_GROUP;
+    const int ntb = (int)((n_tok + MXFP4X_AMX_TOKENS - 1) / MXFP4X_AMX_TOKENS);
+    const int rstep = ntb >= 3 ? 1 : ntb == 2 ? 2 : 4;
+    const int chunk = rstep * MXFP4X_AMX_ROWS;
+    const uint16_t *a[4], *xb[4];
+    int64_t strides[4], nb[4], r0, g0;
+    int rows, nrb, m, n, i, j, gc;
+    for (i = 0; i < 4; i++) a[i] = buf + i * MXFP4X_AMX_FEW_GROUPS * MXFP4X_AMX_BLOCK_ELEMS;
+    for (j = 0; j < ntb; j++) {
+        nb[j] = n_tok - j * MXFP4X_AMX_TOKENS < MXFP4X_AMX_TOKENS ? n_tok - j * MXFP4X_AMX_TOKENS
+                                                                 : MXFP4X_AMX_TOKENS;
+        strides[j] = nb[j] * 4;
+    }
+    mxfp4x_amx_configure();
+    for (r0 = row_start; r0 < row_end; r0 += chunk) {
+        mxfp4x_pf_cursor pf = mxfp4x_pf_block_ahead(w, r0, chunk, row_end, 1);
+        rows = row_end - r0 < chunk ? (int)(row_end - r0) : chunk;
+        nrb = (rows + MXFP4X_AMX_ROWS - 1) / MXFP4X_AMX_ROWS;
+        mxfp4x_amx_zero();
+        for (g0 = 0; g0 < G; g0 += MXFP4X_AMX_FEW_GROUPS) {
+            gc = G - g0 < MXFP4X_AMX_FEW_GROUPS ? (int)(G - g0) : MXFP4X_AMX_FEW_GROUPS;
+            mxfp4x_amx_few_decode(w, r0, rows, g0, gc, buf, &pf);
+            for (j = 0; j < ntb; j++) /* B of the step's groups */
+                xb[j] = xt + j * MXFP4X_AMX_TOKENS * d_in + g0 * 16 * nb[j] * 2;
+            mxfp4x_amx_tiles(a, nrb, xb, strides, ntb, gc);
+        }
+        mxfp4x_amx_store(c);
+        for (i = 0; i < nrb; i++)
+            for (j = 0; j < ntb; j++)
+                for (n = 0; n < nb[j]; n++) { /* what leaves the unit: the pass after */
+                    const float *ci = c + (i * ntb + j) * 256;
+                    float *o = out + (j * MXFP4X_AMX_TOKENS + n) * out_stride + (r0 - row_start) +
+                               i * MXFP4X_AMX_ROWS;
+                    for (m = 0; m < MXFP4X_AMX_ROWS && i * MXFP4X_AMX_ROWS + m < rows; m++)
+                        o[m] = ci[m * 16 + n];
+                }
+    }
+    _tile_release();
+}
+
 /* a few tokens: the tiles' arithmetic in AVX-512 FMAs */
 #include "bf16/amx_gemv.h"
 
@@ -328,10 +427,15 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int nrb,
 static int64_t mxfp4x_amx_panel_elems(int64_t n_groups) {
     return MXFP4X_AMX_ROW_BLOCKS * n_groups * MXFP4X_AMX_ROWS * MXFP4X_GROUP;
 }
+/* ... or the few-token tiles' step buffer, the larger */
+static int64_t mxfp4x_amx_a_elems(int64_t n_groups) {
+    const int64_t p = mxfp4x_amx_panel_elems(n_groups);
+    return p > MXFP4X_AMX_FEW_STEP_ELEMS ? p : MXFP4X_AMX_FEW_STEP_ELEMS;
+}
 
 /* Scratch (bytes) of mxfp4x_amx_bf16_rows: the panel and the 4 C tiles, or the gemv's. */
 static int64_t mxfp4x_amx_work_bytes(int64_t n_groups) {
-    const int64_t tiles = mxfp4x_amx_panel_elems(n_groups) * 2 + 4 * 256 * 4;
+    const int64_t tiles = mxfp4x_amx_a_elems(n_groups) * 2 + 4 * 256 * 4;
     const int64_t gemv = mxfp4x_amx_gemv_floats(n_groups) * 4;
     return ((tiles > gemv ? tiles : gemv) + 63) / 64 * 64;
 }
@@ -346,9 +450,10 @@ static int64_t mxfp4x_amx_scratch_bytes(int64_t n_groups) {
  * of 16 apart from the rows' own origin (the driver's tiles are), so the 16-row blocks,
  * hence each row's path, do not depend on the split.  `scratch`: mxfp4x_amx_scratch_bytes(G) bytes
  * at any alignment.
- * The rows go in chunks of up to 4 blocks of 16, decoded once into the panel; the tokens
- * in blocks of 16, 4 C tiles at a time: 4 row blocks x 1 token block for a few tokens,
- * 2 x 2, then 1 x 4. */
+ * Up to 4 tokens the register gemv, up to 64 the tiles fed from L1; above, the rows go in
+ * chunks of up to 4 blocks of 16, decoded once into the panel, and the tokens in blocks
+ * of 16, 4 C tiles at a time: 4 row blocks x 1 token block for a few tokens, 2 x 2, then
+ * 1 x 4. */
 MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
                                         int64_t row_end, const uint16_t *xt,
                                         const uint8_t *unsafe, int64_t n_tok, float *out,
@@ -358,7 +463,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
     /* 64-byte aligned: a tile row or a decoded group split over two lines cost about
      * twice the time (the driver's scratch is carved at no particular alignment) */
     uint16_t *panel = (uint16_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    float *c = (float *)(panel + mxfp4x_amx_panel_elems(G));
+    float *c = (float *)(panel + mxfp4x_amx_a_elems(G));
     uint16_t *chunk = (uint16_t *)((char *)panel + mxfp4x_amx_work_bytes(G));
     const uint16_t *xb[4], *a[4];
     int64_t strides[4], nb[4], tb[4], r, r0, t0;
@@ -367,6 +472,11 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
     const int n_tb = (int)((n_tok + MXFP4X_AMX_TOKENS - 1) / MXFP4X_AMX_TOKENS);
     if (n_tok <= MXFP4X_AMX_GEMV_MAX_TOKENS) { /* the same bits without the tiles */
         mxfp4x_amx_gemv(w, row_start, row_end, xt, n_tok, out, out_stride, (float *)panel);
+        mxfp4x_amx_off_pass(w, row_start, row_end, xt, unsafe, n_tok, out, out_stride, chunk);
+        return;
+    }
+    if (n_tok <= MXFP4X_AMX_FEW_MAX_TOKENS) { /* the tiles fed from L1 */
+        mxfp4x_amx_few(w, row_start, row_end, xt, n_tok, out, out_stride, panel, c);
         mxfp4x_amx_off_pass(w, row_start, row_end, xt, unsafe, n_tok, out, out_stride, chunk);
         return;
     }

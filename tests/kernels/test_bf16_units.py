@@ -276,24 +276,27 @@ def _dots_f32(unit, x, packed, scales, sel, n_threads=1):
     return out.view(np.uint32)
 
 
+@pytest.mark.parametrize("n_groups", [37, 3])
 @pytest.mark.parametrize("form", ["safetensors", "gguf"])
-def test_gemv_gives_the_tiles_float32_bits(unit, rng, form):
+def test_gemv_gives_the_tiles_float32_bits(unit, rng, form, n_groups):
     """amx: up to MXFP4X_AMX_GEMV_MAX_TOKENS (4) tokens per expert take a register gemv
-    that replays tdpbf16ps's arithmetic, more take the tiles; avx512bf16: up to its switch
+    that replays tdpbf16ps's arithmetic, up to 64 the tiles fed from L1, more the tiles
+    through the panel; avx512bf16: up to its switch
     (12 tokens, 32 on an AMD Zen 5) the fused gemv, more the panel.  In float32, before the
     result's one rounding: every token alone (the gemv) gives the bits it gets among 30 or
     more tokens of one expert (the tiles), for both arrangements, tiny and huge latents
     (off the unit) included; rows past a multiple of 16 included (d_out 45); 37 groups
-    (the scale bytes read 16 groups at a time, then 5)."""
+    (the scale bytes read 16 groups at a time, then 5; amx's steps of 4 groups, then 1)
+    and 3 (fewer than a step)."""
     m = _cpu.gemv_max_tokens(unit, bf16=True)
-    n_tok, n_exp, d_out, n_groups = max(30, m + 12), 3, 45, 37
+    n_tok, n_exp, d_out = max(80, m + 12), 3, 45
     x = torch.from_numpy(rng.standard_normal((n_tok, 32 * n_groups))).bfloat16()
     x[4] *= 2.0 ** -100          # tiny: off the unit on both
     x[9, 3] = 2.0 ** 70          # huge: the float64 exact path on both
     packed = torch.from_numpy(rng.integers(0, 256, (n_exp, d_out, n_groups, 16),
                                            dtype=np.uint8))
     scales = torch.from_numpy(rng.integers(110, 135, (n_exp, d_out, n_groups), dtype=np.uint8))
-    scales[1, 17, 2] = 200       # a large scale: the float64 exact path (amx: its 16-row block)
+    scales[1, 17, n_groups - 1] = 200  # a large scale: the float64 exact path (amx: its 16-row block)
     # expert 0 gets every token and experts 1 and 2 about half each: the tiles
     sel = torch.zeros((n_tok, 2), dtype=torch.int64)
     sel[:, 1] = torch.from_numpy(rng.integers(1, 3, n_tok))
@@ -305,9 +308,11 @@ def test_gemv_gives_the_tiles_float32_bits(unit, rng, form):
     for t in range(n_tok):
         one = _dots_f32(unit, x[t:t + 1], packed, scales, sel[t:t + 1])
         assert np.array_equal(one, full[2 * t:2 * t + 2]), t
-    # and 2 to 5 tokens at once (the gemv's blocks of 2, 3, 4 tokens, then amx's tiles),
-    # and each side of the unit's own switch (avx512bf16: m fused, m + 1 on the panel)
-    for n in sorted({2, 3, 4, 5, m, m + 1}):
+    # and 2 to 5 tokens at once (the gemv's blocks of 2, 3, 4 tokens, amx's tiles from
+    # L1), each side of the unit's own switch (avx512bf16: m fused, m + 1 on the panel)
+    # and amx's shapes of C tiles fed from L1 (4 x 1 to 16 tokens, 2 x 2 to 32, 1 x 4 to
+    # 64) and its switch to the panel (64, 65)
+    for n in sorted({2, 3, 4, 5, m, m + 1, 16, 17, 33, 64, 65}):
         part = _dots_f32(unit, x[10:10 + n], packed, scales, sel[10:10 + n])
         assert np.array_equal(part, full[20:20 + 2 * n]), n
 

@@ -6,8 +6,9 @@
 
 /* ---- a few tokens: tdpbf16ps's arithmetic in AVX-512 FMAs ----
  *
- * At a few tokens per expert the tiles lose to a register gemv: decoding to a bf16 panel
- * and loading it back costs more than the products (MXFP4X_AMX_GEMV_MAX_TOKENS below).
+ * At a few tokens per expert the tiles lose to a register gemv: the decode to bf16 and the
+ * tile instructions take their time one after the other, even fed from L1
+ * (MXFP4X_AMX_GEMV_MAX_TOKENS below).
  * This gemv gives the tiles' bits.  tdpbf16ps computes, per cell and group (measured on
  * a Xeon, bit for bit on 10^6 cells of random operands):
  *
