@@ -296,7 +296,7 @@ def test_gemv_gives_the_tiles_float32_bits(unit, rng, form, n_groups):
     packed = torch.from_numpy(rng.integers(0, 256, (n_exp, d_out, n_groups, 16),
                                            dtype=np.uint8))
     scales = torch.from_numpy(rng.integers(110, 135, (n_exp, d_out, n_groups), dtype=np.uint8))
-    scales[1, 17, n_groups - 1] = 200  # a large scale: the float64 exact path (amx: its 16-row block)
+    scales[1, 17, n_groups - 1] = 200  # large: the float64 exact path (amx: its 16-row block)
     # expert 0 gets every token and experts 1 and 2 about half each: the tiles
     sel = torch.zeros((n_tok, 2), dtype=torch.int64)
     sel[:, 1] = torch.from_numpy(rng.integers(1, 3, n_tok))
