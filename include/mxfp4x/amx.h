@@ -452,8 +452,9 @@ static int64_t mxfp4x_amx_scratch_bytes(int64_t n_groups) {
  * at any alignment.
  * Up to 4 tokens the register gemv, up to 64 the tiles fed from L1; above, the rows go in
  * chunks of up to 4 blocks of 16, decoded once into the panel, and the tokens in blocks
- * of 16, 4 C tiles at a time: 4 row blocks x 1 token block for a few tokens, 2 x 2, then
- * 1 x 4. */
+ * of 16, 4 C tiles at a time: 4 row blocks x 1 token block, or 2 x 2 for 2 blocks of
+ * tokens.  (1 x 4 read every token's B once per row block: from L3 once they outgrow L2,
+ * twice the time at 512 tokens.) */
 MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
                                         int64_t row_end, const uint16_t *xt,
                                         const uint8_t *unsafe, int64_t n_tok, float *out,
@@ -481,7 +482,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
         return;
     }
     /* the shape of the C tiles: row blocks x token blocks */
-    rstep = n_tb >= 3 ? 1 : n_tb == 2 ? 2 : 4;
+    rstep = n_tb == 2 ? 2 : 4;
     tstep = 4 / rstep;
     mxfp4x_amx_configure();
     for (r0 = row_start; r0 < row_end; r0 += MXFP4X_AMX_TILE_ROWS) {
