@@ -75,7 +75,6 @@ GGUF_NAME = "gpt-oss.gguf"
 PREFILL, DECODE = bt.PREFILL, bt.DECODE
 SMALL_RUN = dict(prefill=(16, 32), decode=4, sequences=(3,))
 SEQUENCES = (8, 32)
-SIDES = ("mxfp4x", "llama.cpp")
 
 
 def default_folder(layers):
@@ -220,7 +219,7 @@ def table(result):
     lines.append("mxfp4x's decoding step, ms (x its read floor): experts / attention / rest "
                  "= total")
     for r in rows:
-        if r["mode"] != "mxfp4x":
+        if not r["mode"].startswith("mxfp4x"):
             continue
         floors = result["floors"][str(r["threads"])]
         for which, key in (("decode", "decode_step_s"),
@@ -231,7 +230,8 @@ def table(result):
             parts = [f"{1e3 * step[p]:.1f} ({step[p] / floors[which][p]:.2f}x)"
                      for p in ("experts", "attention", "rest", "total")]
             at = result["contexts"][which]
-            lines.append(f"  {r['threads']} thr, context {at}: " + " / ".join(parts[:3])
+            lines.append(f"  {r['mode']}, {r['threads']} thr, context {at}: "
+                         + " / ".join(parts[:3])
                          + " = " + parts[3])
     nbytes = result["step_bytes"]["decode"]
     read = ", ".join(f"{th} thr {g:.1f} GB/s" for th, g in result["read_gbps"].items())
@@ -247,12 +247,14 @@ def table(result):
 
 
 def run(folder, layers=None, threads=(1, 2), repeats=2, prefill=PREFILL, decode=DECODE,
-        context=0, small=False, sequences=SEQUENCES):
+        context=0, small=False, sequences=SEQUENCES, isas=()):
     """Write the model if ``folder`` has none, measure both sides, print the table and
     return the result (every process's figures in ``runs``, each side's medians in
-    ``rows``)."""
+    ``rows``).  ``isas``: more mxfp4x sides, each with that ISA for every call of its
+    process (``mxfp4x:amx``: ``MXFP4X_ISA=amx``)."""
     from mxfp4x.testing.roofline import cpu_model
 
+    sides = ("mxfp4x",) + tuple(f"mxfp4x:{isa}" for isa in isas) + ("llama.cpp",)
     cfg, path = prepare(folder, layers, small)
     threads = [th for th in threads if th <= (os.cpu_count() or 1)] or [1]
     prefill = list(prefill)
@@ -265,7 +267,7 @@ def run(folder, layers=None, threads=(1, 2), repeats=2, prefill=PREFILL, decode=
         for th in threads:
             for rep in range(repeats):
                 logits = {}
-                for side in SIDES:
+                for side in sides:
                     if side == "llama.cpp" and skipped:
                         continue
                     kw = dict(prefill=prefill, decode=decode, context=context,
@@ -274,21 +276,25 @@ def run(folder, layers=None, threads=(1, 2), repeats=2, prefill=PREFILL, decode=
                         kw["logits_path"] = logits[side] = os.path.join(tmp, f"{side}-{th}.npy")
                     say(f"measuring {side}, {th} thread(s), process {rep + 1} of {repeats}")
                     try:
-                        if side == "mxfp4x":
+                        if side.startswith("mxfp4x"):
+                            if side != "mxfp4x":
+                                kw["isa"] = side.split(":")[1]
                             r = bt.in_fresh_process("bench_transformers", "measure", folder,
                                                     "mxfp4x", cfg["num_hidden_layers"],
                                                     threads=th, **kw)
+                            r["mode"] = side
                         else:
                             r = bt.in_fresh_process("generate_sides", "measure_llama", path,
                                                     th, **kw)
                     except RuntimeError as exc:
-                        if side == "mxfp4x":
+                        if side != "llama.cpp":
                             raise
                         skipped = f"it could not run {path}: {_why(str(exc))}"
                         say(f"llama.cpp: skipped ({skipped})")
                         continue
                     runs.append(r)
-                if len(logits) == 2 and all(os.path.exists(p) for p in logits.values()):
+                if ("llama.cpp" in logits
+                        and all(os.path.exists(logits[k]) for k in ("mxfp4x", "llama.cpp"))):
                     agreement[th] = _agreement(logits["mxfp4x"], logits["llama.cpp"])
     after = read_roofs(threads, small)
     roofs = {th: max(roofs[th], after[th]) for th in threads}
@@ -297,7 +303,7 @@ def run(folder, layers=None, threads=(1, 2), repeats=2, prefill=PREFILL, decode=
     floors = {str(th): {which: {p: b / (roofs[th] * 1e9) for p, b in nb.items()}
                         for which, nb in nbytes.items()} for th in threads}
     rows = [_median([r for r in runs if r["mode"] == side and r["threads"] == th])
-            for th in threads for side in SIDES
+            for th in threads for side in sides
             if any(r["mode"] == side and r["threads"] == th for r in runs)]
     result = {"cpu": cpu_model(), "config": {k: cfg[k] for k in (
                   "num_hidden_layers", "hidden_size", "intermediate_size", "num_local_experts",
@@ -359,6 +365,9 @@ def main(argv=None):
     p.add_argument("--sequences", type=int, nargs="*", default=list(SEQUENCES),
                    help=f"also decode this many sequences together, each after a prompt of "
                         f"{bt.SEQUENCE_PROMPT} tokens (default 8 32; none: --sequences)")
+    p.add_argument("--isa", nargs="*", default=[],
+                   help="more mxfp4x sides, each with this ISA (MXFP4X_ISA) for every call "
+                        "of its processes (e.g. amx)")
     p.add_argument("--json", default=None, help="also write the result to this file")
     p.add_argument("--plot", default=None,
                    help="also plot tokens/s against the context and against the sequences "
@@ -373,7 +382,8 @@ def main(argv=None):
     if small and not args.folder:
         folder = tempfile.mkdtemp(prefix="mxfp4x-gpt-oss-small-")
     result = run(folder, args.layers, args.threads, args.repeats, args.prefill,
-                 args.decode, args.context, small=small, sequences=args.sequences)
+                 args.decode, args.context, small=small, sequences=args.sequences,
+                 isas=args.isa)
     if args.json:
         from mxfp4x._core.files import atomic_write
         with atomic_write(args.json, "w") as fh:

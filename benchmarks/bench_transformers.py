@@ -120,14 +120,17 @@ def prompts(vocab, prefill, contexts, sequences=()):
 
 
 def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECODE,
-            context=0, threads=None, logits_path=None, sequences=()):
+            context=0, threads=None, logits_path=None, sequences=(), isa=None):
     """One process's figures: load ``folder`` with ``layers`` layers through ``mode``
     (``mxfp4x`` or ``transformers``) and time prefills and a greedy decode; with
     ``context``, also 16 decoding steps after a prompt of that many tokens; for each s of
     ``sequences``, SEQUENCE_STEPS steps of s sequences decoded together after their
     prompts (one batch).  ``threads``: torch's (and so mxfp4x's) threads;
     ``logits_path``: where the first forward's last-token logits are saved (float32
-    ``.npy``), to compare sides."""
+    ``.npy``), to compare sides; ``isa``: mxfp4x's ISA for the process (``MXFP4X_ISA``,
+    set before mxfp4x is imported)."""
+    if isa:
+        os.environ["MXFP4X_ISA"] = isa
     import numpy as np
     import torch
     import transformers

@@ -170,7 +170,7 @@ def plot(result, path):
     contexts = result["contexts"]
     for r in result["rows"]:
         label = f"{r['mode']}, {r['threads']} thread{'s' if r['threads'] > 1 else ''}"
-        style = "o-" if r["mode"] == "mxfp4x" else "s--"
+        style = "o-" if r["mode"].startswith("mxfp4x") else "s--"
         points = [(contexts["decode"], r["decode_tok_s"])]
         at = r.get(f"decode_at_{result['context']}_step_s") if result["context"] else None
         if at:
