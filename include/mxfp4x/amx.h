@@ -250,6 +250,25 @@ MXFP4X_AMX_INLINE void mxfp4x_amx_store(float *c) {
     _tile_stored(3, c + 768, 64);
 }
 
+/* The C tiles mxfp4x_amx_store left at c, nrb row blocks x ntb token blocks (token block j:
+ * tokens tb[j] .. tb[j] + nb[j]), into out (token-major, out_stride apart) from row rr of
+ * it; rows from the `rows`-th on (counted from rr) are not stored.  What leaves the unit
+ * is written again after (the pass off the tiles). */
+MXFP4X_AMX_INLINE void mxfp4x_amx_c_out(const float *c, int nrb, int ntb, const int64_t *tb,
+                                        const int64_t *nb, int64_t rr, int64_t rows,
+                                        float *out, int64_t out_stride) {
+    int i, j, m;
+    int64_t n;
+    for (i = 0; i < nrb; i++)
+        for (j = 0; j < ntb; j++)
+            for (n = 0; n < nb[j]; n++) {
+                const float *ci = c + (i * ntb + j) * 256;
+                float *o = out + (tb[j] + n) * out_stride + rr + i * MXFP4X_AMX_ROWS;
+                for (m = 0; m < MXFP4X_AMX_ROWS && i * MXFP4X_AMX_ROWS + m < rows; m++)
+                    o[m] = ci[m * 16 + n];
+            }
+}
+
 MXFP4X_AMX_INLINE void mxfp4x_amx_tiles(const uint16_t *const *a, int nrb,
                                         const uint16_t *const *xb, const int64_t *strides,
                                         int ntb, int64_t G) {
@@ -383,10 +402,11 @@ MXFP4X_AMX_FN void mxfp4x_amx_few(const mxfp4x_rows *w, int64_t row_start, int64
     const int rstep = ntb >= 3 ? 1 : ntb == 2 ? 2 : 4;
     const int chunk = rstep * MXFP4X_AMX_ROWS;
     const uint16_t *a[4], *xb[4];
-    int64_t strides[4], nb[4], r0, g0;
-    int rows, nrb, m, n, i, j, gc;
+    int64_t strides[4], nb[4], tb[4], r0, g0;
+    int rows, nrb, i, j, gc;
     for (i = 0; i < 4; i++) a[i] = buf + i * MXFP4X_AMX_FEW_GROUPS * MXFP4X_AMX_BLOCK_ELEMS;
     for (j = 0; j < ntb; j++) {
+        tb[j] = j * MXFP4X_AMX_TOKENS;
         nb[j] = n_tok - j * MXFP4X_AMX_TOKENS < MXFP4X_AMX_TOKENS ? n_tok - j * MXFP4X_AMX_TOKENS
                                                                  : MXFP4X_AMX_TOKENS;
         strides[j] = nb[j] * 4;
@@ -405,15 +425,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_few(const mxfp4x_rows *w, int64_t row_start, int64
             mxfp4x_amx_tiles(a, nrb, xb, strides, ntb, gc);
         }
         mxfp4x_amx_store(c);
-        for (i = 0; i < nrb; i++)
-            for (j = 0; j < ntb; j++)
-                for (n = 0; n < nb[j]; n++) { /* what leaves the unit: the pass after */
-                    const float *ci = c + (i * ntb + j) * 256;
-                    float *o = out + (j * MXFP4X_AMX_TOKENS + n) * out_stride + (r0 - row_start) +
-                               i * MXFP4X_AMX_ROWS;
-                    for (m = 0; m < MXFP4X_AMX_ROWS && i * MXFP4X_AMX_ROWS + m < rows; m++)
-                        o[m] = ci[m * 16 + n];
-                }
+        mxfp4x_amx_c_out(c, nrb, ntb, tb, nb, r0 - row_start, rows, out, out_stride);
     }
     _tile_release();
 }
@@ -469,7 +481,7 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
     const uint16_t *xb[4], *a[4];
     int64_t strides[4], nb[4], tb[4], r, r0, t0;
     int mrs[MXFP4X_AMX_ROW_BLOCKS];
-    int n_rb, rb, i, j, nrb, ntb, rstep, tstep, m, n;
+    int n_rb, rb, i, j, nrb, ntb, rstep, tstep;
     const int n_tb = (int)((n_tok + MXFP4X_AMX_TOKENS - 1) / MXFP4X_AMX_TOKENS);
     if (n_tok <= MXFP4X_AMX_GEMV_MAX_TOKENS) { /* the same bits without the tiles */
         mxfp4x_amx_gemv(w, row_start, row_end, xt, n_tok, out, out_stride, (float *)panel);
@@ -507,17 +519,8 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
                 mxfp4x_amx_zero();
                 mxfp4x_amx_tiles(a, nrb, xb, strides, ntb, G);
                 mxfp4x_amx_store(c);
-                for (i = 0; i < nrb; i++) {
-                    const int64_t rr = r0 + (int64_t)(rb + i) * MXFP4X_AMX_ROWS;
-                    const float *ci;
-                    for (j = 0; j < ntb; j++) {
-                        ci = c + (i * ntb + j) * 256;
-                        for (n = 0; n < nb[j]; n++) { /* what leaves the unit: below */
-                            float *o = out + (tb[j] + n) * out_stride + (rr - row_start);
-                            for (m = 0; m < mrs[rb + i]; m++) o[m] = ci[m * 16 + n];
-                        }
-                    }
-                }
+                mxfp4x_amx_c_out(c, nrb, ntb, tb, nb, r0 + rb * MXFP4X_AMX_ROWS - row_start,
+                                 row_end - (r0 + rb * MXFP4X_AMX_ROWS), out, out_stride);
             }
         }
     }
