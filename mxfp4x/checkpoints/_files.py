@@ -14,6 +14,8 @@ from typing import Any, BinaryIO, Callable, Iterable, TypeVar
 
 import numpy as np
 
+from .._core import memory as _memory
+
 _short = reprlib.Repr()
 _short.maxstring = 120
 _short.maxother = 120
@@ -122,6 +124,8 @@ def map_file_bytes(fh: BinaryIO, path: str, begin: int, end: int, size_at_open: 
     except (ValueError, OSError) as exc:  # e.g. truncated since the check, no memory
         raise ValueError(f"{path}: {_tensors(names)}: cannot map bytes [{begin}, {end}): "
                          f"{exc}") from None
+    if end - begin >= _memory.MIN_BYTES:  # its faults bring 2 MiB folios where they can
+        _memory.ask_huge_pages(addr + begin - start, end - begin)
     return np.asarray(_Mapping(addr, end - start, begin - start, end - begin))
 
 

@@ -43,6 +43,7 @@ from vllm.model_executor.layers.quantization import (
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.utils import set_weight_attrs
 
+from .._core import memory as _memory
 from .._core.api import backend_info, mxfp4_experts, mxfp4_experts_slots
 from .._core.format import GROUP, GROUP_BYTES, accumulation_dtype
 from ..models.gpt_oss.experts import gpt_oss_experts
@@ -190,7 +191,8 @@ class Mxfp4xMoEMethod(FusedMoEMethodBase):
                   "w13_bias": ((e, 2 * i), torch.bfloat16),
                   "w2_bias": ((e, h), torch.bfloat16)}
         for name, (shape, dtype) in shapes.items():
-            param = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+            # on huge pages: a decoding step streams them (vLLM's own are torch's)
+            param = torch.nn.Parameter(_memory.zeros(shape, dtype), requires_grad=False)
             layer.register_parameter(name, param)
             set_weight_attrs(param, extra_weight_attrs)
 

@@ -21,6 +21,7 @@ from training_steps import (  # noqa: E402  (tests/)
 )
 
 import mxfp4x.integrations.transformers as mxt  # noqa: E402
+from mxfp4x._core import memory  # noqa: E402
 from mxfp4x.testing.gpt_oss import released_quantization_config  # noqa: E402
 
 EXPERT_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
@@ -600,3 +601,51 @@ def test_bf16_model_feeds_the_down_projection_in_its_dtype(checkpoint, monkeypat
         kept = gpt_oss_experts(*args, **kw)
     assert not torch.equal(rounded, kept)  # the two orders differ on these inputs
     assert torch.equal(got, kept if float32_intermediate else rounded)
+
+
+@pytest.mark.skipif(not (os.path.exists("/proc/self/smaps") and memory.huge_pages_asked()),
+                    reason="Linux only")
+@pytest.mark.parametrize("tied", [False, True])
+def test_large_weights_ask_for_huge_pages_but_the_input_embeddings(tied):
+    """After loading, the door asks for huge pages on the model's large weights (the
+    decoding step streams them), not on input embeddings the head does not share."""
+    from mxfp4x.integrations.transformers._quantizer import _ask_huge_pages
+
+    def flags(address):
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= address < hi
+                elif inside and line.startswith("VmFlags:"):
+                    return line.split()[1:]
+
+    def fresh():  # 3 x 2 MiB of bf16 in a mapping of its own, nothing asked of it
+        import mmap
+        buf = mmap.mmap(-1, 3 * memory.HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+        return torch.nn.Parameter(torch.frombuffer(buf, dtype=torch.bfloat16).view(-1, 1024))
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(3072, 1024, _weight=fresh())
+            self.proj = torch.nn.Linear(1024, 3072, bias=False)
+            self.head = torch.nn.Linear(1024, 3072, bias=False)
+            self.proj.weight, self.head.weight = fresh(), fresh()
+            if tied:
+                self.head.weight = self.embed.weight
+            self.register_buffer("small", torch.zeros(100, dtype=torch.uint8))
+
+        def get_input_embeddings(self):
+            return self.embed
+
+        def get_output_embeddings(self):
+            return self.head
+
+    toy = Toy()
+    assert _ask_huge_pages(toy) == 2  # the projection and the head
+    middle = memory.HUGE_PAGE * 3 // 2
+    assert "hg" in flags(toy.proj.weight.data_ptr() + middle)
+    assert "hg" in flags(toy.head.weight.data_ptr() + middle)
+    assert ("hg" in flags(toy.embed.weight.data_ptr() + middle)) == tied

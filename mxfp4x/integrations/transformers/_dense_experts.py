@@ -10,6 +10,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
+from ..._core import memory as _memory
 from ..._core.api import mxfp4_experts, mxfp4_experts_slots
 from ..._core.format import GROUP, GROUP_BYTES, accumulation_dtype
 from ..._core.quantize import quantize
@@ -110,8 +111,9 @@ class Mxfp4xQuantize(ConversionOps):
             if tuple(dense.shape) != want:
                 raise ValueError(f"{key}: expected a dense tensor of shape {want}, got "
                                  f"{tuple(dense.shape)}")
-            blocks = torch.empty((e, o, i // GROUP, GROUP_BYTES), dtype=torch.uint8)
-            scales = torch.empty((e, o, i // GROUP), dtype=torch.uint8)
+            # on huge pages, as a decoding step streams them (mxfp4x._core.memory)
+            blocks = _memory.zeros((e, o, i // GROUP, GROUP_BYTES), torch.uint8)
+            scales = _memory.zeros((e, o, i // GROUP), torch.uint8)
             for x in range(e):
                 w = dense[x].t() if module.is_transposed else dense[x]
                 blocks[x], scales[x] = quantize(w.contiguous(), scale_rule=rule)

@@ -14,6 +14,7 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils import logging
 
+from ..._core import memory as _memory
 from ._checkpoint_files import checkpoint_names, gpt_oss_stored, mxfp4_tensors
 from ._config import QUANT_METHOD, Mxfp4xConfig
 from ._dense_experts import Mxfp4xQuantize, dense_experts_modules, swap_to_mxfp4, whole_groups
@@ -128,6 +129,7 @@ class Mxfp4xHfQuantizer(HfQuantizer):
         self._mxfp4x_dequantize = {}
         if self.quantization_config.dense_kernels:
             use_dense_kernels(model, self.quantization_config.num_threads)
+        _ask_huge_pages(model)
         return model
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
@@ -165,3 +167,24 @@ if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:  # not twice on a modul
     register_quantization_config(QUANT_METHOD)(Mxfp4xConfig)
 if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
     register_quantizer(QUANT_METHOD)(Mxfp4xHfQuantizer)
+
+
+def _ask_huge_pages(model) -> int:
+    """Huge pages asked on the model's large weights, most of them views of the
+    checkpoint's mapping (``mxfp4x._core.memory``): a decoding step streams the experts,
+    the projections and the head, and where the page cache then reads the file in 2 MiB
+    folios they are mapped in 2 MiB pages.  Not the input embeddings (unless the head
+    shares them): a token reads one row of them, and a 2 MiB read per new token would cost
+    more than it saves."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") \
+        else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") \
+        else None
+    skip = set()
+    if embeddings is not None and getattr(embeddings, "weight", None) is not None:
+        skip.add(embeddings.weight.untyped_storage().data_ptr())
+    if head is not None and getattr(head, "weight", None) is not None:
+        skip.discard(head.weight.untyped_storage().data_ptr())
+    tensors = [t for t in list(model.parameters()) + list(model.buffers())
+               if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in skip]
+    return _memory.ask_huge_pages_of(tensors)
