@@ -484,7 +484,12 @@ MXFP4X_AMX_FN void mxfp4x_amx_bf16_rows(const mxfp4x_rows *w, int64_t row_start,
     int n_rb, rb, i, j, nrb, ntb, rstep, tstep;
     const int n_tb = (int)((n_tok + MXFP4X_AMX_TOKENS - 1) / MXFP4X_AMX_TOKENS);
     if (n_tok <= MXFP4X_AMX_GEMV_MAX_TOKENS) { /* the same bits without the tiles */
-        mxfp4x_amx_gemv(w, row_start, row_end, xt, n_tok, out, out_stride, (float *)panel);
+        /* tokens all flagged (a SwiGLU output under 2^-60, say): the pass off the unit
+         * writes every (row, token) of theirs, so the gemv would be done twice */
+        int all_off = 1;
+        for (t0 = 0; t0 < n_tok; t0++) all_off &= unsafe[t0] != 0;
+        if (!all_off)
+            mxfp4x_amx_gemv(w, row_start, row_end, xt, n_tok, out, out_stride, (float *)panel);
         mxfp4x_amx_off_pass(w, row_start, row_end, xt, unsafe, n_tok, out, out_stride, chunk);
         return;
     }
