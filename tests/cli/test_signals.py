@@ -76,7 +76,11 @@ def test_a_stopped_command_removes_its_layer(tmp_path, command, sig):
     """SIGTERM ends the command through its ``finally`` blocks (it used to end the
     process on the spot: the layer stayed), with exit status 128 + 15; Ctrl-C too
     (ep-bench had no ``finally`` at all)."""
-    proc, folder = _start(tmp_path, command, "time.sleep(60)")
+    # at their defaults in the command, as a terminal's foreground job has them: a suite
+    # run as a background job (`pytest &`) ignores SIGINT, and the command keeps an
+    # ignored signal ignored (below)
+    proc, folder = _start(tmp_path, command, "time.sleep(60)", preexec_fn=lambda: [
+        signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGTERM)])
     proc.send_signal(getattr(signal, sig))
     code, _, err = _finish(proc)
     assert os.listdir(folder) == [], err
