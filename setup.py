@@ -10,9 +10,12 @@ chosen at run time (include/mxfp4x/dispatch.h).  No fast-math style optimisation
 fuses a mul and an add that the kernels keep separate: the order of operations defines
 the bits.
 """
+import hashlib
 import os
 import platform
+import shutil
 import sys
+import sysconfig
 import tempfile
 
 from setuptools import Extension, setup
@@ -126,7 +129,68 @@ def _simde_include():
                      "MXFP4X_SIMDE_INCLUDE to the folder that holds simde/x86/avx512.h")
 
 
+# pip's editable installs build in a new temporary folder every time, so each
+# `pip install -e .` compiled both extensions again; a built extension is kept here, keyed
+# by everything that goes into it, and copied back while none of that changed
+_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", "ext-cache")
+
+
+def _file_identity(path):
+    """What identifies a tool: its resolved path, size and modification time."""
+    found = shutil.which(path) or path
+    try:
+        st = os.stat(found)
+    except OSError:
+        return repr(found)
+    return repr((os.path.realpath(found), st.st_size, st.st_mtime_ns))
+
+
 class BuildExt(build_ext):
+    def _cache_key(self, ext):
+        h = hashlib.sha256()
+        compiler_so = list(getattr(self.compiler, "compiler_so", None) or [])
+        linker_so = list(getattr(self.compiler, "linker_so", None) or [])
+        for part in (ext.name, sys.version, sysconfig.get_config_var("EXT_SUFFIX"),
+                     ext.extra_compile_args, ext.extra_link_args, ext.define_macros,
+                     ext.undef_macros, ext.include_dirs, ext.libraries, ext.library_dirs,
+                     compiler_so, linker_so, self.compiler.compiler_type,
+                     [_file_identity(c) for c in (compiler_so[:1] + linker_so[:1])]):
+            h.update(repr(part).encode() + b"\0")
+        for path in sorted(set(ext.sources) | set(ext.depends or [])):
+            h.update(path.encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+        return h.hexdigest()[:32]
+
+    def build_extension(self, ext):
+        """The extension from the cache where everything that goes into it is unchanged
+        (never with --force, which the test lanes' builds use); else built, then kept."""
+        target = self.get_ext_fullpath(ext.name)
+        if self.compiler.compiler_type == "msvc":
+            return super().build_extension(ext)
+        cached = os.path.join(_CACHE, ext.name + "-" + self._cache_key(ext) +
+                              os.path.splitext(target)[1])
+        if not self.force and os.path.isfile(cached):
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+            partial = f"{target}.{os.getpid()}"  # a new file: a process may map the old
+            shutil.copyfile(cached, partial)
+            os.replace(partial, target)
+            print(f"mxfp4x: {ext.name} unchanged: {cached}", file=sys.stderr)
+            return None
+        super().build_extension(ext)
+        try:  # another build may store the same key at once: whole files only
+            os.makedirs(_CACHE, exist_ok=True)
+            earlier = sorted((os.path.join(_CACHE, n) for n in os.listdir(_CACHE)
+                              if n.startswith(ext.name + "-")), key=os.path.getmtime)
+            for old in earlier[:-2]:  # this extension's last two builds kept, and this one
+                os.remove(old)
+            partial = f"{cached}.{os.getpid()}"
+            shutil.copyfile(target, partial)
+            os.replace(partial, cached)
+        except OSError:
+            pass
+        return None
+
     def build_extensions(self):
         kind = _compiler_kind(self.compiler)
         if kind == "msvc":
