@@ -70,7 +70,7 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     transparent huge pages asked for (:func:`ask_huge_pages`) before any page is
     touched."""
     shape = tuple(int(n) for n in shape)
-    n_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    n_bytes = math.prod(shape) * dtype.itemsize
     if n_bytes < MIN_BYTES or not huge_pages_asked():
         return torch.zeros(shape, dtype=dtype)
     # anonymous pages are zero; whole 2 MiB pages, and room to start on a boundary

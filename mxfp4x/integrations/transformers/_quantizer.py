@@ -186,5 +186,5 @@ def _ask_huge_pages(model) -> int:
     if head is not None and getattr(head, "weight", None) is not None:
         skip.discard(head.weight.untyped_storage().data_ptr())
     tensors = [t for t in list(model.parameters()) + list(model.buffers())
-               if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in skip]
+               if t.untyped_storage().data_ptr() not in skip]
     return _memory.ask_huge_pages_of(tensors)
