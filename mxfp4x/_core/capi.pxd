@@ -223,3 +223,28 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
     void mxfp4x_prefetch_slices(const void *base, int64_t stride, int64_t n, int64_t off,
                                 int64_t len)
     void mxfp4x_store_f16s(const float *src, int64_t n, int dst_dtype, uint16_t *dst)
+
+
+cdef extern from "mxfp4x/activation.h" nogil:
+    # ---- activation.h: between an MoE layer's two products
+    ctypedef struct mxfp4x_swiglu_args:
+        const void *gate_up
+        int in_dtype
+        const void *bias
+        int bias_dtype
+        const int64_t *ids
+        int64_t d_ff
+        float limit
+        float alpha
+        void *out
+        int out_dtype
+    ctypedef struct mxfp4x_mix_args:
+        const float *weights
+        const void *rows
+        int rows_dtype
+        const int64_t *ids
+        int64_t top_k
+        int64_t d
+        float *out
+    void mxfp4x_gpt_oss_swiglu(int isa, const mxfp4x_swiglu_args *x, int64_t r0, int64_t r1)
+    void mxfp4x_mix_rows(int isa, const mxfp4x_mix_args *x, int64_t t0, int64_t t1)

@@ -1,5 +1,5 @@
 # Type stub of the compiled extension (mxfp4x/_core/cpu.pyx).
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -28,6 +28,12 @@ def combine(out: np.ndarray, dots: np.ndarray, selected: np.ndarray, mix: np.nda
             n_threads: int = 1, thread_log: np.ndarray | None = None) -> None: ...
 def dense_bf16(x: np.ndarray, w: np.ndarray, out: np.ndarray, *, isa: Any = None,
                n_threads: int = 1) -> None: ...
+def gpt_oss_swiglu(gate_up: np.ndarray, in_dtype: str, bias: Optional[np.ndarray],
+                   bias_dtype: str, ids: Optional[np.ndarray], out: np.ndarray,
+                   out_dtype: str, limit: float, alpha: float, *, isa: Any = None,
+                   n_threads: int = 1) -> None: ...
+def mix_rows(weights: np.ndarray, rows: np.ndarray, rows_dtype: str, ids: np.ndarray,
+             out: np.ndarray, *, isa: Any = None, n_threads: int = 1) -> None: ...
 
 class Experts:
     n_experts: int

@@ -6,6 +6,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..._core.activation import gpt_oss_swiglu, mix_rows
 from ..._core.api import mxfp4_experts, mxfp4_experts_slots
 from ..._core.arguments import NumThreads, num_threads_arg, parse_expert_range
 from ..._core.format import accumulation_dtype
@@ -212,15 +213,10 @@ def _experts_parallel(hidden_states, router_indices, routing_weights, gate_up, g
                             num_threads=num_threads)  # checks the inputs
     out_dtype = gate_up_out.dtype  # the latents' (integer latents: the default float dtype)
     acc = accumulation_dtype(out_dtype)
-    gate_up_out = gate_up_out.to(acc) + gate_up_bias[router_indices].to(acc)
-    gate, up = gate_up_out[..., 0::2], gate_up_out[..., 1::2]
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
-    if act_dtype is not None:
-        act = act.to(act_dtype)
+    act = gpt_oss_swiglu(gate_up_out, gate_up_bias, router_indices, limit, alpha,
+                         act_dtype, num_threads=num_threads, isa=isa)
     weights = torch.as_tensor(routing_weights).to(acc)
-    bias = (weights.unsqueeze(-1) * down_bias[router_indices].to(acc)).sum(1)
+    bias = mix_rows(weights, down_bias, router_indices, num_threads=num_threads, isa=isa)
     out = combined(act, down[0], down[1], weight_ids, weights, bias,
                    num_threads=num_threads)
     return out.to(out_dtype)

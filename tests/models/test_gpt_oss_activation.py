@@ -1,0 +1,203 @@
+"""gpt-oss's clamped SwiGLU and the routing-weighted bias rows between the two expert
+products (mxfp4x._core.activation; include/mxfp4x/activation.h): against float64 on fresh
+random inputs at odd sizes, in every dtype, on every ISA and thread count, bit for bit
+across them, compiled as in eager mode, and the torch formula where the kernel does not
+run."""
+import math
+
+import pytest
+import torch
+
+import mxfp4x
+from mxfp4x._core import activation as act
+from mxfp4x._core import cpu as _cpu
+
+LIMIT, ALPHA = 7.0, 1.702
+ULP = 2.0 ** -24
+ISAS = mxfp4x.backend_info()["isas"]
+
+
+def _inputs(rows, d_ff, n_experts, dtype, bias_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    # around the clamp (7), the up's -1 and sigmoid's tails; some far out
+    gate_up = torch.randn(rows, 2 * d_ff, generator=g) * 4
+    gate_up[:, ::7] *= 8
+    gate_up[:, 1::2][:, ::5] = -1 + torch.randn(rows, len(range(0, d_ff, 5)), generator=g) * 1e-3
+    gate_up = gate_up.to(dtype)
+    bias = None if bias_dtype is None else (torch.randn(n_experts, 2 * d_ff, generator=g)
+                                            .to(bias_dtype))
+    ids = torch.randint(0, n_experts, (rows,), generator=g)
+    return gate_up, bias, ids
+
+
+def _reference(gate_up, bias, ids):
+    """The formula from float32 inputs g, u and z = g * alpha (float32 operations, as the
+    kernel's definition states), the rest in float64."""
+    g = gate_up.float()
+    if bias is not None:
+        g = g + bias.float()[ids]
+    gate, up = g[..., 0::2].clamp(max=LIMIT), g[..., 1::2].clamp(min=-LIMIT, max=LIMIT)
+    z = (gate * ALPHA).double()
+    return (up.double() + 1) * (gate.double() * torch.sigmoid(z))
+
+
+def _ulps(out, ref):
+    """The largest error in ulps of the result; a sigmoid under 2^-126 is a subnormal,
+    whose absolute error (2^-150) times |g| (< 2^6) and |u + 1| (<= 8) counts as one."""
+    err = (out.double() - ref).abs()
+    return (err / (ref.abs() * ULP + 2.0 ** -141)).max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d_ff", [1, 37, 300])
+def test_swiglu_within_ulps_of_float64(dtype, bias_dtype, d_ff):
+    gate_up, bias, ids = _inputs(23, d_ff, 5, dtype, bias_dtype, seed=d_ff)
+    out = act.gpt_oss_swiglu(gate_up, bias, ids, LIMIT, ALPHA)
+    assert out.dtype == torch.float32 and out.shape == (23, d_ff)
+    ref = _reference(gate_up, bias, ids)
+    # the kernel's six roundings and e^x's ulp, each relative to the result
+    assert _ulps(out, ref) <= 8
+    # and torch's own float32 ops on the same formula agree to a few ulps (torch's
+    # 1 / (1 + e^-z) is 0 where e^-z overflows: a result under 2^-119 there)
+    formula = act.gpt_oss_swiglu_formula(gate_up, bias, ids, LIMIT, ALPHA)
+    assert torch.allclose(out, formula, rtol=16 * ULP, atol=2.0 ** -119, equal_nan=True)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_rounds_once_to_the_out_dtype(out_dtype):
+    gate_up, bias, ids = _inputs(19, 300, 4, torch.bfloat16, torch.float32, seed=3)
+    wide = act.gpt_oss_swiglu(gate_up, bias, ids, LIMIT, ALPHA)
+    out = act.gpt_oss_swiglu(gate_up, bias, ids, LIMIT, ALPHA, out_dtype)
+    assert out.dtype == out_dtype
+    assert torch.equal(out, wide.to(out_dtype))
+
+
+def test_swiglu_special_values_as_the_formula():
+    vals = torch.tensor([0.0, -0.0, 7.0, 7.5, -7.0, -7.5, 1e30, -1e30, math.inf, -math.inf,
+                         math.nan, -60.0, -51.0, 88.0, 3.0e-40, -1.0, 100.0])
+    n = len(vals)
+    gate_up = torch.stack(torch.meshgrid(vals, vals, indexing="ij"), -1).reshape(n, 2 * n)
+    ids = torch.zeros(n, dtype=torch.int64)
+    out = act.gpt_oss_swiglu(gate_up, None, ids, LIMIT, ALPHA)
+    ref = act.gpt_oss_swiglu_formula(gate_up, None, ids, LIMIT, ALPHA)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out.isinf(), ref.isinf())
+    fin = ref.isfinite()
+    assert torch.allclose(out[fin], ref[fin], rtol=16 * ULP, atol=1e-37)
+    assert torch.equal(torch.signbit(out[fin & (ref == 0)]), torch.signbit(ref[fin & (ref == 0)]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_swiglu_bits_on_every_isa_thread_count_and_batch(isa):
+    gate_up, bias, ids = _inputs(41, 300, 6, torch.bfloat16, torch.bfloat16, seed=11)
+    base = act.gpt_oss_swiglu(gate_up, bias, ids, LIMIT, ALPHA, torch.float32,
+                              num_threads=1, isa=ISAS[0])
+    for threads in (1, 2, 3):
+        out = act.gpt_oss_swiglu(gate_up, bias, ids, LIMIT, ALPHA, num_threads=threads,
+                                 isa=isa)
+        assert torch.equal(out.view(torch.int32), base.view(torch.int32))
+    alone = act.gpt_oss_swiglu(gate_up[17:18], bias, ids[17:18], LIMIT, ALPHA, isa=isa)
+    assert torch.equal(alone.view(torch.int32), base[17:18].view(torch.int32))
+
+
+def test_swiglu_keeps_leading_dims_and_reads_strided_input():
+    gate_up, bias, ids = _inputs(3 * 4, 37, 5, torch.float32, torch.float32, seed=5)
+    g3, i3 = gate_up.view(3, 4, 74), ids.view(3, 4)
+    out = act.gpt_oss_swiglu(g3, bias, i3, LIMIT, ALPHA)
+    assert out.shape == (3, 4, 37)
+    assert torch.equal(out.reshape(12, 37), act.gpt_oss_swiglu(gate_up, bias, ids, LIMIT, ALPHA))
+    wide = torch.zeros(12, 100)
+    wide[:, :74] = gate_up
+    assert torch.equal(act.gpt_oss_swiglu(wide[:, :74], bias, ids, LIMIT, ALPHA),
+                       out.reshape(12, 37))
+    assert torch.equal(gate_up, wide[:, :74])  # nothing mutated
+
+
+def test_swiglu_compiled_gives_the_eager_bits():
+    gate_up, bias, ids = _inputs(9, 37, 3, torch.bfloat16, torch.float32, seed=7)
+
+    def f(gu, b, i):
+        return act.gpt_oss_swiglu(gu, b, i, LIMIT, ALPHA, torch.bfloat16)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)(gate_up, bias, ids)
+    assert torch.equal(compiled.view(torch.int16), f(gate_up, bias, ids).view(torch.int16))
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_swiglu_gradient_is_the_formulas_and_the_forward_keeps_its_bits(out_dtype):
+    gate_up, bias, ids = _inputs(5, 37, 3, torch.float32, torch.float32, seed=9)
+    with torch.no_grad():
+        plain = act.gpt_oss_swiglu(gate_up, bias, ids, LIMIT, ALPHA, out_dtype)
+    g1, b1 = gate_up.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+    g2, b2 = gate_up.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+    out = act.gpt_oss_swiglu(g1, b1, ids, LIMIT, ALPHA, out_dtype)
+    assert torch.equal(out.detach(), plain)  # recording a gradient changes no bit
+    weight = torch.randn(out.shape)
+    (out.float() * weight).sum().backward()
+    (act.gpt_oss_swiglu_formula(g2, b2, ids, LIMIT, ALPHA, out_dtype).float()
+     * weight).sum().backward()
+    assert torch.equal(g1.grad, g2.grad) and torch.equal(b1.grad, b2.grad)
+    assert g1.grad.abs().sum() > 0 and b1.grad.abs().sum() > 0
+
+
+def test_mix_rows_gradient_is_the_formulas():
+    g = torch.Generator().manual_seed(4)
+    w = torch.rand(6, 3, generator=g)
+    rows = torch.randn(5, 37, generator=g)
+    ids = torch.randint(0, 5, (6, 3), generator=g)
+    w1, r1 = w.clone().requires_grad_(True), rows.clone().requires_grad_(True)
+    w2, r2 = w.clone().requires_grad_(True), rows.clone().requires_grad_(True)
+    out = act.mix_rows(w1, r1, ids)
+    assert torch.equal(out.detach(), act.mix_rows(w, rows, ids))
+    weight = torch.randn(out.shape, generator=g)
+    (out * weight).sum().backward()
+    (act.mix_rows_formula(w2, r2, ids) * weight).sum().backward()
+    assert torch.equal(w1.grad, w2.grad) and torch.equal(r1.grad, r2.grad)
+
+
+def test_swiglu_float64_is_the_formula():
+    gate_up, bias, ids = _inputs(5, 37, 3, torch.float64, torch.float64, seed=13)
+    assert torch.equal(act.gpt_oss_swiglu(gate_up, bias, ids, LIMIT, ALPHA),
+                       act.gpt_oss_swiglu_formula(gate_up, bias, ids, LIMIT, ALPHA))
+
+
+def test_swiglu_refuses_bad_input():
+    gate_up, bias, ids = _inputs(4, 37, 3, torch.float32, torch.float32, seed=1)
+    with pytest.raises(IndexError, match="ids"):
+        act.gpt_oss_swiglu(gate_up, bias, torch.tensor([0, 1, 3, 0]), LIMIT, ALPHA)
+    with pytest.raises(IndexError, match="ids"):
+        act.gpt_oss_swiglu(gate_up, bias, torch.tensor([0, -1, 2, 0]), LIMIT, ALPHA)
+    with pytest.raises(ValueError, match="gate_up"):
+        act.gpt_oss_swiglu(gate_up[:, :73], None, ids, LIMIT, ALPHA)
+    with pytest.raises(ValueError, match="bias"):
+        act.gpt_oss_swiglu(gate_up, bias[:, :72], ids, LIMIT, ALPHA)
+    with pytest.raises(ValueError, match="ids"):
+        act.gpt_oss_swiglu(gate_up, bias, ids[:3], LIMIT, ALPHA)
+    with pytest.raises(ValueError, match="out_dtype"):
+        _cpu.gpt_oss_swiglu(gate_up.numpy(), "float32", None, "float32", None,
+                            torch.empty(4, 37).numpy(), "int8", LIMIT, ALPHA)
+
+
+@pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [1, 37, 300])
+def test_mix_rows_against_float64(rows_dtype, d):
+    g = torch.Generator().manual_seed(d)
+    k, n_rows = 4, 7
+    weights = torch.rand(29, k, generator=g)
+    rows = torch.randn(n_rows, d, generator=g).to(rows_dtype)
+    ids = torch.randint(0, n_rows, (29, k), generator=g)
+    out = act.mix_rows(weights, rows, ids)
+    ref = (weights.double().unsqueeze(-1) * rows.double()[ids]).sum(1)
+    # k products and k sums in float32, relative to the sum of the magnitudes
+    mag = (weights.double().unsqueeze(-1) * rows.double()[ids]).abs().sum(1)
+    assert ((out.double() - ref).abs() <= 2 * k * ULP * mag + 1e-30).all()
+    assert torch.allclose(out, act.mix_rows_formula(weights, rows, ids), rtol=0,
+                          atol=(4 * k * ULP * mag.max()).item())
+    for isa in ISAS:
+        for threads in (1, 3):
+            assert torch.equal(act.mix_rows(weights, rows, ids, num_threads=threads, isa=isa),
+                               out)
+    with pytest.raises(IndexError, match="ids"):
+        act.mix_rows(weights, rows, torch.full((29, k), n_rows))
