@@ -1,6 +1,7 @@
 /* mxfp4x/activation.h -- what runs between an MoE layer's two expert products, in one pass
- * over rows: gpt-oss's clamped SwiGLU on the gate/up outputs (with their bias), and the
- * down projection's bias weighted by the routing weights.
+ * over rows: gpt-oss's clamped SwiGLU on the gate/up outputs (with their bias), the down
+ * projection's bias weighted by the routing weights, and Kimi K3's SiTU times its
+ * clipped up branch.
  *
  * Plain C on float32 (no intrinsics, no contraction: the build passes -ffp-contract=off),
  * so the compiler's vectors change no bit: every element is computed alone, by the same
@@ -51,6 +52,30 @@ MXFP4X_INLINE float mxfp4x_expf(float x) {
     return mxfp4x_act_pick(nan, x, p);
 }
 
+/* sigmoid(z) = 1 / (1 + e^-z) for z >= 0, e^z / (1 + e^z) for z < 0: the second form
+ * where e^-z would overflow (z < -88.7: 1 / (1 + e^-z) would be 0, the true value a
+ * subnormal down to z = -103.9), so one division either way, e^-|z| within 1 ulp. */
+MXFP4X_INLINE float mxfp4x_sigmoidf(float z) {
+    const float e = mxfp4x_expf(mxfp4x_act_pick(z < 0.0f, z, -z)); /* e^-|z| */
+    return mxfp4x_act_pick(z < 0.0f, e, 1.0f) / (1.0f + e);
+}
+
+/* tanh(x) in float32 within 3 ulps (measured against libm's double tanh: the
+ * activation tests): below |x| = 0.625 Cephes' odd polynomial x + x^3 P(x^2), above
+ * (1 - e^-2|x|) / (1 + e^-2|x|) with x's sign (no cancellation there: e^-2|x| < 0.29);
+ * NaN for NaN, +-1 from |x| ~ 9. */
+MXFP4X_INLINE float mxfp4x_tanhf(float x) {
+    const float a = mxfp4x_bits_to_f32(mxfp4x_f32_to_bits(x) & 0x7FFFFFFFu);
+    const float z = x * x;
+    const float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) *
+                              z + 1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
+    const float e = mxfp4x_expf(-2.0f * a);
+    const float large = (1.0f - e) / (1.0f + e);
+    const float signed_large = mxfp4x_bits_to_f32(mxfp4x_f32_to_bits(large) |
+                                                  (mxfp4x_f32_to_bits(x) & 0x80000000u));
+    return mxfp4x_act_pick(a < 0.625f, small, signed_large);
+}
+
 /* n float32 values of a row from its storage (MXFP4X_DTYPE_F32, _BF16 or _F16), elements
  * first, first + step, ...: exact. */
 MXFP4X_INLINE void mxfp4x_act_load(const void *src, int dtype, int64_t first, int64_t step,
@@ -82,14 +107,10 @@ MXFP4X_INLINE void mxfp4x_act_store(const float *src, int64_t n, int dtype, void
  *
  *     g = gate + bias[ids[r]][2j],  u = up + bias[ids[r]][2j + 1]   (no bias: bias NULL)
  *     g = min(g, limit),  u = min(max(u, -limit), limit)             (a NaN stays NaN)
- *     out[r][j] = (u + 1) * (g * sigmoid(z)),  z = g * alpha,
- *     sigmoid(z) = 1 / (1 + e^-z) for z >= 0, e^z / (1 + e^z) for z < 0
+ *     out[r][j] = (u + 1) * (g * sigmoid(g * alpha))
  *
- * each operation a float32 one in this order, e^-|z| by mxfp4x_expf, the result rounded
- * once into out_dtype.  The two forms of sigmoid never overflow: where z < -88.7, e^-z
- * would be infinite and 1 / (1 + e^-z) zero, but the true value (a subnormal down to
- * z = -103.9) is e^z / (1 + e^z).  ids[r] must lie in the bias's rows (the caller
- * checks). */
+ * each operation a float32 one in this order (sigmoid: mxfp4x_sigmoidf), the result
+ * rounded once into out_dtype.  ids[r] must lie in the bias's rows (the caller checks). */
 typedef struct {
     const void *gate_up;
     int in_dtype;
@@ -134,9 +155,7 @@ MXFP4X_INLINE void mxfp4x_gpt_oss_swiglu_body(const mxfp4x_swiglu_args *x, int64
                 const float gi = mxfp4x_act_pick(g[i] > limit, limit, g[i]);
                 float ui = mxfp4x_act_pick(u[i] < -limit, -limit, u[i]);
                 ui = mxfp4x_act_pick(ui > limit, limit, ui);
-                const float z = gi * alpha;
-                const float e = mxfp4x_expf(mxfp4x_act_pick(z < 0.0f, z, -z)); /* e^-|z| */
-                a[i] = (ui + 1.0f) * (gi * (mxfp4x_act_pick(z < 0.0f, e, 1.0f) / (1.0f + e)));
+                a[i] = (ui + 1.0f) * (gi * mxfp4x_sigmoidf(gi * alpha));
             }
             mxfp4x_act_store(a, n, x->out_dtype, o + (size_t)j0 * out_size);
         }
@@ -175,6 +194,50 @@ MXFP4X_INLINE void mxfp4x_mix_rows_body(const mxfp4x_mix_args *x, int64_t t0, in
     }
 }
 
+/* Kimi K3's activation of rows: for outer o < n_outer and inner i < n_inner, the gate row
+ * at element (o * outer + i * inner) of gate and the up row at the same offset of up
+ * (both of dtype in_dtype, d elements each, contiguous), into out row o * n_inner + i
+ * (out_dtype):
+ *
+ *     out = (beta * tanh(g / beta)) * sigmoid(g) * clip(u),
+ *     clip(u) = beta_lin * tanh(u / beta_lin), or u where beta_lin is 0 (no clip)
+ *
+ * each operation a float32 one in this order (SiTU, then the product with the clipped
+ * up, as torch computes it), tanh by mxfp4x_tanhf, sigmoid by mxfp4x_sigmoidf, rounded
+ * once into out_dtype. */
+typedef struct {
+    const void *gate, *up;
+    int in_dtype;
+    int64_t n_inner, outer, inner, d;
+    float beta, beta_lin;
+    void *out;
+    int out_dtype;
+} mxfp4x_situ_args;
+
+MXFP4X_INLINE void mxfp4x_situ_glu_body(const mxfp4x_situ_args *x, int64_t r0, int64_t r1) {
+    float g[MXFP4X_ACT_CHUNK], u[MXFP4X_ACT_CHUNK], a[MXFP4X_ACT_CHUNK];
+    const float beta = x->beta, lin = x->beta_lin;
+    const size_t in_size = x->in_dtype == MXFP4X_DTYPE_F32 ? 4 : 2;
+    const size_t out_size = x->out_dtype == MXFP4X_DTYPE_F32 ? 4 : 2;
+    int64_t r, j0, i, n;
+    for (r = r0; r < r1; r++) {
+        const int64_t off = (r / x->n_inner) * x->outer + (r % x->n_inner) * x->inner;
+        char *o = (char *)x->out + (size_t)r * (size_t)x->d * out_size;
+        for (j0 = 0; j0 < x->d; j0 += n) {
+            n = x->d - j0 < MXFP4X_ACT_CHUNK ? x->d - j0 : MXFP4X_ACT_CHUNK;
+            mxfp4x_act_load((const char *)x->gate + (size_t)off * in_size, x->in_dtype, j0, 1,
+                            n, g);
+            mxfp4x_act_load((const char *)x->up + (size_t)off * in_size, x->in_dtype, j0, 1,
+                            n, u);
+            if (lin > 0.0f)
+                for (i = 0; i < n; i++) u[i] = lin * mxfp4x_tanhf(u[i] / lin);
+            for (i = 0; i < n; i++)
+                a[i] = beta * mxfp4x_tanhf(g[i] / beta) * mxfp4x_sigmoidf(g[i]) * u[i];
+            mxfp4x_act_store(a, n, x->out_dtype, o + (size_t)j0 * out_size);
+        }
+    }
+}
+
 /* Each compiled for the x86-64 baseline and, where the build has them, AVX2 and AVX-512
  * (wider vectors for the same operations: the same bits), picked by the call's ISA. */
 #define MXFP4X_ACT_VARIANTS(SUFFIX, TARGET)                                                \
@@ -185,6 +248,10 @@ MXFP4X_INLINE void mxfp4x_mix_rows_body(const mxfp4x_mix_args *x, int64_t t0, in
     static TARGET void mxfp4x_mix_rows##SUFFIX(const mxfp4x_mix_args *x, int64_t t0,       \
                                                int64_t t1) {                               \
         mxfp4x_mix_rows_body(x, t0, t1);                                                   \
+    }                                                                                      \
+    static TARGET void mxfp4x_situ_glu##SUFFIX(const mxfp4x_situ_args *x, int64_t r0,      \
+                                               int64_t r1) {                               \
+        mxfp4x_situ_glu_body(x, r0, r1);                                                   \
     }
 MXFP4X_ACT_VARIANTS(_base, )
 #if MXFP4X_HAVE_X86_SIMD
@@ -209,6 +276,10 @@ static void mxfp4x_gpt_oss_swiglu(int isa, const mxfp4x_swiglu_args *x, int64_t 
 
 static void mxfp4x_mix_rows(int isa, const mxfp4x_mix_args *x, int64_t t0, int64_t t1) {
     MXFP4X_ACT_PICK(isa, mxfp4x_mix_rows)(x, t0, t1);
+}
+
+static void mxfp4x_situ_glu(int isa, const mxfp4x_situ_args *x, int64_t r0, int64_t r1) {
+    MXFP4X_ACT_PICK(isa, mxfp4x_situ_glu)(x, r0, r1);
 }
 
 #endif /* MXFP4X_ACTIVATION_H */

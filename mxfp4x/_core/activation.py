@@ -1,5 +1,5 @@
 """What runs between an MoE layer's two expert products, as torch ops:
-``torch.ops.mxfp4x.gpt_oss_swiglu`` and ``torch.ops.mxfp4x.mix_rows``.
+````torch.ops.mxfp4x.gpt_oss_swiglu``, ``mix_rows`` and ``situ_glu``.
 
 * ``gpt_oss_swiglu(gate_up (..., 2F), bias (E, 2F) or None, ids (...), limit, alpha,
   out_dtype=None) -> (..., F)``: gpt-oss's clamped SwiGLU of the gate/up product plus its
@@ -13,16 +13,20 @@
 * ``mix_rows(weights (T, K), rows (R, D), ids (T, K)) -> (T, D)``: the sum over k, in
   order, of ``weights[t, k] * rows[ids[t, k]]`` in the weights' dtype (gpt-oss's down
   bias, weighted as the down products are).
+* ``situ_glu(gate (..., F), up (..., F), beta, beta_lin=None, out_dtype=None) ->
+  (..., F)``: Kimi K3's ``(beta tanh(g / beta)) sigmoid(g) clip(u)``, ``clip(u) = beta_lin
+  tanh(u / beta_lin)`` (None: ``u``), in the accumulation dtype, rounded once to
+  ``out_dtype``.
 
-On CPU tensors with float32 accumulation both are one pass of compiled C
+On CPU tensors with float32 accumulation each is one pass of compiled C
 (include/mxfp4x/activation.h) over rows, in tasks on the call's threads: the formula's
 float32 operations in its order, e^x within 1 ulp, so the same bits whatever the ISA,
 the thread count, a row's batch, or whether a gradient is recorded (torch's own ops made
 about ten passes over (T, K, 2F) float32 tensors, each freshly allocated:
 docs/performance.md).  Elsewhere (other devices, float64, under a functorch gradient
-transform) the formula runs as torch ops (:func:`gpt_oss_swiglu_formula`,
-:func:`mix_rows_formula`), which may differ from the kernel by ulps of float32 (torch's
-sigmoid is its own).  The gradient is always the formula's, recomputed in torch ops."""
+transform) the formula runs as torch ops (the ``*_formula`` functions), which may differ
+from the kernel by ulps of float32 (torch's sigmoid and tanh are its own).  The gradient
+is always the formula's, recomputed in torch ops."""
 from typing import Optional
 
 import torch
@@ -61,6 +65,48 @@ def mix_rows_formula(weights: torch.Tensor, rows: torch.Tensor,
                      ids: torch.Tensor) -> torch.Tensor:
     """:func:`mix_rows` as torch ops (any device, differentiable)."""
     return (weights.unsqueeze(-1) * rows[ids].to(weights.dtype)).sum(1)
+
+
+def situ_glu_formula(gate: torch.Tensor, up: torch.Tensor, beta: float,
+                     beta_lin: Optional[float] = None,
+                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """:func:`situ_glu` as torch ops (any device, differentiable)."""
+    acc = accumulation_dtype(gate.dtype)
+    g, u = gate.to(acc), up.to(acc)
+    if beta_lin is not None:
+        u = beta_lin * torch.tanh(u / beta_lin)
+    act = beta * torch.tanh(g / beta) * torch.sigmoid(g) * u
+    return act if out_dtype is None else act.to(out_dtype)
+
+
+def _rows3(t: torch.Tensor) -> torch.Tensor:
+    """t (..., d) as (A, B, d) without a copy where its strides allow (a 2-D or 3-D view)."""
+    if t.dim() == 3:
+        return t
+    return t.unsqueeze(1) if t.dim() == 2 else t.reshape(-1, 1, t.shape[-1])
+
+
+def _situ_cpu(gate, up, beta, beta_lin, out_dtype, num_threads, isa):
+    acc = accumulation_dtype(gate.dtype)
+    out_dtype = acc if out_dtype is None else out_dtype
+    if acc != torch.float32 or gate.dtype not in _C_DTYPES or up.dtype != gate.dtype \
+            or out_dtype not in _C_DTYPES or gate.shape != up.shape or gate.dim() == 0:
+        return situ_glu_formula(gate, up, beta, beta_lin, out_dtype)
+    if not beta > 0 or (beta_lin is not None and not beta_lin > 0):
+        raise ValueError(f"beta, beta_lin: expected positive values (beta_lin None: no clip), "
+                         f"got {beta}, {beta_lin}")
+    g3, u3 = _rows3(gate), _rows3(up)
+    if g3.stride() != u3.stride() or g3.stride(-1) != 1 or min(g3.stride()) < 0:
+        g3, u3 = _rows3(gate.contiguous()), _rows3(up.contiguous())
+    out = torch.empty(gate.shape, dtype=out_dtype)
+    d = gate.shape[-1]
+    name = _C_DTYPES[gate.dtype]
+    view = (lambda t: t.numpy()) if gate.dtype == torch.float32 else \
+        (lambda t: t.view(torch.uint16).numpy())
+    _cpu.situ_glu(view(g3), view(u3), name, _bits(out.view(-1, d)), _C_DTYPES[out_dtype],
+                  float(beta), float(beta_lin or 0.0), isa=isa or None,
+                  n_threads=_threads.resolve(num_threads))
+    return out
 
 
 def _swiglu_cpu(gate_up, bias, ids, limit, alpha, out_dtype, num_threads, isa):
@@ -121,6 +167,24 @@ def _swiglu_op_fake(gate_up, bias, ids, limit, alpha, out_dtype=None, num_thread
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2), dtype=dtype)
 
 
+@torch.library.custom_op("mxfp4x::situ_glu", mutates_args=())
+def _situ_op(gate: torch.Tensor, up: torch.Tensor, beta: float,
+             beta_lin: Optional[float] = None, out_dtype: Optional[torch.dtype] = None,
+             num_threads: int = 0, isa: str = "") -> torch.Tensor:
+    return situ_glu_formula(gate, up, beta, beta_lin, out_dtype)
+
+
+@_situ_op.register_kernel("cpu")
+def _situ_op_cpu(gate, up, beta, beta_lin=None, out_dtype=None, num_threads=0, isa=""):
+    return _situ_cpu(gate, up, beta, beta_lin, out_dtype, num_threads, isa)
+
+
+@_situ_op.register_fake
+def _situ_op_fake(gate, up, beta, beta_lin=None, out_dtype=None, num_threads=0, isa=""):
+    dtype = accumulation_dtype(gate.dtype) if out_dtype is None else out_dtype
+    return gate.new_empty(gate.shape, dtype=dtype)
+
+
 @torch.library.custom_op("mxfp4x::mix_rows", mutates_args=())
 def _mix_op(weights: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor,
             num_threads: int = 0, isa: str = "") -> torch.Tensor:
@@ -173,7 +237,19 @@ def _mix_backward(ctx, grad):
     return got[0], got[1], None, None, None
 
 
+def _situ_setup(ctx, inputs, output):
+    ctx.inputs = inputs[:5]
+
+
+def _situ_backward(ctx, grad):
+    gate, up, beta, beta_lin, out_dtype = ctx.inputs
+    got = _recomputed_grads(lambda g, u: situ_glu_formula(g, u, beta, beta_lin, out_dtype),
+                            (gate, up), list(ctx.needs_input_grad[:2]), grad)
+    return got[0], got[1], None, None, None, None, None
+
+
 _swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+_situ_op.register_autograd(_situ_backward, setup_context=_situ_setup)
 _mix_op.register_autograd(_mix_backward, setup_context=_mix_setup)
 
 
@@ -208,3 +284,17 @@ def mix_rows(weights: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, *,
     if runs_direct((weights, rows, ids), ()):
         return _mix_cpu(weights, rows, ids, num_threads or 0, isa or "")
     return torch.ops.mxfp4x.mix_rows(weights, rows, ids, num_threads or 0, isa or "")
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float,
+             beta_lin: Optional[float] = None, out_dtype: Optional[torch.dtype] = None, *,
+             num_threads: Optional[int] = None, isa: Optional[str] = None) -> torch.Tensor:
+    """Kimi K3's SiTU times its clipped up branch (the module docstring)."""
+    if _formula_only(gate, up):
+        return situ_glu_formula(gate, up, beta, beta_lin, out_dtype)
+    if runs_direct((gate, up), ()):
+        return _situ_cpu(gate, up, float(beta), None if beta_lin is None else float(beta_lin),
+                         out_dtype, num_threads or 0, isa or "")
+    return torch.ops.mxfp4x.situ_glu(gate, up, float(beta),
+                                     None if beta_lin is None else float(beta_lin), out_dtype,
+                                     num_threads or 0, isa or "")

@@ -246,5 +246,18 @@ cdef extern from "mxfp4x/activation.h" nogil:
         int64_t top_k
         int64_t d
         float *out
+    ctypedef struct mxfp4x_situ_args:
+        const void *gate
+        const void *up
+        int in_dtype
+        int64_t n_inner
+        int64_t outer
+        int64_t inner
+        int64_t d
+        float beta
+        float beta_lin
+        void *out
+        int out_dtype
     void mxfp4x_gpt_oss_swiglu(int isa, const mxfp4x_swiglu_args *x, int64_t r0, int64_t r1)
+    void mxfp4x_situ_glu(int isa, const mxfp4x_situ_args *x, int64_t r0, int64_t r1)
     void mxfp4x_mix_rows(int isa, const mxfp4x_mix_args *x, int64_t t0, int64_t t1)

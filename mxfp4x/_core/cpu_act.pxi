@@ -1,6 +1,7 @@
 # mxfp4x/_core/cpu_act.pxi -- part of mxfp4x/_core/cpu.pyx, which includes it (one module).
 # What runs between an MoE layer's two products (include/mxfp4x/activation.h): gpt-oss's
-# clamped SwiGLU and the routing-weighted sum of bias rows, in tasks of whole rows.
+# clamped SwiGLU, the routing-weighted sum of bias rows and Kimi K3's SiTU times its
+# clipped up branch, in tasks of whole rows.
 
 cdef struct SwigluJob:
     c.mxfp4x_swiglu_args a
@@ -11,6 +12,18 @@ cdef struct MixJob:
     c.mxfp4x_mix_args a
     int isa
     int64_t rows_per_task, n_rows
+
+
+cdef struct SituJob:
+    c.mxfp4x_situ_args a
+    int isa
+    int64_t rows_per_task, n_rows
+
+
+cdef void _situ_task(void *ctx, int64_t task, int tid) noexcept nogil:
+    cdef const SituJob *j = <const SituJob *>ctx
+    cdef int64_t r0 = task * j.rows_per_task
+    c.mxfp4x_situ_glu(j.isa, &j.a, r0, min(j.n_rows, r0 + j.rows_per_task))
 
 
 cdef void _swiglu_task(void *ctx, int64_t task, int tid) noexcept nogil:
@@ -120,3 +133,45 @@ def mix_rows(weights, rows, str rows_dtype, ids, out, *, isa=None, int n_threads
         return
     with nogil:
         parallel_tasks(nt, (t + job.rows_per_task - 1) // job.rows_per_task, _mix_task, &job)
+
+
+def situ_glu(gate, up, str in_dtype, out, str out_dtype, float beta, float beta_lin, *,
+             isa=None, int n_threads=1):
+    """out = (beta tanh(g / beta)) sigmoid(g) clip(u) for gate and up rows (activation.h's
+    mxfp4x_situ_glu; clip(u) = beta_lin tanh(u / beta_lin), or u for beta_lin 0): gate and
+    up numpy arrays (A, B, d) of one dtype, shape and strides, each row contiguous (views
+    of one tensor's gate and up slots, say), out (A * B, d) C-contiguous; 16-bit floats as
+    their uint16 bits, dtypes named."""
+    cdef SituJob job
+    if not isinstance(gate, np.ndarray) or not isinstance(up, np.ndarray) or gate.ndim != 3 \
+            or gate.shape != up.shape or gate.strides != up.strides:
+        raise ValueError("gate, up: expected numpy arrays (A, B, d) of one shape and strides")
+    job.a.in_dtype = _act_dtype(in_dtype, "in_dtype")
+    job.a.out_dtype = _act_dtype(out_dtype, "out_dtype")
+    cdef int size = _ITEMSIZE[in_dtype]
+    if gate.itemsize != size or up.itemsize != size or gate.strides[2] != size or \
+            gate.strides[0] < 0 or gate.strides[1] < 0 or gate.strides[0] % size or \
+            gate.strides[1] % size:
+        raise ValueError(f"gate, up: expected {in_dtype} rows, each contiguous (strides "
+                         f"{gate.strides}, item size {gate.itemsize})")
+    cdef int64_t a_n = gate.shape[0], b_n = gate.shape[1], d = gate.shape[2]
+    job.a.gate = <const void *><uintptr_t>gate.__array_interface__["data"][0]
+    job.a.up = <const void *><uintptr_t>up.__array_interface__["data"][0]
+    job.a.out = <void *>_address(out, "out", (a_n * b_n, d), _ITEMSIZE[out_dtype], out_dtype)
+    if not out.flags.writeable:
+        raise ValueError("out: expected a writable array")
+    if beta <= 0 or beta_lin < 0:
+        raise ValueError(f"beta, beta_lin: expected beta > 0 and beta_lin >= 0 (0: no clip), "
+                         f"got {beta}, {beta_lin}")
+    job.a.n_inner, job.a.d = max(1, b_n), d
+    job.a.outer, job.a.inner = gate.strides[0] // size, gate.strides[1] // size
+    job.a.beta, job.a.beta_lin = beta, beta_lin
+    job.isa = kernels_of(isa).isa
+    job.n_rows = a_n * b_n
+    job.rows_per_task = max(1, ROW_TASK_ELEMS // max(1, d))
+    cdef int nt = checked_threads(n_threads)
+    if job.n_rows == 0 or d == 0:
+        return
+    with nogil:
+        parallel_tasks(nt, (job.n_rows + job.rows_per_task - 1) // job.rows_per_task,
+                       _situ_task, &job)

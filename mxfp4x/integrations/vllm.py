@@ -44,10 +44,10 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs
 
 from .._core import memory as _memory
+from .._core.activation import mix_rows, situ_glu
 from .._core.api import backend_info, mxfp4_experts, mxfp4_experts_slots
 from .._core.format import GROUP, GROUP_BYTES, accumulation_dtype
 from ..models.gpt_oss.experts import gpt_oss_experts
-from ..models.kimi_k3.experts import clip, situ
 
 NAME = "mxfp4x"
 SUPPORTED = "0.32"  # the vLLM minor version whose experts interface this module follows
@@ -226,11 +226,12 @@ def _situ_experts(layer, x, topk_weights, topk_ids, gate_up, down, isa):
     acc = accumulation_dtype(x.dtype)
     gu = mxfp4_experts_slots(x, gate_up[0], gate_up[1], topk_ids, isa=isa)
     gu = gu.to(acc) + layer.w13_bias[topk_ids].to(acc)
-    act = situ(gu[..., :i], config.activation_situ_beta) * \
-        clip(gu[..., i:], linear_beta if linear_beta else None)  # 0: no clip, as vLLM's
+    act = situ_glu(gu[..., :i], gu[..., i:], config.activation_situ_beta,
+                   linear_beta if linear_beta else None,  # 0: no clip, as vLLM's
+                   x.dtype, isa=isa)
     weights = topk_weights.to(acc)
-    bias = (weights.unsqueeze(-1) * layer.w2_bias[topk_ids].to(acc)).sum(1)
-    out = mxfp4_experts(act.to(x.dtype), down[0], down[1], topk_ids, weights, bias, isa=isa)
+    bias = mix_rows(weights, layer.w2_bias, topk_ids, isa=isa)
+    out = mxfp4_experts(act, down[0], down[1], topk_ids, weights, bias, isa=isa)
     return out.to(x.dtype)
 
 

@@ -7,10 +7,11 @@ from typing import Optional
 import torch
 
 from ..._core import dense as _dense
+from ..._core.activation import situ_glu
 from ..._core.arguments import num_threads_arg
 from ..._core.format import accumulation_dtype
 from ...checkpoints.gguf import GGUFCheckpoint, is_gguf
-from .experts import KimiK3Experts, clip, situ
+from .experts import KimiK3Experts
 from .gguf import from_gguf
 from .loading import from_safetensors
 from .router import KimiK3Router
@@ -61,9 +62,10 @@ class KimiK3MoE(torch.nn.Module):
         self.norm_eps = float(norm_eps)
 
     def shared(self, x):
-        acc, n = accumulation_dtype(x.dtype), self.experts.num_threads
-        g, u = _linear(x, self.shared_gate, n).to(acc), _linear(x, self.shared_up, n).to(acc)
-        act = situ(g, self.experts.beta) * clip(u, self.experts.linear_beta)
+        n = self.experts.num_threads
+        g, u = _linear(x, self.shared_gate, n), _linear(x, self.shared_up, n)
+        act = situ_glu(g, u, self.experts.beta, self.experts.linear_beta, num_threads=n,
+                       isa=self.experts.isa)
         return _linear(act.to(x.dtype), self.shared_down, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from typing import List, Optional
 
 import torch
 
+from ..._core.activation import situ_glu
 from ..._core.api import mxfp4_experts, mxfp4_experts_slots
 from ..._core.arguments import NumThreads, check_isa
 from ..._core.coerce import as_tensor, float_tensor, index_tensor
@@ -21,10 +22,14 @@ def _listed(scales):
 
 
 def situ(g, beta):
+    """SiTU in torch ops: ``beta tanh(g / beta) sigmoid(g)`` (the modules run
+    ``mxfp4x._core.activation.situ_glu``, the product with :func:`clip` in one pass)."""
     return beta * torch.tanh(g / beta) * torch.sigmoid(g)
 
 
 def clip(u, linear_beta):
+    """The up branch's clip in torch ops: ``linear_beta tanh(u / linear_beta)``, u for
+    None."""
     return u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
 
 
@@ -220,12 +225,12 @@ class KimiK3Experts(torch.nn.Module):
     def mlp(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """w2_e (situ(w1_e x) * clip(w3_e x)) per row (P, L), for local expert ids (P,):
         the per-pair work of an expert-parallel owner, in the compute dtype."""
-        acc = accumulation_dtype(rows.dtype)
         w = self.weights(local_ids)
         ids = local_ids.view(-1, 1).to(torch.int64)
         gu = self._slots(rows, 0, w.gate_up_packed, w.gate_up_scales,
-                         torch.cat((ids, ids + self.n_local), dim=1), w).to(acc)
-        act = situ(gu[:, 0], self.beta) * clip(gu[:, 1], self.linear_beta)
+                         torch.cat((ids, ids + self.n_local), dim=1), w)
+        act = situ_glu(gu[:, 0], gu[:, 1], self.beta, self.linear_beta,
+                       num_threads=self.num_threads, isa=self.isa)
         return self._slots(act, 1, w.down_packed, w.down_scales, ids, w)[:, 0]
 
     def forward(self, h: torch.Tensor, selected_experts: torch.Tensor,
@@ -251,8 +256,9 @@ class KimiK3Experts(torch.nn.Module):
         w = self.weights(sel)
         top_k = sel.shape[1]
         both = torch.cat((sel, sel + self.n_local), dim=1)  # gate slots, then up slots
-        gu = self._slots(h, 0, w.gate_up_packed, w.gate_up_scales, both, w).to(acc)
-        act = situ(gu[:, :top_k], self.beta) * clip(gu[:, top_k:], self.linear_beta)
+        gu = self._slots(h, 0, w.gate_up_packed, w.gate_up_scales, both, w)
+        act = situ_glu(gu[:, :top_k], gu[:, top_k:], self.beta, self.linear_beta,
+                       num_threads=self.num_threads, isa=self.isa)
         zeros = torch.zeros((h.shape[0], self.d_latent), dtype=acc, device=h.device)
         down = w.cpu_tables()[1] if self._direct(act, h, sel, mix) else None
         if down is None:

@@ -1,8 +1,8 @@
-"""gpt-oss's clamped SwiGLU and the routing-weighted bias rows between the two expert
-products (mxfp4x._core.activation; include/mxfp4x/activation.h): against float64 on fresh
-random inputs at odd sizes, in every dtype, on every ISA and thread count, bit for bit
-across them, compiled as in eager mode, and the torch formula where the kernel does not
-run."""
+"""What runs between the two expert products (mxfp4x._core.activation;
+include/mxfp4x/activation.h): gpt-oss's clamped SwiGLU, the routing-weighted bias rows and
+Kimi K3's SiTU times its clipped up branch, against float64 on fresh random inputs at odd
+sizes, in every dtype, on every ISA and thread count, bit for bit across them, compiled as
+in eager mode, and the torch formula where the kernel does not run."""
 import math
 
 import pytest
@@ -201,3 +201,112 @@ def test_mix_rows_against_float64(rows_dtype, d):
                                out)
     with pytest.raises(IndexError, match="ids"):
         act.mix_rows(weights, rows, torch.full((29, k), n_rows))
+
+
+BETA, BETA_LIN = 4.0, 25.0
+
+
+def _situ_inputs(rows, k, d, dtype, seed):
+    """gate and up as a gate/up product holds them: (rows, 2k, d), the gate slots first."""
+    g = torch.Generator().manual_seed(seed)
+    gu = torch.randn(rows, 2 * k, d, generator=g) * 6
+    gu[..., ::5] *= 20  # sigmoid's and tanh's tails, and past e^x's range
+    gu[..., 1::7] *= 1e-3  # tanh's polynomial near 0
+    gu = gu.to(dtype)
+    return gu[:, :k], gu[:, k:]
+
+
+def _situ_reference(gate, up, beta_lin):
+    g, u = gate.float().double(), up.float().double()
+    if beta_lin is not None:
+        u = beta_lin * torch.tanh(u / beta_lin)
+    return BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * u
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("beta_lin", [None, BETA_LIN])
+@pytest.mark.parametrize("d", [1, 37, 300])
+def test_situ_within_ulps_of_float64(dtype, beta_lin, d):
+    gate, up = _situ_inputs(13, 3, d, dtype, seed=d)
+    out = act.situ_glu(gate, up, BETA, beta_lin)
+    assert out.dtype == torch.float32 and out.shape == (13, 3, d)
+    ref = _situ_reference(gate, up, beta_lin)
+    # eleven roundings, two tanh and a sigmoid, each relative to the result; a subnormal
+    # sigmoid's 2^-150 times beta (4) and |clip(u)| (< 2^10) in absolute terms
+    err = (out.double() - ref).abs()
+    assert (err <= 16 * ULP * ref.abs() + 2.0 ** -136).all(), \
+        (err / (ref.abs() * ULP + 2.0 ** -136)).max()
+    formula = act.situ_glu_formula(gate, up, BETA, beta_lin)
+    assert torch.allclose(out, formula, rtol=32 * ULP, atol=2.0 ** -110, equal_nan=True)
+
+
+def test_situ_rows_alone_as_in_any_layout_and_out_dtype():
+    gate, up = _situ_inputs(11, 4, 300, torch.bfloat16, seed=2)
+    out = act.situ_glu(gate, up, BETA, BETA_LIN)
+    # contiguous copies, 2-D rows, a row alone: the same bits
+    assert torch.equal(act.situ_glu(gate.contiguous(), up.contiguous(), BETA, BETA_LIN), out)
+    flat = act.situ_glu(gate.reshape(44, 300), up.reshape(44, 300), BETA, BETA_LIN)
+    assert torch.equal(flat, out.reshape(44, 300))
+    assert torch.equal(act.situ_glu(gate[5, 2], up[5, 2], BETA, BETA_LIN), out[5, 2])
+    assert torch.equal(act.situ_glu(gate, up, BETA, BETA_LIN, torch.bfloat16),
+                       out.to(torch.bfloat16))
+    # gate and up with different strides (not one tensor's slots)
+    assert torch.equal(act.situ_glu(gate, up.contiguous(), BETA, BETA_LIN), out)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_situ_bits_on_every_isa_and_thread_count(isa):
+    gate, up = _situ_inputs(17, 4, 300, torch.bfloat16, seed=8)
+    base = act.situ_glu(gate, up, BETA, BETA_LIN, num_threads=1, isa=ISAS[0])
+    for threads in (1, 2, 3):
+        out = act.situ_glu(gate, up, BETA, BETA_LIN, num_threads=threads, isa=isa)
+        assert torch.equal(out.view(torch.int32), base.view(torch.int32))
+
+
+def test_situ_special_values_as_the_formula():
+    vals = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 0.6, 0.65, -0.62, 9.5, -9.5, 88.0, -88.0,
+                         -95.0, -110.0, 1e30, -1e30, math.inf, -math.inf, math.nan])
+    gate, up = torch.meshgrid(vals, vals, indexing="ij")
+    # torch's sigmoid is 0 where e^-g overflows (g < -88.7), ours the true subnormal down
+    # to g = -103.9: times a huge up branch torch gives 0 there (NaN for an infinite one),
+    # ours the product (an infinity for an infinite one)
+    subnormal = (gate < -88.7) & (gate > -103.9) & (up.abs() > 1e20)
+    for beta_lin in (None, BETA_LIN):
+        out = act.situ_glu(gate, up, BETA, beta_lin)
+        ref = act.situ_glu_formula(gate, up, BETA, beta_lin)
+        assert not out[subnormal].isnan().any() and (out[subnormal] != 0).all() \
+            if beta_lin is None else not out[subnormal].isnan().any()
+        out, ref = out[~subnormal], ref[~subnormal]
+        assert torch.equal(out.isnan(), ref.isnan())
+        fin = ref.isfinite()
+        assert torch.equal(out.isinf(), ref.isinf())
+        assert torch.allclose(out[fin], ref[fin], rtol=32 * ULP, atol=2.0 ** -110)
+
+
+def test_situ_gradient_is_the_formulas_and_compiled_bits_are_eager():
+    gate, up = _situ_inputs(5, 2, 37, torch.float32, seed=6)
+    with torch.no_grad():
+        plain = act.situ_glu(gate, up, BETA, BETA_LIN)
+    g1, u1 = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+    g2, u2 = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+    out = act.situ_glu(g1, u1, BETA, BETA_LIN)
+    assert torch.equal(out.detach(), plain)
+    weight = torch.randn(out.shape)
+    (out * weight).sum().backward()
+    (act.situ_glu_formula(g2, u2, BETA, BETA_LIN) * weight).sum().backward()
+    assert torch.equal(g1.grad, g2.grad) and torch.equal(u1.grad, u2.grad)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda g, u: act.situ_glu(g, u, BETA, BETA_LIN),
+                             fullgraph=True)(gate, up)
+    assert torch.equal(compiled, plain)
+
+
+def test_situ_refuses_bad_input():
+    gate, up = _situ_inputs(3, 2, 37, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="beta"):
+        act.situ_glu(gate, up, 0.0, BETA_LIN)
+    with pytest.raises(ValueError, match="beta"):
+        act.situ_glu(gate, up, BETA, -1.0)
+    with pytest.raises(ValueError, match="gate, up"):
+        _cpu.situ_glu(gate.numpy(), up[:, :1].numpy(), "float32",
+                      torch.empty(6, 37).numpy(), "float32", BETA, BETA_LIN)
