@@ -16,8 +16,8 @@
 
 #define MXFP4X_ACT_CHUNK 256
 
-/* e^x in float32, within 1 ulp (0.975 measured against libm's double exp over every
- * float whose result is a normal float), +inf above ~88.72, subnormal then 0 below ~-87.3,
+/* e^x in float32, within 1 ulp where the result is a normal float (docs/guarantees.md),
+ * +inf above ~88.72, subnormal then 0 below ~-87.3,
  * NaN for NaN.  x = n ln 2 + r, |r| <= ln 2 / 2: n by rounding x / ln 2 (the 1.5 * 2^23
  * addition), r by Cody and Waite's two-part ln 2 (n times its high part is exact), e^r by
  * Cephes' degree-6 polynomial, 2^n applied as two powers of two so that n may reach
@@ -54,14 +54,15 @@ MXFP4X_INLINE float mxfp4x_expf(float x) {
 
 /* sigmoid(z) = 1 / (1 + e^-z) for z >= 0, e^z / (1 + e^z) for z < 0: the second form
  * where e^-z would overflow (z < -88.7: 1 / (1 + e^-z) would be 0, the true value a
- * subnormal down to z = -103.9), so one division either way, e^-|z| within 1 ulp. */
+ * subnormal down to z = -103.9), so one division either way; within 2.5 ulps where the
+ * result is normal. */
 MXFP4X_INLINE float mxfp4x_sigmoidf(float z) {
     const float e = mxfp4x_expf(mxfp4x_act_pick(z < 0.0f, z, -z)); /* e^-|z| */
     return mxfp4x_act_pick(z < 0.0f, e, 1.0f) / (1.0f + e);
 }
 
-/* tanh(x) in float32 within 3 ulps (measured against libm's double tanh: the
- * activation tests): below |x| = 0.625 Cephes' odd polynomial x + x^3 P(x^2), above
+/* tanh(x) in float32 within 1.6 ulps where the result is normal: below |x| = 0.625
+ * Cephes' odd polynomial x + x^3 P(x^2), above
  * (1 - e^-2|x|) / (1 + e^-2|x|) with x's sign (no cancellation there: e^-2|x| < 0.29);
  * NaN for NaN, +-1 from |x| ~ 9. */
 MXFP4X_INLINE float mxfp4x_tanhf(float x) {
