@@ -16,20 +16,20 @@
 
 #define MXFP4X_ACT_CHUNK 256
 
-/* e^x in float32, within 1 ulp where the result is a normal float (docs/guarantees.md),
- * +inf above ~88.72, subnormal then 0 below ~-87.3,
- * NaN for NaN.  x = n ln 2 + r, |r| <= ln 2 / 2: n by rounding x / ln 2 (the 1.5 * 2^23
- * addition), r by Cody and Waite's two-part ln 2 (n times its high part is exact), e^r by
- * Cephes' degree-6 polynomial, 2^n applied as two powers of two so that n may reach
- * -150 and 129 (the first product is exact, the second rounds once).  Branch-free: a loop
- * of it vectorises. */
-/* a where the condition held (m all ones), else b: on the bits, so that a loop of it has
- * no branch to vectorise around (GCC keeps a float ?: a branch under -ftrapping-math). */
+/* a where c holds, else b: chosen on the bits, so that a loop of it has no branch to
+ * vectorise around (GCC keeps a float ?: a branch under -ftrapping-math). */
 MXFP4X_INLINE float mxfp4x_act_pick(int c, float a, float b) {
     const uint32_t m = 0u - (uint32_t)(c != 0);
     return mxfp4x_bits_to_f32((m & mxfp4x_f32_to_bits(a)) | (~m & mxfp4x_f32_to_bits(b)));
 }
 
+/* e^x in float32, within 1 ulp where the result is a normal float (docs/guarantees.md);
+ * +inf above ~88.72, subnormal then 0 below ~-87.3, NaN for NaN.  x = n ln 2 + r,
+ * |r| <= ln 2 / 2: n by rounding x / ln 2 (the 1.5 * 2^23 addition), r by Cody and
+ * Waite's two-part ln 2 (n times its high part is exact), e^r by Cephes' degree-6
+ * polynomial, 2^n applied as two powers of two so that n may reach -150 and 129 (the
+ * first product is exact, the second rounds once).  Branch-free: a loop of it
+ * vectorises. */
 MXFP4X_INLINE float mxfp4x_expf(float x) {
     const int nan = x != x;
     float xc = mxfp4x_act_pick(x > 89.0f, 89.0f, x);
