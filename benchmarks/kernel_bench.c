@@ -87,6 +87,12 @@ int main(int argc, char **argv) {
                           k->dense_bf16x;
         const size_t mat_bytes = (size_t)(rows * cols) * 2;
         uint8_t *wbuf = (uint8_t *)xmalloc((size_t)n_mat * mat_bytes + 64);
+#ifdef MADV_HUGEPAGE
+        if (getenv("KB_HUGE")) /* transparent huge pages, as numpy asks for */
+            if (madvise((void *)((uintptr_t)wbuf & ~(uintptr_t)4095), (size_t)n_mat * mat_bytes,
+                        MADV_HUGEPAGE))
+                perror("madvise");
+#endif
         uint16_t *xb = (uint16_t *)xmalloc((size_t)(tokens * cols) * 2);
         float *xf = (float *)xmalloc((size_t)(tokens * cols) * sizeof(float));
         float *o = (float *)xmalloc((size_t)(tokens * rows) * sizeof(float));

@@ -280,8 +280,8 @@ static inline int mxfp4x_pf_into_l1(void) {
 /* Whether the AVX-512 dense bf16 kernel (avx512.h) streams a row with the far
  * non-temporal prefetch (MXFP4X_DENSE_PREFETCH_FAR bytes ahead, _MM_HINT_NTA) rather than
  * the 1 KiB one into L2: on an AMD Zen 5 (family 1Ah), where it reads at about one
- * thread's read bandwidth.  On an AMD Zen 4 it is slower, so Zen 4 keeps the L2 hint;
- * Intel is unmeasured and keeps it too (docs/performance.md, "The dense bf16 kernel").
+ * thread's read bandwidth.  On an AMD Zen 4 and an Intel Xeon it is slower, so they keep
+ * the L2 hint (docs/performance.md, "The dense bf16 kernel").
  * -DMXFP4X_DENSE_FAR=0 or 1 forces it. */
 static inline int mxfp4x_dense_pf_far(void) {
 #ifdef MXFP4X_DENSE_FAR
