@@ -266,7 +266,7 @@ MXFP4X_ACT_VARIANTS(_avx512, MXFP4X_TARGET_AVX512)
                ? name##_avx512                                                             \
                : name##_base)
 #else
-#define MXFP4X_ACT_PICK(isa, name) name##_base
+#define MXFP4X_ACT_PICK(isa, name) ((void)(isa), name##_base)
 #endif
 
 /* on the vectors of ISA isa (an MXFP4X_ISA_* this CPU runs) */
