@@ -39,11 +39,15 @@ from .ops import functorch_grad_in_use, runs_direct
 _C_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _bits(t: torch.Tensor):
-    """A contiguous CPU tensor as the numpy array the kernels read (16-bit floats as their
-    uint16 bits)."""
-    t = t.contiguous()
+def _numpy(t: torch.Tensor):
+    """A CPU tensor as the numpy array (a view, its strides kept) that the kernels read:
+    16-bit floats as their uint16 bits."""
     return (t if t.dtype == torch.float32 else t.view(torch.uint16)).numpy()
+
+
+def _bits(t: torch.Tensor):
+    """:func:`_numpy` of ``t`` made contiguous."""
+    return _numpy(t.contiguous())
 
 
 def gpt_oss_swiglu_formula(gate_up: torch.Tensor, bias: Optional[torch.Tensor],
@@ -100,11 +104,8 @@ def _situ_cpu(gate, up, beta, beta_lin, out_dtype, num_threads, isa):
         g3, u3 = _rows3(gate.contiguous()), _rows3(up.contiguous())
     out = torch.empty(gate.shape, dtype=out_dtype)
     d = gate.shape[-1]
-    name = _C_DTYPES[gate.dtype]
-    view = (lambda t: t.numpy()) if gate.dtype == torch.float32 else \
-        (lambda t: t.view(torch.uint16).numpy())
-    _cpu.situ_glu(view(g3), view(u3), name, _bits(out.view(-1, d)), _C_DTYPES[out_dtype],
-                  float(beta), float(beta_lin or 0.0), isa=isa or None,
+    _cpu.situ_glu(_numpy(g3), _numpy(u3), _C_DTYPES[gate.dtype], _bits(out.view(-1, d)),
+                  _C_DTYPES[out_dtype], float(beta), float(beta_lin or 0.0), isa=isa or None,
                   n_threads=_threads.resolve(num_threads))
     return out
 
@@ -128,7 +129,7 @@ def _swiglu_cpu(gate_up, bias, ids, limit, alpha, out_dtype, num_threads, isa):
     n = lead.numel()
     _cpu.gpt_oss_swiglu(_bits(gate_up.reshape(n, d2)), _C_DTYPES[gate_up.dtype],
                         None if bias is None else _bits(bias),
-                        _C_DTYPES.get(bias.dtype, "float32") if bias is not None else "float32",
+                        "float32" if bias is None else _C_DTYPES[bias.dtype],
                         None if bias is None else
                         ids.reshape(n).to(torch.int64).contiguous().numpy(),
                         _bits(out.view(n, d2 // 2)), _C_DTYPES[out_dtype], limit, alpha,
