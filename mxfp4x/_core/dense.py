@@ -61,7 +61,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         if wide:
             x = x.to(torch.float32)
         return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype),
-                        None if bias is None or bias.dtype == x.dtype else bias.to(x.dtype))
+                        bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype))
     d_in = weight.shape[1]
     x2 = x.reshape(-1, d_in)
     # bf16 tokens go as their bits (the kernels widen them exactly): half the bytes

@@ -174,3 +174,25 @@ def test_bad_arrays_are_refused():
         _cpu.dense_bf16(np.zeros((1, 8), np.int32), w, np.zeros((1, 4), np.float32))
     with pytest.raises(ValueError, match="out: expected a writable float32"):
         _cpu.dense_bf16(np.zeros((1, 8), np.uint16), w, np.zeros((1, 4), np.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_bias_is_added_on_every_path(dtype, rng):
+    """A bias in the input's dtype or another, on the kernels and on torch's path (too many
+    tokens, a float32 weight): F.linear's result, the bias never dropped."""
+    w = bf16_weight(rng, 24, 64)
+    for bias_dtype in (torch.bfloat16, torch.float32):
+        b = torch.from_numpy(rng.standard_normal(24) * 4).to(bias_dtype)
+        for n in (1, _dense.MAX_TOKENS + 1, 40):
+            x = torch.from_numpy(rng.standard_normal((n, 64))).to(dtype)
+            got = _dense.linear(x, w, b)
+            want = F.linear(x, w.to(dtype), b.to(dtype))
+            ref, mag = reference(x.float(), w)
+            ref = ref + b.double().numpy()
+            bound = (error_bound(mag, 64) + 2.0 ** -7 * np.abs(ref) + 2.0 ** -7 * np.abs(
+                b.double().numpy()) + 1e-30)
+            assert np.all(np.abs(got.double().numpy() - ref) <= bound), (bias_dtype, n)
+            if not _dense.takes(x, w):
+                assert torch.equal(got, want), (bias_dtype, n)
+            wf = w.float()                      # a float32 weight: torch's path
+            assert torch.equal(_dense.linear(x, wf, b), F.linear(x, wf.to(dtype), b.to(dtype)))
