@@ -411,5 +411,8 @@ MXFP4X_BF16DP_FN float mxfp4x_bf16dp_loop(int64_t iters, float seed, int64_t *fl
     return out[0];
 }
 
+/* The dense bf16 product from 5 tokens on (mxfp4x.h, dense_bf16_unit). */
+#include "dense/avx512bf16.h"
+
 #endif /* MXFP4X_HAVE_AVX512BF16 */
 #endif /* MXFP4X_AVX512BF16_H */

@@ -59,7 +59,8 @@ static const mxfp4x_kernels mxfp4x_kernel_table[] = {
      .bf16_rows = mxfp4x_bf16dp_rows,
      .bf16_scratch_bytes = mxfp4x_bf16dp_scratch_bytes,
      .bf16_gemv_max_tokens = mxfp4x_bf16dp_gemv_max_tokens,
-     .bf16_dot_loop = mxfp4x_bf16dp_loop},
+     .bf16_dot_loop = mxfp4x_bf16dp_loop,
+     .dense_bf16_unit = mxfp4x_dense_bf16_unit},
 #endif
     {.isa = MXFP4X_ISA_AVX512,
      .name = MXFP4X_ISA_NAME_AVX512,

@@ -111,6 +111,9 @@ typedef struct {
     mxfp4x_dense_bf16_fn dense_bf16;      /* dense bf16 rows x float32 tokens */
     mxfp4x_dense_bf16x_fn dense_bf16x;    /* ... x bf16 tokens (NULL: widen them to
                                              float32 for dense_bf16) */
+    /* bf16 rows x bf16 tokens on the bf16 unit, in its arithmetic (dense/avx512bf16.h;
+     * the driver's calls of 5 to 16 tokens, _core/cpu_dense.pxi; NULL: none) */
+    mxfp4x_dense_bf16x_fn dense_bf16_unit;
     /* bf16 latents of a float32 forward call (NULL: converted to float32 for gemv_f32 /
      * panel_dot_f32): the gather of an expert's tokens and the rows' product (amx.h) */
     mxfp4x_bf16_gather_fn bf16_gather;

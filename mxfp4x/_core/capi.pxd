@@ -110,6 +110,7 @@ cdef extern from "mxfp4x/dispatch.h" nogil:
         mxfp4x_fma_loop_fn fma_loop
         mxfp4x_dense_bf16_fn dense_bf16
         mxfp4x_dense_bf16x_fn dense_bf16x
+        mxfp4x_dense_bf16x_fn dense_bf16_unit
         mxfp4x_bf16_gather_fn bf16_gather
         mxfp4x_bf16_rows_fn bf16_rows
         mxfp4x_bf16_scratch_fn bf16_scratch_bytes

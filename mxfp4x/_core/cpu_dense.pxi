@@ -7,11 +7,18 @@
 cdef enum:
     DENSE_TILE_ROWS = 64
 
+# The bf16 unit's dense product (dense_bf16(..., unit=True)) takes calls of this many
+# tokens: from one past the exact kernels' range (mxfp4x._core.dense.MAX_TOKENS) to where
+# torch's bf16 product reads as fast (docs/performance.md, "The dense bf16 kernel").
+DENSE_UNIT_MIN_TOKENS = 5
+DENSE_UNIT_MAX_TOKENS = 16
+
 cdef struct DenseJob:
     const c.mxfp4x_kernels *k
     const uint16_t *w
     const void *x
     bint x_bf16
+    bint unit
     float *out
     int64_t d_out, d_in, n_tok
 
@@ -20,7 +27,10 @@ cdef void _dense_task(void *ctx, int64_t task, int tid) noexcept nogil:
     cdef const DenseJob *j = <const DenseJob *>ctx
     cdef int64_t r0 = task * DENSE_TILE_ROWS
     cdef int64_t r1 = min(j.d_out, r0 + DENSE_TILE_ROWS)
-    if j.x_bf16:
+    if j.unit:
+        j.k.dense_bf16_unit(j.w, j.d_in, r0, r1, j.d_in, <const uint16_t *>j.x, j.d_in,
+                            j.n_tok, j.out + r0, j.d_out)
+    elif j.x_bf16:
         j.k.dense_bf16x(j.w, j.d_in, r0, r1, j.d_in, <const uint16_t *>j.x, j.d_in, j.n_tok,
                         j.out + r0, j.d_out)
     else:
@@ -28,12 +38,23 @@ cdef void _dense_task(void *ctx, int64_t task, int tid) noexcept nogil:
                        j.out + r0, j.d_out)
 
 
-def dense_bf16(x, w, out, *, isa=None, int n_threads=1):
+def dense_unit(isa=None):
+    """Whether the ISA's entry (None: this CPU's default) has the dense product on a
+    bf16 unit (``dense_bf16(..., unit=True)``)."""
+    return kernels_of(isa).dense_bf16_unit != NULL
+
+
+def dense_bf16(x, w, out, *, isa=None, int n_threads=1, bint unit=False):
     """out = x @ w.T for bfloat16 rows w (O, I) given as their uint16 bits and tokens x
     (T, I), float32 or bfloat16 (as their uint16 bits), into out (T, O) float32: every
     product and sum in float32, in the ISA's order, the same for every token whatever T or
     the thread count, and for bf16 tokens the same bits as for them widened to float32
-    (mxfp4x.h, mxfp4x_dense_bf16_fn).  All three C-contiguous numpy arrays."""
+    (mxfp4x.h, mxfp4x_dense_bf16_fn).  All three C-contiguous numpy arrays.
+
+    ``unit``: bf16 tokens, ``DENSE_UNIT_MIN_TOKENS`` to ``DENSE_UNIT_MAX_TOKENS`` of them,
+    on the entry's bf16 unit (:func:`dense_unit`), in its arithmetic (mxfp4x.h,
+    dense_bf16_unit): the same for every token whatever T in that range or the thread
+    count."""
     cdef DenseJob job
     if not isinstance(x, np.ndarray) or x.ndim != 2 or not isinstance(w, np.ndarray) \
             or w.ndim != 2:
@@ -45,6 +66,16 @@ def dense_bf16(x, w, out, *, isa=None, int n_threads=1):
     cdef int nt = checked_threads(n_threads)
     job.k = kernels_of(isa)
     job.x_bf16 = x.dtype == np.uint16
+    job.unit = unit
+    if unit:
+        if job.k.dense_bf16_unit == NULL:
+            raise ValueError(f"unit: the {job.k.name.decode()} entry has no dense bf16 unit "
+                             "product (dense_unit())")
+        if not job.x_bf16:
+            raise ValueError("unit: expected bfloat16 tokens (uint16 bits)")
+        if not DENSE_UNIT_MIN_TOKENS <= x.shape[0] <= DENSE_UNIT_MAX_TOKENS:
+            raise ValueError(f"x: expected {DENSE_UNIT_MIN_TOKENS} to "
+                             f"{DENSE_UNIT_MAX_TOKENS} tokens on the unit, got {x.shape[0]}")
     cdef uintptr_t xa = _address(x, "x", (n_tok, d_in), 2 if job.x_bf16 else 4,
                                  "bfloat16 bits" if job.x_bf16 else "float32")
     if job.x_bf16 and job.k.dense_bf16x == NULL:  # this ISA widens them first

@@ -10,7 +10,15 @@ float32 exactly, products and sums in float32, the result rounded to the input's
 once -- what ``F.linear`` on the float32-widened weight computes, with the kernels'
 fixed order, so a token's bits depend neither on the thread count nor on the other
 tokens of the call (up to ``MAX_TOKENS``; above it the product is torch's).  Anything
-else is ``F.linear`` itself (a float32 input upcasts the weight, as before)."""
+else is ``F.linear`` itself (a float32 input upcasts the weight, as before).
+
+``unit=True`` (the transformers door's linear layers, Kimi K3's dense products) also sends
+bfloat16 tokens past ``MAX_TOKENS``, up to ``UNIT_MAX_TOKENS``, to the compiled kernels
+where this CPU's default entry has the dense product on a bf16 unit (AVX512-BF16's
+``vdpbf16ps``: the AMD CPUs, whose default it is): what torch's bf16 product computes there
+(products exact, float32 sums in the unit's order, subnormals flushed), in a fixed order,
+so a token's bits depend neither on the threads nor on the other tokens of a call of
+``UNIT_MIN_TOKENS`` to ``UNIT_MAX_TOKENS`` tokens."""
 from typing import Optional
 
 import torch
@@ -23,11 +31,15 @@ from . import threads as _threads
 # on 2 threads the kernel read them at 23 GB/s at 1 token (torch 14-16), 19-21 at 2,
 # 16-19 at 4 (torch 13-15) and 13 at 8, where torch's 13-16 overtook it.
 MAX_TOKENS = 4
+# The bf16 unit's calls (mxfp4x.h, dense_bf16_unit): this many tokens
+UNIT_MIN_TOKENS = _cpu.DENSE_UNIT_MIN_TOKENS
+UNIT_MAX_TOKENS = _cpu.DENSE_UNIT_MAX_TOKENS
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, max_tokens: Optional[int] = None) -> bool:
+def takes(x: torch.Tensor, weight: torch.Tensor, max_tokens: Optional[int] = None,
+          unit: bool = False) -> bool:
     """Whether :func:`linear` runs this product through the compiled kernels
-    (``max_tokens``: default ``MAX_TOKENS``)."""
+    (``max_tokens``: default ``MAX_TOKENS``; ``unit``: see the module docstring)."""
     if x.device.type != "cpu" or weight.device.type != "cpu":
         return False
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or x.dtype not in (
@@ -39,23 +51,31 @@ def takes(x: torch.Tensor, weight: torch.Tensor, max_tokens: Optional[int] = Non
         return False
     if _cpu.default_isa() == "scalar":  # torch's own product is faster than scalar C
         return False
-    return x.numel() // x.shape[-1] <= (MAX_TOKENS if max_tokens is None else max_tokens)
+    n = x.numel() // x.shape[-1]
+    return n <= (MAX_TOKENS if max_tokens is None else max_tokens) or _on_unit(x, n, unit)
+
+
+def _on_unit(x: torch.Tensor, n: int, unit: bool) -> bool:
+    """Whether n tokens x (past the exact kernels' range) go to the bf16 unit's kernel."""
+    return (unit and x.dtype == torch.bfloat16 and UNIT_MIN_TOKENS <= n <= UNIT_MAX_TOKENS
+            and _cpu.dense_unit())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
            num_threads: Optional[int] = None, max_tokens: Optional[int] = None,
-           out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+           out_dtype: Optional[torch.dtype] = None, unit: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, the weight (and bias) brought to the input's dtype
     as ``.to(x.dtype)`` would; bfloat16 weights at up to ``max_tokens`` tokens on CPU
     through the compiled kernels (see the module docstring; a bias is added in float32
     before the one rounding).  ``out_dtype`` float32 (None: x's dtype): ``F.linear`` of
     x widened to float32, without the rounding to x's dtype (a bf16 x is read as it is:
-    half the bytes of its widened copy, and the same bits)."""
+    half the bytes of its widened copy, and the same bits); ``unit``: bf16 tokens past
+    ``max_tokens`` on the bf16 unit where there is one (the module docstring)."""
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"out_dtype: expected None, {x.dtype} or torch.float32, got "
                          f"{out_dtype}")
     wide = out_dtype == torch.float32 and x.dtype != torch.float32
-    if not takes(x, weight, max_tokens) or (bias is not None and (
+    if not takes(x, weight, max_tokens, unit) or (bias is not None and (
             bias.device.type != "cpu" or bias.shape != (weight.shape[0],)
             or (torch.is_grad_enabled() and bias.requires_grad))):
         if wide:
@@ -68,9 +88,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     x2 = (x2.contiguous().view(torch.uint16) if x2.dtype == torch.bfloat16
           else x2.to(torch.float32).contiguous())
     w = weight.contiguous()
-    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=torch.float32)
+    n = x2.shape[0]
+    on_unit = n > (MAX_TOKENS if max_tokens is None else max_tokens)  # takes: _on_unit
+    out = torch.empty((n, weight.shape[0]), dtype=torch.float32)
     _cpu.dense_bf16(x2.numpy(), w.view(torch.uint16).numpy(), out.numpy(),
-                    n_threads=_threads.resolve(num_threads))
+                    n_threads=_threads.resolve(num_threads), unit=on_unit)
     if bias is not None:
         out += bias.to(torch.float32)
     return (out if wide else out.to(x.dtype)).reshape(*x.shape[:-1], weight.shape[0])

@@ -176,6 +176,135 @@ def test_bad_arrays_are_refused():
         _cpu.dense_bf16(np.zeros((1, 8), np.uint16), w, np.zeros((1, 4), np.int32))
 
 
+# ---- 5 to 32 bf16 tokens on the bf16 unit (dense_bf16(..., unit=True)) ----
+
+UNIT_ISAS = [isa for isa in ISAS if _cpu.dense_unit(isa)]
+needs_unit = pytest.mark.skipif(not UNIT_ISAS, reason="no entry with a dense bf16 unit "
+                                "product runs on this CPU (AVX512-BF16)")
+
+
+def _f32(bits):
+    """bf16 bits (uint16 numpy) as float32 values, subnormals read as zero (the unit's
+    inputs)."""
+    v = (bits.astype(np.uint32) << 16).view(np.float32)
+    return np.where(np.abs(v) < np.float32(2.0 ** -126), np.float32(0), v)
+
+
+def _ftz(v):
+    return np.where(np.abs(v) < np.float32(2.0 ** -126), np.float32(0), v).astype(np.float32)
+
+
+def unit_emulated(x_bits, w_bits):
+    """The unit kernel's arithmetic in numpy float32: per (row, token) 16 lanes, chunk by
+    chunk acc + odd product, then + even product, each rounded and flushed where
+    subnormal; then hsum16's tree (8 + 8, 4 + 4, 2 + 2, 1 + 1)."""
+    d = x_bits.shape[1]
+    pad = (-d) % 32
+    x = np.pad(_f32(x_bits), ((0, 0), (0, pad)))
+    w = np.pad(_f32(w_bits), ((0, 0), (0, pad)))
+    m = (d + pad) // 32
+    x = x.reshape(x.shape[0], 1, m, 16, 2)
+    w = w.reshape(1, w.shape[0], m, 16, 2)
+    prod = _ftz(x * w)                                   # exact where normal
+    acc = np.zeros(prod.shape[:2] + (16,), np.float32)
+    for c in range(m):
+        acc = _ftz(acc + prod[:, :, c, :, 1])
+        acc = _ftz(acc + prod[:, :, c, :, 0])
+    s8 = acc[..., :8] + acc[..., 8:]
+    s4 = s8[..., :4] + s8[..., 4:]
+    s2 = s4[..., :2] + s4[..., 2:]
+    return s2[..., 0] + s2[..., 1]
+
+
+def run_unit(x, w, isa, threads=1):
+    out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
+    _cpu.dense_bf16(x.view(torch.uint16).numpy(), w.view(torch.uint16).numpy(), out, isa=isa,
+                    n_threads=threads, unit=True)
+    return out
+
+
+@needs_unit
+@pytest.mark.parametrize("isa", UNIT_ISAS)
+@pytest.mark.parametrize("rows,cols,tokens", [(1, 1, 5), (9, 31, 6), (67, 100, 7),
+                                              (130, 257, 13), (5, 1031, 16), (64, 32, 8)])
+def test_unit_against_float64_and_its_own_arithmetic(isa, rows, cols, tokens, rng):
+    """Within the float32 bound of the float64 product (bf16 subnormal weights and tokens
+    included: the unit reads them as zero), and bit for bit the unit's arithmetic as
+    emulated in numpy on the normal values."""
+    w = bf16_weight(rng, rows, cols)
+    x = torch.from_numpy(rng.standard_normal((tokens, cols)) * 3).bfloat16()
+    x.view(-1)[3::13] = torch.tensor(-1e-39).bfloat16()
+    got = run_unit(x, w, isa)
+    ref, mag = reference(x.float(), w)
+    bound = error_bound(mag, cols) + cols * 2.0 ** -126 * 8
+    assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) / bound)
+    want = unit_emulated(x.view(torch.uint16).numpy(), w.view(torch.uint16).numpy())
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@needs_unit
+@pytest.mark.parametrize("isa", UNIT_ISAS)
+def test_unit_bits_do_not_depend_on_threads_batch_or_rows(isa, rng):
+    w = bf16_weight(rng, 203, 333)
+    x = torch.from_numpy(rng.standard_normal((_cpu.DENSE_UNIT_MAX_TOKENS, 333))).bfloat16()
+    full = run_unit(x, w, isa)
+    for threads in (2, 3):
+        assert np.array_equal(run_unit(x, w, isa, threads).view(np.uint32), full.view(np.uint32))
+    others = torch.from_numpy(rng.standard_normal((4, 333))).bfloat16()
+    for t in (0, 5, 9, len(x) - 1):  # alone among 4 others, and in batches of 5 on
+        one = run_unit(torch.cat([x[t:t + 1], others]), w, isa)
+        assert np.array_equal(one[0].view(np.uint32), full[t].view(np.uint32)), t
+    for n in (5, 6, 7, 9, 13):
+        assert np.array_equal(run_unit(x[:n], w, isa).view(np.uint32),
+                              full[:n].view(np.uint32)), n
+    top = run_unit(x, w[:101].contiguous(), isa)   # the same rows in another split
+    assert np.array_equal(top.view(np.uint32), full[:, :101].view(np.uint32))
+
+
+def test_unit_refuses_what_it_cannot_take(rng):
+    w = bf16_weight(rng, 4, 64)
+    x = torch.randn(8, 64).bfloat16()
+    out = np.empty((8, 4), np.float32)
+    for isa in ISAS:
+        if not _cpu.dense_unit(isa):
+            with pytest.raises(ValueError, match="unit: the .* entry has no dense bf16 unit"):
+                _cpu.dense_bf16(x.view(torch.uint16).numpy(), w.view(torch.uint16).numpy(),
+                                out, isa=isa, unit=True)
+    for isa in UNIT_ISAS:
+        with pytest.raises(ValueError, match="unit: expected bfloat16 tokens"):
+            _cpu.dense_bf16(x.float().numpy(), w.view(torch.uint16).numpy(), out, isa=isa,
+                            unit=True)
+        for n in (_cpu.DENSE_UNIT_MIN_TOKENS - 1, _cpu.DENSE_UNIT_MAX_TOKENS + 1):
+            xn = torch.randn(n, 64).bfloat16()
+            with pytest.raises(ValueError, match=f"x: expected {_cpu.DENSE_UNIT_MIN_TOKENS} to "
+                               f"{_cpu.DENSE_UNIT_MAX_TOKENS} tokens on the unit"):
+                _cpu.dense_bf16(xn.view(torch.uint16).numpy(), w.view(torch.uint16).numpy(),
+                                np.empty((n, 4), np.float32), isa=isa, unit=True)
+
+
+def test_linear_on_the_unit_where_asked(rng):
+    """``unit=True``: bf16 tokens past MAX_TOKENS up to UNIT_MAX_TOKENS go to the unit where
+    the default entry has it (its bits, the bias added in float32, one rounding), torch's
+    F.linear elsewhere and past the range; ``unit=False`` keeps torch's."""
+    w = bf16_weight(rng, 70, 96)
+    b = torch.from_numpy(rng.standard_normal(70)).bfloat16()
+    for n in (_dense.MAX_TOKENS, _dense.UNIT_MIN_TOKENS, 9, _dense.UNIT_MAX_TOKENS,
+              _dense.UNIT_MAX_TOKENS + 1):
+        x = torch.from_numpy(rng.standard_normal((1, n, 96))).bfloat16()
+        got = _dense.linear(x, w, b, unit=True)
+        assert got.shape == (1, n, 70) and got.dtype == torch.bfloat16
+        on_unit = _dense.UNIT_MIN_TOKENS <= n <= _dense.UNIT_MAX_TOKENS and _cpu.dense_unit()
+        assert _dense.takes(x, w, unit=True) == (on_unit or n <= _dense.MAX_TOKENS)
+        if on_unit:
+            want = (torch.from_numpy(run_unit(x[0], w, None)) + b.float()).bfloat16()
+            assert torch.equal(got[0], want)
+            assert not _dense.takes(x, w)          # unit=False: torch's
+        elif n > _dense.MAX_TOKENS:
+            assert torch.equal(got, F.linear(x, w, b))
+    many = torch.randn(8, 96)                       # float32 tokens: torch's
+    assert not _dense.takes(many, w, unit=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_bias_is_added_on_every_path(dtype, rng):
     """A bias in the input's dtype or another, on the kernels and on torch's path (too many

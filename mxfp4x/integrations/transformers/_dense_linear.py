@@ -12,15 +12,17 @@ class DenseLinear(torch.nn.Linear):
     without autograd, runs mxfp4x's dense kernel (``mxfp4x._core.dense.linear``: the weight
     widened to float32 exactly, float32 products and sums, the bias added in float32,
     one rounding; torch's bf16 matrix-vector product reads the weight at about half the
-    memory's rate).  Anything else is ``F.linear``.  Modules become this class in place
+    memory's rate), and bf16 tokens at 5 to 16 on the bf16 unit where the CPU's default
+    entry has one (``unit=True``: torch's arithmetic there, in a fixed order).  Anything
+    else is ``F.linear``.  Modules become this class in place
     (:func:`use_dense_kernels`): same parameters, same state dict."""
 
     _mxfp4x_threads: Optional[int] = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if _dense.takes(input, self.weight):
+        if _dense.takes(input, self.weight, unit=True):
             return _dense.linear(input, self.weight, self.bias,
-                                 num_threads=self._mxfp4x_threads)
+                                 num_threads=self._mxfp4x_threads, unit=True)
         return torch.nn.functional.linear(input, self.weight, self.bias)
 
 
