@@ -34,8 +34,10 @@ decoding step's time split (the experts, the attention, the rest: router, norms,
 embedding, head) against its read floor: the bytes that part of the step reads (the
 selected experts' MXFP4 blocks and their biases; the attention's weights and its cache;
 the router, the norms, one embedding row and the head; as mxfp4x holds them) over the
-read bandwidth measured in the same run (``mxfp4x.testing.roofline.read_bandwidth``,
-before and after the measurements, the better).  Both sides' last-token logits of the
+read bandwidth (``mxfp4x.testing.roofline.read_bandwidth``) measured just before and
+just after each side's process, the better, since a shared host's bandwidth moves by up
+to 2x from one minute to the next (the table's ``read`` column, each side's median, and
+each ``x floor`` against it).  Both sides' last-token logits of the
 first forward are compared (cosine, top-1): the same model, not just the same sizes.
 ``--plot`` draws decode tokens/s against the context and against the sequences.
 
@@ -188,21 +190,31 @@ def _agreement(a, b):
     return {"cosine": cos, "top1_same": bool(np.argmax(x) == np.argmax(y))}
 
 
+def _row_floors(result, r):
+    """Each part's read floor for row r: its bytes over the read bandwidth measured around
+    that row's own processes (the median of theirs), else around the whole run."""
+    gbps = r.get("read_gbps") or result["read_gbps"][r["threads"]]
+    return {which: {p: b / (gbps * 1e9) for p, b in nb.items()}
+            for which, nb in result["step_bytes"].items()}
+
+
 def table(result):
     """The measured table, as text."""
     rows, prefill = result["rows"], result["prefill"]
     context, sequences = result["context"], result.get("sequences", [])
-    head = (f"{'side':<11}{'thr':>4}{'load s':>8}{'1st s':>7}{'peak GiB':>9}"
+    head = (f"{'side':<11}{'thr':>4}{'read':>6}{'load s':>8}{'1st s':>7}{'peak GiB':>9}"
             + "".join(f"{'prefill ' + str(n):>13}" for n in prefill)
             + f"{'decode@' + str(prefill[0]):>12}{'x floor':>8}"
             + (f"{'decode@' + str(context):>13}{'x floor':>8}" if context else "")
             + "".join(f"{str(n) + ' seqs':>10}" for n in sequences))
-    lines = [head, " " * 39 + f"{'tok/s':>13}" * len(prefill) + f"{'tok/s':>12}"
+    lines = [head, " " * 15 + f"{'GB/s':>6}" + " " * 24 + f"{'tok/s':>13}" * len(prefill)
+             + f"{'tok/s':>12}"
              + (f"{'':>8}{'tok/s':>13}{'':>8}" if context else "")
              + f"{'tok/s':>10}" * len(sequences)]
     for r in rows:
-        floors = result["floors"][str(r["threads"])]
-        line = (f"{r['mode']:<11}{r['threads']:>4}{r['load_s']:>8.1f}"
+        floors = _row_floors(result, r)
+        gbps = r.get("read_gbps") or result["read_gbps"][r["threads"]]
+        line = (f"{r['mode']:<11}{r['threads']:>4}{gbps:>6.1f}{r['load_s']:>8.1f}"
                 f"{r['first_forward_s']:>7.1f}{r['peak_bytes'] / 2**30:>9.2f}"
                 + "".join(f"{r[f'prefill_{n}_tok_s']:>13.1f}" for n in prefill)
                 + f"{r['decode_tok_s']:>12.2f}"
@@ -221,7 +233,7 @@ def table(result):
     for r in rows:
         if not r["mode"].startswith("mxfp4x"):
             continue
-        floors = result["floors"][str(r["threads"])]
+        floors = _row_floors(result, r)
         for which, key in (("decode", "decode_step_s"),
                            ("context", f"decode_at_{context}_step_s")):
             step = r.get(key)
@@ -235,7 +247,8 @@ def table(result):
                          + " = " + parts[3])
     nbytes = result["step_bytes"]["decode"]
     read = ", ".join(f"{th} thr {g:.1f} GB/s" for th, g in result["read_gbps"].items())
-    lines.append(f"read floor: {read}; a step at context {result['contexts']['decode']} "
+    lines.append(f"read bandwidth: around each process (the read column; x floor is against "
+                 f"it), around the run {read}; a step at context {result['contexts']['decode']} "
                  f"reads experts {nbytes['experts'] / 1e6:.1f} MB, attention "
                  f"{nbytes['attention'] / 1e6:.1f} MB, rest {nbytes['rest'] / 1e6:.1f} MB")
     for th, agree in result["agreement"].items():
@@ -275,6 +288,7 @@ def run(folder, layers=None, threads=(1, 2), repeats=2, prefill=PREFILL, decode=
                     if rep == 0:
                         kw["logits_path"] = logits[side] = os.path.join(tmp, f"{side}-{th}.npy")
                     say(f"measuring {side}, {th} thread(s), process {rep + 1} of {repeats}")
+                    before = read_roofs([th], small)[th]
                     try:
                         if side.startswith("mxfp4x"):
                             if side != "mxfp4x":
@@ -292,6 +306,8 @@ def run(folder, layers=None, threads=(1, 2), repeats=2, prefill=PREFILL, decode=
                         skipped = f"it could not run {path}: {_why(str(exc))}"
                         say(f"llama.cpp: skipped ({skipped})")
                         continue
+                    # the bandwidth of that minute: a shared host's moves by up to 2x
+                    r["read_gbps"] = max(before, read_roofs([th], small)[th])
                     runs.append(r)
                 if ("llama.cpp" in logits
                         and all(os.path.exists(logits[k]) for k in ("mxfp4x", "llama.cpp"))):
