@@ -22,8 +22,6 @@
 #ifndef MXFP4X_DENSE_AVX512BF16_H
 #define MXFP4X_DENSE_AVX512BF16_H
 
-
-
 /* mr rows x nt tokens (constants after inlining) over every chunk */
 MXFP4X_BF16DP_INLINE void mxfp4x_dense_unit_block(const uint16_t *w, int64_t rs, int64_t d_in,
                                                   const uint16_t *x, int64_t xs, const int mr,
