@@ -10,7 +10,8 @@ bias, down and up projections, norm, shared experts) -- over the read bandwidth 
 in this pytest run (``roofs``); the target is 1.5 x that floor at one token.
 
 The peer is the same block with its dense products in torch (``F.linear``, mxfp4x's dense
-kernel switched off), timed interleaved with it call by call.  ``extra_info``: ``time_s``
+kernels switched off: the exact one at 1-4 tokens, the bf16 unit's at 8 where the CPU has
+one), timed interleaved with it call by call.  ``extra_info``: ``time_s``
 (median), ``gbps``, ``read_floor_s``, ``vs_read_floor``, ``torch_dense_s`` and
 ``vs_torch_dense``, ``bytes`` (split into ``expert_bytes`` and ``dense_bytes``).  The first
 call's output is checked against the float64 reference of the block (same routing).
@@ -81,7 +82,7 @@ def check(b, x, y):
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("n_tokens", [1, 4])
+@pytest.mark.parametrize("n_tokens", [1, 4, 8])
 def test_k3_block(benchmark, roofs, n_tokens, threads):
     b = block()
     b.experts.num_threads = threads
@@ -89,13 +90,13 @@ def test_k3_block(benchmark, roofs, n_tokens, threads):
     calls = [tokens(b, n_tokens, i) for i in range(n_calls)]
     check(b, calls[0][:2], b(calls[0][:2]))
 
-    def torch_dense(x):  # the peer: the dense products in torch, mxfp4x's kernel off
-        old = _dense.MAX_TOKENS
-        _dense.MAX_TOKENS = 0
+    def torch_dense(x):  # the peer: the dense products in torch, mxfp4x's kernels off
+        old = _dense.MAX_TOKENS, _dense.UNIT_MAX_TOKENS
+        _dense.MAX_TOKENS = _dense.UNIT_MAX_TOKENS = 0
         try:
             b(x)
         finally:
-            _dense.MAX_TOKENS = old
+            _dense.MAX_TOKENS, _dense.UNIT_MAX_TOKENS = old
 
     run, times = _bench.alternating({"mxfp4x": b, "torch_dense": torch_dense}, calls)
 
