@@ -190,10 +190,15 @@ def _agreement(a, b):
     return {"cosine": cos, "top1_same": bool(np.argmax(x) == np.argmax(y))}
 
 
+def _row_gbps(result, r):
+    """The read bandwidth of row r: measured around that row's own processes (the median
+    of theirs), else around the whole run."""
+    return r.get("read_gbps") or result["read_gbps"][r["threads"]]
+
+
 def _row_floors(result, r):
-    """Each part's read floor for row r: its bytes over the read bandwidth measured around
-    that row's own processes (the median of theirs), else around the whole run."""
-    gbps = r.get("read_gbps") or result["read_gbps"][r["threads"]]
+    """Each part's read floor for row r: its bytes over :func:`_row_gbps`."""
+    gbps = _row_gbps(result, r)
     return {which: {p: b / (gbps * 1e9) for p, b in nb.items()}
             for which, nb in result["step_bytes"].items()}
 
@@ -213,8 +218,7 @@ def table(result):
              + f"{'tok/s':>10}" * len(sequences)]
     for r in rows:
         floors = _row_floors(result, r)
-        gbps = r.get("read_gbps") or result["read_gbps"][r["threads"]]
-        line = (f"{r['mode']:<11}{r['threads']:>4}{gbps:>6.1f}{r['load_s']:>8.1f}"
+        line = (f"{r['mode']:<11}{r['threads']:>4}{_row_gbps(result, r):>6.1f}{r['load_s']:>8.1f}"
                 f"{r['first_forward_s']:>7.1f}{r['peak_bytes'] / 2**30:>9.2f}"
                 + "".join(f"{r[f'prefill_{n}_tok_s']:>13.1f}" for n in prefill)
                 + f"{r['decode_tok_s']:>12.2f}"

@@ -40,25 +40,31 @@ def takes(x: torch.Tensor, weight: torch.Tensor, max_tokens: Optional[int] = Non
           unit: bool = False) -> bool:
     """Whether :func:`linear` runs this product through the compiled kernels
     (``max_tokens``: default ``MAX_TOKENS``; ``unit``: see the module docstring)."""
+    return _kernel(x, weight, max_tokens, unit) is not None
+
+
+def _kernel(x: torch.Tensor, weight: torch.Tensor, max_tokens: Optional[int],
+            unit: bool) -> Optional[str]:
+    """Which compiled kernel :func:`linear` runs: ``"exact"`` (up to ``max_tokens``),
+    ``"unit"`` (the bf16 unit's, past them) or None (torch's product)."""
     if x.device.type != "cpu" or weight.device.type != "cpu":
-        return False
+        return None
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or x.dtype not in (
             torch.bfloat16, torch.float32):
-        return False
+        return None
     if x.dim() == 0 or x.shape[-1] != weight.shape[1] or x.numel() == 0:
-        return False
+        return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return False
+        return None
     if _cpu.default_isa() == "scalar":  # torch's own product is faster than scalar C
-        return False
+        return None
     n = x.numel() // x.shape[-1]
-    return n <= (MAX_TOKENS if max_tokens is None else max_tokens) or _on_unit(x, n, unit)
-
-
-def _on_unit(x: torch.Tensor, n: int, unit: bool) -> bool:
-    """Whether n tokens x (past the exact kernels' range) go to the bf16 unit's kernel."""
-    return (unit and x.dtype == torch.bfloat16 and UNIT_MIN_TOKENS <= n <= UNIT_MAX_TOKENS
-            and _cpu.dense_unit())
+    if n <= (MAX_TOKENS if max_tokens is None else max_tokens):
+        return "exact"
+    if (unit and x.dtype == torch.bfloat16 and UNIT_MIN_TOKENS <= n <= UNIT_MAX_TOKENS
+            and _cpu.dense_unit()):
+        return "unit"
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -75,7 +81,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         raise ValueError(f"out_dtype: expected None, {x.dtype} or torch.float32, got "
                          f"{out_dtype}")
     wide = out_dtype == torch.float32 and x.dtype != torch.float32
-    if not takes(x, weight, max_tokens, unit) or (bias is not None and (
+    kernel = _kernel(x, weight, max_tokens, unit)
+    if kernel is None or (bias is not None and (
             bias.device.type != "cpu" or bias.shape != (weight.shape[0],)
             or (torch.is_grad_enabled() and bias.requires_grad))):
         if wide:
@@ -88,11 +95,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     x2 = (x2.contiguous().view(torch.uint16) if x2.dtype == torch.bfloat16
           else x2.to(torch.float32).contiguous())
     w = weight.contiguous()
-    n = x2.shape[0]
-    on_unit = n > (MAX_TOKENS if max_tokens is None else max_tokens)  # takes: _on_unit
-    out = torch.empty((n, weight.shape[0]), dtype=torch.float32)
+    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=torch.float32)
     _cpu.dense_bf16(x2.numpy(), w.view(torch.uint16).numpy(), out.numpy(),
-                    n_threads=_threads.resolve(num_threads), unit=on_unit)
+                    n_threads=_threads.resolve(num_threads), unit=kernel == "unit")
     if bias is not None:
         out += bias.to(torch.float32)
     return (out if wide else out.to(x.dtype)).reshape(*x.shape[:-1], weight.shape[0])
