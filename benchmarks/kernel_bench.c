@@ -13,6 +13,8 @@
  *                                                    of M matrices of ROWS x COLS bf16
  *                                                    weights, in the driver's 64-row tasks
  *                                                    (KB_XBF16=1: bf16 tokens, dense_bf16x;
+ *                                                    KB_UNIT=1: bf16 tokens on the bf16
+ *                                                    unit, dense_bf16_unit;
  *                                                    KB_OFFSET=N: the weights N bytes into
  *                                                    a cache line, as a checkpoint maps them)
  *   ./kernel_bench gemv_bf16 ISA ROWS TOKENS GROUPS [E]  bf16 latents on the ISA's bf16
@@ -83,8 +85,10 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "dense")) { /* GROUPS is COLS here, EXPERTS the matrices */
         const int64_t cols = groups, n_mat = experts,
                       off = getenv("KB_OFFSET") ? atoll(getenv("KB_OFFSET")) & 63 : 0;
-        const int xbf16 = getenv("KB_XBF16") && !strcmp(getenv("KB_XBF16"), "1") &&
-                          k->dense_bf16x;
+        const int unit = getenv("KB_UNIT") && !strcmp(getenv("KB_UNIT"), "1") &&
+                         k->dense_bf16_unit;
+        const int xbf16 = unit || (getenv("KB_XBF16") && !strcmp(getenv("KB_XBF16"), "1") &&
+                                   k->dense_bf16x);
         const size_t mat_bytes = (size_t)(rows * cols) * 2;
         uint8_t *wbuf = (uint8_t *)xmalloc((size_t)n_mat * mat_bytes + 64);
 #ifdef MADV_HUGEPAGE
@@ -112,7 +116,10 @@ int main(int argc, char **argv) {
                 const uint16_t *w = (const uint16_t *)(wbuf + off + (size_t)e * mat_bytes);
                 for (r0 = 0; r0 < rows; r0 += 64) {
                     const int64_t r1 = r0 + 64 < rows ? r0 + 64 : rows;
-                    if (xbf16)
+                    if (unit)
+                        k->dense_bf16_unit(w, cols, r0, r1, cols, xb, cols, tokens, o + r0,
+                                           rows);
+                    else if (xbf16)
                         k->dense_bf16x(w, cols, r0, r1, cols, xb, cols, tokens, o + r0, rows);
                     else
                         k->dense_bf16(w, cols, r0, r1, cols, xf, cols, tokens, o + r0, rows);
@@ -120,9 +127,10 @@ int main(int argc, char **argv) {
             }
             if (now() - t0 < best) best = now() - t0;
         }
-        printf("%s dense rows=%lld tokens=%lld cols=%lld matrices=%lld x=%s offset=%lld: "
+        printf("%s dense rows=%lld tokens=%lld cols=%lld matrices=%lld x=%s%s offset=%lld: "
                "%.3f ms, %.1f GB/s of weights\n", k->name, (long long)rows, (long long)tokens,
-               (long long)cols, (long long)n_mat, xbf16 ? "bf16" : "float32", (long long)off,
+               (long long)cols, (long long)n_mat, xbf16 ? "bf16" : "float32",
+               unit ? " unit" : "", (long long)off,
                best * 1e3, (double)(n_mat * mat_bytes) / best / 1e9);
         return 0;
     }
