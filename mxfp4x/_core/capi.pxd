@@ -259,6 +259,19 @@ cdef extern from "mxfp4x/activation.h" nogil:
         float beta_lin
         void *out
         int out_dtype
+    void mxfp4x_act_load(const void *src, int dtype, int64_t first, int64_t step, int64_t n,
+                         float *dst)
+    void mxfp4x_act_store(const float *src, int64_t n, int dtype, void *dst)
     void mxfp4x_gpt_oss_swiglu(int isa, const mxfp4x_swiglu_args *x, int64_t r0, int64_t r1)
     void mxfp4x_situ_glu(int isa, const mxfp4x_situ_args *x, int64_t r0, int64_t r1)
     void mxfp4x_mix_rows(int isa, const mxfp4x_mix_args *x, int64_t t0, int64_t t1)
+    ctypedef struct mxfp4x_rms_norm_args:
+        const void *x
+        int in_dtype
+        const void *weight
+        int weight_dtype
+        int64_t d
+        float eps
+        void *out
+        int out_dtype
+    void mxfp4x_rms_norm(int isa, const mxfp4x_rms_norm_args *x, int64_t r0, int64_t r1)

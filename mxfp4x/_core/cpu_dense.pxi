@@ -12,6 +12,8 @@ cdef enum:
 # torch's bf16 product reads as fast (docs/performance.md, "The dense bf16 kernel").
 DENSE_UNIT_MIN_TOKENS = 5
 DENSE_UNIT_MAX_TOKENS = 16
+cdef enum:
+    DENSE_UNIT_MAX_TOKENS_C = 16  # the epilogue's sums on a task's stack: the most tokens
 
 cdef struct DenseJob:
     const c.mxfp4x_kernels *k
@@ -19,23 +21,43 @@ cdef struct DenseJob:
     const void *x
     bint x_bf16
     bint unit
-    float *out
+    float *out  # the float32 sums, or NULL: a task's own, then the epilogue into dst
     int64_t d_out, d_in, n_tok
+    const void *bias  # the epilogue: out = round(sum + bias) into dst (dst_dtype)
+    int bias_dtype
+    void *dst
+    int dst_dtype
 
 
 cdef void _dense_task(void *ctx, int64_t task, int tid) noexcept nogil:
     cdef const DenseJob *j = <const DenseJob *>ctx
     cdef int64_t r0 = task * DENSE_TILE_ROWS
     cdef int64_t r1 = min(j.d_out, r0 + DENSE_TILE_ROWS)
+    cdef float sums[DENSE_UNIT_MAX_TOKENS_C * DENSE_TILE_ROWS]
+    cdef float b[DENSE_TILE_ROWS]
+    cdef float *o = j.out + r0 if j.out != NULL else sums
+    cdef int64_t os = j.d_out if j.out != NULL else r1 - r0
+    cdef int64_t t, i, n = r1 - r0
+    cdef size_t size = 4 if j.dst_dtype == c.MXFP4X_DTYPE_F32 else 2
     if j.unit:
         j.k.dense_bf16_unit(j.w, j.d_in, r0, r1, j.d_in, <const uint16_t *>j.x, j.d_in,
-                            j.n_tok, j.out + r0, j.d_out)
+                            j.n_tok, o, os)
     elif j.x_bf16:
         j.k.dense_bf16x(j.w, j.d_in, r0, r1, j.d_in, <const uint16_t *>j.x, j.d_in, j.n_tok,
-                        j.out + r0, j.d_out)
+                        o, os)
     else:
         j.k.dense_bf16(j.w, j.d_in, r0, r1, j.d_in, <const float *>j.x, j.d_in, j.n_tok,
-                       j.out + r0, j.d_out)
+                       o, os)
+    if j.out != NULL:
+        return
+    if j.bias != NULL:  # in float32, before the one rounding
+        c.mxfp4x_act_load(j.bias, j.bias_dtype, r0, 1, n, b)
+        for t in range(j.n_tok):
+            for i in range(n):
+                o[t * os + i] = o[t * os + i] + b[i]
+    for t in range(j.n_tok):
+        c.mxfp4x_act_store(o + t * os, n, j.dst_dtype,
+                           <char *>j.dst + <size_t>(t * j.d_out + r0) * size)
 
 
 def dense_unit(isa=None):
@@ -44,12 +66,18 @@ def dense_unit(isa=None):
     return kernels_of(isa).dense_bf16_unit != NULL
 
 
-def dense_bf16(x, w, out, *, isa=None, int n_threads=1, bint unit=False):
+def dense_bf16(x, w, out, *, isa=None, int n_threads=1, bint unit=False, bias=None,
+               str bias_dtype="float32", str out_dtype="float32"):
     """out = x @ w.T for bfloat16 rows w (O, I) given as their uint16 bits and tokens x
     (T, I), float32 or bfloat16 (as their uint16 bits), into out (T, O) float32: every
     product and sum in float32, in the ISA's order, the same for every token whatever T or
     the thread count, and for bf16 tokens the same bits as for them widened to float32
     (mxfp4x.h, mxfp4x_dense_bf16_fn).  All three C-contiguous numpy arrays.
+
+    ``bias`` (O,) of ``bias_dtype`` (16-bit floats as their uint16 bits) is added to the
+    float32 sums and ``out_dtype`` ('float32', 'bfloat16', 'float16': out's dtype, as
+    uint16 bits) takes them rounded once, in the same tasks (up to
+    ``DENSE_UNIT_MAX_TOKENS`` tokens where either is asked for).
 
     ``unit``: bf16 tokens, ``DENSE_UNIT_MIN_TOKENS`` to ``DENSE_UNIT_MAX_TOKENS`` of them,
     on the entry's bf16 unit (:func:`dense_unit`), in its arithmetic (mxfp4x.h,
@@ -83,10 +111,23 @@ def dense_bf16(x, w, out, *, isa=None, int n_threads=1, bint unit=False):
         job.x_bf16 = False
         xa = _address(x, "x", (n_tok, d_in), 4, "float32")
     cdef uintptr_t wa = _address(w, "w", (d_out, d_in), 2, "bfloat16 bits")
-    cdef uintptr_t oa = _address(out, "out", (n_tok, d_out), 4, "float32")
-    if out.dtype != np.float32 or not out.flags.writeable:
-        raise ValueError("out: expected a writable float32 array")
+    job.dst_dtype = _act_dtype(out_dtype, "out_dtype")
+    cdef uintptr_t oa = _address(out, "out", (n_tok, d_out), _ITEMSIZE[out_dtype], out_dtype)
+    if out.dtype != (np.float32 if job.dst_dtype == c.MXFP4X_DTYPE_F32 else np.uint16) \
+            or not out.flags.writeable:
+        raise ValueError(f"out: expected a writable {out_dtype} array (16-bit floats as "
+                         f"their uint16 bits), got {out.dtype}")
+    job.bias, job.bias_dtype, job.dst = NULL, c.MXFP4X_DTYPE_F32, NULL
+    if bias is not None:
+        job.bias_dtype = _act_dtype(bias_dtype, "bias_dtype")
+        job.bias = <const void *>_address(bias, "bias", (d_out,), _ITEMSIZE[bias_dtype],
+                                          bias_dtype)
     job.w, job.x, job.out = <const uint16_t *>wa, <const void *>xa, <float *>oa
+    if bias is not None or job.dst_dtype != c.MXFP4X_DTYPE_F32:
+        if n_tok > DENSE_UNIT_MAX_TOKENS_C:
+            raise ValueError(f"x: a bias or a {out_dtype} out takes at most "
+                             f"{DENSE_UNIT_MAX_TOKENS} tokens, got {n_tok}")
+        job.out, job.dst = NULL, <void *>oa
     job.d_out, job.d_in, job.n_tok = d_out, d_in, n_tok
     if n_tok == 0 or d_out == 0:
         return

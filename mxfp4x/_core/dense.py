@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from . import cpu as _cpu
 from . import threads as _threads
+from .activation import _C_DTYPES, _bits
 
 # Kimi K3's 3584 x 7168 and 7168 x 3584 bf16 weights, AMD EPYC Zen 4, medians of 25:
 # on 2 threads the kernel read them at 23 GB/s at 1 token (torch 14-16), 19-21 at 2,
@@ -73,10 +74,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """``F.linear(x, weight, bias)``, the weight (and bias) brought to the input's dtype
     as ``.to(x.dtype)`` would; bfloat16 weights at up to ``max_tokens`` tokens on CPU
     through the compiled kernels (see the module docstring; a bias is added in float32
-    before the one rounding).  ``out_dtype`` float32 (None: x's dtype): ``F.linear`` of
-    x widened to float32, without the rounding to x's dtype (a bf16 x is read as it is:
-    half the bytes of its widened copy, and the same bits); ``unit``: bf16 tokens past
-    ``max_tokens`` on the bf16 unit where there is one (the module docstring)."""
+    before the one rounding, both in the kernel's tasks).  ``out_dtype`` float32 (None:
+    x's dtype): ``F.linear`` of x widened to float32, without the rounding to x's dtype
+    (a bf16 x is read as it is: half the bytes of its widened copy, and the same bits);
+    ``unit``: bf16 tokens past ``max_tokens`` on the bf16 unit where there is one (the
+    module docstring)."""
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"out_dtype: expected None, {x.dtype} or torch.float32, got "
                          f"{out_dtype}")
@@ -91,13 +93,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
                         bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype))
     d_in = weight.shape[1]
     x2 = x.reshape(-1, d_in)
+    n_tok = x2.shape[0]
     # bf16 tokens go as their bits (the kernels widen them exactly): half the bytes
     x2 = (x2.contiguous().view(torch.uint16) if x2.dtype == torch.bfloat16
           else x2.to(torch.float32).contiguous())
     w = weight.contiguous()
-    out = torch.empty((x2.shape[0], weight.shape[0]), dtype=torch.float32)
-    _cpu.dense_bf16(x2.numpy(), w.view(torch.uint16).numpy(), out.numpy(),
-                    n_threads=_threads.resolve(num_threads), unit=kernel == "unit")
-    if bias is not None:
-        out += bias.to(torch.float32)
-    return (out if wide else out.to(x.dtype)).reshape(*x.shape[:-1], weight.shape[0])
+    dtype = torch.float32 if wide else x.dtype
+    # the bias and the rounding in the kernel's tasks (up to UNIT_MAX_TOKENS tokens)
+    epilogue = n_tok <= UNIT_MAX_TOKENS
+    out = torch.empty((n_tok, weight.shape[0]),
+                      dtype=dtype if epilogue else torch.float32)
+    b = None if bias is None else bias.detach()
+    if b is not None and epilogue:
+        b = b if b.dtype in _C_DTYPES else b.to(torch.float32)
+    _cpu.dense_bf16(x2.numpy(), w.view(torch.uint16).numpy(), _bits(out),
+                    n_threads=_threads.resolve(num_threads), unit=kernel == "unit",
+                    bias=None if b is None or not epilogue else _bits(b),
+                    bias_dtype="float32" if b is None else _C_DTYPES.get(b.dtype, "float32"),
+                    out_dtype=_C_DTYPES[out.dtype])
+    if not epilogue:
+        if b is not None:
+            out += b.to(torch.float32)
+        out = out.to(dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+

@@ -325,3 +325,48 @@ def test_the_bias_is_added_on_every_path(dtype, rng):
                 assert torch.equal(got, want), (bias_dtype, n)
             wf = w.float()                      # a float32 weight: torch's path
             assert torch.equal(_dense.linear(x, wf, b), F.linear(x, wf.to(dtype), b.to(dtype)))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_epilogue_adds_the_bias_and_rounds_once_in_the_tasks(isa, rng):
+    """dense_bf16's bias and 16-bit out: the float32 sums plus the bias, rounded once,
+    the same bits as the sums written out and finished by torch, at 1-16 tokens (the unit's
+    too where the entry has one); more tokens are refused."""
+    w = bf16_weight(rng, 131, 100)  # 131 rows: three tasks, the last one short
+    wb = w.view(torch.uint16).numpy()
+    for n in (1, 3, 5, 16):
+        x = torch.from_numpy(rng.standard_normal((n, 100))).bfloat16()
+        xb = x.view(torch.uint16).numpy()
+        unit = n >= _cpu.DENSE_UNIT_MIN_TOKENS and _cpu.dense_unit(isa)
+        if n >= _cpu.DENSE_UNIT_MIN_TOKENS and not unit:
+            continue
+        sums = torch.empty(n, 131)
+        _cpu.dense_bf16(xb, wb, sums.numpy(), isa=isa, unit=unit, n_threads=2)
+        for bias_dtype in (None, torch.float32, torch.bfloat16, torch.float16):
+            b = None if bias_dtype is None else \
+                torch.from_numpy(rng.standard_normal(131) * 8).to(bias_dtype)
+            want = sums if b is None else sums + b.float()
+            for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                out = torch.empty(n, 131, dtype=out_dtype)
+                _cpu.dense_bf16(xb, wb, _dense._bits(out), isa=isa, unit=unit, n_threads=3,
+                                bias=None if b is None else _dense._bits(b),
+                                bias_dtype=_dense._C_DTYPES[b.dtype] if b is not None
+                                else "float32", out_dtype=_dense._C_DTYPES[out_dtype])
+                assert torch.equal(out, want.to(out_dtype)), (n, bias_dtype, out_dtype)
+    x = torch.from_numpy(rng.standard_normal((17, 100))).bfloat16().view(torch.uint16).numpy()
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        _cpu.dense_bf16(x, wb, np.empty((17, 131), np.uint16), isa=isa, out_dtype="bfloat16")
+    with pytest.raises(ValueError, match="bias"):
+        _cpu.dense_bf16(x[:2], wb, np.empty((2, 131), np.float32), isa=isa,
+                        bias=np.zeros(130, np.float32))
+
+
+def test_linear_past_the_epilogue_finishes_in_torch(rng):
+    """More tokens than the epilogue takes (max_tokens raised past 16): the sums come back
+    in float32 and the bias and the rounding are torch's, the same bits."""
+    w = bf16_weight(rng, 40, 64)
+    b = torch.from_numpy(rng.standard_normal(40)).bfloat16()
+    x = torch.from_numpy(rng.standard_normal((20, 64))).bfloat16()
+    got = _dense.linear(x, w, b, max_tokens=32)
+    parts = torch.cat([_dense.linear(x[i:i + 4], w, b) for i in range(0, 20, 4)])
+    assert torch.equal(got, parts)
