@@ -1,7 +1,7 @@
 /* mxfp4x/activation.h -- what runs between an MoE layer's two expert products, in one pass
  * over rows: gpt-oss's clamped SwiGLU on the gate/up outputs (with their bias), the down
  * projection's bias weighted by the routing weights, and Kimi K3's SiTU times its
- * clipped up branch.
+ * clipped up branch; and gpt-oss's RMS norm before and after each attention.
  *
  * Plain C on float32 (no intrinsics, no contraction: the build passes -ffp-contract=off),
  * so the compiler's vectors change no bit: every element is computed alone, by the same
@@ -10,6 +10,8 @@
  * each loop is a simple one over floats. */
 #ifndef MXFP4X_ACTIVATION_H
 #define MXFP4X_ACTIVATION_H
+
+#include <math.h>
 
 #include "convert.h"
 #include "format.h"
@@ -239,6 +241,57 @@ MXFP4X_INLINE void mxfp4x_situ_glu_body(const mxfp4x_situ_args *x, int64_t r0, i
     }
 }
 
+/* gpt-oss's RMS norm of rows [r0, r1) of x (n_rows, d) of dtype in_dtype into out (same
+ * shape, out_dtype), as transformers' GptOssRMSNorm computes it:
+ *
+ *     var = mean(x^2),  h = x * (1 / sqrt(var + eps)),  out = weight * h
+ *
+ * each operation a float32 one in this order, rounded once into out_dtype, except the
+ * mean: the squares of the float32 values (exact in double) summed in double, in 8 lanes
+ * by element index mod 8 then a fixed tree, divided by d and rounded once to float32 (torch
+ * sums them in float32, so its var may differ from this correctly rounded one by an
+ * ulp).  A row's bits depend only on the row. */
+typedef struct {
+    const void *x;
+    int in_dtype;
+    const void *weight; /* (d) of dtype weight_dtype */
+    int weight_dtype;
+    int64_t d;
+    float eps;
+    void *out;
+    int out_dtype;
+} mxfp4x_rms_norm_args;
+
+MXFP4X_INLINE void mxfp4x_rms_norm_body(const mxfp4x_rms_norm_args *x, int64_t r0, int64_t r1) {
+    float v[MXFP4X_ACT_CHUNK], w[MXFP4X_ACT_CHUNK], y[MXFP4X_ACT_CHUNK];
+    const int64_t d = x->d;
+    const size_t out_size = x->out_dtype == MXFP4X_DTYPE_F32 ? 4 : 2;
+    int64_t r, j0, i, n;
+    int l;
+    for (r = r0; r < r1; r++) {
+        double s[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+        float var, rs;
+        char *o = (char *)x->out + (size_t)r * (size_t)d * out_size;
+        for (j0 = 0; j0 < d; j0 += n) { /* j0 stays a multiple of 8: lane = index mod 8 */
+            n = d - j0 < MXFP4X_ACT_CHUNK ? d - j0 : MXFP4X_ACT_CHUNK;
+            mxfp4x_act_load(x->x, x->in_dtype, r * d + j0, 1, n, v);
+            for (i = 0; i + 8 <= n; i += 8)
+                for (l = 0; l < 8; l++) s[l] += (double)v[i + l] * (double)v[i + l];
+            for (; i < n; i++) s[i & 7] += (double)v[i] * (double)v[i];
+        }
+        var = (float)((((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))) /
+                      (double)d);
+        rs = 1.0f / sqrtf(var + x->eps);
+        for (j0 = 0; j0 < d; j0 += n) {
+            n = d - j0 < MXFP4X_ACT_CHUNK ? d - j0 : MXFP4X_ACT_CHUNK;
+            mxfp4x_act_load(x->x, x->in_dtype, r * d + j0, 1, n, v);
+            mxfp4x_act_load(x->weight, x->weight_dtype, j0, 1, n, w);
+            for (i = 0; i < n; i++) y[i] = w[i] * (v[i] * rs);
+            mxfp4x_act_store(y, n, x->out_dtype, o + (size_t)j0 * out_size);
+        }
+    }
+}
+
 /* Each compiled for the x86-64 baseline and, where the build has them, AVX2 and AVX-512
  * (wider vectors for the same operations: the same bits), picked by the call's ISA. */
 #define MXFP4X_ACT_VARIANTS(SUFFIX, TARGET)                                                \
@@ -253,6 +306,10 @@ MXFP4X_INLINE void mxfp4x_situ_glu_body(const mxfp4x_situ_args *x, int64_t r0, i
     static TARGET void mxfp4x_situ_glu##SUFFIX(const mxfp4x_situ_args *x, int64_t r0,      \
                                                int64_t r1) {                               \
         mxfp4x_situ_glu_body(x, r0, r1);                                                   \
+    }                                                                                      \
+    static TARGET void mxfp4x_rms_norm##SUFFIX(const mxfp4x_rms_norm_args *x, int64_t r0,  \
+                                               int64_t r1) {                               \
+        mxfp4x_rms_norm_body(x, r0, r1);                                                   \
     }
 MXFP4X_ACT_VARIANTS(_base, )
 #if MXFP4X_HAVE_X86_SIMD
@@ -281,6 +338,10 @@ static void mxfp4x_mix_rows(int isa, const mxfp4x_mix_args *x, int64_t t0, int64
 
 static void mxfp4x_situ_glu(int isa, const mxfp4x_situ_args *x, int64_t r0, int64_t r1) {
     MXFP4X_ACT_PICK(isa, mxfp4x_situ_glu)(x, r0, r1);
+}
+
+static void mxfp4x_rms_norm(int isa, const mxfp4x_rms_norm_args *x, int64_t r0, int64_t r1) {
+    MXFP4X_ACT_PICK(isa, mxfp4x_rms_norm)(x, r0, r1);
 }
 
 #endif /* MXFP4X_ACTIVATION_H */

@@ -13,6 +13,8 @@
 * ``mix_rows(weights (T, K), rows (R, D), ids (T, K)) -> (T, D)``: the sum over k, in
   order, of ``weights[t, k] * rows[ids[t, k]]`` in the weights' dtype (gpt-oss's down
   bias, weighted as the down products are).
+* ``gpt_oss_rms_norm(x (..., D), weight (D,), eps)``: gpt-oss's RMS norm on the compiled
+  pass where it takes the call (CPU, no gradient, float32 / 16-bit tensors), else None.
 * ``situ_glu(gate (..., F), up (..., F), beta, beta_lin=None, out_dtype=None) ->
   (..., F)``: Kimi K3's ``(beta tanh(g / beta)) sigmoid(g) clip(u)``, ``clip(u) = beta_lin
   tanh(u / beta_lin)`` (None: ``u``), in the accumulation dtype, rounded once to
@@ -299,3 +301,26 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float,
     return torch.ops.mxfp4x.situ_glu(gate, up, float(beta),
                                      None if beta_lin is None else float(beta_lin), out_dtype,
                                      num_threads or 0, isa or "")
+
+
+def gpt_oss_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                     num_threads: Optional[int] = None,
+                     isa: Optional[str] = None) -> Optional[torch.Tensor]:
+    """transformers' ``GptOssRMSNorm`` of ``x`` (``weight * (x / sqrt(mean(x^2) + eps))``
+    in float32, rounded once to x's dtype) on one compiled pass over rows
+    (activation.h's ``mxfp4x_rms_norm``: torch's float32 operations in its order, the mean
+    of the squares correctly rounded where torch sums them in float32), where it takes the
+    call: plain CPU tensors of float32 or 16-bit floats, the weight (D,) for x's last
+    dimension, nothing to record for autograd (:func:`runs_direct`).  Otherwise None:
+    the caller runs its own formula.  A row's bits depend only on the row."""
+    if x.dtype not in _C_DTYPES or weight.dtype not in _C_DTYPES or weight.dim() != 1 \
+            or x.dim() == 0 or x.shape[-1] != weight.shape[0] \
+            or not runs_direct((x, weight), ()):
+        return None
+    d = x.shape[-1]
+    n = x.numel() // d if d else 0
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _cpu.rms_norm(_bits(x.reshape(n, d)), _C_DTYPES[x.dtype], _bits(weight.detach()),
+                  _C_DTYPES[weight.dtype], _numpy(out.view(n, d)), _C_DTYPES[x.dtype],
+                  float(eps), isa=isa or None, n_threads=_threads.resolve(num_threads))
+    return out

@@ -1,7 +1,7 @@
 # mxfp4x/_core/cpu_act.pxi -- part of mxfp4x/_core/cpu.pyx, which includes it (one module).
 # What runs between an MoE layer's two products (include/mxfp4x/activation.h): gpt-oss's
 # clamped SwiGLU, the routing-weighted sum of bias rows and Kimi K3's SiTU times its
-# clipped up branch, in tasks of whole rows.
+# clipped up branch; and gpt-oss's RMS norm; in tasks of whole rows.
 
 cdef struct SwigluJob:
     c.mxfp4x_swiglu_args a
@@ -18,6 +18,18 @@ cdef struct SituJob:
     c.mxfp4x_situ_args a
     int isa
     int64_t rows_per_task, n_rows
+
+
+cdef struct RmsNormJob:
+    c.mxfp4x_rms_norm_args a
+    int isa
+    int64_t rows_per_task, n_rows
+
+
+cdef void _rms_norm_task(void *ctx, int64_t task, int tid) noexcept nogil:
+    cdef const RmsNormJob *j = <const RmsNormJob *>ctx
+    cdef int64_t r0 = task * j.rows_per_task
+    c.mxfp4x_rms_norm(j.isa, &j.a, r0, min(j.n_rows, r0 + j.rows_per_task))
 
 
 cdef void _situ_task(void *ctx, int64_t task, int tid) noexcept nogil:
@@ -175,3 +187,37 @@ def situ_glu(gate, up, str in_dtype, out, str out_dtype, float beta, float beta_
     with nogil:
         parallel_tasks(nt, (job.n_rows + job.rows_per_task - 1) // job.rows_per_task,
                        _situ_task, &job)
+
+
+def rms_norm(x, str in_dtype, weight, str weight_dtype, out, str out_dtype, float eps, *,
+             isa=None, int n_threads=1):
+    """out = weight * (x / sqrt(mean(x^2) + eps)) row by row, rounded once into out_dtype
+    (activation.h's mxfp4x_rms_norm: gpt-oss's RMS norm in float32, the mean of the
+    squares summed in double; the same bits on every ISA and thread count): x and out
+    (N, D), weight (D,), C-contiguous, 16-bit floats as their uint16 bits, dtypes named."""
+    cdef RmsNormJob job
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError(f"x: expected a 2-D array (N, D), got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    cdef int64_t n = x.shape[0], d = x.shape[1]
+    job.a.in_dtype = _act_dtype(in_dtype, "in_dtype")
+    job.a.weight_dtype = _act_dtype(weight_dtype, "weight_dtype")
+    job.a.out_dtype = _act_dtype(out_dtype, "out_dtype")
+    job.a.x = <const void *>_address(x, "x", (n, d), _ITEMSIZE[in_dtype], in_dtype)
+    job.a.weight = <const void *>_address(weight, "weight", (d,), _ITEMSIZE[weight_dtype],
+                                          weight_dtype)
+    job.a.out = <void *>_address(out, "out", (n, d), _ITEMSIZE[out_dtype], out_dtype)
+    if not out.flags.writeable:
+        raise ValueError("out: expected a writable array")
+    if not eps >= 0:
+        raise ValueError(f"eps: expected a number >= 0, got {eps}")
+    job.a.d, job.a.eps = d, eps
+    job.isa = kernels_of(isa).isa
+    job.n_rows = n
+    job.rows_per_task = max(1, ROW_TASK_ELEMS // max(1, d))
+    cdef int nt = checked_threads(n_threads)
+    if n == 0 or d == 0:
+        return
+    with nogil:
+        parallel_tasks(nt, (n + job.rows_per_task - 1) // job.rows_per_task, _rms_norm_task,
+                       &job)

@@ -310,3 +310,97 @@ def test_situ_refuses_bad_input():
     with pytest.raises(ValueError, match="gate, up"):
         _cpu.situ_glu(gate.numpy(), up[:, :1].numpy(), "float32",
                       torch.empty(6, 37).numpy(), "float32", BETA, BETA_LIN)
+
+
+# ---- gpt-oss's RMS norm (activation.h's mxfp4x_rms_norm)
+
+def _norm_inputs(rows, d, dtype, weight_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, d, generator=g) * torch.logspace(-3, 3, rows).unsqueeze(1)
+    x[:, ::5] *= 16
+    w = torch.randn(d, generator=g) * 0.5 + 1
+    return x.to(dtype), w.to(weight_dtype)
+
+
+def _norm_reference(x, w, eps):
+    """float64 of the formula from the float32 inputs."""
+    xd = x.double()
+    return w.double() * xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [1, 7, 37, 300, 2880])
+def test_rms_norm_within_ulps_of_float64_and_as_transformers(dtype, weight_dtype, d):
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    x, w = _norm_inputs(13, d, dtype, weight_dtype, seed=d)
+    with torch.no_grad():
+        out = act.gpt_oss_rms_norm(x, w, 1e-5)
+    assert out is not None and out.dtype == dtype and out.shape == x.shape
+    ref = _norm_reference(x, w, 1e-5)
+    unit, tiny = {torch.bfloat16: (2.0 ** -8, 2.0 ** -133),  # unit roundoff, subnormal step
+                  torch.float16: (2.0 ** -11, 2.0 ** -24),
+                  torch.float32: (2.0 ** -24, 2.0 ** -149)}[dtype]
+    # float32 roundings (the mean, the sum with eps, the root, its reciprocal, two
+    # products), then one to the out dtype (unit: its unit roundoff)
+    err = (out.double() - ref).abs()
+    assert (err <= (unit + 8 * 2.0 ** -24) * ref.abs() + tiny).all(), err.max()
+    norm = GptOssRMSNorm(d, 1e-5).to(weight_dtype)
+    norm.weight.data.copy_(w)
+    with torch.no_grad():
+        theirs = norm(x)
+    # torch's float32 mean may differ from the correctly rounded one by a few ulps, which
+    # rarely moves a 16-bit result
+    assert torch.allclose(out.double(), theirs.double(), rtol=2 * unit + 16 * 2.0 ** -24,
+                          atol=tiny)
+    if dtype != torch.float32:
+        assert (out != theirs).float().mean() <= 0.05
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_rms_norm_bits_on_every_isa_thread_count_and_batch(isa):
+    x, w = _norm_inputs(300, 2880, torch.bfloat16, torch.bfloat16, seed=5)
+    with torch.no_grad():
+        base = act.gpt_oss_rms_norm(x, w, 1e-6, num_threads=1, isa=ISAS[0])
+        for threads in (1, 2, 3):
+            out = act.gpt_oss_rms_norm(x, w, 1e-6, num_threads=threads, isa=isa)
+            assert torch.equal(out.view(torch.int16), base.view(torch.int16))
+        alone = act.gpt_oss_rms_norm(x[200:201], w, 1e-6, isa=isa)
+        assert torch.equal(alone.view(torch.int16), base[200:201].view(torch.int16))
+        lead = act.gpt_oss_rms_norm(x.view(3, 100, 2880), w, 1e-6, isa=isa)
+        assert torch.equal(lead.view(300, 2880).view(torch.int16), base.view(torch.int16))
+
+
+def test_rms_norm_special_values_and_what_it_leaves_to_the_caller():
+    w = torch.ones(4)
+    x = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1e-30, -1e-30, 0.0, 0.0], [math.inf, 1, 1, 1],
+                      [math.nan, 1, 1, 1], [3e38, 3e38, 3e38, 3e38]])
+    with torch.no_grad():
+        out = act.gpt_oss_rms_norm(x, w, 1e-6)
+        # torch's formula: an infinite square makes the row's scale 0 (inf * 0 is NaN),
+        # and so does a mean of squares past float32's range (3e38: the row is 0)
+        ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert torch.equal(out.nan_to_num(), ref.nan_to_num())
+    # what the pass does not take: the caller's formula runs (None)
+    assert act.gpt_oss_rms_norm(x.double(), w, 1e-6) is None
+    assert act.gpt_oss_rms_norm(x, w[:3], 1e-6) is None
+    xg = x.clone().requires_grad_()
+    assert act.gpt_oss_rms_norm(xg, w, 1e-6) is None
+
+
+def test_rms_norm_refuses_bad_input():
+    x = torch.randn(2, 8)
+    out = torch.empty(2, 8)
+    with pytest.raises(ValueError, match="in_dtype"):
+        _cpu.rms_norm(x.numpy(), "float64", torch.ones(8).numpy(), "float32", out.numpy(),
+                      "float32", 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        _cpu.rms_norm(x.numpy(), "float32", torch.ones(7).numpy(), "float32", out.numpy(),
+                      "float32", 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        _cpu.rms_norm(x.numpy(), "float32", torch.ones(8).numpy(), "float32", out.numpy(),
+                      "float32", -1.0)
+    with pytest.raises(ValueError, match="out"):
+        _cpu.rms_norm(x.numpy(), "float32", torch.ones(8).numpy(), "float32",
+                      torch.empty(2, 7).numpy(), "float32", 1e-6)
