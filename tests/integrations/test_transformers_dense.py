@@ -18,6 +18,10 @@ from training_steps import (  # noqa: E402  (tests/)
     assert_same_input_grads,
     assert_same_training_grads,
 )
+from transformers.models.gpt_oss.modeling_gpt_oss import (  # noqa: E402
+    GptOssRMSNorm,
+    GptOssTopKRouter,
+)
 
 import mxfp4x  # noqa: E402
 import mxfp4x.integrations.transformers as mxt  # noqa: E402
@@ -174,13 +178,19 @@ def test_bf16_linear_layers_run_on_the_dense_kernel(checkpoint):
     """bf16 nn.Linear layers (attention, head) become DenseLinear: at a few tokens
     without autograd mxfp4x's dense kernel, within bf16's rounding of torch's; off with
     dense_kernels=False."""
-    _, path = checkpoint
+    family, path = checkpoint
     fast = _quiet(mxt.from_pretrained, path, dtype=torch.bfloat16, num_threads=1)
     linears = [m for m in fast.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is mxt.DenseLinear for m in linears)
+    routers = [m for m in fast.modules() if isinstance(m, GptOssTopKRouter)]
+    norms = [m for m in fast.modules() if isinstance(m, GptOssRMSNorm)]
+    assert bool(routers) == bool(norms) == family.startswith("gpt_oss")
+    assert all(type(m) is mxt.DenseRouter for m in routers)
+    assert all(type(m) is mxt.CompiledRMSNorm for m in norms)
     plain = _quiet(mxt.from_pretrained, path, dtype=torch.bfloat16,
                    quantization_config=mxt.Mxfp4xConfig(num_threads=1, dense_kernels=False))
-    assert not any(type(m) is mxt.DenseLinear for m in plain.modules())
+    assert not any(type(m) in (mxt.DenseLinear, mxt.DenseRouter, mxt.CompiledRMSNorm)
+                   for m in plain.modules())
     assert fast.state_dict().keys() == plain.state_dict().keys()
     with torch.no_grad():
         tokens = _tokens()[:, :3]
@@ -213,6 +223,55 @@ def test_dense_linear_module(rng):
         assert torch.equal(lin(many), torch.nn.functional.linear(many, lin.weight, lin.bias))
         for other in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
             assert type(other) is mxt.DenseLinear and torch.equal(other(x), lin(x))
+
+
+def test_router_and_norm_modules(rng):
+    """DenseRouter and CompiledRMSNorm against transformers' modules: the router's logits
+    within the bound of the exact product (its top-k and softmax transformers' own), the
+    norm within its rounding; transformers' forward under autograd and past 4 tokens;
+    both copy and pickle."""
+    import copy
+    import pickle
+
+    from mxfp4x._core.reference import error_bound
+    config = transformers.GptOssConfig(hidden_size=72, num_local_experts=9,
+                                       num_experts_per_tok=3)
+    router = GptOssTopKRouter(config).to(torch.bfloat16)
+    norm = GptOssRMSNorm(72, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        router.weight.copy_(torch.from_numpy(rng.standard_normal((9, 72))))
+        router.bias.copy_(torch.from_numpy(rng.standard_normal(9)))
+        norm.weight.copy_(torch.from_numpy(rng.standard_normal(72) * 0.3 + 1))
+    theirs_router, theirs_norm = copy.deepcopy(router), copy.deepcopy(norm)
+    assert mxt.use_dense_kernels(torch.nn.Sequential(router, norm)) == 2
+    assert type(router) is mxt.DenseRouter and type(norm) is mxt.CompiledRMSNorm
+    x = torch.from_numpy(rng.standard_normal((3, 72))).bfloat16()
+    with torch.no_grad():
+        logits, scores, ids = router(x)
+        want = theirs_router(x)
+        normed, want_norm = norm(x), theirs_norm(x)
+    w, bias = router.weight.double().detach().numpy(), router.bias.double().detach().numpy()
+    ref = x.double().numpy() @ w.T + bias
+    mag = abs(x.double().numpy()) @ abs(w).T + abs(bias)
+    got = logits.double().numpy()
+    assert logits.dtype == torch.bfloat16 and logits.shape == want[0].shape
+    assert (abs(got - ref) <= error_bound(mag, 73) + 2.0 ** -8 * abs(ref) + 1e-38).all()
+    top, top_ids = torch.topk(logits, 3, dim=-1)
+    assert torch.equal(ids, top_ids)
+    assert torch.equal(scores, torch.softmax(top, dim=1, dtype=top.dtype))
+    assert torch.allclose(normed.float(), want_norm.float(), rtol=2.0 ** -7, atol=0)
+    xg = x.clone().requires_grad_()
+    assert all(torch.equal(a, b) for a, b in zip(router(xg), theirs_router(xg), strict=True))
+    assert torch.equal(norm(xg), theirs_norm(xg)) and norm(xg).requires_grad
+    with torch.no_grad():
+        many = x.repeat(2, 1)
+        assert all(torch.equal(a, b)
+                   for a, b in zip(router(many), theirs_router(many), strict=True))
+        for other in (copy.deepcopy(router), pickle.loads(pickle.dumps(router))):
+            assert type(other) is mxt.DenseRouter and torch.equal(other(x)[0], logits)
+        for other_norm in (copy.deepcopy(norm), pickle.loads(pickle.dumps(norm))):
+            assert type(other_norm) is mxt.CompiledRMSNorm and torch.equal(other_norm(x),
+                                                                           normed)
 
 
 def test_scale_rule_and_modules_to_not_convert(checkpoint):

@@ -39,11 +39,12 @@ the experts implementation (``_dense_experts.py``) and the attention ``"mxfp4x_g
 from ._attention import ATTENTION, grouped_attention
 from ._config import Mxfp4xConfig
 from ._dense_experts import Mxfp4xQuantize, mxfp4x_experts_forward
-from ._dense_linear import DenseLinear, use_dense_kernels
+from ._dense_linear import CompiledRMSNorm, DenseLinear, DenseRouter, use_dense_kernels
 from ._from_pretrained import from_pretrained
 from ._gpt_oss_experts import GptOssMxfp4Experts, split_devices
 from ._quantizer import Mxfp4xHfQuantizer
 
 __all__ = ["from_pretrained", "split_devices", "Mxfp4xConfig", "Mxfp4xHfQuantizer",
            "GptOssMxfp4Experts", "Mxfp4xQuantize", "mxfp4x_experts_forward", "DenseLinear",
+           "DenseRouter", "CompiledRMSNorm",
            "use_dense_kernels", "grouped_attention", "ATTENTION"]

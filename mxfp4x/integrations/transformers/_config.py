@@ -30,7 +30,9 @@ class Mxfp4xConfig(QuantizationConfigMixin):
     ``dense_kernels``: the model's bfloat16 ``nn.Linear`` layers (attention projections,
     the head) run on mxfp4x's dense kernel at up to 4 tokens (decode), and at 5 to 16
     bfloat16 tokens on the bf16 unit where the CPU's default ISA has one (several
-    sequences decoding together; see :class:`DenseLinear`); ``False`` leaves them to torch.
+    sequences decoding together; see :class:`DenseLinear`), and gpt-oss's routers and RMS
+    norms on mxfp4x's compiled passes (:class:`DenseRouter`, :class:`CompiledRMSNorm`);
+    ``False`` leaves them all to torch.
     ``float32_intermediate``: the experts' activation output (gpt-oss's clamped SwiGLU, a
     gated model's ``act_fn(gate) * up``) is computed in float32 and, as transformers
     computes it in the model's dtype, rounded once to that dtype (bfloat16 for a bfloat16

@@ -1,9 +1,12 @@
 """The model's bfloat16 linear layers on mxfp4x's dense kernel at a few tokens
-(:class:`DenseLinear`, :func:`use_dense_kernels`)."""
+(:class:`DenseLinear`, :func:`use_dense_kernels`), and gpt-oss's router and RMS norms on
+mxfp4x's compiled passes (:class:`DenseRouter`, :class:`CompiledRMSNorm`)."""
 from typing import Optional
 
 import torch
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, GptOssTopKRouter
 
+from ..._core import activation as _activation
 from ..._core import dense as _dense
 
 
@@ -26,13 +29,57 @@ class DenseLinear(torch.nn.Linear):
         return torch.nn.functional.linear(input, self.weight, self.bias)
 
 
+class DenseRouter(GptOssTopKRouter):
+    """transformers' ``GptOssTopKRouter`` whose logits, for a
+    bfloat16 weight at up to 4 tokens on CPU without autograd, come from mxfp4x's exact
+    dense kernel (``mxfp4x._core.dense.linear``: float32 products and sums, the bias added
+    in float32, one rounding to the input's dtype) instead of torch's bf16 product, which
+    takes a decoding step's cold caches at 0.1 ms a layer; the top-k and the softmax are
+    transformers' own.  Anything else is transformers' forward."""
+
+    _mxfp4x_threads: Optional[int] = None
+
+    def forward(self, hidden_states):
+        if not _dense.takes(hidden_states, self.weight):
+            return super().forward(hidden_states)
+        router_logits = _dense.linear(hidden_states, self.weight, self.bias,
+                                      num_threads=self._mxfp4x_threads)
+        top_value, indices = torch.topk(router_logits, self.top_k, dim=-1)
+        scores = torch.nn.functional.softmax(top_value, dim=1, dtype=top_value.dtype)
+        return router_logits, scores, indices
+
+
+class CompiledRMSNorm(GptOssRMSNorm):
+    """transformers' ``GptOssRMSNorm`` on mxfp4x's compiled pass
+    (``mxfp4x._core.activation.gpt_oss_rms_norm``: the same float32 operations in one pass
+    over rows, where torch runs six ops a norm) wherever it takes the call; else
+    transformers' forward."""
+
+    _mxfp4x_threads: Optional[int] = None
+
+    def forward(self, hidden_states):
+        out = _activation.gpt_oss_rms_norm(hidden_states, self.weight, self.variance_epsilon,
+                                           num_threads=self._mxfp4x_threads)
+        return super().forward(hidden_states) if out is None else out
+
+
 def use_dense_kernels(model: torch.nn.Module, num_threads: Optional[int] = None) -> int:
     """Every plain ``nn.Linear`` of ``model`` with a bfloat16 weight becomes a
-    :class:`DenseLinear` in place; returns how many."""
+    :class:`DenseLinear` in place, every gpt-oss router with a bfloat16 weight a
+    :class:`DenseRouter` and every gpt-oss RMS norm a :class:`CompiledRMSNorm` (each
+    keeping its parameters and state dict); returns how many modules changed."""
     n = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16:
+        bf16 = getattr(module, "weight", None) is not None and \
+            module.weight.dtype == torch.bfloat16
+        if type(module) is torch.nn.Linear and bf16:
             module.__class__ = DenseLinear
-            module._mxfp4x_threads = num_threads  # type: ignore[assignment]
-            n += 1
+        elif type(module) is GptOssTopKRouter and bf16:
+            module.__class__ = DenseRouter
+        elif type(module) is GptOssRMSNorm:
+            module.__class__ = CompiledRMSNorm
+        else:
+            continue
+        module._mxfp4x_threads = num_threads  # type: ignore[assignment]
+        n += 1
     return n
