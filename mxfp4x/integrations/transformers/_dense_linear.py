@@ -30,20 +30,21 @@ class DenseLinear(torch.nn.Linear):
 
 
 class DenseRouter(GptOssTopKRouter):
-    """transformers' ``GptOssTopKRouter`` whose logits, for a
-    bfloat16 weight at up to 4 tokens on CPU without autograd, come from mxfp4x's exact
-    dense kernel (``mxfp4x._core.dense.linear``: float32 products and sums, the bias added
-    in float32, one rounding to the input's dtype) instead of torch's bf16 product, which
-    takes a decoding step's cold caches at 0.1 ms a layer; the top-k and the softmax are
-    transformers' own.  Anything else is transformers' forward."""
+    """transformers' ``GptOssTopKRouter`` whose logits, for a bfloat16 weight on CPU
+    without autograd, come from mxfp4x's dense kernels as :class:`DenseLinear`'s do: the
+    exact kernel at up to 4 tokens (float32 products and sums, the bias added in float32,
+    one rounding to the input's dtype), the bf16 unit's at 5 to 16 bf16 tokens where the
+    CPU's default entry has one (torch's arithmetic, a fixed order), in place of torch's
+    bf16 product, slow on a decoding step's cold caches (docs/performance.md); the top-k
+    and the softmax are transformers' own.  Anything else is transformers' forward."""
 
     _mxfp4x_threads: Optional[int] = None
 
     def forward(self, hidden_states):
-        if not _dense.takes(hidden_states, self.weight):
+        if not _dense.takes(hidden_states, self.weight, unit=True):
             return super().forward(hidden_states)
         router_logits = _dense.linear(hidden_states, self.weight, self.bias,
-                                      num_threads=self._mxfp4x_threads)
+                                      num_threads=self._mxfp4x_threads, unit=True)
         top_value, indices = torch.topk(router_logits, self.top_k, dim=-1)
         scores = torch.nn.functional.softmax(top_value, dim=1, dtype=top_value.dtype)
         return router_logits, scores, indices
