@@ -10,10 +10,10 @@ cdef enum:
 # The bf16 unit's dense product (dense_bf16(..., unit=True)) takes calls of this many
 # tokens: from one past the exact kernels' range (mxfp4x._core.dense.MAX_TOKENS) to where
 # torch's bf16 product reads as fast (docs/performance.md, "The dense bf16 kernel").
-DENSE_UNIT_MIN_TOKENS = 5
-DENSE_UNIT_MAX_TOKENS = 16
 cdef enum:
-    DENSE_UNIT_MAX_TOKENS_C = 16  # the epilogue's sums on a task's stack: the most tokens
+    DENSE_UNIT_MAX_TOKENS_C = 16  # also the most tokens of the epilogue (a task's sums)
+DENSE_UNIT_MIN_TOKENS = 5
+DENSE_UNIT_MAX_TOKENS = DENSE_UNIT_MAX_TOKENS_C
 
 cdef struct DenseJob:
     const c.mxfp4x_kernels *k
