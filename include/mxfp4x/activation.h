@@ -1,7 +1,7 @@
 /* mxfp4x/activation.h -- what runs between an MoE layer's two expert products, in one pass
  * over rows: gpt-oss's clamped SwiGLU on the gate/up outputs (with their bias), the down
  * projection's bias weighted by the routing weights, and Kimi K3's SiTU times its
- * clipped up branch; and gpt-oss's RMS norm before and after each attention.
+ * clipped up branch; and gpt-oss's RMS norm (before each attention and each MLP).
  *
  * Plain C on float32 (no intrinsics, no contraction: the build passes -ffp-contract=off),
  * so the compiler's vectors change no bit: every element is computed alone, by the same
