@@ -104,13 +104,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     out = torch.empty((n_tok, weight.shape[0]),
                       dtype=dtype if epilogue else torch.float32)
     b = None if bias is None else bias.detach()
+    bias_bits, bias_dtype = None, "float32"
     if b is not None and epilogue:
         b = b if b.dtype in _C_DTYPES else b.to(torch.float32)
+        bias_bits, bias_dtype = _bits(b), _C_DTYPES[b.dtype]
     _cpu.dense_bf16(x2.numpy(), w.view(torch.uint16).numpy(), _bits(out),
                     n_threads=_threads.resolve(num_threads), unit=kernel == "unit",
-                    bias=None if b is None or not epilogue else _bits(b),
-                    bias_dtype="float32" if b is None else _C_DTYPES.get(b.dtype, "float32"),
-                    out_dtype=_C_DTYPES[out.dtype])
+                    bias=bias_bits, bias_dtype=bias_dtype, out_dtype=_C_DTYPES[out.dtype])
     if not epilogue:
         if b is not None:
             out += b.to(torch.float32)
