@@ -9,12 +9,16 @@
 #      `bench --device cuda` on CUDA tensors);
 #   3. the main job on CUDA tensors, float32 and bfloat16 latents, against the GPU's roofs
 #      (the Triton kernel and the torch backend);
-#   4. whether a token's row on the GPU has the same bits alone as in a batch, through
-#      the default path and the torch backend (cuBLAS's, which is not held to it);
-#   5. gpt-oss (4 of gpt-oss-20b's layers at full width, random weights) decoding with its
+#   4. the Triton kernels' block sizes (token kernel rows and warps at T <= 16; tile rows and
+#      the tensor cores' tile height above), each timed as CUDA-graph replays against the
+#      read floor, with whether every size gave the same bits;
+#   5. whether a token's row on the GPU has the same bits alone as in a batch of 8, 64 and
+#      512, float32 and bf16, through the default path and the torch backend (cuBLAS's,
+#      which is not held to it);
+#   6. gpt-oss (4 of gpt-oss-20b's layers at full width, random weights) decoding with its
 #      experts in CPU memory and the rest on the GPU (split_devices), beside the same model
 #      whole on the CPU: tokens/s and the same greedy tokens;
-#   6. the CPU kernels on that machine's cores (bench, 1 and all threads) and the kernel
+#   7. the CPU kernels on that machine's cores (bench, 1 and all threads) and the kernel
 #      tests there (every ISA its CPU runs); MXFP4X_CUDA_CHECK_CPU=0 leaves this out.
 # Each step has a time limit; one failing step does not stop the next.
 set -u
@@ -47,15 +51,65 @@ for dtype in float32 bfloat16; do
         --json "$OUT/bench_cuda_$dtype.json"
 done
 
+echo "== the kernels' block sizes: CUDA-graph replays of 20 calls, gate/up, and their bits"
+timeout 240 python3 - <<'EOF'
+import itertools
+import torch
+import mxfp4x
+from mxfp4x._core import triton_impl as ti
+from mxfp4x._measure import gpu
+from mxfp4x.testing import bench
+
+dev = torch.device("cuda")
+read = gpu.read_bandwidth(dev)
+packed, scales = (t.cuda() for t in bench.make_experts(32, 5760, 2880))
+defaults = {k: getattr(ti, k) for k in ("TOKEN_BLOCK_O", "TOKEN_WARPS", "BLOCK_O", "MMA_TILE")}
+
+
+def replay_ms(fn):
+    return gpu.graph_time(lambda: [fn() for _ in range(20)], dev, 5) * 1e3 / 20
+
+
+for dtype in (torch.float32, torch.bfloat16):
+    for n in (1, 4, 16, 128, 512):
+        x, sel, mix, shared = (t.cuda() for t in bench.make_tokens(n, 4, 32, 2880, 5760, dtype))
+        floor = bench.streamed_bytes(packed, scales, sel) / read * 1e3
+        if n <= 16:
+            grid = itertools.product((32, 64, 128), (1, 2, 4), (defaults["BLOCK_O"],),
+                                     (defaults["MMA_TILE"],))
+        else:
+            grid = itertools.product((defaults["TOKEN_BLOCK_O"],), (defaults["TOKEN_WARPS"],),
+                                     (64, 128, 256), (16, 64) if dtype != torch.float32
+                                     else (defaults["MMA_TILE"],))
+        results, first = [], None
+        for bo, warps, tile_bo, mma_tile in grid:
+            ti.TOKEN_BLOCK_O, ti.TOKEN_WARPS, ti.BLOCK_O, ti.MMA_TILE = bo, warps, tile_bo, mma_tile
+            try:
+                y = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared)
+                ms = replay_ms(lambda: mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared))
+            except Exception as e:  # a block size the GPU cannot hold
+                print(f"  {dtype} T={n} {bo}/{warps}/{tile_bo}/{mma_tile}: {type(e).__name__}")
+                continue
+            first = y if first is None else first
+            results.append((ms, bo, warps, tile_bo, mma_tile, torch.equal(y, first)))
+        for k, v in defaults.items():
+            setattr(ti, k, v)
+        results.sort()
+        print(f"{dtype} T={n}: read floor {floor:.4f} ms; best of token rows/warps, tile "
+              f"rows, MMA tile (ms, x floor, same bits as the first):")
+        for ms, bo, warps, tile_bo, mma_tile, same in results[:4]:
+            print(f"  {ms:.4f} x{ms / floor:5.1f}  {bo}/{warps}/{tile_bo}/{mma_tile}  {same}")
+EOF
+
 echo "== one token alone against the same token in a batch, on the GPU"
-timeout 60 python3 - <<'EOF'
+timeout 90 python3 - <<'EOF'
 import torch
 import mxfp4x
 from mxfp4x.testing import bench
 
 packed, scales = (t.cuda() for t in bench.make_experts(32, 2880, 2880))
-for dtype in (torch.float32,):
-    for n in (8, 512):
+for dtype in (torch.float32, torch.bfloat16):
+    for n in (8, 64, 512):
         x, sel, mix, shared = (t.cuda() for t in bench.make_tokens(n, 4, 32, 2880, 2880, dtype))
         for backend in ("auto", "torch"):
             full = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared, backend=backend)

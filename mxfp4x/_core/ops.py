@@ -30,7 +30,7 @@ from . import cpu_impl as _cpu_impl
 from . import torch_impl as _torch_impl
 from . import triton_impl as _triton_impl
 from .format import accumulation_dtype
-from .validation import check_expert_ids, check_op_call
+from .validation import check_op_call
 
 _TAIL = 'int num_threads=0, str isa="") -> Tensor'
 
@@ -213,10 +213,10 @@ def _define(suffix, weights):
                                                    scale_bytes, selected_experts,
                                                    mixture_weights, shared_output,
                                                    latent_tokens.dtype)
-        check_expert_ids(selected_experts, len(packed_weights))
+        checked = _triton_impl.check_ids(selected_experts, len(packed_weights))
         return _triton_impl.experts(latent_tokens, packed_weights, scale_bytes,
                                     selected_experts, mixture_weights, shared_output,
-                                    latent_tokens.dtype)
+                                    latent_tokens.dtype, checked)
 
     @experts_op.register_fake
     def _experts_fake(latent_tokens, packed_weights, scale_bytes, selected_experts,
@@ -251,9 +251,9 @@ def _define(suffix, weights):
                                    (selected_experts,)):
             return _torch_impl.slots_torch(latent_tokens, packed_weights, scale_bytes,
                                            selected_experts)
-        check_expert_ids(selected_experts, len(packed_weights))
+        checked = _triton_impl.check_ids(selected_experts, len(packed_weights))
         return _triton_impl.slots(latent_tokens, packed_weights, scale_bytes,
-                                  selected_experts)
+                                  selected_experts, checked)
 
     @slots_op.register_fake
     def _slots_fake(latent_tokens, packed_weights, scale_bytes, selected_experts,

@@ -1,41 +1,63 @@
 """The GPU kernel (Triton): routed MXFP4 experts decoded in registers, never in memory.
 
-The (token, slot) pairs are sorted by expert and cut into tiles of up to ``TILE_TOKENS``
-pairs of one expert.  A program takes one tile and ``BLOCK_O`` output rows: for each
-group of 32 inputs it loads its rows' 16 packed bytes and scale byte once, decodes them
-to float32 (the E2M1 nibble's magnitude bits placed in a float32's exponent and
-mantissa give its value times 2^-126, exactly; times 2^126, then times the group's
-2^(s - 127) built from the scale byte's bits, both exact: no table), and multiplies them
-into its tile's latents with ``tl.dot`` in IEEE float32 (multiply-adds on the CUDA
-cores, never TF32).  The result is the per-pair products W_e x (float32); the facade's
-weighting and the sum over slots in order k = 0..K-1 follow in torch, as on the torch
-path.
+Two kernels (``triton_kernels``), both reading a group of 32 inputs at a time: its rows'
+16 packed bytes as one block and its scale byte, decoded in registers (the E2M1 nibble's
+magnitude bits placed in a float32's exponent and mantissa give its value times 2^-126,
+exactly; times 2^126, then times the group's 2^(s - 127) built from the scale byte's
+bits, both exact: no table).
 
-A pair's output row is the same chain of float32 multiply-adds over its inputs in order
-whatever else its tile holds (the tile is padded with zero rows), so a token's bits do
-not depend on its batch.  Calls of few pairs per expert take a second kernel, one pair
-per program, that runs the same chain one ``fma`` at a time.  Experts given as a list
-of tensors are read through a table of (address, row stride, group stride) per expert
-(the same bits as stacked).  Float64 latents, weights whose bytes are not contiguous
+* **Float32 latents** run float32 multiply-adds on the CUDA cores (never TF32): per
+  output element a chain of fmas over the inputs in order, from zero.
+* **16-bit latents** (bf16, f16) run on the tensor cores: per group, the 32 products of
+  its E2M1 values (exact in the latents' type) and the latents summed by ``tl.dot`` into
+  a fresh float32 partial (each product exact in float32), then ``acc = fma(partial,
+  scale, acc)`` with the group's power-of-two scale, groups in order.  A group's sum is
+  the instruction's; its order is the same for every token and batch.
+
+The **token kernel** (at most ``TOKEN_KERNEL_PAIRS_PER_EXPERT`` pairs per expert on
+average: decoding) takes one token and ``TOKEN_BLOCK_O`` rows per program and runs its
+K slots in order, the mixture weights and the shared output combined in the same launch:
+one launch per call, no host sync, no sort.  Above that the pairs are sorted by expert
+on the device and cut into tiles of one expert (the **tile kernel**: ``TILE_TOKENS``
+pairs of float32 latents, ``MMA_TILE`` of 16-bit ones, times ``BLOCK_O`` rows), and the
+per-pair products are weighted and summed over slots in order k = 0..K-1 in torch, with
+the token kernel's roundings.  A pair's products are the same chain (float32: the same
+fmas in the same order; 16-bit: the same tensor-core instruction on a tile of the same
+height whose other rows are padding or other pairs, which it does not mix), so a token's
+bits do not depend on its batch or on which kernel ran.
+
+Expert ids are checked on the host before the kernels run (``check_ids``: an IndexError
+naming the id), except while a CUDA graph is being captured, where no host sync can
+happen: there the token kernel gives NaN for an id outside [0, E) (it reads expert 0's
+rows, never memory outside the weights) and the tile path leaves NaN in the pairs no
+tile takes, so a bad id is never a silent answer.  Experts given as a list of tensors are
+read through a table of (address, row stride, group stride) per expert (the same bits as
+stacked), built once per list.  Float64 latents, weights whose bytes are not contiguous
 within a group, lists of tensors of different shapes, and anything ``qualifies`` refuses
 take the torch path.
 """
 import contextlib
 import functools
 import importlib.util
+import os
 
 import torch
 
 from .torch_impl import d_out_of
+from .validation import check_expert_ids
 
-TILE_TOKENS = 16  # pairs per tile: tl.dot needs 16 rows; fewer are padded with zeros
+TILE_TOKENS = 16  # float32 pairs per tile: tl.dot needs 16 rows; fewer are padded with zeros
+# 16-bit pairs per tile on the tensor cores, and the token kernel's tile height there: one
+# height for both, so that every pair runs the same instruction
+MMA_TILE = 16
 BLOCK_O = 128  # output rows per tile program; a step is one group (32 inputs)
-# calls with at most this many pairs per expert (on average) take the pair kernel: one
-# pair per program, the same multiply-adds in the same order (so the same bits)
-PAIR_KERNEL_PAIRS_PER_EXPERT = 2
-PAIR_BLOCK_O = 32
-PAIR_WARPS = 1
+# calls with at most this many pairs per expert (on average) take the token kernel: one
+# token per program, the same products in the same order (so the same bits)
+TOKEN_KERNEL_PAIRS_PER_EXPERT = 2
+TOKEN_BLOCK_O = 32
+TOKEN_WARPS = 1
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MMA_DTYPES = (torch.bfloat16, torch.float16)
 
 
 # the oldest Triton the kernels are written for (tl.join, tl.dot's input_precision)
@@ -103,16 +125,31 @@ def usable(x, packed, scales, others=()):
     return qualifies(x, packed, scales, others)
 
 
+def check_ids(sel, n_experts):
+    """Check the expert ids on the host (an IndexError naming the id: one host sync) and
+    say True; while the current CUDA stream is being captured into a graph, where a sync
+    cannot happen, check nothing and say False: the kernels then turn a bad id into NaN
+    (see the module's docstring)."""
+    if sel.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    check_expert_ids(sel, n_experts)
+    return True
+
+
 def _tiles(flat, n_experts, tile):
     """Pairs sorted by expert and cut into tiles of one expert each: (order, tile expert,
-    tile start (into order), tile pair count), on the pairs' device without a host sync;
-    the tile count is the bound ceil(P / tile) + min(E, P), trailing tiles empty."""
+    tile start (into order), tile pair count), on the pairs' device without a host sync
+    (no ``bincount``, whose size is read back); the tile count is the bound
+    ceil(P / tile) + min(E, P), trailing tiles empty.  Ids outside [0, E) sort before
+    and after every expert's pairs, in no tile."""
     n_pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
+    bounds = torch.searchsorted(flat[order], torch.arange(n_experts + 1, device=flat.device,
+                                                          dtype=flat.dtype))
+    pair_begin = bounds[:-1]
+    counts = bounds[1:] - pair_begin
     per_expert = (counts + tile - 1) // tile
     tile_end = torch.cumsum(per_expert, 0)
-    pair_begin = torch.cumsum(counts, 0) - counts
     n_tiles = -(-n_pairs // tile) + min(n_experts, n_pairs)
     ids = torch.arange(n_tiles, device=flat.device)
     expert = torch.searchsorted(tile_end, ids, right=True)
@@ -122,6 +159,23 @@ def _tiles(flat, n_experts, tile):
     start = pair_begin[expert] + local * tile
     count = torch.where(real, (counts[expert] - local * tile).clamp(0, tile), 0)
     return order, expert, start, count.to(torch.int32)
+
+
+# device tables of expert lists, keyed by what they hold: (device, ((address, row stride,
+# group stride), ...)) -> int64 tensor; built on a list's first call (a host-to-device
+# copy, which a CUDA graph's capture cannot hold: warm-up calls build it)
+_TABLES: dict = {}
+_TABLES_KEPT = 64
+
+
+def _table(rows, device):
+    key = (str(device), rows)
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= _TABLES_KEPT:
+            _TABLES.pop(next(iter(_TABLES)))
+        table = _TABLES[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+    return table
 
 
 def _weights(packed, scales, device):
@@ -135,57 +189,111 @@ def _weights(packed, scales, device):
             return packed, packed, p_strides, (0, 0, 0), False
         return packed, scales, p_strides, scales.stride(), False
     width = 17 if gguf else 16
-    table = torch.tensor([(t.data_ptr(), t.stride(0), t.stride(1) if t.dim() == 3 else width)
-                          for t in packed], dtype=torch.int64).to(device)
+    table = _table(tuple((t.data_ptr(), t.stride(0), t.stride(1) if t.dim() == 3 else width)
+                         for t in packed), device)
     if gguf:
         return table, table, (0, 0, 0), (0, 0, 0), True
-    s_table = torch.tensor([(t.data_ptr(), t.stride(0), t.stride(1)) for t in scales],
-                           dtype=torch.int64).to(device)
+    s_table = _table(tuple((t.data_ptr(), t.stride(0), t.stride(1)) for t in scales), device)
     return table, s_table, (0, 0, 0), (0, 0, 0), True
 
 
-def pair_products(x, packed, scales, sel):
+def _interpreted():
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``): its tl.dot
+    takes bf16 operands as their uint16 storage, so the kernels widen them first."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _token_path(n_pairs, n_experts):
+    return n_pairs <= TOKEN_KERNEL_PAIRS_PER_EXPERT * n_experts
+
+
+def _rows(t):
+    """A 2-D view whose last dimension is contiguous (the kernels' row stride)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _Call:
+    """One call's operands as the kernels take them."""
+
+    def __init__(self, x, packed, scales, sel):
+        self.n_tokens, self.top_k = sel.shape
+        self.n_experts = len(packed)
+        self.d_out = d_out_of(packed) if self.n_experts or isinstance(packed, torch.Tensor) \
+            else 0
+        self.d_in = x.shape[-1]
+        self.n_pairs = self.n_tokens * self.top_k
+        self.per_slot = x.dim() == 3
+        self.xs = _rows(x.reshape(self.n_pairs if self.per_slot else self.n_tokens,
+                                  self.d_in))
+        self.sel = sel.reshape(-1)
+        if not self.sel.is_contiguous():
+            self.sel = self.sel.contiguous()
+        self.gguf = scales is None
+        self.mma = x.dtype in MMA_DTYPES
+        (self.w_arg, self.s_arg, self.p_strides, self.s_strides,
+         self.listed) = _weights(packed, scales, x.device)
+        self.n_groups = self.d_in // 32
+
+    def empty(self):
+        """No product to run: every one an empty sum (or no pair, no row)."""
+        return 0 in (self.n_pairs, self.d_out, self.n_experts, self.d_in)
+
+    def device(self):
+        return torch.cuda.device(self.xs.device) if self.xs.is_cuda else \
+            contextlib.nullcontext()
+
+    def token_kernel(self, out, mix=None, shared=None):
+        """The token kernel: ``out`` (T, O) = the combined rows (mix and shared given), or
+        (T*K, O) the per-pair products, in out's dtype."""
+        from . import triton_kernels as k
+
+        combine = mix is not None
+        mix = _rows(mix) if combine else out
+        shared = _rows(shared) if combine else out
+        grid = (self.n_tokens, -(-self.d_out // TOKEN_BLOCK_O))
+        with self.device():
+            k.token_kernel[grid](
+                self.xs, self.sel, mix, shared, out, self.w_arg, self.s_arg, self.n_experts,
+                self.n_groups, self.d_out, self.top_k, self.xs.stride(0), mix.stride(0),
+                shared.stride(0), *self.p_strides, *self.s_strides, PER_SLOT=self.per_slot,
+                COMBINE=combine, GGUF=self.gguf, LISTED=self.listed, MMA=self.mma,
+                WIDEN=_interpreted(),
+                M=MMA_TILE, BO=TOKEN_BLOCK_O, num_warps=TOKEN_WARPS, enable_fp_fusion=False)
+        return out
+
+    def tile_kernel(self, out, poison):
+        """The tile kernel: ``out`` (T*K, O) float32 = the per-pair products; ``poison``:
+        NaN first, for the pairs of bad ids that no tile takes."""
+        from . import triton_kernels as k
+
+        if poison:
+            out.fill_(float("nan"))
+        tile = MMA_TILE if self.mma else TILE_TOKENS
+        flat = self.sel.to(torch.int64)
+        order, t_expert, t_start, t_count = _tiles(flat, self.n_experts, tile)
+        x_rows = order if self.per_slot else order // self.top_k
+        grid = (t_count.numel(), -(-self.d_out // BLOCK_O))
+        with self.device():
+            k.tile_kernel[grid](
+                self.xs, x_rows, order, t_expert, t_start, t_count, self.w_arg, self.s_arg,
+                out, self.n_groups, self.d_out, self.xs.stride(0), *self.p_strides,
+                *self.s_strides, GGUF=self.gguf, LISTED=self.listed, MMA=self.mma,
+                WIDEN=_interpreted(),
+                TILE=tile, BO=BLOCK_O, enable_fp_fusion=True)
+        return out
+
+
+def pair_products(x, packed, scales, sel, checked=True):
     """(T*K, O) float32: W_{e_tk} x_t (x_tk for per-slot latents (T, K, I)) per pair
-    p = t*K + k.  ``usable`` must hold; expert ids already checked."""
-    n_tokens, top_k = sel.shape
-    n_experts = len(packed)
-    d_out = d_out_of(packed) if n_experts or isinstance(packed, torch.Tensor) else 0
-    d_in = x.shape[-1]
-    n_pairs = n_tokens * top_k
-    out = torch.empty((n_pairs, d_out), dtype=torch.float32, device=x.device)
-    if n_pairs == 0 or d_out == 0 or n_experts == 0 or d_in == 0:
-        return out.zero_()  # no product: empty sums
-    xs = x.reshape(n_pairs if x.dim() == 3 else n_tokens, d_in)
-    if xs.stride(-1) != 1:
-        xs = xs.contiguous()
-    flat = sel.reshape(-1).to(torch.int64)
-    from . import triton_kernels as k
-
-    gguf = scales is None
-    w_arg, s_arg, p_strides, s_strides, listed = _weights(packed, scales, x.device)
-    n_groups = d_in // 32
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _launch(k, xs, flat, out, w_arg, s_arg, p_strides, s_strides, n_groups, d_out,
-                top_k, x.dim() == 3, gguf, listed, n_experts)
-    return out
-
-
-def _launch(k, xs, flat, out, w_arg, s_arg, p_strides, s_strides, n_groups, d_out, top_k,
-            per_slot, gguf, listed, n_experts):
-    """One of the two kernels over every pair (on the current device: the caller's)."""
-    n_pairs = flat.numel()
-    if n_pairs <= PAIR_KERNEL_PAIRS_PER_EXPERT * n_experts:
-        grid = (n_pairs, -(-d_out // PAIR_BLOCK_O))
-        k.pair_kernel[grid](xs, flat, out, w_arg, s_arg, n_groups, d_out, top_k, xs.stride(0),
-                            *p_strides, *s_strides, PER_SLOT=per_slot, GGUF=gguf,
-                            LISTED=listed, BO=PAIR_BLOCK_O, num_warps=PAIR_WARPS)
-        return
-    order, t_expert, t_start, t_count = _tiles(flat, n_experts, TILE_TOKENS)
-    x_rows = order if per_slot else order // top_k
-    grid = (t_count.numel(), -(-d_out // BLOCK_O))
-    k.tile_kernel[grid](xs, x_rows, order, t_expert, t_start, t_count, w_arg, s_arg, out,
-                        n_groups, d_out, xs.stride(0), *p_strides, *s_strides, GGUF=gguf,
-                        LISTED=listed, TILE=TILE_TOKENS, BO=BLOCK_O)
+    p = t*K + k.  ``usable`` must hold; ``checked``: the expert ids were checked on the
+    host (``check_ids``), else a bad id's row is NaN."""
+    call = _Call(x, packed, scales, sel)
+    out = torch.empty((call.n_pairs, call.d_out), dtype=torch.float32, device=x.device)
+    if call.empty():  # no product: empty sums (NaN for pairs with no expert to take)
+        return out.fill_(0.0 if checked or call.n_experts else float("nan"))
+    if _token_path(call.n_pairs, call.n_experts):
+        return call.token_kernel(out)
+    return call.tile_kernel(out, poison=not checked)
 
 
 # the per-pair products of at most this many bytes at once: longer calls run in chunks of
@@ -198,28 +306,37 @@ def _chunks(n_tokens, top_k, d_out):
     return [(t0, min(n_tokens, t0 + step)) for t0 in range(0, n_tokens, step)]
 
 
-def experts(x, packed, scales, sel, mix, shared, out_dtype):
-    """shared + sum_k p_tk W x, combined as the torch path does (weighted per pair, then
-    added to the shared output slot by slot in order)."""
+def experts(x, packed, scales, sel, mix, shared, out_dtype, checked=True):
+    """shared + sum_k p_tk W x: one token-kernel launch for a decoding call; else the
+    per-pair products combined as the torch path does (weighted per pair, then added to
+    the shared output slot by slot in order)."""
     n_tokens, top_k = sel.shape
     d_out = d_out_of(packed)
+    if n_tokens and d_out and len(packed) and x.shape[-1] and _token_path(
+            n_tokens * top_k, len(packed)):
+        out = torch.empty((n_tokens, d_out), dtype=out_dtype, device=x.device)
+        return _Call(x, packed, scales, sel).token_kernel(out, mix, shared)
     y = torch.empty((n_tokens, d_out), dtype=torch.float32, device=x.device)
     y.copy_(shared)
     for t0, t1 in _chunks(n_tokens, top_k, d_out):
-        contrib = pair_products(x[t0:t1], packed, scales, sel[t0:t1]).view(t1 - t0, top_k,
-                                                                            d_out)
+        contrib = pair_products(x[t0:t1], packed, scales, sel[t0:t1], checked).view(
+            t1 - t0, top_k, d_out)
         contrib *= mix[t0:t1].to(torch.float32).unsqueeze(2)
         for k in range(top_k):
             y[t0:t1] += contrib[:, k]
     return y.to(out_dtype)
 
 
-def slots(x, packed, scales, sel):
+def slots(x, packed, scales, sel, checked=True):
     """(T, K, O) in the latents' dtype: W_{e_tk} x per slot."""
     n_tokens, top_k = sel.shape
     d_out = d_out_of(packed)
     out = torch.empty((n_tokens, top_k, d_out), dtype=x.dtype, device=x.device)
+    call = _Call(x, packed, scales, sel)
+    if not call.empty() and _token_path(call.n_pairs, call.n_experts):
+        call.token_kernel(out.view(call.n_pairs, d_out))  # rounded to x's dtype there
+        return out
     for t0, t1 in _chunks(n_tokens, top_k, d_out):
-        out[t0:t1] = pair_products(x[t0:t1], packed, scales, sel[t0:t1]).view(
+        out[t0:t1] = pair_products(x[t0:t1], packed, scales, sel[t0:t1], checked).view(
             t1 - t0, top_k, d_out)
     return out

@@ -53,12 +53,47 @@ def _group_scale(w_at, s_at, in_rows, GGUF: tl.constexpr):
 
 
 @triton.jit
+def _decoded(byte, scale, MMA: tl.constexpr):
+    """A group's (BO, 16) bytes -> (BO, 32) weights at positions q (low nibble of byte
+    q // 2 at q even, high at q odd): scaled float32 (exact), or for the tensor cores
+    the bare E2M1 values in the latents' 16-bit type (exact; the scale applies to the
+    group's partial sums)."""
+    code = tl.reshape(tl.join(byte & 15, byte >> 4), (byte.shape[0], 32))
+    if MMA:
+        return _e2m1(code)
+    return _e2m1(code) * scale[:, None]
+
+
+@triton.jit
+def _group_step(acc, x, byte, scale, MMA: tl.constexpr, WIDEN: tl.constexpr):
+    """acc (M, BO) after one group: x (M, 32) latents at positions q, byte (BO, 16).
+    float32: one IEEE tl.dot from acc, a chain of fmas over q in order per element.
+    MMA: the group's 32 products of E2M1 values (16-bit, exact) and 16-bit latents summed
+    by the tensor cores into a fresh float32 partial, then acc = fma(partial, scale,
+    acc): a power of two, so the group's order of sums is the instruction's alone.
+    WIDEN (Triton's interpreter only, whose tl.dot multiplies bf16 operands as their
+    uint16 storage): both operands widened to float32 first, exactly."""
+    if MMA:
+        w = _decoded(byte, scale, MMA).to(x.dtype)
+        if WIDEN:
+            partial = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)),
+                             input_precision="ieee")
+        else:
+            partial = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+        return tl.fma(partial, scale[None, :], acc)
+    w = _decoded(byte, scale, MMA)
+    return tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+
+
+@triton.jit
 def tile_kernel(x_ptr, x_row_ptr, out_row_ptr, tile_expert_ptr, tile_start_ptr,
                 tile_count_ptr, packed_ptr, scale_ptr, out_ptr,
                 n_groups, d_out, stride_x, stride_pe, stride_po, stride_pg,
                 stride_se, stride_so, stride_sg, GGUF: tl.constexpr,
-                LISTED: tl.constexpr, TILE: tl.constexpr, BO: tl.constexpr):
-    """Up to TILE pairs of one expert (a tile) times BO rows: tl.dot per group."""
+                LISTED: tl.constexpr, MMA: tl.constexpr, WIDEN: tl.constexpr,
+                TILE: tl.constexpr, BO: tl.constexpr):
+    """Up to TILE pairs of one expert (a tile) times BO rows, group by group
+    (``_group_step``)."""
     tile = tl.program_id(0)
     count = tl.load(tile_count_ptr + tile)
     if count > 0:
@@ -84,10 +119,8 @@ def tile_kernel(x_ptr, x_row_ptr, out_row_ptr, tile_expert_ptr, tile_start_ptr,
             byte = tl.load(w_at[:, None] + byte_cols[None, :], mask=in_rows[:, None],
                            other=0).to(tl.int32)
             scale = _group_scale(w_at, s_at, in_rows, GGUF)
-            code = tl.reshape(tl.join(byte & 15, byte >> 4), (BO, 32))
-            w = _e2m1(code) * scale[:, None]  # (BO, 32), exact
             x = tl.load(x_at, mask=in_tile[:, None], other=0.0)
-            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+            acc = _group_step(acc, x, byte, scale, MMA, WIDEN)
             w_at += w_group
             s_at += s_group
             x_at += 32
@@ -97,32 +130,133 @@ def tile_kernel(x_ptr, x_row_ptr, out_row_ptr, tile_expert_ptr, tile_start_ptr,
 
 
 @triton.jit
-def pair_kernel(x_ptr, sel_ptr, out_ptr, packed_ptr, scale_ptr, n_groups, d_out,
-                top_k, stride_x, stride_pe, stride_po, stride_pg, stride_se,
-                stride_so, stride_sg, PER_SLOT: tl.constexpr, GGUF: tl.constexpr,
-                LISTED: tl.constexpr, BO: tl.constexpr):
-    """One pair times BO rows: the tile kernel's multiply-adds, in its order (position
-    q = 0..31 of each group, groups in order), one fma at a time."""
-    pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(sel_ptr + pair)
-    x_row = pair if PER_SLOT else pair // top_k
+def _rounded(y, out_ptr):
+    """float32 -> the output's dtype, to nearest even; bf16 by integer operations (the bits
+    of a GPU's conversion, and of torch's, also under Triton's interpreter, whose cast
+    truncates)."""
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        b = y.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        b = tl.where(y != y, 0x7FC0, b)  # NaN stays NaN
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return y.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _halves(t):
+    """(BO, 2n) -> its even and its odd columns, (BO, n) each (held by one thread)."""
+    return tl.split(tl.reshape(t, (t.shape[0], t.shape[1] // 2, 2)))
+
+
+@triton.jit
+def _fma_byte(acc, col, x_at, j: tl.constexpr, scale, GGUF: tl.constexpr):
+    """The two multiply-adds of byte j of a group (its low nibble at position 2j, its
+    high one at 2j + 1), one fma each, in the tile kernel's order."""
+    x_lo = tl.load(x_at + (j if GGUF else 2 * j)).to(tl.float32)
+    x_hi = tl.load(x_at + (j + 16 if GGUF else 2 * j + 1)).to(tl.float32)
+    acc = tl.fma(x_lo, _e2m1(col & 15) * scale, acc)
+    return tl.fma(x_hi, _e2m1(col >> 4) * scale, acc)
+
+
+@triton.jit
+def _fma_group(acc, byte, x_at, scale, GGUF: tl.constexpr):
+    """One group's 32 multiply-adds for BO rows from their (BO, 16) bytes, loaded as one
+    block (a vector load per row) and split into columns in registers."""
+    b0, b1 = _halves(byte)  # byte j = d0 + 2 d1 + 4 d2 + 8 d3 is leaf b{d0}{d1}{d2}{d3}
+    b00, b01 = _halves(b0)
+    b10, b11 = _halves(b1)
+    b000, b001 = _halves(b00)
+    b010, b011 = _halves(b01)
+    b100, b101 = _halves(b10)
+    b110, b111 = _halves(b11)
+    c0, c8 = tl.split(b000)
+    c4, c12 = tl.split(b001)
+    c2, c10 = tl.split(b010)
+    c6, c14 = tl.split(b011)
+    c1, c9 = tl.split(b100)
+    c5, c13 = tl.split(b101)
+    c3, c11 = tl.split(b110)
+    c7, c15 = tl.split(b111)
+    acc = _fma_byte(acc, c0, x_at, 0, scale, GGUF)
+    acc = _fma_byte(acc, c1, x_at, 1, scale, GGUF)
+    acc = _fma_byte(acc, c2, x_at, 2, scale, GGUF)
+    acc = _fma_byte(acc, c3, x_at, 3, scale, GGUF)
+    acc = _fma_byte(acc, c4, x_at, 4, scale, GGUF)
+    acc = _fma_byte(acc, c5, x_at, 5, scale, GGUF)
+    acc = _fma_byte(acc, c6, x_at, 6, scale, GGUF)
+    acc = _fma_byte(acc, c7, x_at, 7, scale, GGUF)
+    acc = _fma_byte(acc, c8, x_at, 8, scale, GGUF)
+    acc = _fma_byte(acc, c9, x_at, 9, scale, GGUF)
+    acc = _fma_byte(acc, c10, x_at, 10, scale, GGUF)
+    acc = _fma_byte(acc, c11, x_at, 11, scale, GGUF)
+    acc = _fma_byte(acc, c12, x_at, 12, scale, GGUF)
+    acc = _fma_byte(acc, c13, x_at, 13, scale, GGUF)
+    acc = _fma_byte(acc, c14, x_at, 14, scale, GGUF)
+    return _fma_byte(acc, c15, x_at, 15, scale, GGUF)
+
+
+@triton.jit
+def token_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, scale_ptr,
+                 n_experts, n_groups, d_out, top_k, stride_x, stride_mix, stride_shared,
+                 stride_pe, stride_po, stride_pg, stride_se, stride_so, stride_sg,
+                 PER_SLOT: tl.constexpr, COMBINE: tl.constexpr, GGUF: tl.constexpr,
+                 LISTED: tl.constexpr, MMA: tl.constexpr, WIDEN: tl.constexpr,
+                 M: tl.constexpr, BO: tl.constexpr):
+    """One token times BO rows, its K slots in order, in one launch.  Each slot's
+    products are the tile kernel's (float32: the same fma chain, one fma at a time;
+    MMA: the same tl.dot per group, on an M-row tile whose row 0 is the token, as a
+    tile's rows do not mix).  COMBINE: shared + sum_k mix_k * product_k, each product
+    rounded to float32, times its weight, then added, in order k = 0..K-1 (launched
+    without contraction: the torch path's roundings), stored in the output's dtype;
+    else each slot's product in out[t, k].  An expert id outside [0, n_experts) reads
+    expert 0 and gives NaN in its place: never another expert's rows, never memory
+    outside the weights."""
+    token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
     in_rows = rows < d_out
-    w_at, w_group, s_at, s_group = _row_pointers(
-        packed_ptr, scale_ptr, expert, rows, stride_pe, stride_po, stride_pg, stride_se,
-        stride_so, stride_sg, LISTED)
-    x_at = x_ptr + x_row * stride_x
-    acc = tl.zeros((BO,), dtype=tl.float32)
-    for _ in range(0, n_groups):
-        scale = _group_scale(w_at, s_at, in_rows, GGUF)
-        for j in tl.static_range(16):
-            byte = tl.load(w_at + j + (1 if GGUF else 0), mask=in_rows,
+    byte_cols = tl.arange(0, 16) + (1 if GGUF else 0)
+    if MMA:
+        q = tl.arange(0, 32)
+        x_cols = (q // 2 + 16 * (q % 2)) if GGUF else q
+        first = tl.arange(0, M) == 0
+    if COMBINE:
+        y = tl.load(shared_ptr + token * stride_shared + rows, mask=in_rows,
+                    other=0.0).to(tl.float32)
+    for k in range(0, top_k):
+        pair = token * top_k + k
+        expert = tl.load(sel_ptr + pair).to(tl.int64)
+        valid = (expert >= 0) & (expert < n_experts)
+        expert = tl.where(valid, expert, 0)
+        w_at, w_group, s_at, s_group = _row_pointers(
+            packed_ptr, scale_ptr, expert, rows, stride_pe, stride_po, stride_pg, stride_se,
+            stride_so, stride_sg, LISTED)
+        x_at = x_ptr + (pair if PER_SLOT else token) * stride_x
+        if MMA:
+            acc2 = tl.zeros((M, BO), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BO,), dtype=tl.float32)
+        for _ in range(0, n_groups):
+            byte = tl.load(w_at[:, None] + byte_cols[None, :], mask=in_rows[:, None],
                            other=0).to(tl.int32)
-            x_lo = tl.load(x_at + (j if GGUF else 2 * j)).to(tl.float32)
-            x_hi = tl.load(x_at + (j + 16 if GGUF else 2 * j + 1)).to(tl.float32)
-            acc = tl.fma(x_lo, _e2m1(byte & 15) * scale, acc)
-            acc = tl.fma(x_hi, _e2m1(byte >> 4) * scale, acc)
-        w_at += w_group
-        s_at += s_group
-        x_at += 32
-    tl.store(out_ptr + pair * d_out + rows, acc, mask=in_rows)
+            scale = _group_scale(w_at, s_at, in_rows, GGUF)
+            if MMA:
+                x = tl.load(x_at + (x_cols[None, :] + tl.zeros((M, 1), dtype=tl.int32)),
+                        mask=first[:, None], other=0.0)
+                acc2 = _group_step(acc2, x, byte, scale, MMA, WIDEN)
+            else:
+                acc = _fma_group(acc, byte, x_at, scale, GGUF)
+            w_at += w_group
+            s_at += s_group
+            x_at += 32
+        if MMA:
+            # row 0 out of the tile: plus -0.0s, which leave every value as it is
+            acc = tl.sum(tl.where(first[:, None], acc2, -0.0), axis=0)
+        acc = tl.where(valid, acc, float("nan"))
+        if COMBINE:
+            y = y + acc * tl.load(mix_ptr + token * stride_mix + k).to(tl.float32)
+        else:
+            tl.store(out_ptr + pair * d_out + rows, _rounded(acc, out_ptr),
+                     mask=in_rows)
+    if COMBINE:
+        tl.store(out_ptr + token * d_out + rows, _rounded(y, out_ptr),
+                 mask=in_rows)

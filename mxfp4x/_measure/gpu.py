@@ -1,9 +1,10 @@
 """The roofs of a CUDA device and its timer, measured in-process for ``python -m mxfp4x
 bench --device cuda``: memory read bandwidth over more than the L2 (a float32 sum of a
 buffer of 2 GiB), ``torch.matmul``'s rate in float32 (TF32 off: the exact float32 products
-the torch backend computes in) and in the latents' dtype, and the wall time of a call
+the torch backend computes in) and in the latents' dtype, the wall time of a call
 between two device synchronisations (so that host work inside a call, such as the
-per-expert loop, counts as a user would see it)."""
+per-expert loop, counts as a user would see it), and of a CUDA graph's replay of it (the
+device's work and launches alone, as a captured decoding step runs it)."""
 import contextlib
 
 import torch
@@ -25,6 +26,24 @@ def synchronized_time(fn, device, repeats=5):
         _sync(device)
     call(0)
     return best_time(call, repeats)
+
+
+def graph_time(fn, device, repeats=5):
+    """Smallest wall time of replaying a CUDA graph that holds one call of ``fn()`` (captured
+    after two warm-up calls on a side stream), each replay between two synchronisations:
+    the call's device work and launches without its host work; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return synchronized_time(lambda _: graph.replay(), device, repeats)
 
 
 @contextlib.contextmanager

@@ -289,23 +289,31 @@ def _run_cuda(args, device=None, roof_sizes=()):
             x, sel, mix, shared = calls[i % len(calls)]
             mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared, backend=backend)
         t = gpu.synchronized_time(lambda i: call(i, "auto"), device, args.repeats)
+        t_graph = gpu.graph_time(lambda: call(0, "auto"), device, args.repeats)
         t_torch = gpu.synchronized_time(lambda i: call(i, "torch"), device, 2)
         n_bytes = _bench.streamed_bytes(packed, scales, calls[0][1])
         n_flops = _bench.flops(n_tokens, top_k, d_out, d_in)
         read_s = n_bytes / (roofs["read_gbps"] * 1e9)
-        # the kernel and the torch backend multiply in float32 whatever the latents' dtype
-        floor_s = max(read_s, n_flops / (mm["float32"] * 1e9))
+        # the Triton kernels multiply 16-bit latents on the tensor cores, float32 ones (and
+        # the torch backend every dtype) in float32
+        rate = mm[args.dtype] if path == "Triton kernel" and args.dtype != "float32" \
+            else mm["float32"]
+        floor_s = max(read_s, n_flops / (rate * 1e9))
         t_mm = gpu.matmul_peer(n_tokens, top_k, d_out, d_in, dtype, device)
         r = dict(tokens=n_tokens, threads=None, device=roofs["device"], path=path,
                  cuda_ms=t * 1e3, torch_ms=t_torch * 1e3, gbps=n_bytes / t / 1e9,
                  gflops=n_flops / t / 1e9, read_floor_ms=read_s * 1e3, floor_ms=floor_s * 1e3,
                  matmul_ms=t_mm * 1e3, vs_read=t / read_s, vs_floor=t / floor_s,
-                 vs_matmul=t / t_mm)
+                 vs_matmul=t / t_mm, graph_ms=None if t_graph is None else t_graph * 1e3,
+                 graph_vs_read=None if t_graph is None else t_graph / read_s)
         rows.append(r)
+        graph = "" if t_graph is None else (f"  graph replay {r['graph_ms']:8.3f} ms (read "
+                                            f"floor x{r['graph_vs_read']:.2f})")
         print(f"T={n_tokens:<5d} cuda  {r['cuda_ms']:9.3f} ms ({r['gbps']:7.1f} GB/s, "
               f"{r['gflops']:8.1f} GFLOP/s)  torch backend {r['torch_ms']:8.3f} ms  | floor "
               f"{r['floor_ms']:8.3f} ms (x{r['vs_floor']:.2f}; read floor x{r['vs_read']:.2f})"
-              f"  decoded-matmul {r['matmul_ms']:8.3f} ms (x{r['vs_matmul']:.2f})", flush=True)
+              f"  decoded-matmul {r['matmul_ms']:8.3f} ms (x{r['vs_matmul']:.2f}){graph}",
+              flush=True)
     return _finish(args, rows)
 
 

@@ -138,6 +138,52 @@ def test_cuda_compile_fullgraph_equals_eager(rng):
     assert torch.equal(compiled(*layer.values()), block(*layer.values()))
 
 
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n_tokens", [1, 4, 64])
+def test_cuda_graph_captures_a_call_and_replays_it_on_new_inputs(rng, dtype, n_tokens):
+    """No host sync while a graph is captured (the ids are then checked on the device: a bad
+    id gives its token NaN); replays on new latents and ids give the eager call's bits."""
+    shape = (n_tokens, 4, 32, 96, 3)
+    static = _to(random_layer(rng, *shape, dtype=dtype))
+    args = list(static.values())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles the kernels
+        for _ in range(2):
+            mxfp4x.mxfp4_experts(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mxfp4x.mxfp4_experts(*args)
+    fresh = _to(random_layer(rng, *shape, dtype=dtype))
+    for name in ("latent_tokens", "selected_experts", "mixture_weights", "shared_output"):
+        static[name].copy_(fresh[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, mxfp4x.mxfp4_experts(*fresh.values()))
+    static["selected_experts"][0, 1] = 32
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out[0].isnan().all() and not out[1:].isnan().any()
+    with pytest.raises(IndexError, match="expert id 32 is outside"):
+        mxfp4x.mxfp4_experts(*static.values())
+
+
+@gpu_only
+def test_cuda_compile_reduce_overhead_equals_eager(rng):
+    """torch.compile(mode="reduce-overhead") captures the op in a CUDA graph."""
+    layer = _to(random_layer(rng, 1, 4, 32, 96, 3, dtype=torch.bfloat16))
+
+    def block(x, packed, scales, sel, mix, shared):
+        return mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared) * 2
+
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        got = compiled(*layer.values())
+    assert torch.equal(got, block(*layer.values()))
+
+
 def test_cuda_mxfp4_experts_module(rng):
     layer = random_layer(rng, 8, 2, 5, 24, 3)
     module = nn.MXFP4Experts.from_packed(layer["packed_weights"], layer["scale_bytes"])

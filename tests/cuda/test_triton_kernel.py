@@ -30,14 +30,14 @@ SIZES = [  # T, K, E, O, G: one token; odd rows; tiles past 16 pairs; more exper
     (1, 4, 6, 70, 5), (9, 4, 6, 70, 3), (20, 3, 2, 33, 2), (3, 2, 40, 17, 1)]
 
 
-@pytest.fixture(params=["tile", "pair"], autouse=True)
+@pytest.fixture(params=["tile", "token"], autouse=True)
 def kernel(request, monkeypatch):
-    """Every test through both kernels: the tile kernel (tl.dot on up to 16 pairs of an
-    expert) and the pair kernel (one pair, one fma at a time)."""
-    monkeypatch.setattr(ti, "PAIR_KERNEL_PAIRS_PER_EXPERT",
+    """Every test through both kernels: the tile kernel (tl.dot on a tile of pairs of an
+    expert) and the token kernel (one token's slots, combined in the same launch)."""
+    monkeypatch.setattr(ti, "TOKEN_KERNEL_PAIRS_PER_EXPERT",
                         0 if request.param == "tile" else 10 ** 9)
     if INTERPRETED:  # fewer programs, each run in Python (a row's bits do not depend on it)
-        monkeypatch.setattr(ti, "PAIR_BLOCK_O", 128)
+        monkeypatch.setattr(ti, "TOKEN_BLOCK_O", 128)
     return request.param
 
 
@@ -86,15 +86,16 @@ def test_per_slot_latents_and_slots(rng):
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter's tl.dot is numpy's matmul, "
                     "whose rounding may follow the tile's other rows")
 @pytest.mark.parametrize("gguf", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_token_has_the_same_bits_alone_in_a_batch_and_through_either_kernel(
-        rng, kernel, monkeypatch, gguf):
-    layer = random_layer(rng, 37, 4, 3, 70, 4)  # ~50 pairs per expert: several tiles
+        rng, kernel, monkeypatch, gguf, dtype):
+    layer = random_layer(rng, 37, 4, 3, 70, 4, dtype=dtype)  # ~50 pairs per expert
     if gguf:
         blocks = gguf_blocks_of(layer["packed_weights"], layer["scale_bytes"])
         layer["packed_weights"], layer["scale_bytes"] = torch.from_numpy(blocks), None
     full = _run(layer)
     other = 10 ** 9 if kernel == "tile" else 0
-    monkeypatch.setattr(ti, "PAIR_KERNEL_PAIRS_PER_EXPERT", other)
+    monkeypatch.setattr(ti, "TOKEN_KERNEL_PAIRS_PER_EXPERT", other)
     assert torch.equal(_run(layer), full)
     for t in (0, 5, 17, 36):
         one = {k: v[t:t + 1] if k not in ("packed_weights", "scale_bytes") else v
@@ -267,3 +268,67 @@ def test_a_triton_older_than_the_kernels_is_not_used(monkeypatch, kernel):
         assert ti.available()
     finally:
         ti.available.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_token_has_the_same_bits_alone_and_in_a_batch_through_the_token_kernel(
+        rng, kernel, dtype):
+    """The token kernel's float32 path is fmas alone (no tl.dot), so this holds under the
+    interpreter too; its 16-bit path a tensor-core tile of one real row."""
+    if kernel != "token" or (dtype != torch.float32 and DEVICE != "cuda"):
+        pytest.skip("the token kernel's fma chain (the interpreter's tl.dot is numpy's)")
+    layer = random_layer(rng, 6, 4, 16, 70, 4, dtype=dtype)
+    full = _run(layer)
+    for t in (0, 3, 5):
+        one = {k: v[t:t + 1] if k not in ("packed_weights", "scale_bytes") else v
+               for k, v in layer.items()}
+        assert torch.equal(_run(one)[0], full[t]), t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_token_kernels_combine_rounds_as_the_torch_path(rng, kernel, dtype):
+    """Combined in the launch, each slot's product rounded to float32, times its weight,
+    then added in slot order (no contraction): the bits of the products combined in torch."""
+    if kernel != "token":
+        pytest.skip("the token kernel's combine")
+    layer = _on(random_layer(rng, 5, 4, 12, 70, 3, dtype=dtype))
+    x, p, s = layer["latent_tokens"], layer["packed_weights"], layer["scale_bytes"]
+    sel, mix, shared = (layer[k] for k in ("selected_experts", "mixture_weights",
+                                           "shared_output"))
+    products = ti.pair_products(x, p, s, sel).view(5, 4, 70)
+    want = shared.to(torch.float32)
+    for k in range(4):
+        want = want + products[:, k] * mix[:, k:k + 1].to(torch.float32)
+    got = ti.experts(x, p, s, sel, mix, shared, dtype)
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+    slots = ti.slots(x, p, s, sel)
+    assert slots.dtype == dtype and torch.equal(slots, products.to(dtype))
+
+
+def test_unchecked_bad_ids_give_nan_rows_and_leave_the_others(rng, kernel):
+    """While a CUDA graph is captured the ids are not checked on the host: a bad id's
+    token comes out NaN (its rows read from expert 0, never from outside the weights), and
+    every other token has the bits of a checked call."""
+    layer = random_layer(rng, 9, 3, 4, 40, 2)
+    if kernel == "tile":  # more pairs per expert than the token kernel takes
+        layer = random_layer(rng, 40, 3, 4, 40, 2)
+    good = _run(layer)
+    d = _on(layer)
+    sel = d["selected_experts"].clone()
+    sel[1, 2], sel[4, 0] = -1, 4
+    got = ti.experts(d["latent_tokens"], d["packed_weights"], d["scale_bytes"], sel,
+                     d["mixture_weights"], d["shared_output"], torch.float32, checked=False)
+    assert got[[1, 4]].isnan().all()
+    rest = [t for t in range(len(sel)) if t not in (1, 4)]
+    if kernel == "tile" and DEVICE != "cuda":  # numpy's matmul follows the tile's rows
+        torch.testing.assert_close(got[rest], good[rest], rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got[rest], good[rest])
+    slots = ti.slots(d["latent_tokens"], d["packed_weights"], d["scale_bytes"], sel,
+                     checked=False)
+    assert slots[1, 2].isnan().all() and slots[4, 0].isnan().all()
+    assert not slots[1, :2].isnan().any() and not slots[rest].isnan().any()
+    if DEVICE == "cpu":
+        assert ti.check_ids(d["selected_experts"], 4)
+        with pytest.raises(IndexError, match="expert id -1 is outside"):
+            ti.check_ids(sel, 4)
