@@ -9,7 +9,7 @@
 #      `bench --device cuda` on CUDA tensors);
 #   3. the main job on CUDA tensors, float32 and bfloat16 latents, against the GPU's roofs
 #      (the Triton kernel and the torch backend);
-#   4. the Triton kernels' block sizes (token kernel rows and warps at T <= 16; tile rows and
+#   4. the Triton kernels' block sizes (token kernel rows, warps, stages at T <= 16; tile rows and
 #      the tensor cores' tile height above), each timed as CUDA-graph replays against the
 #      read floor, with whether every size gave the same bits;
 #   5. whether a token's row on the GPU has the same bits alone as in a batch of 8, 64 and
@@ -63,7 +63,8 @@ from mxfp4x.testing import bench
 dev = torch.device("cuda")
 read = gpu.read_bandwidth(dev)
 packed, scales = (t.cuda() for t in bench.make_experts(32, 5760, 2880))
-defaults = {k: getattr(ti, k) for k in ("TOKEN_BLOCK_O", "TOKEN_WARPS", "BLOCK_O", "MMA_TILE")}
+defaults = {k: getattr(ti, k) for k in ("TOKEN_BLOCK_O", "TOKEN_WARPS", "TOKEN_STAGES",
+                                         "BLOCK_O", "MMA_TILE")}
 
 
 def replay_ms(fn):
@@ -75,30 +76,34 @@ for dtype in (torch.float32, torch.bfloat16):
         x, sel, mix, shared = (t.cuda() for t in bench.make_tokens(n, 4, 32, 2880, 5760, dtype))
         floor = bench.streamed_bytes(packed, scales, sel) / read * 1e3
         if n <= 16:
-            grid = itertools.product((32, 64, 128), (1, 2, 4), (defaults["BLOCK_O"],),
+            grid = itertools.product((32, 64, 128), (1, 4), (1, 3), (defaults["BLOCK_O"],),
                                      (defaults["MMA_TILE"],))
         else:
             grid = itertools.product((defaults["TOKEN_BLOCK_O"],), (defaults["TOKEN_WARPS"],),
-                                     (64, 128, 256), (16, 64) if dtype != torch.float32
+                                     (defaults["TOKEN_STAGES"],), (64, 128, 256),
+                                     (16, 64) if dtype != torch.float32
                                      else (defaults["MMA_TILE"],))
         results, first = [], None
-        for bo, warps, tile_bo, mma_tile in grid:
-            ti.TOKEN_BLOCK_O, ti.TOKEN_WARPS, ti.BLOCK_O, ti.MMA_TILE = bo, warps, tile_bo, mma_tile
+        for bo, warps, stages, tile_bo, mma_tile in grid:
+            (ti.TOKEN_BLOCK_O, ti.TOKEN_WARPS, ti.TOKEN_STAGES, ti.BLOCK_O,
+             ti.MMA_TILE) = bo, warps, stages, tile_bo, mma_tile
             try:
                 y = mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared)
                 ms = replay_ms(lambda: mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared))
             except Exception as e:  # a block size the GPU cannot hold
-                print(f"  {dtype} T={n} {bo}/{warps}/{tile_bo}/{mma_tile}: {type(e).__name__}")
+                print(f"  {dtype} T={n} {bo}/{warps}/{stages}/{tile_bo}/{mma_tile}: "
+                      f"{type(e).__name__}: {str(e)[:200]}")
                 continue
             first = y if first is None else first
-            results.append((ms, bo, warps, tile_bo, mma_tile, torch.equal(y, first)))
+            results.append((ms, f"{bo}/{warps}/{stages}/{tile_bo}/{mma_tile}",
+                            torch.equal(y, first)))
         for k, v in defaults.items():
             setattr(ti, k, v)
         results.sort()
-        print(f"{dtype} T={n}: read floor {floor:.4f} ms; best of token rows/warps, tile "
-              f"rows, MMA tile (ms, x floor, same bits as the first):")
-        for ms, bo, warps, tile_bo, mma_tile, same in results[:4]:
-            print(f"  {ms:.4f} x{ms / floor:5.1f}  {bo}/{warps}/{tile_bo}/{mma_tile}  {same}")
+        print(f"{dtype} T={n}: read floor {floor:.4f} ms; token rows/warps/stages, tile "
+              f"rows, MMA tile height: ms, x floor, the same bits as the first size's")
+        for ms, config, same in results[:4] + results[-1:]:
+            print(f"  {ms:.4f} x{ms / floor:5.1f}  {config}  {same}")
 EOF
 
 echo "== one token alone against the same token in a batch, on the GPU"

@@ -56,6 +56,7 @@ BLOCK_O = 128  # output rows per tile program; a step is one group (32 inputs)
 TOKEN_KERNEL_PAIRS_PER_EXPERT = 2
 TOKEN_BLOCK_O = 32
 TOKEN_WARPS = 1
+TOKEN_STAGES = 3  # Triton's default on CUDA: loads of later groups in flight
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MMA_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -258,7 +259,8 @@ class _Call:
                 shared.stride(0), *self.p_strides, *self.s_strides, PER_SLOT=self.per_slot,
                 COMBINE=combine, GGUF=self.gguf, LISTED=self.listed, MMA=self.mma,
                 WIDEN=_interpreted(),
-                M=MMA_TILE, BO=TOKEN_BLOCK_O, num_warps=TOKEN_WARPS, enable_fp_fusion=False)
+                M=MMA_TILE, BO=TOKEN_BLOCK_O, num_warps=TOKEN_WARPS, num_stages=TOKEN_STAGES,
+                enable_fp_fusion=False)
         return out
 
     def tile_kernel(self, out, poison):
