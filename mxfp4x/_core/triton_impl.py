@@ -14,17 +14,20 @@ bits, both exact: no table).
   scale, acc)`` with the group's power-of-two scale, groups in order.  A group's sum is
   the instruction's; its order is the same for every token and batch.
 
-The **token kernel** (at most ``TOKEN_KERNEL_PAIRS_PER_EXPERT`` pairs per expert on
-average: decoding) takes one token and ``TOKEN_BLOCK_O`` rows per program and runs its
-K slots in order, the mixture weights and the shared output combined in the same launch:
-one launch per call, no host sync, no sort.  Above that the pairs are sorted by expert
-on the device and cut into tiles of one expert (the **tile kernel**: ``TILE_TOKENS``
-pairs of float32 latents, ``MMA_TILE`` of 16-bit ones, times ``BLOCK_O`` rows), and the
-per-pair products are weighted and summed over slots in order k = 0..K-1 in torch, with
-the token kernel's roundings.  A pair's products are the same chain (float32: the same
-fmas in the same order; 16-bit: the same tensor-core instruction on a tile of the same
-height whose other rows are padding or other pairs, which it does not mix), so a token's
-bits do not depend on its batch or on which kernel ran.
+The **token kernels** (at most ``TOKEN_KERNEL_PAIRS_PER_EXPERT`` pairs per expert on
+average: decoding) take one token and ``TOKEN_BLOCK_O`` rows per program, the mixture
+weights and the shared output combined in the same launch: one launch per call, no host
+sync, no sort. Float32 (``token_kernel``): the K slots side by side, each (slot, row)
+its own fma chain (one warp: a thread holds a row's slots, independent chains); 16-bit
+(``token_mma_kernel``): the slots in turn, one tensor-core chain each. Above that the
+pairs are sorted by expert on the device and cut into tiles of one expert (the **tile
+kernel**: ``TILE_TOKENS`` pairs of float32 latents, ``MMA_TILE`` of 16-bit ones, times
+``BLOCK_O`` rows), and the per-pair products are weighted and summed over slots in order
+k = 0..K-1 in torch, with the token kernel's roundings. A pair's products are the same
+chain (float32: the same fmas in the same order; 16-bit: the same tensor-core
+instruction on a tile of the same height whose other rows are padding or other pairs,
+which it does not mix), so a token's bits do not depend on its batch or on which kernel
+ran.
 
 Expert ids are checked on the host before the kernels run (``check_ids``: an IndexError
 naming the id), except while a CUDA graph is being captured, where no host sync can
@@ -252,15 +255,17 @@ class _Call:
         mix = _rows(mix) if combine else out
         shared = _rows(shared) if combine else out
         grid = (self.n_tokens, -(-self.d_out // TOKEN_BLOCK_O))
-        with self.device():
-            k.token_kernel[grid](
-                self.xs, self.sel, mix, shared, out, self.w_arg, self.s_arg, self.n_experts,
+        args = (self.xs, self.sel, mix, shared, out, self.w_arg, self.s_arg, self.n_experts,
                 self.n_groups, self.d_out, self.top_k, self.xs.stride(0), mix.stride(0),
-                shared.stride(0), *self.p_strides, *self.s_strides, PER_SLOT=self.per_slot,
-                COMBINE=combine, GGUF=self.gguf, LISTED=self.listed, MMA=self.mma,
-                WIDEN=_interpreted(),
-                M=MMA_TILE, BO=TOKEN_BLOCK_O, num_warps=TOKEN_WARPS, num_stages=TOKEN_STAGES,
-                enable_fp_fusion=False)
+                shared.stride(0), *self.p_strides, *self.s_strides)
+        launch = dict(PER_SLOT=self.per_slot, COMBINE=combine, GGUF=self.gguf,
+                      LISTED=self.listed, BO=TOKEN_BLOCK_O, num_warps=TOKEN_WARPS,
+                      num_stages=TOKEN_STAGES, enable_fp_fusion=False)
+        with self.device():
+            if self.mma:
+                k.token_mma_kernel[grid](*args, WIDEN=_interpreted(), M=MMA_TILE, **launch)
+            else:
+                k.token_kernel[grid](*args, KP=1 << (self.top_k - 1).bit_length(), **launch)
         return out
 
     def tile_kernel(self, out, poison):

@@ -144,8 +144,9 @@ def _rounded(y, out_ptr):
 
 @triton.jit
 def _halves(t):
-    """(BO, 2n) -> its even and its odd columns, (BO, n) each (held by one thread)."""
-    return tl.split(tl.reshape(t, (t.shape[0], t.shape[1] // 2, 2)))
+    """(KP, BO, 2n) -> its even and its odd last-axis entries, (KP, BO, n) each (held by one
+    thread)."""
+    return tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2] // 2, 2)))
 
 
 @triton.jit
@@ -160,8 +161,9 @@ def _fma_byte(acc, col, x_at, j: tl.constexpr, scale, GGUF: tl.constexpr):
 
 @triton.jit
 def _fma_group(acc, byte, x_at, scale, GGUF: tl.constexpr):
-    """One group's 32 multiply-adds for BO rows from their (BO, 16) bytes, loaded as one
-    block (a vector load per row) and split into columns in registers."""
+    """One group's 32 multiply-adds for a (KP, BO) tile of (slot, row) chains from their
+    (KP, BO, 16) bytes, loaded as one block (a vector load per row) and split into
+    columns in registers; x_at a latents' address, or one per slot (KP, 1)."""
     b0, b1 = _halves(byte)  # byte j = d0 + 2 d1 + 4 d2 + 8 d3 is leaf b{d0}{d1}{d2}{d3}
     b00, b01 = _halves(b0)
     b10, b11 = _halves(b1)
@@ -200,25 +202,73 @@ def token_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, scale
                  n_experts, n_groups, d_out, top_k, stride_x, stride_mix, stride_shared,
                  stride_pe, stride_po, stride_pg, stride_se, stride_so, stride_sg,
                  PER_SLOT: tl.constexpr, COMBINE: tl.constexpr, GGUF: tl.constexpr,
-                 LISTED: tl.constexpr, MMA: tl.constexpr, WIDEN: tl.constexpr,
-                 M: tl.constexpr, BO: tl.constexpr):
-    """One token times BO rows, its K slots in order, in one launch.  Each slot's
-    products are the tile kernel's (float32: the same fma chain, one fma at a time;
-    MMA: the same tl.dot per group, on an M-row tile whose row 0 is the token, as a
-    tile's rows do not mix).  COMBINE: shared + sum_k mix_k * product_k, each product
-    rounded to float32, times its weight, then added, in order k = 0..K-1 (launched
-    without contraction: the torch path's roundings), stored in the output's dtype;
-    else each slot's product in out[t, k].  An expert id outside [0, n_experts) reads
-    expert 0 and gives NaN in its place: never another expert's rows, never memory
-    outside the weights."""
+                 LISTED: tl.constexpr, KP: tl.constexpr, BO: tl.constexpr):
+    """Float32 latents: one token's K slots (KP, a power of two, at least K) times BO rows,
+    every (slot, row) its own chain: the tile kernel's fmas in its order, one at a time,
+    the slots side by side.  COMBINE: shared + sum_k mix_k * product_k, each product
+    (float32) times its weight, then added, in order k = 0..K-1 (launched without
+    contraction: the torch path's roundings), stored in the output's dtype; else each
+    slot's product in out[t, k].  An expert id outside [0, n_experts) reads expert 0 and
+    gives NaN in its place: never another expert's rows, never memory outside the
+    weights."""
+    token = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
+    ks = tl.arange(0, KP)
+    in_k = ks < top_k
+    pairs = token * top_k + ks
+    expert = tl.load(sel_ptr + pairs, mask=in_k, other=0).to(tl.int64)
+    valid = (expert >= 0) & (expert < n_experts)
+    expert = tl.where(valid, expert, 0)
+    live = in_k[:, None] & (rows < d_out)[None, :]
+    w_at, w_group, s_at, s_group = _row_pointers(
+        packed_ptr, scale_ptr, expert[:, None], rows[None, :], stride_pe, stride_po,
+        stride_pg, stride_se, stride_so, stride_sg, LISTED)
+    byte_cols = tl.arange(0, 16) + (1 if GGUF else 0)
+    if PER_SLOT:
+        x_at = x_ptr + tl.where(in_k, pairs, 0)[:, None] * stride_x
+    else:
+        x_at = x_ptr + token * stride_x
+    acc = tl.zeros((KP, BO), dtype=tl.float32)
+    for _ in range(0, n_groups):
+        byte = tl.load(w_at[:, :, None] + byte_cols[None, None, :], mask=live[:, :, None],
+                       other=0).to(tl.int32)
+        scale = _group_scale(w_at, s_at, live, GGUF)
+        acc = _fma_group(acc, byte, x_at, scale, GGUF)
+        w_at += w_group
+        s_at += s_group
+        x_at += 32
+    acc = tl.where(valid[:, None], acc, float("nan"))
+    if COMBINE:
+        y = tl.load(shared_ptr + token * stride_shared + rows, mask=rows < d_out,
+                    other=0.0).to(tl.float32)
+        weighted = acc * tl.load(mix_ptr + token * stride_mix + ks, mask=in_k,
+                                 other=0.0).to(tl.float32)[:, None]
+        for k in tl.static_range(KP):
+            if k < top_k:  # slot k's row out of the tile: plus -0.0s, which change nothing
+                y = y + tl.sum(tl.where(ks[:, None] == k, weighted, -0.0), axis=0)
+        tl.store(out_ptr + token * d_out + rows, _rounded(y, out_ptr), mask=rows < d_out)
+    else:
+        tl.store(out_ptr + pairs[:, None] * d_out + rows[None, :], _rounded(acc, out_ptr),
+                 mask=live)
+
+
+@triton.jit
+def token_mma_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, scale_ptr,
+                     n_experts, n_groups, d_out, top_k, stride_x, stride_mix, stride_shared,
+                     stride_pe, stride_po, stride_pg, stride_se, stride_so, stride_sg,
+                     PER_SLOT: tl.constexpr, COMBINE: tl.constexpr, GGUF: tl.constexpr,
+                     LISTED: tl.constexpr, WIDEN: tl.constexpr, M: tl.constexpr,
+                     BO: tl.constexpr):
+    """16-bit latents: one token times BO rows, its K slots in turn, each the tile kernel's
+    tensor-core steps (``_group_step``) on an M-row tile whose row 0 is the token (a tile's
+    rows do not mix); the combine, the output and bad ids as in ``token_kernel``."""
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
     in_rows = rows < d_out
     byte_cols = tl.arange(0, 16) + (1 if GGUF else 0)
-    if MMA:
-        q = tl.arange(0, 32)
-        x_cols = (q // 2 + 16 * (q % 2)) if GGUF else q
-        first = tl.arange(0, M) == 0
+    q = tl.arange(0, 32)
+    x_cols = (q // 2 + 16 * (q % 2)) if GGUF else q
+    first = tl.arange(0, M) == 0
     if COMBINE:
         y = tl.load(shared_ptr + token * stride_shared + rows, mask=in_rows,
                     other=0.0).to(tl.float32)
@@ -231,32 +281,23 @@ def token_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, scale
             packed_ptr, scale_ptr, expert, rows, stride_pe, stride_po, stride_pg, stride_se,
             stride_so, stride_sg, LISTED)
         x_at = x_ptr + (pair if PER_SLOT else token) * stride_x
-        if MMA:
-            acc2 = tl.zeros((M, BO), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BO,), dtype=tl.float32)
+        acc2 = tl.zeros((M, BO), dtype=tl.float32)
         for _ in range(0, n_groups):
             byte = tl.load(w_at[:, None] + byte_cols[None, :], mask=in_rows[:, None],
                            other=0).to(tl.int32)
             scale = _group_scale(w_at, s_at, in_rows, GGUF)
-            if MMA:
-                x = tl.load(x_at + (x_cols[None, :] + tl.zeros((M, 1), dtype=tl.int32)),
+            x = tl.load(x_at + (x_cols[None, :] + tl.zeros((M, 1), dtype=tl.int32)),
                         mask=first[:, None], other=0.0)
-                acc2 = _group_step(acc2, x, byte, scale, MMA, WIDEN)
-            else:
-                acc = _fma_group(acc, byte, x_at, scale, GGUF)
+            acc2 = _group_step(acc2, x, byte, scale, True, WIDEN)
             w_at += w_group
             s_at += s_group
             x_at += 32
-        if MMA:
-            # row 0 out of the tile: plus -0.0s, which leave every value as it is
-            acc = tl.sum(tl.where(first[:, None], acc2, -0.0), axis=0)
+        # row 0 out of the tile: plus -0.0s, which leave every value as it is
+        acc = tl.sum(tl.where(first[:, None], acc2, -0.0), axis=0)
         acc = tl.where(valid, acc, float("nan"))
         if COMBINE:
             y = y + acc * tl.load(mix_ptr + token * stride_mix + k).to(tl.float32)
         else:
-            tl.store(out_ptr + pair * d_out + rows, _rounded(acc, out_ptr),
-                     mask=in_rows)
+            tl.store(out_ptr + pair * d_out + rows, _rounded(acc, out_ptr), mask=in_rows)
     if COMBINE:
-        tl.store(out_ptr + token * d_out + rows, _rounded(y, out_ptr),
-                 mask=in_rows)
+        tl.store(out_ptr + token * d_out + rows, _rounded(y, out_ptr), mask=in_rows)

@@ -63,30 +63,46 @@ def _ops(ptx):
     return counts
 
 
-def _token_ptx(x_type, combine, mma, arch, gguf=False):
+def _token_ptx(x_type, combine, mma, arch, gguf=False, top_k=4, warps=None):
     from mxfp4x._core import triton_kernels as k
 
     out_type = x_type if combine else "fp32"
     types = [f"*{x_type}", "*i64", "*fp32", f"*{x_type}", f"*{out_type}", "*u8", "*u8"] + \
         ["i32"] * 13
-    constants = dict(PER_SLOT=False, COMBINE=combine, GGUF=gguf, LISTED=False, MMA=mma,
-                     WIDEN=False, M=ti.MMA_TILE, BO=ti.TOKEN_BLOCK_O)
-    return _ops(_compile(k.token_kernel, TOKEN_ARGS, types, constants,
-                         dict(num_warps=ti.TOKEN_WARPS, num_stages=ti.TOKEN_STAGES,
-                              enable_fp_fusion=False), arch))
+    constants = dict(PER_SLOT=False, COMBINE=combine, GGUF=gguf, LISTED=False,
+                     BO=ti.TOKEN_BLOCK_O)
+    if mma:
+        constants.update(WIDEN=False, M=ti.MMA_TILE)
+    else:
+        constants.update(KP=top_k)
+    return _ops(_compile(k.token_mma_kernel if mma else k.token_kernel, TOKEN_ARGS, types,
+                         constants, dict(num_warps=warps or ti.TOKEN_WARPS,
+                                         num_stages=ti.TOKEN_STAGES, enable_fp_fusion=False),
+                         arch))
+
+
+def _chains(top_k, warps):
+    """(slot, row) chains a thread of the float32 token kernel holds."""
+    return max(1, top_k * ti.TOKEN_BLOCK_O // (32 * warps))
 
 
 @pytest.mark.parametrize("arch", [90, 80])
 @pytest.mark.parametrize("combine", [True, False])
-def test_the_float32_token_kernel_loads_each_rows_bytes_at_once_and_runs_one_fma_chain(
-        arch, combine):
-    """A group's 16 bytes of a row in one 128-bit load; its columns split in registers (no
-    shared memory); 32 fmas a group, the chain; the combine's multiply and add rounded
-    apart (launched without contraction), as the torch path rounds them."""
-    ops = _token_ptx("fp32", combine, False, arch)
-    assert ops.get("ld.global.v4.b32", 0) >= 1, ops
-    assert not any(op.startswith(("st.shared", "ld.shared")) for op in ops), ops
-    assert ops.get("fma.rn.f32") == 32, ops
+@pytest.mark.parametrize("warps", [1, 4])
+def test_the_float32_token_kernel_loads_each_rows_bytes_at_once_and_runs_its_fma_chains(
+        arch, combine, warps):
+    """Each (slot, row) chain a thread holds: a group's 16 bytes in one 128-bit load, its
+    columns split in registers (no shared memory), 32 fmas a group (one warp: a thread
+    holds a row's four slots, four independent chains); the combine's
+    multiply and add rounded apart (launched without contraction), as the torch path
+    rounds them."""
+    ops = _token_ptx("fp32", combine, False, arch, warps=warps)
+    chains = _chains(4, warps)
+    assert ops.get("ld.global.v4.b32", 0) == chains, ops
+    if not combine or warps == 1:  # (the combine gathers a slot's row across warps
+        # through shared memory, once a program: not in the loop over groups)
+        assert not any(op.startswith(("st.shared", "ld.shared")) for op in ops), ops
+    assert ops.get("fma.rn.f32") == 32 * chains, ops
     if combine:
         assert ops.get("add.rn.f32", 0) >= 1 and ops.get("mul.rn.f32", 0) >= 1, ops
 
@@ -113,8 +129,8 @@ def test_every_layout_compiles(gguf):
     """GGUF's 17-byte blocks (byte loads: nothing is aligned) and float32 tiles."""
     from mxfp4x._core import triton_kernels as k
 
-    ops = _token_ptx("fp32", True, False, 90, gguf=gguf)
-    assert ops.get("fma.rn.f32") == 32, ops
+    ops = _token_ptx("fp32", True, False, 90, gguf=gguf, top_k=16)  # Kimi K3's 16 slots
+    assert ops.get("fma.rn.f32") == 32 * _chains(16, ti.TOKEN_WARPS), ops
     types = ["*fp32", "*i64", "*i64", "*i64", "*i64", "*i32", "*u8", "*u8", "*fp32"] + \
         ["i32"] * 9
     tile = _ops(_compile(k.tile_kernel, TILE_ARGS, types,
