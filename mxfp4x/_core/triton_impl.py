@@ -19,15 +19,15 @@ average: decoding) take one token and ``TOKEN_BLOCK_O`` rows per program, the mi
 weights and the shared output combined in the same launch: one launch per call, no host
 sync, no sort. Float32 (``token_kernel``): the K slots side by side, each (slot, row)
 its own fma chain (one warp: a thread holds a row's slots, independent chains); 16-bit
-(``token_mma_kernel``): the slots in turn, one tensor-core chain each. Above that the
-pairs are sorted by expert on the device and cut into tiles of one expert (the **tile
-kernel**: ``TILE_TOKENS`` pairs of float32 latents, ``MMA_TILE`` of 16-bit ones, times
-``BLOCK_O`` rows), and the per-pair products are weighted and summed over slots in order
-k = 0..K-1 in torch, with the token kernel's roundings. A pair's products are the same
-chain (float32: the same fmas in the same order; 16-bit: the same tensor-core
-instruction on a tile of the same height whose other rows are padding or other pairs,
-which it does not mix), so a token's bits do not depend on its batch or on which kernel
-ran.
+(``token_mma_kernel``): the slots side by side too, one batched tensor-core step a
+group. Above that the pairs are sorted by expert on the device and cut into tiles of one
+expert (the **tile kernel**: ``TILE_TOKENS`` pairs of float32 latents, ``MMA_TILE`` of
+16-bit ones, times ``BLOCK_O`` rows), and the per-pair products are weighted and summed
+over slots in order k = 0..K-1 in torch, with the token kernel's roundings. A pair's
+products are the same chain (float32: the same fmas in the same order; 16-bit: the same
+tensor-core instruction on a tile of the same height whose other rows are padding or
+other pairs, which it does not mix), so a token's bits do not depend on its batch or on
+which kernel ran.
 
 Expert ids are checked on the host before the kernels run (``check_ids``: an IndexError
 naming the id), except while a CUDA graph is being captured, where no host sync can
@@ -58,7 +58,7 @@ BLOCK_O = 128  # output rows per tile program; a step is one group (32 inputs)
 # token per program, the same products in the same order (so the same bits)
 TOKEN_KERNEL_PAIRS_PER_EXPERT = 2
 TOKEN_BLOCK_O = 32
-TOKEN_WARPS = 1
+TOKEN_WARPS = 1  # per 4 slots: 16 slots on one warp exhaust its registers (sm_90)
 TOKEN_STAGES = 3  # Triton's default on CUDA: loads of later groups in flight
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MMA_DTYPES = (torch.bfloat16, torch.float16)
@@ -201,6 +201,11 @@ def _weights(packed, scales, device):
     return table, s_table, (0, 0, 0), (0, 0, 0), True
 
 
+def token_warps(slots):
+    """The token kernels' warps for a tile of ``slots`` slots (a power of two)."""
+    return TOKEN_WARPS * max(1, slots // 4)
+
+
 def _interpreted():
     """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``): its tl.dot
     takes bf16 operands as their uint16 storage, so the kernels widen them first."""
@@ -259,13 +264,16 @@ class _Call:
                 self.n_groups, self.d_out, self.top_k, self.xs.stride(0), mix.stride(0),
                 shared.stride(0), *self.p_strides, *self.s_strides)
         launch = dict(PER_SLOT=self.per_slot, COMBINE=combine, GGUF=self.gguf,
-                      LISTED=self.listed, BO=TOKEN_BLOCK_O, num_warps=TOKEN_WARPS,
-                      num_stages=TOKEN_STAGES, enable_fp_fusion=False)
+                      LISTED=self.listed, BO=TOKEN_BLOCK_O, num_stages=TOKEN_STAGES,
+                      enable_fp_fusion=False)
+        slots = 1 << (self.top_k - 1).bit_length()  # a power of two, at least K
+        launch["num_warps"] = token_warps(slots)
         with self.device():
             if self.mma:
-                k.token_mma_kernel[grid](*args, WIDEN=_interpreted(), M=MMA_TILE, **launch)
+                k.token_mma_kernel[grid](*args, WIDEN=_interpreted(), KP=slots, M=MMA_TILE,
+                                         **launch)
             else:
-                k.token_kernel[grid](*args, KP=1 << (self.top_k - 1).bit_length(), **launch)
+                k.token_kernel[grid](*args, KP=slots, **launch)
         return out
 
     def tile_kernel(self, out, poison):

@@ -257,47 +257,62 @@ def token_mma_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, s
                      n_experts, n_groups, d_out, top_k, stride_x, stride_mix, stride_shared,
                      stride_pe, stride_po, stride_pg, stride_se, stride_so, stride_sg,
                      PER_SLOT: tl.constexpr, COMBINE: tl.constexpr, GGUF: tl.constexpr,
-                     LISTED: tl.constexpr, WIDEN: tl.constexpr, M: tl.constexpr,
-                     BO: tl.constexpr):
-    """16-bit latents: one token times BO rows, its K slots in turn, each the tile kernel's
-    tensor-core steps (``_group_step``) on an M-row tile whose row 0 is the token (a tile's
-    rows do not mix); the combine, the output and bad ids as in ``token_kernel``."""
+                     LISTED: tl.constexpr, WIDEN: tl.constexpr, KP: tl.constexpr,
+                     M: tl.constexpr, BO: tl.constexpr):
+    """16-bit latents: one token's K slots (KP, a power of two, at least K) times BO rows,
+    each slot the tile kernel's tensor-core steps (``_group_step``) on an M-row tile whose
+    row 0 is the token (a tile's rows do not mix), the slots side by side (one batched
+    tl.dot a group: K independent chains); the combine, the output and bad ids as in
+    ``token_kernel``."""
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
-    in_rows = rows < d_out
+    ks = tl.arange(0, KP)
+    in_k = ks < top_k
+    pairs = token * top_k + ks
+    expert = tl.load(sel_ptr + pairs, mask=in_k, other=0).to(tl.int64)
+    valid = (expert >= 0) & (expert < n_experts)
+    expert = tl.where(valid, expert, 0)
+    live = in_k[:, None] & (rows < d_out)[None, :]
+    w_at, w_group, s_at, s_group = _row_pointers(
+        packed_ptr, scale_ptr, expert[:, None], rows[None, :], stride_pe, stride_po,
+        stride_pg, stride_se, stride_so, stride_sg, LISTED)
     byte_cols = tl.arange(0, 16) + (1 if GGUF else 0)
     q = tl.arange(0, 32)
     x_cols = (q // 2 + 16 * (q % 2)) if GGUF else q
     first = tl.arange(0, M) == 0
-    if COMBINE:
-        y = tl.load(shared_ptr + token * stride_shared + rows, mask=in_rows,
-                    other=0.0).to(tl.float32)
-    for k in range(0, top_k):
-        pair = token * top_k + k
-        expert = tl.load(sel_ptr + pair).to(tl.int64)
-        valid = (expert >= 0) & (expert < n_experts)
-        expert = tl.where(valid, expert, 0)
-        w_at, w_group, s_at, s_group = _row_pointers(
-            packed_ptr, scale_ptr, expert, rows, stride_pe, stride_po, stride_pg, stride_se,
-            stride_so, stride_sg, LISTED)
-        x_at = x_ptr + (pair if PER_SLOT else token) * stride_x
-        acc2 = tl.zeros((M, BO), dtype=tl.float32)
-        for _ in range(0, n_groups):
-            byte = tl.load(w_at[:, None] + byte_cols[None, :], mask=in_rows[:, None],
-                           other=0).to(tl.int32)
-            scale = _group_scale(w_at, s_at, in_rows, GGUF)
-            x = tl.load(x_at + (x_cols[None, :] + tl.zeros((M, 1), dtype=tl.int32)),
-                        mask=first[:, None], other=0.0)
-            acc2 = _group_step(acc2, x, byte, scale, True, WIDEN)
-            w_at += w_group
-            s_at += s_group
-            x_at += 32
-        # row 0 out of the tile: plus -0.0s, which leave every value as it is
-        acc = tl.sum(tl.where(first[:, None], acc2, -0.0), axis=0)
-        acc = tl.where(valid, acc, float("nan"))
-        if COMBINE:
-            y = y + acc * tl.load(mix_ptr + token * stride_mix + k).to(tl.float32)
+    x_row = tl.where(in_k, pairs, 0) if PER_SLOT else token + 0 * ks
+    # (KP, M, 32): row 0 of slot k's tile is its latents, the other rows zeros
+    x_at = x_ptr + x_row[:, None, None] * stride_x + x_cols[None, None, :] + \
+        tl.zeros((1, M, 1), dtype=tl.int64)
+    x_mask = in_k[:, None, None] & first[None, :, None]
+    acc = tl.zeros((KP, M, BO), dtype=tl.float32)
+    for _ in range(0, n_groups):
+        byte = tl.load(w_at[:, :, None] + byte_cols[None, None, :], mask=live[:, :, None],
+                       other=0).to(tl.int32)
+        scale = _group_scale(w_at, s_at, live, GGUF)
+        x = tl.load(x_at, mask=x_mask, other=0.0)
+        code = tl.reshape(tl.join(byte & 15, byte >> 4), (KP, BO, 32))
+        w = tl.permute(_e2m1(code).to(x.dtype), (0, 2, 1))  # (KP, 32, BO), exact
+        if WIDEN:
+            partial = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
-            tl.store(out_ptr + pair * d_out + rows, _rounded(acc, out_ptr), mask=in_rows)
+            partial = tl.dot(x, w, out_dtype=tl.float32)
+        acc = tl.fma(partial, scale[:, None, :], acc)
+        w_at += w_group
+        s_at += s_group
+        x_at += 32
+    # row 0 of each slot's tile: plus -0.0s, which leave every value as it is
+    acc0 = tl.sum(tl.where(first[None, :, None], acc, -0.0), axis=1)
+    acc0 = tl.where(valid[:, None], acc0, float("nan"))
     if COMBINE:
-        tl.store(out_ptr + token * d_out + rows, _rounded(y, out_ptr), mask=in_rows)
+        y = tl.load(shared_ptr + token * stride_shared + rows, mask=rows < d_out,
+                    other=0.0).to(tl.float32)
+        weighted = acc0 * tl.load(mix_ptr + token * stride_mix + ks, mask=in_k,
+                                  other=0.0).to(tl.float32)[:, None]
+        for k in tl.static_range(KP):
+            if k < top_k:  # slot k's row out of the tile: plus -0.0s, which change nothing
+                y = y + tl.sum(tl.where(ks[:, None] == k, weighted, -0.0), axis=0)
+        tl.store(out_ptr + token * d_out + rows, _rounded(y, out_ptr), mask=rows < d_out)
+    else:
+        tl.store(out_ptr + pairs[:, None] * d_out + rows[None, :], _rounded(acc0, out_ptr),
+                 mask=live)

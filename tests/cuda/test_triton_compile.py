@@ -6,6 +6,8 @@ ahead-of-time API differs from the one written here (``MXFP4X_REQUIRE_TRITON=1``
 missing is a failure)."""
 import os
 import re
+import subprocess
+import tempfile
 
 import pytest
 
@@ -52,7 +54,31 @@ def _compile(fn, names, types, constants, options, arch):
         pytest.skip(f"Triton's ASTSource takes other arguments here: {e}")
     kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     assert kernel.asm.get("cubin"), "ptxas gave no cubin"
+    _LAST_CUBIN[:] = [kernel.asm["cubin"]]
     return kernel.asm["ptx"]
+
+
+_LAST_CUBIN: list = []
+
+
+def _stack_bytes():
+    """The last compiled kernel's stack frame (ptxas's spills) from its cubin, by the
+    cuobjdump Triton ships; skipped where it has none."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("this Triton ships no cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(_LAST_CUBIN[0])
+        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
+                               text=True, check=True).stdout
+    found = re.findall(r"STACK:(\d+)", usage)
+    assert found, usage
+    return int(found[-1])
 
 
 def _ops(ptx):
@@ -71,12 +97,11 @@ def _token_ptx(x_type, combine, mma, arch, gguf=False, top_k=4, warps=None):
         ["i32"] * 13
     constants = dict(PER_SLOT=False, COMBINE=combine, GGUF=gguf, LISTED=False,
                      BO=ti.TOKEN_BLOCK_O)
+    constants.update(KP=top_k)
     if mma:
         constants.update(WIDEN=False, M=ti.MMA_TILE)
-    else:
-        constants.update(KP=top_k)
     return _ops(_compile(k.token_mma_kernel if mma else k.token_kernel, TOKEN_ARGS, types,
-                         constants, dict(num_warps=warps or ti.TOKEN_WARPS,
+                         constants, dict(num_warps=warps or ti.token_warps(top_k),
                                          num_stages=ti.TOKEN_STAGES, enable_fp_fusion=False),
                          arch))
 
@@ -114,7 +139,11 @@ def test_16_bit_latents_run_on_the_tensor_cores(arch, x_type):
 
     ptx_type = {"bf16": ".bf16.", "fp16": ".f16."}[x_type]
     token = _token_ptx(x_type, True, True, arch)
-    assert any(op.startswith("mma.sync") and ptx_type in op for op in token), token
+    # the token kernel: a group's two k-steps of 16 for each n8 block of rows, every slot
+    mmas = sum(n for op, n in token.items() if op.startswith("mma.sync") and ptx_type in op)
+    assert mmas == 4 * 2 * ti.TOKEN_BLOCK_O // 8 // ti.token_warps(4), token
+    _token_ptx(x_type, True, True, arch, top_k=16)  # Kimi K3's 16 slots
+    assert _stack_bytes() == 0  # no spills (one warp for them spills)
     types = [f"*{x_type}", "*i64", "*i64", "*i64", "*i64", "*i32", "*u8", "*u8", "*fp32"] + \
         ["i32"] * 9
     tile = _ops(_compile(k.tile_kernel, TILE_ARGS, types,
@@ -130,7 +159,8 @@ def test_every_layout_compiles(gguf):
     from mxfp4x._core import triton_kernels as k
 
     ops = _token_ptx("fp32", True, False, 90, gguf=gguf, top_k=16)  # Kimi K3's 16 slots
-    assert ops.get("fma.rn.f32") == 32 * _chains(16, ti.TOKEN_WARPS), ops
+    assert ops.get("fma.rn.f32") == 32 * _chains(16, ti.token_warps(16)), ops
+    assert _stack_bytes() == 0  # no spills
     types = ["*fp32", "*i64", "*i64", "*i64", "*i64", "*i32", "*u8", "*u8", "*fp32"] + \
         ["i32"] * 9
     tile = _ops(_compile(k.tile_kernel, TILE_ARGS, types,
