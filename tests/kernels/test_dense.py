@@ -254,7 +254,7 @@ def test_unit_bits_do_not_depend_on_threads_batch_or_rows(isa, rng):
     for t in (0, 5, 9, len(x) - 1):  # alone among 4 others, and in batches of 5 on
         one = run_unit(torch.cat([x[t:t + 1], others]), w, isa)
         assert np.array_equal(one[0].view(np.uint32), full[t].view(np.uint32)), t
-    for n in (5, 6, 7, 9, 13):
+    for n in (5, 6, 7, 8, 9, 13):  # one pass of two rows to 8, two of four rows past
         assert np.array_equal(run_unit(x[:n], w, isa).view(np.uint32),
                               full[:n].view(np.uint32)), n
     top = run_unit(x, w[:101].contiguous(), isa)   # the same rows in another split
