@@ -66,6 +66,20 @@ MMA_DTYPES = (torch.bfloat16, torch.float16)
 
 # the oldest Triton the kernels are written for (tl.join, tl.dot's input_precision)
 MIN_TRITON = (3, 2)
+# the oldest whose batched (3-D) tl.dot in a loop compiles correctly (Triton's issue 5620,
+# fixed by its pull request 5936): the 16-bit token kernel's; older ones run 16-bit
+# decoding calls on the tile kernel (the same instruction per pair, so the same bits)
+MIN_TRITON_BATCHED_DOT = (3, 3)
+
+
+def _version():
+    """Triton's (major, minor), None for a build without a plain version."""
+    import triton
+
+    try:
+        return tuple(int(p) for p in triton.__version__.split(".")[:2])
+    except (AttributeError, ValueError):
+        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,13 +88,16 @@ def available():
     imported only here, on the first call that could use it, never by ``import mxfp4x``."""
     if importlib.util.find_spec("triton") is None:
         return False
-    import triton
+    version = _version()
+    return version is None or version >= MIN_TRITON  # no plain version: try it
 
-    try:
-        version = tuple(int(p) for p in triton.__version__.split(".")[:2])
-    except (AttributeError, ValueError):  # a build without a plain version: try it
-        return True
-    return version >= MIN_TRITON
+
+@functools.lru_cache(maxsize=None)
+def batched_dot():
+    """Whether the installed Triton compiles the 16-bit token kernel (see
+    MIN_TRITON_BATCHED_DOT)."""
+    version = _version()
+    return version is None or version >= MIN_TRITON_BATCHED_DOT
 
 
 def _bytes(t, device, dims):
@@ -212,8 +229,9 @@ def _interpreted():
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _token_path(n_pairs, n_experts):
-    return n_pairs <= TOKEN_KERNEL_PAIRS_PER_EXPERT * n_experts
+def _token_path(n_pairs, n_experts, x):
+    return n_pairs <= TOKEN_KERNEL_PAIRS_PER_EXPERT * n_experts and (
+        x.dtype not in MMA_DTYPES or batched_dot())
 
 
 def _rows(t):
@@ -306,7 +324,7 @@ def pair_products(x, packed, scales, sel, checked=True):
     out = torch.empty((call.n_pairs, call.d_out), dtype=torch.float32, device=x.device)
     if call.empty():  # no product: empty sums (NaN for pairs with no expert to take)
         return out.fill_(0.0 if checked or call.n_experts else float("nan"))
-    if _token_path(call.n_pairs, call.n_experts):
+    if _token_path(call.n_pairs, call.n_experts, x):
         return call.token_kernel(out)
     return call.tile_kernel(out, poison=not checked)
 
@@ -328,7 +346,7 @@ def experts(x, packed, scales, sel, mix, shared, out_dtype, checked=True):
     n_tokens, top_k = sel.shape
     d_out = d_out_of(packed)
     if n_tokens and d_out and len(packed) and x.shape[-1] and _token_path(
-            n_tokens * top_k, len(packed)):
+            n_tokens * top_k, len(packed), x):
         out = torch.empty((n_tokens, d_out), dtype=out_dtype, device=x.device)
         return _Call(x, packed, scales, sel).token_kernel(out, mix, shared)
     y = torch.empty((n_tokens, d_out), dtype=torch.float32, device=x.device)
@@ -348,7 +366,7 @@ def slots(x, packed, scales, sel, checked=True):
     d_out = d_out_of(packed)
     out = torch.empty((n_tokens, top_k, d_out), dtype=x.dtype, device=x.device)
     call = _Call(x, packed, scales, sel)
-    if not call.empty() and _token_path(call.n_pairs, call.n_experts):
+    if not call.empty() and _token_path(call.n_pairs, call.n_experts, x):
         call.token_kernel(out.view(call.n_pairs, d_out))  # rounded to x's dtype there
         return out
     for t0, t1 in _chunks(n_tokens, top_k, d_out):

@@ -334,3 +334,33 @@ def test_unchecked_bad_ids_give_nan_rows_and_leave_the_others(rng, kernel):
         assert ti.check_ids(d["selected_experts"], 4)
         with pytest.raises(IndexError, match="expert id -1 is outside"):
             ti.check_ids(sel, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_triton_without_batched_dots_decodes_16_bit_latents_on_tiles(
+        rng, kernel, monkeypatch, dtype):
+    """Triton 3.2 miscompiles a batched tl.dot in a loop: there 16-bit decoding calls take
+    the tile kernel (float32 ones keep the token kernel), with results within the bound."""
+    if kernel != "token":
+        pytest.skip("the token kernel's calls")
+    import triton
+
+    ran = []
+    for name in ("token_kernel", "tile_kernel"):
+        real = getattr(ti._Call, name)
+        monkeypatch.setattr(ti._Call, name, lambda self, *a, _real=real, _name=name, **k: (
+            ran.append(_name), _real(self, *a, **k))[1])
+    layer = random_layer(rng, 3, 4, 8, 40, 2, dtype=dtype)
+    monkeypatch.setattr(triton, "__version__", "3.2.0")
+    ti.batched_dot.cache_clear()
+    try:
+        assert not ti.batched_dot() and ti.available()
+        assert_matches_reference(_run(layer), layer)
+        assert ran == (["tile_kernel"] if dtype == torch.bfloat16 else ["token_kernel"])
+        monkeypatch.setattr(triton, "__version__", "%d.%d.0" % ti.MIN_TRITON_BATCHED_DOT)
+        ti.batched_dot.cache_clear()
+        ran.clear()
+        assert_matches_reference(_run(layer), layer)
+        assert ran == ["token_kernel"]
+    finally:
+        ti.batched_dot.cache_clear()
