@@ -81,7 +81,7 @@ for dtype in (torch.float32, torch.bfloat16):
         else:
             grid = itertools.product((defaults["TOKEN_BLOCK_O"],), (defaults["TOKEN_WARPS"],),
                                      (defaults["TOKEN_STAGES"],), (64, 128, 256),
-                                     (16, 64) if dtype != torch.float32
+                                     (16, 32) if dtype != torch.float32
                                      else (defaults["MMA_TILE"],))
         results, first = [], None
         for bo, warps, stages, tile_bo, mma_tile in grid:

@@ -39,6 +39,7 @@ stacked), built once per list.  Float64 latents, weights whose bytes are not con
 within a group, lists of tensors of different shapes, and anything ``qualifies`` refuses
 take the torch path.
 """
+import collections
 import contextlib
 import functools
 import importlib.util
@@ -51,7 +52,9 @@ from .validation import check_expert_ids
 
 TILE_TOKENS = 16  # float32 pairs per tile: tl.dot needs 16 rows; fewer are padded with zeros
 # 16-bit pairs per tile on the tensor cores, and the token kernel's tile height there: one
-# height for both, so that every pair runs the same instruction
+# height for both, so that every pair runs the same instruction (under 64: from 64 rows
+# Triton may pick sm_90's wgmma for the tile kernel, never for the token kernel's batched
+# dot, and the bits would follow the kernel)
 MMA_TILE = 16
 BLOCK_O = 128  # output rows per tile program; a step is one group (32 inputs)
 # calls with at most this many pairs per expert (on average) take the token kernel: one
@@ -183,19 +186,37 @@ def _tiles(flat, n_experts, tile):
 
 
 # device tables of expert lists, keyed by what they hold: (device, ((address, row stride,
-# group stride), ...)) -> int64 tensor; built on a list's first call (a host-to-device
-# copy, which a CUDA graph's capture cannot hold: warm-up calls build it)
-_TABLES: dict = {}
-_TABLES_KEPT = 64
+# group stride), ...)) -> int64 tensor (a few bytes an expert), the least recently used
+# dropped past _TABLES_KEPT.  A table used while a CUDA graph is captured is pinned, never
+# dropped: the graph holds its address, not a reference.  A table is built on a list's
+# first call, a host-to-device copy, which a capture cannot hold: warm-up calls build it.
+_TABLES: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
+_PINNED: dict = {}
+_TABLES_KEPT = 4096
 
 
 def _table(rows, device):
     key = (str(device), rows)
-    table = _TABLES.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    table = _PINNED.get(key)
     if table is None:
-        if len(_TABLES) >= _TABLES_KEPT:
-            _TABLES.pop(next(iter(_TABLES)))
-        table = _TABLES[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+        table = _TABLES.get(key)
+    if table is None:
+        if capturing:
+            raise RuntimeError(
+                "packed_weights: a list of expert tensors is first seen while a CUDA graph "
+                "is being captured; its device table is a host-to-device copy, which a "
+                "capture cannot hold: call once with these tensors before capturing (a "
+                "warm-up, as torch.cuda.graph and torch.compile's cudagraphs expect)")
+        table = torch.tensor(rows, dtype=torch.int64).to(device)
+    if capturing:
+        _PINNED[key] = table
+        _TABLES.pop(key, None)
+    elif key not in _PINNED:
+        _TABLES[key] = table
+        _TABLES.move_to_end(key)
+        while len(_TABLES) > _TABLES_KEPT:
+            _TABLES.popitem(last=False)
     return table
 
 
@@ -291,7 +312,7 @@ class _Call:
                 k.token_mma_kernel[grid](*args, WIDEN=_interpreted(), KP=slots, M=MMA_TILE,
                                          **launch)
             else:
-                k.token_kernel[grid](*args, KP=slots, **launch)
+                k.token_kernel[grid](*args, INTERPRETED=_interpreted(), KP=slots, **launch)
         return out
 
     def tile_kernel(self, out, poison):
@@ -322,8 +343,12 @@ def pair_products(x, packed, scales, sel, checked=True):
     host (``check_ids``), else a bad id's row is NaN."""
     call = _Call(x, packed, scales, sel)
     out = torch.empty((call.n_pairs, call.d_out), dtype=torch.float32, device=x.device)
-    if call.empty():  # no product: empty sums (NaN for pairs with no expert to take)
-        return out.fill_(0.0 if checked or call.n_experts else float("nan"))
+    if call.empty():  # no product: empty sums; unchecked ids outside [0, E): NaN
+        out.zero_()
+        if not checked and call.n_pairs:
+            bad = (call.sel < 0) | (call.sel >= call.n_experts)
+            out.masked_fill_(bad.view(-1, 1), float("nan"))
+        return out
     if _token_path(call.n_pairs, call.n_experts, x):
         return call.token_kernel(out)
     return call.tile_kernel(out, poison=not checked)
@@ -345,7 +370,7 @@ def experts(x, packed, scales, sel, mix, shared, out_dtype, checked=True):
     the shared output slot by slot in order)."""
     n_tokens, top_k = sel.shape
     d_out = d_out_of(packed)
-    if n_tokens and d_out and len(packed) and x.shape[-1] and _token_path(
+    if n_tokens and top_k and d_out and len(packed) and x.shape[-1] and _token_path(
             n_tokens * top_k, len(packed), x):
         out = torch.empty((n_tokens, d_out), dtype=out_dtype, device=x.device)
         return _Call(x, packed, scales, sel).token_kernel(out, mix, shared)

@@ -130,11 +130,11 @@ def tile_kernel(x_ptr, x_row_ptr, out_row_ptr, tile_expert_ptr, tile_start_ptr,
 
 
 @triton.jit
-def _rounded(y, out_ptr):
-    """float32 -> the output's dtype, to nearest even; bf16 by integer operations (the bits
-    of a GPU's conversion, and of torch's, also under Triton's interpreter, whose cast
-    truncates)."""
-    if out_ptr.dtype.element_ty == tl.bfloat16:
+def _rounded(y, out_ptr, INTERPRETED: tl.constexpr):
+    """float32 -> the output's dtype, to nearest even (a GPU's conversion: torch's bits,
+    NaN included); under Triton's interpreter, whose cast to bf16 truncates, bf16 by
+    integer operations (the same values; NaN as torch's CPU conversion writes it)."""
+    if INTERPRETED and out_ptr.dtype.element_ty == tl.bfloat16:
         b = y.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
         b = tl.where(y != y, 0x7FC0, b)  # NaN stays NaN
@@ -202,7 +202,8 @@ def token_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, scale
                  n_experts, n_groups, d_out, top_k, stride_x, stride_mix, stride_shared,
                  stride_pe, stride_po, stride_pg, stride_se, stride_so, stride_sg,
                  PER_SLOT: tl.constexpr, COMBINE: tl.constexpr, GGUF: tl.constexpr,
-                 LISTED: tl.constexpr, KP: tl.constexpr, BO: tl.constexpr):
+                 LISTED: tl.constexpr, INTERPRETED: tl.constexpr, KP: tl.constexpr,
+                 BO: tl.constexpr):
     """Float32 latents: one token's K slots (KP, a power of two, at least K) times BO rows,
     every (slot, row) its own chain: the tile kernel's fmas in its order, one at a time,
     the slots side by side.  COMBINE: shared + sum_k mix_k * product_k, each product
@@ -246,10 +247,11 @@ def token_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, scale
         for k in tl.static_range(KP):
             if k < top_k:  # slot k's row out of the tile: plus -0.0s, which change nothing
                 y = y + tl.sum(tl.where(ks[:, None] == k, weighted, -0.0), axis=0)
-        tl.store(out_ptr + token * d_out + rows, _rounded(y, out_ptr), mask=rows < d_out)
+        tl.store(out_ptr + token * d_out + rows, _rounded(y, out_ptr, INTERPRETED),
+                 mask=rows < d_out)
     else:
-        tl.store(out_ptr + pairs[:, None] * d_out + rows[None, :], _rounded(acc, out_ptr),
-                 mask=live)
+        tl.store(out_ptr + pairs[:, None] * d_out + rows[None, :],
+                 _rounded(acc, out_ptr, INTERPRETED), mask=live)
 
 
 @triton.jit
@@ -312,7 +314,8 @@ def token_mma_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, s
         for k in tl.static_range(KP):
             if k < top_k:  # slot k's row out of the tile: plus -0.0s, which change nothing
                 y = y + tl.sum(tl.where(ks[:, None] == k, weighted, -0.0), axis=0)
-        tl.store(out_ptr + token * d_out + rows, _rounded(y, out_ptr), mask=rows < d_out)
+        tl.store(out_ptr + token * d_out + rows, _rounded(y, out_ptr, WIDEN),
+                 mask=rows < d_out)
     else:
-        tl.store(out_ptr + pairs[:, None] * d_out + rows[None, :], _rounded(acc0, out_ptr),
-                 mask=live)
+        tl.store(out_ptr + pairs[:, None] * d_out + rows[None, :],
+                 _rounded(acc0, out_ptr, WIDEN), mask=live)

@@ -289,7 +289,10 @@ def _run_cuda(args, device=None, roof_sizes=()):
             x, sel, mix, shared = calls[i % len(calls)]
             mxfp4x.mxfp4_experts(x, packed, scales, sel, mix, shared, backend=backend)
         t = gpu.synchronized_time(lambda i: call(i, "auto"), device, args.repeats)
-        t_graph = gpu.graph_time(lambda: call(0, "auto"), device, args.repeats)
+        # a CUDA graph holds the Triton kernels' calls; the torch backend syncs (its ids
+        # check, its per-expert loop), which a capture cannot hold
+        t_graph = gpu.graph_time(lambda: call(0, "auto"), device, args.repeats) \
+            if path == "Triton kernel" else None
         t_torch = gpu.synchronized_time(lambda i: call(i, "torch"), device, 2)
         n_bytes = _bench.streamed_bytes(packed, scales, calls[0][1])
         n_flops = _bench.flops(n_tokens, top_k, d_out, d_in)

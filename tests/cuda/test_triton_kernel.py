@@ -364,3 +364,20 @@ def test_a_triton_without_batched_dots_decodes_16_bit_latents_on_tiles(
         assert ran == ["token_kernel"]
     finally:
         ti.batched_dot.cache_clear()
+
+
+def test_no_slots_and_no_inputs_with_unchecked_ids(rng):
+    """K = 0 (per-slot latents (T, 0, I) too) gives the shared output; I = 0 with an id
+    outside [0, E) while unchecked gives that token NaN, the others their shared output."""
+    layer = _on(random_layer(rng, 5, 2, 8, 24, 2))
+    p, s, shared = layer["packed_weights"], layer["scale_bytes"], layer["shared_output"]
+    sel0 = layer["selected_experts"][:, :0]
+    mix0 = layer["mixture_weights"][:, :0]
+    for x in (layer["latent_tokens"], torch.zeros(5, 0, 64, device=DEVICE)):
+        assert torch.equal(ti.experts(x, p, s, sel0, mix0, shared, torch.float32), shared)
+    sel = layer["selected_experts"].clone()
+    sel[2, 1] = 8
+    got = ti.experts(layer["latent_tokens"][:, :0], p[:, :, :0], s[:, :, :0], sel,
+                     layer["mixture_weights"], shared, torch.float32, checked=False)
+    assert got[2].isnan().all()
+    assert torch.equal(got[[0, 1, 3, 4]], shared[[0, 1, 3, 4]])
