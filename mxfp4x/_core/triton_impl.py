@@ -33,11 +33,11 @@ Expert ids are checked on the host before the kernels run (``check_ids``: an Ind
 naming the id), except while a CUDA graph is being captured, where no host sync can
 happen: there the token kernel gives NaN for an id outside [0, E) (it reads expert 0's
 rows, never memory outside the weights) and the tile path leaves NaN in the pairs no
-tile takes, so a bad id is never a silent answer.  Experts given as a list of tensors are
+tile takes, so a bad id is never a silent answer. Experts given as a list of tensors are
 read through a table of (address, row stride, group stride) per expert (the same bits as
-stacked), built once per list.  Float64 latents, weights whose bytes are not contiguous
-within a group, lists of tensors of different shapes, and anything ``qualifies`` refuses
-take the torch path.
+stacked), built on a list's first call and kept (``_table``). Float64 latents, weights
+whose bytes are not contiguous within a group, lists of tensors of different shapes, and
+anything ``qualifies`` refuses take the torch path.
 """
 import collections
 import contextlib
