@@ -381,3 +381,21 @@ def test_no_slots_and_no_inputs_with_unchecked_ids(rng):
                      layer["mixture_weights"], shared, torch.float32, checked=False)
     assert got[2].isnan().all()
     assert torch.equal(got[[0, 1, 3, 4]], shared[[0, 1, 3, 4]])
+
+
+def test_list_tables_are_kept_by_content_and_pinned_once_captured(rng, monkeypatch):
+    """An expert list's device table: one per content, the least recently used dropped past
+    the bound, never one a captured graph uses (the graph holds its address)."""
+    monkeypatch.setattr(ti, "_TABLES", ti.collections.OrderedDict())
+    monkeypatch.setattr(ti, "_PINNED", {})
+    monkeypatch.setattr(ti, "_TABLES_KEPT", 2)
+    dev = torch.device(DEVICE)
+    a = ti._table(((1, 2, 3),), dev)
+    assert ti._table(((1, 2, 3),), dev) is a and a.tolist() == [[1, 2, 3]]
+    ti._table(((4, 5, 6),), dev)
+    ti._table(((7, 8, 9),), dev)  # past the bound: the least recently used goes
+    assert len(ti._TABLES) == 2 and (str(dev), ((1, 2, 3),)) not in ti._TABLES
+    ti._PINNED[(str(dev), ((1, 2, 3),))] = a  # as a capture leaves it
+    for i in range(5):
+        ti._table(((i, i, i),), dev)
+    assert ti._table(((1, 2, 3),), dev) is a and len(ti._TABLES) == 2
