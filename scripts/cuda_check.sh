@@ -20,8 +20,15 @@
 #      whole on the CPU: tokens/s and the same greedy tokens;
 #   7. the CPU kernels on that machine's cores (bench, 1 and all threads) and the kernel
 #      tests there (every ISA its CPU runs); MXFP4X_CUDA_CHECK_CPU=0 leaves this out.
+# Steps 2-7 are "tests bench sweep bits hybrid cpu" in MXFP4X_CUDA_CHECK_STEPS (below).
 # Each step has a time limit; one failing step does not stop the next.
 set -u
+# MXFP4X_CUDA_CHECK_STEPS: the steps to run, of "tests bench sweep bits hybrid cpu" (all by
+# default; the build and the machine's facts always), so that the check fits calls of a
+# limited length: e.g. "tests bench sweep" in one, "bits hybrid" in the next
+STEPS=" ${MXFP4X_CUDA_CHECK_STEPS:-tests bench sweep bits hybrid cpu} "
+[ "${MXFP4X_CUDA_CHECK_CPU:-1}" = 0 ] && STEPS=${STEPS/ cpu / }
+want() { case "$STEPS" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/mxfp4x-cuda}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -41,16 +48,21 @@ fi
 echo "built in $(( $(date +%s) - start )) s"
 python3 -c "import mxfp4x; print(mxfp4x.backend_info())"
 
+if want tests; then
 echo "== tests/cuda"
 timeout 300 python3 -m pytest -p no:cacheprovider -q -rs tests/cuda 2>&1 \
     | tee "$OUT/cuda_tests.log" | tail -25
+fi
 
+if want bench; then
 echo "== python -m mxfp4x --device cuda"
 for dtype in float32 bfloat16; do
     timeout 150 python3 -m mxfp4x --device cuda --dtype $dtype --tokens 1 4 16 128 512 \
         --json "$OUT/bench_cuda_$dtype.json"
 done
+fi
 
+if want sweep; then
 echo "== the kernels' block sizes: CUDA-graph replays of 20 calls, gate/up, and their bits"
 timeout 240 python3 - <<'EOF'
 import itertools
@@ -105,7 +117,9 @@ for dtype in (torch.float32, torch.bfloat16):
         for ms, config, same in results[:4] + results[-1:]:
             print(f"  {ms:.4f} x{ms / floor:5.1f}  {config}  {same}")
 EOF
+fi
 
+if want bits; then
 echo "== one token alone against the same token in a batch, on the GPU"
 timeout 90 python3 - <<'EOF'
 import torch
@@ -124,7 +138,9 @@ for dtype in (torch.float32, torch.bfloat16):
             print(f"{backend}: {dtype} T={n}: {same} of {len(range(0, n, max(1, n // 16)))} "
                   "rows bit-identical alone and in the batch")
 EOF
+fi
 
+if want hybrid; then
 echo "== gpt-oss decoding, experts in CPU memory and the rest on the GPU, against all on the CPU"
 timeout 400 python3 - <<'EOF'
 import os, time
@@ -152,8 +168,9 @@ for side in ("cpu", "split"):
     del model
 print("same greedy tokens:", torch.equal(runs["cpu"], runs["split"]))
 EOF
+fi
 
-[ "${MXFP4X_CUDA_CHECK_CPU:-1}" = 0 ] && exit 0
+if ! want cpu; then exit 0; fi
 echo "== the CPU kernels on this machine ($cores cores)"
 timeout 150 python3 -m mxfp4x --threads 1 "$cores" --tokens 1 4 128 --no-torch
 timeout 120 python3 -m pytest -p no:cacheprovider -q -x -n "$cores" tests/kernels 2>&1 \
