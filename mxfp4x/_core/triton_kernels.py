@@ -198,20 +198,12 @@ def _fma_group(acc, byte, x_at, scale, GGUF: tl.constexpr):
 
 
 @triton.jit
-def token_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, scale_ptr,
-                 n_experts, n_groups, d_out, top_k, stride_x, stride_mix, stride_shared,
-                 stride_pe, stride_po, stride_pg, stride_se, stride_so, stride_sg,
-                 PER_SLOT: tl.constexpr, COMBINE: tl.constexpr, GGUF: tl.constexpr,
-                 LISTED: tl.constexpr, INTERPRETED: tl.constexpr, KP: tl.constexpr,
-                 BO: tl.constexpr):
-    """Float32 latents: one token's K slots (KP, a power of two, at least K) times BO rows,
-    every (slot, row) its own chain: the tile kernel's fmas in its order, one at a time,
-    the slots side by side.  COMBINE: shared + sum_k mix_k * product_k, each product
-    (float32) times its weight, then added, in order k = 0..K-1 (launched without
-    contraction: the torch path's roundings), stored in the output's dtype; else each
-    slot's product in out[t, k].  An expert id outside [0, n_experts) reads expert 0 and
-    gives NaN in its place: never another expert's rows, never memory outside the
-    weights."""
+def _token_slots(sel_ptr, packed_ptr, scale_ptr, n_experts, d_out, top_k, stride_pe,
+                 stride_po, stride_pg, stride_se, stride_so, stride_sg,
+                 LISTED: tl.constexpr, KP: tl.constexpr, BO: tl.constexpr):
+    """A token kernel program's token, rows and KP slots: the pairs, which slots are real
+    (in_k) and have an id in [0, n_experts) (valid: else expert 0 is read in its place),
+    the (slot, row) cells to load (live), and each cell's row pointers (_row_pointers)."""
     token = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
     ks = tl.arange(0, KP)
@@ -224,20 +216,17 @@ def token_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, scale
     w_at, w_group, s_at, s_group = _row_pointers(
         packed_ptr, scale_ptr, expert[:, None], rows[None, :], stride_pe, stride_po,
         stride_pg, stride_se, stride_so, stride_sg, LISTED)
-    byte_cols = tl.arange(0, 16) + (1 if GGUF else 0)
-    if PER_SLOT:
-        x_at = x_ptr + tl.where(in_k, pairs, 0)[:, None] * stride_x
-    else:
-        x_at = x_ptr + token * stride_x
-    acc = tl.zeros((KP, BO), dtype=tl.float32)
-    for _ in range(0, n_groups):
-        byte = tl.load(w_at[:, :, None] + byte_cols[None, None, :], mask=live[:, :, None],
-                       other=0).to(tl.int32)
-        scale = _group_scale(w_at, s_at, live, GGUF)
-        acc = _fma_group(acc, byte, x_at, scale, GGUF)
-        w_at += w_group
-        s_at += s_group
-        x_at += 32
+    return token, rows, ks, in_k, pairs, valid, live, w_at, w_group, s_at, s_group
+
+
+@triton.jit
+def _token_store(acc, valid, token, rows, ks, in_k, pairs, live, mix_ptr, shared_ptr,
+                 out_ptr, d_out, top_k, stride_mix, stride_shared, COMBINE: tl.constexpr,
+                 INTERPRETED: tl.constexpr, KP: tl.constexpr):
+    """A token kernel's (KP, BO) products out: NaN for a bad id's slot; COMBINE: shared +
+    sum_k mix_k * product_k, each product times its weight, then added, in order k =
+    0..K-1 (the launch without contraction: the torch path's roundings), rounded once;
+    else each slot's products in out[t, k]."""
     acc = tl.where(valid[:, None], acc, float("nan"))
     if COMBINE:
         y = tl.load(shared_ptr + token * stride_shared + rows, mask=rows < d_out,
@@ -255,6 +244,43 @@ def token_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, scale
 
 
 @triton.jit
+def token_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, scale_ptr,
+                 n_experts, n_groups, d_out, top_k, stride_x, stride_mix, stride_shared,
+                 stride_pe, stride_po, stride_pg, stride_se, stride_so, stride_sg,
+                 PER_SLOT: tl.constexpr, COMBINE: tl.constexpr, GGUF: tl.constexpr,
+                 LISTED: tl.constexpr, INTERPRETED: tl.constexpr, KP: tl.constexpr,
+                 BO: tl.constexpr):
+    """Float32 latents: one token's K slots (KP, a power of two, at least K) times BO rows,
+    every (slot, row) its own chain: the tile kernel's fmas in its order, one at a time,
+    the slots side by side.  COMBINE: shared + sum_k mix_k * product_k, each product
+    (float32) times its weight, then added, in order k = 0..K-1 (launched without
+    contraction: the torch path's roundings), stored in the output's dtype; else each
+    slot's product in out[t, k].  An expert id outside [0, n_experts) reads expert 0 and
+    gives NaN in its place: never another expert's rows, never memory outside the
+    weights."""
+    (token, rows, ks, in_k, pairs, valid, live, w_at, w_group, s_at,
+     s_group) = _token_slots(sel_ptr, packed_ptr, scale_ptr, n_experts, d_out, top_k,
+                             stride_pe, stride_po, stride_pg, stride_se, stride_so,
+                             stride_sg, LISTED, KP, BO)
+    byte_cols = tl.arange(0, 16) + (1 if GGUF else 0)
+    if PER_SLOT:
+        x_at = x_ptr + tl.where(in_k, pairs, 0)[:, None] * stride_x
+    else:
+        x_at = x_ptr + token * stride_x
+    acc = tl.zeros((KP, BO), dtype=tl.float32)
+    for _ in range(0, n_groups):
+        byte = tl.load(w_at[:, :, None] + byte_cols[None, None, :], mask=live[:, :, None],
+                       other=0).to(tl.int32)
+        scale = _group_scale(w_at, s_at, live, GGUF)
+        acc = _fma_group(acc, byte, x_at, scale, GGUF)
+        w_at += w_group
+        s_at += s_group
+        x_at += 32
+    _token_store(acc, valid, token, rows, ks, in_k, pairs, live, mix_ptr, shared_ptr, out_ptr,
+                 d_out, top_k, stride_mix, stride_shared, COMBINE, INTERPRETED, KP)
+
+
+@triton.jit
 def token_mma_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, scale_ptr,
                      n_experts, n_groups, d_out, top_k, stride_x, stride_mix, stride_shared,
                      stride_pe, stride_po, stride_pg, stride_se, stride_so, stride_sg,
@@ -266,18 +292,10 @@ def token_mma_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, s
     row 0 is the token (a tile's rows do not mix), the slots side by side (one batched
     tl.dot a group: K independent chains); the combine, the output and bad ids as in
     ``token_kernel``."""
-    token = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
-    ks = tl.arange(0, KP)
-    in_k = ks < top_k
-    pairs = token * top_k + ks
-    expert = tl.load(sel_ptr + pairs, mask=in_k, other=0).to(tl.int64)
-    valid = (expert >= 0) & (expert < n_experts)
-    expert = tl.where(valid, expert, 0)
-    live = in_k[:, None] & (rows < d_out)[None, :]
-    w_at, w_group, s_at, s_group = _row_pointers(
-        packed_ptr, scale_ptr, expert[:, None], rows[None, :], stride_pe, stride_po,
-        stride_pg, stride_se, stride_so, stride_sg, LISTED)
+    (token, rows, ks, in_k, pairs, valid, live, w_at, w_group, s_at,
+     s_group) = _token_slots(sel_ptr, packed_ptr, scale_ptr, n_experts, d_out, top_k,
+                             stride_pe, stride_po, stride_pg, stride_se, stride_so,
+                             stride_sg, LISTED, KP, BO)
     byte_cols = tl.arange(0, 16) + (1 if GGUF else 0)
     q = tl.arange(0, 32)
     x_cols = (q // 2 + 16 * (q % 2)) if GGUF else q
@@ -305,17 +323,5 @@ def token_mma_kernel(x_ptr, sel_ptr, mix_ptr, shared_ptr, out_ptr, packed_ptr, s
         x_at += 32
     # row 0 of each slot's tile: plus -0.0s, which leave every value as it is
     acc0 = tl.sum(tl.where(first[None, :, None], acc, -0.0), axis=1)
-    acc0 = tl.where(valid[:, None], acc0, float("nan"))
-    if COMBINE:
-        y = tl.load(shared_ptr + token * stride_shared + rows, mask=rows < d_out,
-                    other=0.0).to(tl.float32)
-        weighted = acc0 * tl.load(mix_ptr + token * stride_mix + ks, mask=in_k,
-                                  other=0.0).to(tl.float32)[:, None]
-        for k in tl.static_range(KP):
-            if k < top_k:  # slot k's row out of the tile: plus -0.0s, which change nothing
-                y = y + tl.sum(tl.where(ks[:, None] == k, weighted, -0.0), axis=0)
-        tl.store(out_ptr + token * d_out + rows, _rounded(y, out_ptr, WIDEN),
-                 mask=rows < d_out)
-    else:
-        tl.store(out_ptr + pairs[:, None] * d_out + rows[None, :],
-                 _rounded(acc0, out_ptr, WIDEN), mask=live)
+    _token_store(acc0, valid, token, rows, ks, in_k, pairs, live, mix_ptr, shared_ptr,
+                 out_ptr, d_out, top_k, stride_mix, stride_shared, COMBINE, WIDEN, KP)
