@@ -275,3 +275,22 @@ cdef extern from "mxfp4x/activation.h" nogil:
         void *out
         int out_dtype
     void mxfp4x_rms_norm(int isa, const mxfp4x_rms_norm_args *x, int64_t r0, int64_t r1)
+
+
+cdef extern from "mxfp4x/attention.h" nogil:
+    # ---- attention.h: a few query tokens over a key/value cache
+    ctypedef struct mxfp4x_attention_args:
+        const void *q
+        const void *k
+        const void *v
+        const void *mask
+        const void *sinks
+        int q_dtype, kv_dtype, mask_dtype, sinks_dtype, out_dtype
+        int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, m_sb, m_sh, m_st
+        int64_t b, hq, hkv, tq, tk, d
+        float scaling
+        void *out
+    int64_t mxfp4x_attention_scratch(int64_t tk, int64_t d)
+    int64_t mxfp4x_attention_tasks(const mxfp4x_attention_args *x)
+    void mxfp4x_attention(int isa, const mxfp4x_attention_args *x, int64_t t0, int64_t t1,
+                          float *scratch)

@@ -43,6 +43,10 @@ def rms_norm(x: np.ndarray, in_dtype: str, weight: np.ndarray, weight_dtype: str
              n_threads: int = 1) -> None: ...
 def mix_rows(weights: np.ndarray, rows: np.ndarray, rows_dtype: str, ids: np.ndarray,
              out: np.ndarray, *, isa: Any = None, n_threads: int = 1) -> None: ...
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.ndarray],
+              sinks: Optional[np.ndarray], out: np.ndarray, dtype: str, mask_dtype: str,
+              sinks_dtype: str, scaling: float, *, isa: Any = None,
+              n_threads: int = 1) -> None: ...
 
 class Experts:
     n_experts: int

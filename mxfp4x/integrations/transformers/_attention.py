@@ -6,6 +6,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from mxfp4x._core.attention import decode_attention
+
 ATTENTION = "mxfp4x_grouped"  # its name in transformers' attention interface
 
 # The products of a decoding step (at most this many query rows per key/value head, at
@@ -71,21 +73,29 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     with 128).  :func:`from_pretrained` picks it for gpt-oss models unless an attention is
     asked for.
 
-    A prompt (``_FLASH_MIN_QUERIES`` queries or more, on a CPU, without autograd or
-    dropout) takes :func:`_flash` instead, which never holds the (heads, queries, keys)
-    scores: eager's took 2 GiB a layer in bfloat16 for 4096 tokens of gpt-oss-20b and
-    most of a 2048-token prefill's time.  The same attention in float32's softmax rather
-    than the scores' dtype; no attention weights are returned (as transformers' ``sdpa``)."""
+    On a CPU, without autograd or dropout, that is the path of other devices and of
+    attention masks the kernel cannot read (not float).  There a decoding step (fewer
+    than ``_FLASH_MIN_QUERIES`` queries) takes mxfp4x's compiled attention
+    (:func:`mxfp4x._core.attention.decode_attention`: each cached key and value read
+    once, the scores and the softmax in float32, the result rounded once;
+    docs/performance.md), and a prompt :func:`_flash`, which never holds the (heads,
+    queries, keys) scores: eager's took 2 GiB a layer in bfloat16 for 4096 tokens of
+    gpt-oss-20b and most of a 2048-token prefill's time.  Both compute the softmax in
+    float32 rather than the scores' dtype and return no attention weights (as
+    transformers' ``sdpa``)."""
     b, hq, tq, d = query.shape
     hkv, tk = key.shape[1], key.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"query: {hq} heads, not a multiple of the {hkv} key/value heads")
     g = hq // hkv
-    if (tq >= _FLASH_MIN_QUERIES and query.device.type == "cpu"
-            and not (dropout and module.training)
+    if (query.device.type == "cpu" and not (dropout and module.training)
             and not (torch.is_grad_enabled() and any(
                 t.requires_grad for t in (query, key, value)))):
-        return _flash(query, key, value, attention_mask, scaling, s_aux, g)
+        if tq >= _FLASH_MIN_QUERIES:
+            return _flash(query, key, value, attention_mask, scaling, s_aux, g)
+        out = decode_attention(query, key, value, attention_mask, s_aux, scaling)
+        if out is not None:
+            return out, None
     scores = _product(query.reshape(b, hkv, g * tq, d), key.transpose(2, 3))
     scores = scores.view(b, hq, tq, tk) * scaling
     if attention_mask is not None:
