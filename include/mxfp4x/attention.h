@@ -494,8 +494,8 @@ static void mxfp4x_attention(int isa, const mxfp4x_attention_args *x, int64_t t0
         return;
     }
 #  endif
-    if (isa == MXFP4X_ISA_AVX2 || isa == MXFP4X_ISA_AVX512 || isa == MXFP4X_ISA_AMX ||
-        isa == MXFP4X_ISA_AVX512BF16) {
+    /* (an emulated AVX-512 build runs its avx512 ISA on CPUs without AVX2: plain C) */
+    if (isa == MXFP4X_ISA_AVX2) {
         mxfp4x_attention_avx2(x, t0, t1, scratch);
         return;
     }
