@@ -3,11 +3,10 @@
  * with gpt-oss's sink logit and an additive mask, in one task per (sequence, key/value
  * head) that reads each cached key and value once.
  *
- * Plain C on float32 (no intrinsics; the build passes -ffp-contract=off, and the only
- * fused operations are the explicit fmaf calls), so the compiler's vectors change no bit:
- * each value is computed by the same operations in the same order whatever the ISA, the
- * thread count or the sequence's batch.  For a query row q (one head h, one token t) and
- * the keys j < tk of its key/value head h / (hq / hkv):
+ * Every value is computed by the same float32 operations in the same order whatever the
+ * path, the thread count or the sequence's batch (the build passes -ffp-contract=off; the
+ * only fused operations are explicit fmas).  For a query row q (one head h, one token t)
+ * and the keys j < tk of its key/value head h / (hq / hkv):
  *
  *     s_j = fl(fl(q . k_j) * scaling) + mask[j]   (q . k_j: a chain of fmas over d from 0)
  *     m   = max(max_j s_j, sink)                  (no sink: max_j s_j)
@@ -15,12 +14,12 @@
  *     out = (sum_j e_j v_j) / z                   (sum_j e_j v_j: a chain of fmas over j)
  *
  * z summed in 4 parts by j mod 4, then (z0 + z1) + (z2 + z3), then the sink's term; exp
- * is mxfp4x_expf (within 1 ulp).  The x86 path (AVX2 vectors, also taken on the AVX-512
- * ISAs, the values on AVX-512 vectors there) and the plain C path (fmaf) give the same
- * bits.  Every operand is first made float32 (exact), the result
+ * is mxfp4x_expf (within 1 ulp).  Every operand is first made float32 (exact), the result
  * rounded once into the output's dtype.  A row whose keys are all masked out to -inf and
- * that has no sink gives NaN (as a softmax of -inf's does); a NaN anywhere in its scores
- * gives NaN. */
+ * that has no sink gives NaN (as a softmax of -inf's does); a NaN in its scores or its
+ * sink gives NaN.  Three paths, the same bits: x86 from AVX2 on (the rows in the lanes of
+ * 8-float vectors), with AVX-512 the scores of two keys and the values' 16 columns to a
+ * vector; plain C (fmaf) elsewhere. */
 #ifndef MXFP4X_ATTENTION_H
 #define MXFP4X_ATTENTION_H
 
