@@ -9,14 +9,8 @@ import torch
 
 from . import cpu as _cpu
 from . import threads as _threads
+from .activation import _C_DTYPES, _numpy
 from .ops import runs_direct
-
-_C_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def _numpy(t: torch.Tensor):
-    """A CPU tensor as the numpy view the kernel reads: 16-bit floats as their uint16 bits."""
-    return (t if t.dtype == torch.float32 else t.view(torch.uint16)).numpy()
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
