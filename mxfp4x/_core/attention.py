@@ -13,6 +13,15 @@ from .activation import _C_DTYPES, _numpy
 from .ops import runs_direct
 
 
+def _cache_view(t: torch.Tensor) -> torch.Tensor:
+    """A key or value cache as the kernel reads it: as it is where its last dimension is
+    contiguous (a view of a longer buffer: the door's growing cache), else a copy."""
+    t = t.detach()
+    if (t.shape[3] > 1 and t.stride(3) != 1) or any(s < 0 for s in t.stride()):
+        return t.contiguous()
+    return t
+
+
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      mask: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
                      scaling: float, *, num_threads: Optional[int] = None,
@@ -52,8 +61,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         if tk > 1 and mask.stride(3) != 1 or any(s < 0 for s in mask.stride()):
             mask = mask.contiguous()
     out = torch.empty((b, tq, hq, d), dtype=dtype)
-    _cpu.attention(_numpy(query.detach().contiguous()), _numpy(key.detach().contiguous()),
-                   _numpy(value.detach().contiguous()),
+    _cpu.attention(_numpy(query.detach().contiguous()), _numpy(_cache_view(key)),
+                   _numpy(_cache_view(value)),
                    None if mask is None else _numpy(mask.detach()),
                    None if sinks is None else _numpy(sinks.detach().contiguous()),
                    _numpy(out), _C_DTYPES[dtype],

@@ -30,14 +30,33 @@ cdef tuple _strided_mask(mask, int64_t b, int64_t hq, int64_t tq, int64_t tk, in
     return tuple(0 if mask.shape[i] == 1 else mask.strides[i] // itemsize for i in range(3))
 
 
+cdef uintptr_t _strided_cache(arr, str name, tuple shape, int itemsize, str what,
+                              int64_t *strides) except? 0:
+    """The data address of a 4-D numpy array of this shape and item size whose last
+    dimension is contiguous (a key/value cache read through a view: its batch, head and
+    token strides, in items, go to ``strides``)."""
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy array ({what}), got {type(arr).__name__}")
+    if arr.shape != shape or arr.itemsize != itemsize \
+            or (shape[3] > 1 and arr.strides[3] != itemsize) \
+            or any(st < 0 or st % itemsize for st in arr.strides):
+        raise ValueError(f"{name}: expected a {shape} array of {itemsize}-byte items "
+                         f"({what}), its last dimension contiguous, got shape {arr.shape}, "
+                         f"dtype {arr.dtype}, strides {arr.strides}")
+    for i in range(3):
+        strides[i] = arr.strides[i] // itemsize
+    return <uintptr_t>arr.__array_interface__["data"][0]
+
+
 def attention(q, k, v, mask, sinks, out, str dtype, str mask_dtype, str sinks_dtype,
               float scaling, *, isa=None, int n_threads=1):
     """out (B, TQ, HQ, D) = the softmax attention of q (B, HQ, TQ, D) over k and v (B, HKV,
     TK, D), query head h reading key/value head h // (HQ // HKV), with the additive
     ``mask`` (None, or (1 or B, 1 or HQ, TQ, TK), any strides but the last) and one sink
     logit per query head (``sinks`` (HQ,), or None): attention.h's mxfp4x_attention, the
-    same bits on every ISA and thread count.  q, k, v, out C-contiguous of ``dtype``;
-    16-bit floats as their uint16 bits; dtypes named."""
+    same bits on every ISA and thread count.  q, out C-contiguous of ``dtype``; k and v
+    of ``dtype`` with any strides but the last (views of a longer cache); 16-bit floats
+    as their uint16 bits; dtypes named."""
     cdef AttentionJob job
     for name, arr in (("q", q), ("k", k), ("v", v)):
         if not isinstance(arr, np.ndarray) or arr.ndim != 4:
@@ -50,14 +69,16 @@ def attention(q, k, v, mask, sinks, out, str dtype, str mask_dtype, str sinks_dt
     job.a.q_dtype = job.a.kv_dtype = job.a.out_dtype = _act_dtype(dtype, "dtype")
     cdef int size = _ITEMSIZE[dtype]
     job.a.q = <const void *>_address(q, "q", (b, hq, tq, d), size, dtype)
-    job.a.k = <const void *>_address(k, "k", (b, hkv, tk, d), size, dtype)
-    job.a.v = <const void *>_address(v, "v", (b, hkv, tk, d), size, dtype)
+    cdef int64_t ks[3]
+    cdef int64_t vs[3]
+    job.a.k = <const void *>_strided_cache(k, "k", (b, hkv, tk, d), size, dtype, ks)
+    job.a.v = <const void *>_strided_cache(v, "v", (b, hkv, tk, d), size, dtype, vs)
     job.a.out = <void *>_address(out, "out", (b, tq, hq, d), size, dtype)
     if not out.flags.writeable:
         raise ValueError("out: expected a writable array")
     job.a.q_sb, job.a.q_sh, job.a.q_st = hq * tq * d, tq * d, d
-    job.a.k_sb, job.a.k_sh, job.a.k_st = hkv * tk * d, tk * d, d
-    job.a.v_sb, job.a.v_sh, job.a.v_st = job.a.k_sb, job.a.k_sh, job.a.k_st
+    job.a.k_sb, job.a.k_sh, job.a.k_st = ks[0], ks[1], ks[2]
+    job.a.v_sb, job.a.v_sh, job.a.v_st = vs[0], vs[1], vs[2]
     job.a.mask, job.a.mask_dtype = NULL, c.MXFP4X_DTYPE_F32
     job.a.m_sb = job.a.m_sh = job.a.m_st = 0
     if mask is not None:

@@ -1,7 +1,9 @@
 """mxfp4x.integrations.transformers: a tiny random gpt-oss MXFP4 checkpoint in the released
 layout, loaded with its experts kept MXFP4, against transformers' own dequantized model."""
+import copy
 import json
 import os
+import pickle
 import re
 import warnings
 
@@ -19,9 +21,15 @@ from training_steps import (  # noqa: E402  (tests/)
     assert_same_input_grads,
     assert_same_training_grads,
 )
+from transformers.cache_utils import (  # noqa: E402
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+)
 
 import mxfp4x.integrations.transformers as mxt  # noqa: E402
 from mxfp4x._core import memory  # noqa: E402
+from mxfp4x.integrations.transformers import _cache  # noqa: E402
 from mxfp4x.testing.gpt_oss import released_quantization_config  # noqa: E402
 
 EXPERT_TENSORS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
@@ -317,6 +325,39 @@ def test_greedy_generate_matches(models):
     ids = _tokens(n=5, batch=1, seed=2)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(ours.generate(ids, **kw), dense.generate(ids, **kw))
+
+
+def _generate(model, ids, n, **kw):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                          return_dict_in_generate=True, **kw)
+
+
+def test_generate_takes_the_growing_cache_and_the_same_tokens(checkpoint, monkeypatch):
+    monkeypatch.setattr(_cache, "_MIN_ROOM", 3)  # many growths and moves in 40 tokens
+    ours = mxt.from_pretrained(checkpoint, dtype=torch.float32)
+    plain = mxt.from_pretrained(checkpoint, dtype=torch.float32,
+                                quantization_config=mxt.Mxfp4xConfig(growing_cache=False))
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 96, (2, 11), generator=g)
+    got, want = _generate(ours, ids, 40), _generate(plain, ids, 40)
+    assert {type(x) for x in got.cache.layers} == {mxt.GrowingLayer,
+                                                  mxt.GrowingSlidingWindowLayer}
+    assert {type(x) for x in want.cache.layers} == {DynamicLayer, DynamicSlidingWindowLayer}
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.cache.layers, want.cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # a cache the caller passes, or another implementation, is left as it is
+    mine = DynamicCache(config=ours.config)
+    assert _generate(ours, ids, 3, cache=mine).cache is mine
+    assert type(mine.layers[0]) in (DynamicLayer, DynamicSlidingWindowLayer)
+    assert isinstance(_generate(ours, ids, 3, cache_implementation="static").cache,
+                      transformers.StaticCache)
+    # a copy and a pickle of the model prepare their own
+    for other in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
+        out = _generate(other, ids, 40)
+        assert torch.equal(out.sequences, want.sequences)
+        assert type(out.cache.layers[1]) in (mxt.GrowingLayer, mxt.GrowingSlidingWindowLayer)
+        assert other._prepare_cache_for_generation.model is other
 
 
 def test_gpt_oss_takes_grouped_attention_unless_asked(models, checkpoint):

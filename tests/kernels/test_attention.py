@@ -83,8 +83,9 @@ def test_attention_bits_on_every_isa_thread_count_and_batch(rng, isa, dtype):
             assert torch.equal(out.view(torch.uint8), base.view(torch.uint8))
         alone = decode_attention(q[1:2], k[1:2], v[1:2], mask[1:2], sinks, 0.125, isa=isa)
         assert torch.equal(alone.view(torch.uint8), base[1:2].view(torch.uint8))
-        # a cache read through a longer one's first keys, a mask through a slice
-        longer = [torch.cat([t, t[:, :, :7]], 2) for t in (k, v)]
+        # a cache read through views of longer buffers (the keys' and the values' of
+        # different lengths, so their strides differ), a mask through a slice
+        longer = [torch.cat([t, t[:, :, :n]], 2) for t, n in ((k, 7), (v, 12))]
         cut = decode_attention(q, longer[0][:, :, :301], longer[1][:, :, :301],
                                torch.cat([mask, mask[..., :5]], -1), sinks, 0.125, isa=isa)
         assert torch.equal(cut.view(torch.uint8), base.view(torch.uint8))
@@ -146,8 +147,13 @@ def test_attention_errors_name_the_argument():
     call()
     with pytest.raises(ValueError, match="k: 3 key/value heads"):
         call(k=f32((1, 3, 5, 8), np.float32), v=f32((1, 3, 5, 8), np.float32))
-    with pytest.raises(ValueError, match="v: expected a C-contiguous"):
+    with pytest.raises(ValueError, match=r"v: expected a \(1, 2, 5, 8\) array"):
         call(v=f32((1, 2, 4, 8), np.float32))
+    with pytest.raises(ValueError, match="k: .* its last dimension contiguous"):
+        call(k=f32((1, 2, 5, 16), np.float32)[..., ::2])
+    with pytest.raises(ValueError, match="v: expected a 4-D array"):
+        call(v=[0.0])
+    call(k=f32((2, 3, 9, 8), np.float32)[1:, 1:, 2:7])  # a view: any strides but the last
     with pytest.raises(ValueError, match="out: expected a C-contiguous"):
         call(out=f32((1, 4, 1, 8), np.float32))
     with pytest.raises(ValueError, match="mask: expected a 4-D array"):

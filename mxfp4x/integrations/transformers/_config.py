@@ -33,6 +33,9 @@ class Mxfp4xConfig(QuantizationConfigMixin):
     sequences decoding together; see :class:`DenseLinear`), and gpt-oss's routers and RMS
     norms on mxfp4x's compiled passes (:class:`DenseRouter`, :class:`CompiledRMSNorm`);
     ``False`` leaves them all to torch.
+    ``growing_cache``: ``generate`` keeps keys and values in a cache that grows in place
+    (:class:`GrowingCache`) where it would make transformers' ``DynamicCache``: the same
+    tokens, no copy of the whole cache each step; ``False`` leaves transformers' own.
     ``float32_intermediate``: the experts' activation output (gpt-oss's clamped SwiGLU, a
     gated model's ``act_fn(gate) * up``) is computed in float32 and, as transformers
     computes it in the model's dtype, rounded once to that dtype (bfloat16 for a bfloat16
@@ -47,7 +50,8 @@ class Mxfp4xConfig(QuantizationConfigMixin):
 
     def __init__(self, modules_to_not_convert: Optional[list] = None,
                  num_threads: Optional[int] = None, scale_rule: str = "floor",
-                 dense_kernels: bool = True, float32_intermediate: bool = False, **kwargs):
+                 dense_kernels: bool = True, float32_intermediate: bool = False,
+                 growing_cache: bool = True, **kwargs):
         if scale_rule not in SCALE_RULES:
             raise ValueError(f"scale_rule: expected one of {SCALE_RULES}, got {scale_rule!r}")
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]  # not in their enum
@@ -56,6 +60,7 @@ class Mxfp4xConfig(QuantizationConfigMixin):
         self.scale_rule = scale_rule
         self.dense_kernels = bool(dense_kernels)
         self.float32_intermediate = bool(float32_intermediate)
+        self.growing_cache = bool(growing_cache)
 
     def to_dict(self) -> Dict[str, Any]:
         return {"quant_method": FILE_FORMAT,
@@ -64,4 +69,5 @@ class Mxfp4xConfig(QuantizationConfigMixin):
     def __repr__(self) -> str:
         return (f"Mxfp4xConfig(num_threads={self.num_threads}, scale_rule={self.scale_rule!r}, "
                 f"modules_to_not_convert={self.modules_to_not_convert}, "
-                f"float32_intermediate={self.float32_intermediate})")
+                f"float32_intermediate={self.float32_intermediate}, "
+                f"growing_cache={self.growing_cache})")

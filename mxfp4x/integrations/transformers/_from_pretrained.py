@@ -54,7 +54,8 @@ def from_pretrained(pretrained_model_name_or_path, *model_args,
         kwargs.setdefault("attn_implementation", ATTENTION)
     # what the caller's config asks of the run (not written to the checkpoint)
     run = {k: getattr(qc, k, default) for k, default in
-           (("dense_kernels", True), ("float32_intermediate", False))}
+           (("dense_kernels", True), ("float32_intermediate", False),
+            ("growing_cache", True))}
     found = getattr(config, "quantization_config", None)
     if found is None:  # dense experts: quantized at load (MXFP4 ones, in a checkpoint
         # whose config says nothing of them: the quantizer reads them as MXFP4)

@@ -15,6 +15,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name, shoul
 from transformers.utils import logging
 
 from ..._core import memory as _memory
+from ._cache import use_growing_cache
 from ._checkpoint_files import checkpoint_names, gpt_oss_stored, mxfp4_tensors
 from ._config import QUANT_METHOD, Mxfp4xConfig
 from ._dense_experts import Mxfp4xQuantize, dense_experts_modules, swap_to_mxfp4, whole_groups
@@ -129,6 +130,8 @@ class Mxfp4xHfQuantizer(HfQuantizer):
         self._mxfp4x_dequantize = {}
         if self.quantization_config.dense_kernels:
             use_dense_kernels(model, self.quantization_config.num_threads)
+        if self.quantization_config.growing_cache:
+            use_growing_cache(model)
         _ask_huge_pages(model)
         return model
 
