@@ -156,6 +156,9 @@ def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECO
     load_s = time.perf_counter() - t0
     load_peak = _rss_peak()
     model.eval()
+    # the cache generate makes for the model: the door's grows in place (GrowingCache),
+    # transformers' is its DynamicCache
+    new_cache = mxt.GrowingCache if mode == "mxfp4x" else transformers.DynamicCache
     clock = _Clock(model)
     ids = prompts(model.config.vocab_size, prefill, (prefill[0], context), sequences)
     out = {"mode": mode, "layers": layers, "dtype": dtype, "load_s": load_s,
@@ -176,11 +179,12 @@ def measure(folder, mode, layers, dtype="bfloat16", prefill=PREFILL, decode=DECO
                               (context, 16, f"decode_at_{context}_step_s")):
             if n:
                 step = model(torch.tensor([ids["decode"][n]]), use_cache=True,
-                             logits_to_keep=1)
+                             cache=new_cache(config=model.config), logits_to_keep=1)
                 out[key] = _decode(model, clock, step.past_key_values,
                                    _greedy(step.logits), steps)
         for n_seq, batch in ids["sequences"].items():  # one batch, every prompt as long
-            step = model(torch.tensor(batch), use_cache=True, logits_to_keep=1)
+            step = model(torch.tensor(batch), use_cache=True,
+                         cache=new_cache(config=model.config), logits_to_keep=1)
             out[f"sequences_{n_seq}_step_s"] = _decode(
                 model, clock, step.past_key_values,
                 _greedy(step.logits), SEQUENCE_STEPS)

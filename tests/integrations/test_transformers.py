@@ -328,8 +328,13 @@ def test_greedy_generate_matches(models):
 
 
 def _generate(model, ids, n, **kw):
-    return model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0,
-                          return_dict_in_generate=True, **kw)
+    """greedy generate's output, its cache as ``.cache`` (transformers' name for it since
+    it renamed ``past_key_values``)."""
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, **kw)
+    if getattr(out, "cache", None) is None:
+        out.cache = out.past_key_values
+    return out
 
 
 def test_generate_takes_the_growing_cache_and_the_same_tokens(checkpoint, monkeypatch):

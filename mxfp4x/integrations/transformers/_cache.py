@@ -175,6 +175,11 @@ class GrowingCache(DynamicCache):
         grow_in_place(self)
 
 
+# the model keyword a cache goes by in generate's model_kwargs (transformers' name for it
+# changed from the second to the first)
+_CACHE_KWARGS = ("cache", "past_key_values")
+
+
 class _PrepareGrowing:
     """``generate``'s cache preparation (the model class's), its dynamic cache then made
     to grow in place: the model's own attribute, an object holding the model, so that a
@@ -185,13 +190,14 @@ class _PrepareGrowing:
 
     def __call__(self, generation_config, model_kwargs, *args, **kwargs):
         model = self.model
-        given = model_kwargs.get("cache")
+        given = [model_kwargs.get(k) for k in _CACHE_KWARGS]
         result = type(model)._prepare_cache_for_generation(model, generation_config,
                                                           model_kwargs, *args, **kwargs)
-        made = model_kwargs.get("cache")
-        if given is None and type(made) is DynamicCache and \
-                not getattr(made, "offloading", False):
-            grow_in_place(made)
+        for key, before in zip(_CACHE_KWARGS, given, strict=True):
+            made = model_kwargs.get(key)
+            if before is None and type(made) is DynamicCache and \
+                    not getattr(made, "offloading", False):
+                grow_in_place(made)
         return result
 
 
