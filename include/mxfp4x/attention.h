@@ -17,9 +17,9 @@
  * is mxfp4x_expf (within 1 ulp).  Every operand is first made float32 (exact), the result
  * rounded once into the output's dtype.  A row whose keys are all masked out to -inf and
  * that has no sink gives NaN (as a softmax of -inf's does); a NaN in its scores or its
- * sink gives NaN.  Three paths, the same bits: x86 from AVX2 on (the rows in the lanes of
+ * sink gives NaN.  Four paths, the same bits: x86 from AVX2 on (the rows in the lanes of
  * 8-float vectors), with AVX-512 the scores of two keys and the values' 16 columns to a
- * vector; plain C (fmaf) elsewhere. */
+ * vector; AArch64's NEON (the rows in two 4-float vectors); plain C (fmaf) elsewhere. */
 #ifndef MXFP4X_ATTENTION_H
 #define MXFP4X_ATTENTION_H
 
@@ -27,6 +27,9 @@
 
 #if MXFP4X_HAVE_X86_SIMD
 #  include <immintrin.h>
+#endif
+#if MXFP4X_HAVE_NEON
+#  include <arm_neon.h>
 #endif
 
 #define MXFP4X_ATT_ROWS 8 /* query rows per pass over a head's keys and values: a vector */
@@ -482,8 +485,120 @@ MXFP4X_ATT_TASKS(_avx512, MXFP4X_TARGET_ATT512)
 #  endif
 #endif
 
+#if MXFP4X_HAVE_NEON
+/* The AArch64 path: 8 rows in two 4-float vectors (rows 0-3, 4-7), the AVX2 path's
+ * loops on them; NEON is part of the architecture, so no target attribute. */
+#  define MXFP4X_ATT_NEON static inline MXFP4X_ALWAYS_INLINE
+
+/* the scores, KEYS keys at a time (two vectors per key, rows in lanes) */
+MXFP4X_ATT_NEON void mxfp4x_att_scores_neon(const mxfp4x_attention_args *x,
+                                            mxfp4x_att_pass *w) {
+    const int64_t d = x->d, tk = x->tk;
+    int64_t dd, j0, kb, nk;
+    for (j0 = 0; j0 < tk; j0 += MXFP4X_ATT_KEYS) {
+        float32x4_t lo[MXFP4X_ATT_KEYS], hi[MXFP4X_ATT_KEYS];
+        nk = tk - j0 < MXFP4X_ATT_KEYS ? tk - j0 : MXFP4X_ATT_KEYS;
+        mxfp4x_att_keys(x, w, j0, nk);
+        for (kb = 0; kb < MXFP4X_ATT_KEYS; kb++) lo[kb] = hi[kb] = vdupq_n_f32(0.0f);
+        for (dd = 0; dd < d; dd++) {
+            const float32x4_t q0 = vld1q_f32(w->qt + dd * MXFP4X_ATT_ROWS);
+            const float32x4_t q1 = vld1q_f32(w->qt + dd * MXFP4X_ATT_ROWS + 4);
+            for (kb = 0; kb < MXFP4X_ATT_KEYS; kb++) {
+                const float k = w->kf[kb * d + dd];
+                lo[kb] = vfmaq_n_f32(lo[kb], q0, k);
+                hi[kb] = vfmaq_n_f32(hi[kb], q1, k);
+            }
+        }
+        for (kb = 0; kb < nk; kb++) {
+            float *sc = w->sc + (j0 + kb) * MXFP4X_ATT_ROWS;
+            vst1q_f32(sc, vmulq_n_f32(lo[kb], x->scaling));
+            vst1q_f32(sc + 4, vmulq_n_f32(hi[kb], x->scaling));
+        }
+    }
+}
+
+/* after the scores: the mask, the maxima, e_j, z */
+MXFP4X_ATT_NEON void mxfp4x_att_softmax_neon(const mxfp4x_attention_args *x,
+                                             mxfp4x_att_pass *w) {
+    const int64_t tk = x->tk;
+    float part[4][MXFP4X_ATT_ROWS];
+    float32x4_t mx[2], p[4][2];
+    int64_t j, h;
+    mxfp4x_att_mask(x, w);
+    for (h = 0; h < 2; h++) mx[h] = vld1q_f32(w->sink + 4 * h);
+    for (j = 0; j < tk; j++) /* v > mx ? v : mx, as the plain C path */
+        for (h = 0; h < 2; h++) {
+            const float32x4_t v = vld1q_f32(w->sc + j * MXFP4X_ATT_ROWS + 4 * h);
+            mx[h] = vbslq_f32(vcgtq_f32(v, mx[h]), v, mx[h]);
+        }
+    for (h = 0; h < 2; h++) vst1q_f32(w->mx + 4 * h, mx[h]);
+    for (j = 0; j < tk; j++)
+        for (h = 0; h < 2; h++) {
+            float *sc = w->sc + j * MXFP4X_ATT_ROWS + 4 * h;
+            vst1q_f32(sc, vsubq_f32(vld1q_f32(sc), mx[h]));
+        }
+    mxfp4x_att_exp(w->sc, tk * MXFP4X_ATT_ROWS);
+    for (j = 0; j < 4; j++) p[j][0] = p[j][1] = vdupq_n_f32(0.0f);
+    for (j = 0; j < tk; j++)
+        for (h = 0; h < 2; h++)
+            p[j & 3][h] = vaddq_f32(p[j & 3][h], vld1q_f32(w->sc + j * MXFP4X_ATT_ROWS + 4 * h));
+    for (j = 0; j < 4; j++)
+        for (h = 0; h < 2; h++) vst1q_f32(part[j] + 4 * h, p[j][h]);
+    mxfp4x_att_z(x, w, part);
+}
+
+/* 8 value columns from c for all rows: 2 x ROWS chains over j */
+MXFP4X_ATT_NEON void mxfp4x_att_values_neon(const mxfp4x_attention_args *x,
+                                            mxfp4x_att_pass *w, int64_t c) {
+    float32x4_t lo[MXFP4X_ATT_ROWS], hi[MXFP4X_ATT_ROWS];
+    float o[8];
+    const int64_t nc = x->d - c < 8 ? x->d - c : 8;
+    const int fast = nc == 8 && x->kv_dtype == MXFP4X_DTYPE_BF16;
+    int64_t r, j, i;
+    for (r = 0; r < MXFP4X_ATT_ROWS; r++) lo[r] = hi[r] = vdupq_n_f32(0.0f);
+    for (i = nc; i < 8; i++) w->vf[i] = 0.0f;
+    for (j = 0; j < x->tk; j++) {
+        const float *e = w->sc + j * MXFP4X_ATT_ROWS;
+        float32x4_t v0, v1;
+        if (fast) {
+            const uint16x8_t b = vld1q_u16((const uint16_t *)(const void *)(
+                w->vbase + (size_t)(j * x->v_st + c) * 2));
+            v0 = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(b), 16));
+            v1 = vreinterpretq_f32_u32(vshll_high_n_u16(b, 16));
+        } else {
+            mxfp4x_att_value(x, w, j, c, nc);
+            v0 = vld1q_f32(w->vf);
+            v1 = vld1q_f32(w->vf + 4);
+        }
+        for (r = 0; r < MXFP4X_ATT_ROWS; r++) {
+            lo[r] = vfmaq_n_f32(lo[r], v0, e[r]);
+            hi[r] = vfmaq_n_f32(hi[r], v1, e[r]);
+        }
+    }
+    for (r = 0; r < w->nr; r++) {
+        vst1q_f32(o, lo[r]);
+        vst1q_f32(o + 4, hi[r]);
+        mxfp4x_att_store(x, w, r, c, o, nc);
+    }
+}
+
+static void mxfp4x_attention_neon(const mxfp4x_attention_args *x, int64_t t0, int64_t t1,
+                                  float *scratch) {
+    mxfp4x_att_pass w;
+    int64_t t, s, hk, r0, r1, c;
+    for (t = t0; t < t1; t++) {
+        mxfp4x_att_task(x, t, &s, &hk, &r0, &r1);
+        mxfp4x_att_begin(x, &w, s, hk, r0, r1, scratch);
+        mxfp4x_att_scores_neon(x, &w);
+        mxfp4x_att_softmax_neon(x, &w);
+        for (c = 0; c < x->d; c += 8) mxfp4x_att_values_neon(x, &w, c);
+    }
+}
+#endif
+
 /* tasks [t0, t1) on ISA isa (an MXFP4X_ISA_* this CPU runs): the x86 path from AVX2 on
- * (AVX-512's where the ISA has it), else plain C; the same bits every way */
+ * (AVX-512's where the ISA has it), NEON's on AArch64, else plain C; the same bits every
+ * way */
 static void mxfp4x_attention(int isa, const mxfp4x_attention_args *x, int64_t t0, int64_t t1,
                              float *scratch) {
 #if MXFP4X_HAVE_X86_SIMD
@@ -496,6 +611,12 @@ static void mxfp4x_attention(int isa, const mxfp4x_attention_args *x, int64_t t0
     /* (an emulated AVX-512 build runs its avx512 ISA on CPUs without AVX2: plain C) */
     if (isa == MXFP4X_ISA_AVX2) {
         mxfp4x_attention_avx2(x, t0, t1, scratch);
+        return;
+    }
+#endif
+#if MXFP4X_HAVE_NEON
+    if (isa == MXFP4X_ISA_NEON) {
+        mxfp4x_attention_neon(x, t0, t1, scratch);
         return;
     }
 #endif

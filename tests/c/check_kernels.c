@@ -39,6 +39,10 @@
  *                   counts off every block, padded strides, latents with 53-bit
  *                   significands) and axpy_rows_f64 (widths off the vector body): the
  *                   bits of scalar.h's kernels, which every entry must give
+ *   attention       attention.h's path for the entry's ISA (AVX2, AVX-512, NEON or plain
+ *                   C): the plain C path's bits and within the float32 bound of float64,
+ *                   in float32, bf16 and f16, at head sizes and key counts off every
+ *                   vector, grouped heads, the cache read through views, masked rows
  *   gguf_*          decode, gemv, panel_dot and batch again on llama.cpp's GGUF blocks
  *                   (17 bytes per group, the scale byte first; byte j holds elements j
  *                   and j+16), read in place: gguf_decode, gguf_gemv, gguf_panel,
@@ -65,6 +69,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mxfp4x/attention.h"
 #include "mxfp4x/dispatch.h"
 
 static int failures = 0;
@@ -1007,6 +1012,146 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
 
 /* ---- main ---------------------------------------------------------------------------- */
 
+/* ---- attention.h: a decoding step's attention ------------------------------------- */
+
+typedef struct {
+    int64_t b, hq, hkv, tq, tk, d;
+    int dtype, mask, sinks;
+} att_case;
+
+static const att_case att_cases[] = {
+    {1, 64, 8, 1, 137, 64, MXFP4X_DTYPE_BF16, 1, 1}, /* gpt-oss's heads, one token */
+    {2, 12, 3, 3, 37, 24, MXFP4X_DTYPE_F32, 1, 0},   /* a head size off every vector */
+    {3, 8, 8, 1, 5, 40, MXFP4X_DTYPE_F16, 0, 1},     /* no grouping, few keys */
+    {1, 16, 2, 5, 130, 80, MXFP4X_DTYPE_BF16, 1, 1}, /* several passes of rows */
+    {2, 6, 2, 2, 1, 16, MXFP4X_DTYPE_F32, 1, 1},     /* one key */
+    {1, 4, 1, 1, 33, 72, MXFP4X_DTYPE_BF16, 0, 0},   /* d off 16: the generic key load */
+};
+
+/* n random floats (times scale) stored in dtype at dst */
+static void att_fill(void *dst, int64_t n, int dtype, float scale) {
+    float *f = (float *)xcalloc((size_t)n, sizeof(float));
+    int64_t i;
+    for (i = 0; i < n; i++) f[i] = next_float() * scale;
+    mxfp4x_act_store(f, n, dtype, dst);
+    free(f);
+}
+
+static double att_at(const void *p, int dtype, int64_t i) {
+    float f;
+    mxfp4x_act_load(p, dtype, i, 1, 1, &f);
+    return f;
+}
+
+/* each case's output on the ISA's path against the plain C path (bits) and float64 (the
+ * float32 bound of the scores' and the values' chains, plus the output's rounding); the
+ * keys and values read through views of longer buffers of different lengths, some rows'
+ * keys all masked out (with a sink: zero weight on every key) */
+static void check_attention(const mxfp4x_kernels *k) {
+    digest dg;
+    int ok = 1;
+    size_t ci;
+    char detail[160] = "";
+    digest_init(&dg);
+    seed(41);
+    for (ci = 0; ci < sizeof att_cases / sizeof att_cases[0]; ci++) {
+        const att_case *c = &att_cases[ci];
+        const int64_t g = c->hq / c->hkv, sz = (int64_t)mxfp4x_att_size(c->dtype);
+        const int64_t kst = c->tk + 5, vst = c->tk + 2; /* the buffers' token capacities */
+        const int64_t n_out = c->b * c->tq * c->hq * c->d;
+        mxfp4x_attention_args x;
+        void *q = xcalloc((size_t)(c->b * c->hq * c->tq * c->d), (size_t)sz);
+        void *kk = xcalloc((size_t)(c->b * c->hkv * kst * c->d), (size_t)sz);
+        void *vv = xcalloc((size_t)(c->b * c->hkv * vst * c->d), (size_t)sz);
+        void *mask = xcalloc((size_t)(c->b * c->hq * c->tq * c->tk), (size_t)sz);
+        void *sinks = xcalloc((size_t)c->hq, (size_t)sz);
+        void *got = xcalloc((size_t)n_out, (size_t)sz), *want = xcalloc((size_t)n_out, (size_t)sz);
+        float *scratch = (float *)xcalloc((size_t)mxfp4x_attention_scratch(c->tk, c->d),
+                                          sizeof(float));
+        float *mf = (float *)xcalloc((size_t)(c->b * c->hq * c->tq * c->tk), sizeof(float));
+        double *sc = (double *)xcalloc((size_t)c->tk + 1, sizeof(double));
+        int64_t i, s, h, t, j, dd, n_tasks;
+        att_fill(q, c->b * c->hq * c->tq * c->d, c->dtype, 0.7f);
+        att_fill(kk, c->b * c->hkv * kst * c->d, c->dtype, 0.7f);
+        att_fill(vv, c->b * c->hkv * vst * c->d, c->dtype, 3.0f);
+        att_fill(sinks, c->hq, c->dtype, 1.0f);
+        for (i = 0; i < c->b * c->hq * c->tq * c->tk; i++) {
+            const uint64_t u = next_u64() % 8;
+            mf[i] = u == 0 ? -INFINITY : u == 1 ? -65504.0f : 0.0f;
+        }
+        for (j = 0; j < c->tk; j++) mf[j] = -INFINITY; /* row (0, 0, 0): every key out */
+        mxfp4x_act_store(mf, c->b * c->hq * c->tq * c->tk, c->dtype, mask);
+        memset(&x, 0, sizeof x);
+        x.q = q, x.k = kk, x.v = vv, x.out = got;
+        x.mask = c->mask ? mask : NULL, x.sinks = c->sinks ? sinks : NULL;
+        x.q_dtype = x.kv_dtype = x.mask_dtype = x.sinks_dtype = x.out_dtype = c->dtype;
+        x.q_sb = c->hq * c->tq * c->d, x.q_sh = c->tq * c->d, x.q_st = c->d;
+        x.k_sb = c->hkv * kst * c->d, x.k_sh = kst * c->d, x.k_st = c->d;
+        x.v_sb = c->hkv * vst * c->d, x.v_sh = vst * c->d, x.v_st = c->d;
+        x.m_sb = c->hq * c->tq * c->tk, x.m_sh = c->tq * c->tk, x.m_st = c->tk;
+        x.b = c->b, x.hq = c->hq, x.hkv = c->hkv, x.tq = c->tq, x.tk = c->tk, x.d = c->d;
+        x.scaling = 0.125f;
+        n_tasks = mxfp4x_attention_tasks(&x);
+        mxfp4x_attention(k->isa, &x, 0, n_tasks, scratch);
+        x.out = want;
+        mxfp4x_attention_c(&x, 0, n_tasks, scratch);
+        if (memcmp(got, want, (size_t)(n_out * sz)) != 0 && ok) {
+            ok = 0;
+            snprintf(detail, sizeof detail, "case %d: not the plain C path's bits", (int)ci);
+        }
+        for (i = 0; i < n_out; i++) digest_f32(&dg, (float)att_at(got, c->dtype, i));
+        for (s = 0; s < c->b; s++)
+            for (t = 0; t < c->tq; t++)
+                for (h = 0; h < c->hq; h++) {
+                    const int64_t hk = h / g;
+                    const char *kb = (const char *)kk + (size_t)(s * x.k_sb + hk * x.k_sh) * sz;
+                    const char *vb = (const char *)vv + (size_t)(s * x.v_sb + hk * x.v_sh) * sz;
+                    const int64_t mrow = s * x.m_sb + h * x.m_sh + t * x.m_st;
+                    double mx = c->sinks ? att_at(sinks, c->dtype, h) : -INFINITY, z = 0, vmax = 0;
+                    for (j = 0; j < c->tk; j++) {
+                        double a = 0;
+                        for (dd = 0; dd < c->d; dd++)
+                            a += att_at(q, c->dtype, s * x.q_sb + h * x.q_sh + t * x.q_st + dd) *
+                                 att_at(kb, c->dtype, j * c->d + dd);
+                        sc[j] = a * 0.125 + (c->mask ? att_at(mask, c->dtype, mrow + j) : 0.0);
+                        mx = sc[j] > mx ? sc[j] : mx;
+                        for (dd = 0; dd < c->d; dd++) {
+                            const double v = fabs(att_at(vb, c->dtype, j * c->d + dd));
+                            vmax = v > vmax ? v : vmax;
+                        }
+                    }
+                    for (j = 0; j < c->tk; j++) z += sc[j] = exp(sc[j] - mx);
+                    if (c->sinks) z += exp(att_at(sinks, c->dtype, h) - mx);
+                    for (dd = 0; dd < c->d; dd++) {
+                        const int64_t o = ((s * c->tq + t) * c->hq + h) * c->d + dd;
+                        const double unit = c->dtype == MXFP4X_DTYPE_F32    ? 0x1p-24
+                                            : c->dtype == MXFP4X_DTYPE_BF16 ? 0x1p-8
+                                                                            : 0x1p-11;
+                        double ref = 0, err, bound;
+                        for (j = 0; j < c->tk; j++) ref += sc[j] * att_at(vb, c->dtype, j * c->d + dd);
+                        ref /= z;
+                        err = fabs(att_at(got, c->dtype, o) - ref);
+                        bound = 2 * unit * fabs(ref) + 0x1p-24 +
+                                (double)(4 * c->d + 4 * c->tk + 64) * 0x1p-22 * vmax;
+                        /* no key and no sink: NaN, as a softmax of -inf's */
+                        if (ref != ref ? !(err != err && att_at(got, c->dtype, o) !=
+                                                             att_at(got, c->dtype, o))
+                                       : !(err <= bound)) {
+                            if (ok)
+                                snprintf(detail, sizeof detail,
+                                         "case %d (%lld, %lld, %lld, %lld): %g against %g",
+                                         (int)ci, (long long)s, (long long)t, (long long)h,
+                                         (long long)dd, att_at(got, c->dtype, o), ref);
+                            ok = 0;
+                        }
+                    }
+                }
+        free(q), free(kk), free(vv), free(mask), free(sinks), free(got), free(want);
+        free(scratch), free(mf), free(sc);
+    }
+    report(k->name, "attention", &dg, ok, detail);
+}
+
 static const char *arch_name(void) {
 #if MXFP4X_ARCH_X86_64
     return "x86_64";
@@ -1077,6 +1222,7 @@ int main(int argc, char **argv) {
         check_decode(k, MXFP4X_NIBBLES_HALVES);
         check_mv(k, MXFP4X_NIBBLES_HALVES);
         check_bf16(k, MXFP4X_NIBBLES_HALVES);
+        check_attention(k);
     }
     printf("# %s\n", failures ? "FAILED" : "all ok");
     return failures ? 1 : 0;
