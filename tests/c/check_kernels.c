@@ -1044,9 +1044,10 @@ static double att_at(const void *p, int dtype, int64_t i) {
 }
 
 /* each case's output on the ISA's path against the plain C path (bits) and float64 (the
- * float32 bound of the scores' and the values' chains, plus the output's rounding); the
- * keys and values read through views of longer buffers of different lengths, some rows'
- * keys all masked out (with a sink: zero weight on every key) */
+ * float32 bound of the scores' and the values' chains, plus the output's rounding; the
+ * plain C entry is checked by the bound alone); the keys and values read through views
+ * of longer buffers of different lengths and layouts, some rows' keys all masked out
+ * (with a sink: zero weight on every key) */
 static void check_attention(const mxfp4x_kernels *k) {
     digest dg;
     int ok = 1;
@@ -1086,7 +1087,9 @@ static void check_attention(const mxfp4x_kernels *k) {
         x.mask = c->mask ? mask : NULL, x.sinks = c->sinks ? sinks : NULL;
         x.q_dtype = x.kv_dtype = x.mask_dtype = x.sinks_dtype = x.out_dtype = c->dtype;
         x.q_sb = c->hq * c->tq * c->d, x.q_sh = c->tq * c->d, x.q_st = c->d;
-        x.k_sb = c->hkv * kst * c->d, x.k_sh = kst * c->d, x.k_st = c->d;
+        /* the keys (b, capacity, hkv, d), as a cache of tokens by rows; the values (b, hkv,
+         * capacity, d) */
+        x.k_sb = c->hkv * kst * c->d, x.k_sh = c->d, x.k_st = c->hkv * c->d;
         x.v_sb = c->hkv * vst * c->d, x.v_sh = vst * c->d, x.v_st = c->d;
         x.m_sb = c->hq * c->tq * c->tk, x.m_sh = c->tq * c->tk, x.m_st = c->tk;
         x.b = c->b, x.hq = c->hq, x.hkv = c->hkv, x.tq = c->tq, x.tk = c->tk, x.d = c->d;
@@ -1112,11 +1115,11 @@ static void check_attention(const mxfp4x_kernels *k) {
                         double a = 0;
                         for (dd = 0; dd < c->d; dd++)
                             a += att_at(q, c->dtype, s * x.q_sb + h * x.q_sh + t * x.q_st + dd) *
-                                 att_at(kb, c->dtype, j * c->d + dd);
+                                 att_at(kb, c->dtype, j * x.k_st + dd);
                         sc[j] = a * 0.125 + (c->mask ? att_at(mask, c->dtype, mrow + j) : 0.0);
                         mx = sc[j] > mx ? sc[j] : mx;
                         for (dd = 0; dd < c->d; dd++) {
-                            const double v = fabs(att_at(vb, c->dtype, j * c->d + dd));
+                            const double v = fabs(att_at(vb, c->dtype, j * x.v_st + dd));
                             vmax = v > vmax ? v : vmax;
                         }
                     }
@@ -1128,7 +1131,8 @@ static void check_attention(const mxfp4x_kernels *k) {
                                             : c->dtype == MXFP4X_DTYPE_BF16 ? 0x1p-8
                                                                             : 0x1p-11;
                         double ref = 0, err, bound;
-                        for (j = 0; j < c->tk; j++) ref += sc[j] * att_at(vb, c->dtype, j * c->d + dd);
+                        for (j = 0; j < c->tk; j++)
+                            ref += sc[j] * att_at(vb, c->dtype, j * x.v_st + dd);
                         ref /= z;
                         err = fabs(att_at(got, c->dtype, o) - ref);
                         bound = 2 * unit * fabs(ref) + 0x1p-24 +

@@ -53,6 +53,7 @@ def test_layers_hand_out_what_transformers_layers_do(rng, monkeypatch, window, d
         ours = mxt.GrowingSlidingWindowLayer(sliding_window=window)
         theirs = DynamicSlidingWindowLayer(sliding_window=window)
     b, h, d = 3, 2, 5
+    handed = []  # tensors handed out at earlier steps, and copies of them then
     for step in range(120):
         t = int(rng.choice([1, 1, 1, 2, 9, 31]))
         k, v = _states(g, b, h, t, d, dtype)
@@ -60,6 +61,9 @@ def test_layers_hand_out_what_transformers_layers_do(rng, monkeypatch, window, d
         got, want = ours.update(k, v), theirs.update(k.clone(), v.clone())
         _check(ours, theirs, got, want)
         assert torch.equal(k, k_in) and torch.equal(v, v_in)  # inputs as given
+        handed = handed[-30:] + [(x, x.clone()) for x in (*got, ours.keys, ours.values)]
+        for x, then in handed:  # never written again
+            assert torch.equal(x, then)
         if step % 17 == 16:  # transformers' operations replace the layer's tensors
             op = int(rng.integers(4))
             if op == 0 and (window is None or theirs.get_seq_length() < window):
@@ -116,3 +120,37 @@ def test_grow_in_place_leaves_other_layers_and_written_ones(rng):
 def test_growing_cache_config_round_trip():
     assert mxt.Mxfp4xConfig().growing_cache is True
     assert "growing_cache=False" in repr(mxt.Mxfp4xConfig(growing_cache=False))
+
+
+def test_layers_take_what_transformers_does_in_every_other_case(rng):
+    """States of another dtype (promoted as torch.cat does), an update under autograd
+    (transformers' own, no buffer), a prompt cached in inference mode and decoded
+    outside it, a sliding layer recording its past, no config (layers made on use)."""
+    g = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    for make in (lambda: (mxt.GrowingLayer(), DynamicLayer()),
+                 lambda: (mxt.GrowingSlidingWindowLayer(sliding_window=6),
+                          DynamicSlidingWindowLayer(sliding_window=6))):
+        ours, theirs = make()
+        k, v = _states(g, 1, 2, 7, 4, torch.bfloat16)
+        with torch.inference_mode():
+            _check(ours, theirs, ours.update(k, v), theirs.update(k, v))
+        for dtype, grad in ((torch.bfloat16, False), (torch.float32, False),
+                            (torch.float32, True), (torch.float32, False)):
+            k, v = _states(g, 1, 2, 1, 4, dtype)
+            k.requires_grad_(grad)
+            got, want = ours.update(k, v), theirs.update(k, v)
+            assert got[0].requires_grad == want[0].requires_grad
+            _check(ours, theirs, [x.detach() for x in got], [x.detach() for x in want])
+        assert ours.keys.dtype == torch.float32 and ours.keys.requires_grad
+    ours = mxt.GrowingSlidingWindowLayer(sliding_window=4)
+    theirs = DynamicSlidingWindowLayer(sliding_window=4)
+    for layer in (ours, theirs):
+        layer.activate_past_recording()
+    for t in (5, 1, 2):
+        k, v = _states(g, 2, 1, t, 3, torch.float32)
+        _check(ours, theirs, ours.update(k, v), theirs.update(k, v))
+    cache = mxt.GrowingCache()
+    for _ in range(3):
+        cache.update(*_states(g, 1, 2, 1, 4, torch.float32), 0)
+    assert type(cache.layers[0]) is mxt.GrowingLayer and cache.get_seq_length() == 3
+    assert cache.layers[0]._mxfp4x_buffers is not None

@@ -89,6 +89,10 @@ def test_attention_bits_on_every_isa_thread_count_and_batch(rng, isa, dtype):
         cut = decode_attention(q, longer[0][:, :, :301], longer[1][:, :, :301],
                                torch.cat([mask, mask[..., :5]], -1), sinks, 0.125, isa=isa)
         assert torch.equal(cut.view(torch.uint8), base.view(torch.uint8))
+        # keys cached as (batch, tokens, heads, d), read through a transposed view
+        rows = decode_attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, mask,
+                                sinks, 0.125, isa=isa)
+        assert torch.equal(rows.view(torch.uint8), base.view(torch.uint8))
 
 
 def test_attention_special_values(isa):

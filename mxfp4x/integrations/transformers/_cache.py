@@ -8,14 +8,24 @@ every layer, each step).
 The layers return what transformers' own return, the same keys and values in the same
 order, and keep their other behaviour (``crop``, ``reorder_cache``, ``batch_select_indices``,
 offloading, past recording of the sliding layers): an operation of transformers' that
-replaces a layer's tensors makes the layer take them as its contents at its next
-``update``.  The keys and values a layer hands out are views of its buffer, read along
-their token dimension with the buffer's strides; the attention functions transformers
-calls (and :func:`grouped_attention`) read such views as they are."""
+replaces a layer's tensors drops its buffers, and the layer takes those tensors as its
+contents at its next ``update``.  The keys and values a layer hands out are views of its
+buffer, read along their token dimension with the buffer's strides (the attention
+functions transformers calls, and :func:`grouped_attention`, read such views as they
+are); a view once handed out is never written again (new tokens go after it, a full
+buffer is replaced, not moved).  An update that autograd records (states that require a
+gradient) runs transformers' own, as do a sliding layer's past recording and a window
+below 2."""
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (
+    CacheLayerMixin,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+)
 
 # room made at each growth beyond the tokens written: a quarter of them, at least this
 # many tokens (a copy of the cache every quarter of its length, not every step)
@@ -27,9 +37,9 @@ def _room(n: int) -> int:
 
 
 class _Buffers:
-    """One layer's key and value buffers, (batch, heads, capacity, head size), and the
-    views of them the layer last handed out (which tell whether transformers replaced
-    the layer's tensors since)."""
+    """One layer's key and value buffers, (batch, heads, capacity, head size): their
+    contents are tokens [start, end); and the views of them the layer last handed out
+    (which tell whether transformers replaced the layer's tensors since)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
         b, h, n, d = keys.shape
@@ -41,13 +51,17 @@ class _Buffers:
         self.view_k: Optional[torch.Tensor] = None
         self.view_v: Optional[torch.Tensor] = None
 
-    def fits(self, new: torch.Tensor, values: torch.Tensor) -> bool:
-        """Whether ``new`` tokens (and their ``values``) go after the contents as they are."""
+    def takes(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether these new tokens go after the contents as ``torch.cat`` would join them
+        (same batch, heads, head size, dtype and device), in the room left, by a write
+        allowed here (not into an inference-mode tensor outside inference mode)."""
         k, v = self.k, self.v
-        return (new.shape[:2] == k.shape[:2] and new.shape[-1] == k.shape[-1]
+        return (keys.shape[:2] == k.shape[:2] and keys.shape[-1] == k.shape[-1]
                 and values.shape[:2] == v.shape[:2] and values.shape[-1] == v.shape[-1]
-                and new.dtype == k.dtype and values.dtype == v.dtype
-                and new.device == k.device and values.device == v.device)
+                and keys.dtype == k.dtype and values.dtype == v.dtype
+                and keys.device == k.device and values.device == v.device
+                and self.end + keys.shape[-2] <= k.shape[2]
+                and (torch.is_inference_mode_enabled() or not k.is_inference()))
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         t = keys.shape[-2]
@@ -55,98 +69,130 @@ class _Buffers:
         self.v[:, :, self.end:self.end + t].copy_(values)
         self.end += t
 
-    def move_to_front(self) -> None:
-        """The contents to the buffer's front."""
-        s, n = self.start, self.end - self.start
-        if s:
-            for buf in (self.k, self.v):
-                part = buf[:, :, s:self.end]
-                buf[:, :, :n].copy_(part.clone() if s < n else part)
-        self.start, self.end = 0, n
-
     def views(self, start: int) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.k[:, :, start:self.end], self.v[:, :, start:self.end]
 
 
 def _current(layer) -> Optional[_Buffers]:
     """The layer's buffers if its tensors are still the views they handed out."""
-    bufs = getattr(layer, "_mxfp4x_buffers", None)
+    bufs = layer._mxfp4x_buffers
     if bufs is not None and layer.keys is bufs.view_k and layer.values is bufs.view_v:
         return bufs
     return None
 
 
-def _contents(layer, key_states: torch.Tensor,
-              value_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The tokens the layer holds (none: the new states' first 0)."""
+def _recorded(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+    """Whether autograd records this update (it saves views that writes would change):
+    the new states or the layer's tokens require a gradient."""
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (key_states, value_states, layer.keys, layer.values))
+
+
+def _joined(layer, key_states: torch.Tensor,
+            value_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The layer's tokens and the new ones, as transformers joins them (``torch.cat``,
+    its dtype promotion and its errors), or the new ones alone."""
     if layer.keys is not None and layer.keys.numel():
-        return layer.keys, layer.values
-    return key_states[:, :, :0], value_states[:, :, :0]
+        return (torch.cat([layer.keys, key_states], dim=-2),
+                torch.cat([layer.values, value_states], dim=-2))
+    return key_states, value_states
 
 
-class GrowingLayer(DynamicLayer):
+class _Growing(CacheLayerMixin):
+    """What the two growing layers share: their buffers, handing out views of them, and
+    dropping them when one of transformers' operations replaces the layer's tensors.  (A
+    subclass of transformers' base, so that a layer of theirs can take a growing class.)"""
+
+    _mxfp4x_buffers: Optional[_Buffers] = None
+    keys: Optional[torch.Tensor]
+    values: Optional[torch.Tensor]
+
+    def _hand_out(self, bufs: _Buffers, start: int) -> None:
+        self.keys, self.values = bufs.views(start)
+        bufs.view_k, bufs.view_v = self.keys, self.values
+        self._mxfp4x_buffers = bufs
+
+    def _settle(self) -> None:
+        if _current(self) is None:
+            self._mxfp4x_buffers = None
+
+    def crop(self, *args, **kwargs):
+        super().crop(*args, **kwargs)  # type: ignore[misc]
+        self._settle()
+
+    def reorder_cache(self, *args, **kwargs):
+        super().reorder_cache(*args, **kwargs)  # type: ignore[misc]
+        self._settle()
+
+    def batch_repeat_interleave(self, *args, **kwargs):
+        super().batch_repeat_interleave(*args, **kwargs)  # type: ignore[misc]
+        self._settle()
+
+    def batch_select_indices(self, *args, **kwargs):
+        super().batch_select_indices(*args, **kwargs)  # type: ignore[misc]
+        self._settle()
+
+    def offload(self, *args, **kwargs):
+        super().offload(*args, **kwargs)  # type: ignore[misc]
+        self._settle()
+
+    def prefetch(self, *args, **kwargs):
+        super().prefetch(*args, **kwargs)  # type: ignore[misc]
+        self._settle()
+
+    def reset(self) -> None:
+        self._mxfp4x_buffers = None
+        super().reset()  # type: ignore[misc]
+
+
+class GrowingLayer(_Growing, DynamicLayer):
     """transformers' ``DynamicLayer`` (every token kept) in a buffer that grows by a
     quarter of its length at a time."""
 
-    _mxfp4x_buffers: Optional[_Buffers] = None
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
+        if _recorded(self, key_states, value_states):
+            self._mxfp4x_buffers = None
+            return super().update(key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        t = key_states.shape[-2]
         bufs = _current(self)
-        if bufs is None or not bufs.fits(key_states, value_states) or \
-                bufs.end + t > bufs.k.shape[2]:
-            old_k, old_v = _contents(self, key_states, value_states)
-            bufs = _Buffers(old_k, old_v, _room(old_k.shape[-2] + t))
-        bufs.append(key_states, value_states)
-        self.keys, self.values = bufs.views(0)
-        bufs.view_k, bufs.view_v = self.keys, self.values
-        self._mxfp4x_buffers = bufs
-        return self.keys, self.values
-
-    def reset(self) -> None:
-        self._mxfp4x_buffers = None
-        super().reset()
+        if bufs is not None and bufs.takes(key_states, value_states):
+            bufs.append(key_states, value_states)
+        else:  # a new buffer: the views handed out keep the old one's tokens
+            k, v = _joined(self, key_states, value_states)
+            bufs = _Buffers(k, v, _room(k.shape[-2]))
+        self._hand_out(bufs, 0)
+        return self.keys, self.values  # type: ignore[return-value]
 
 
-class GrowingSlidingWindowLayer(DynamicSlidingWindowLayer):
+class GrowingSlidingWindowLayer(_Growing, DynamicSlidingWindowLayer):
     """transformers' ``DynamicSlidingWindowLayer`` (the last ``sliding_window - 1`` tokens
     kept, each step's attention over them and the new tokens) in a buffer the new tokens
-    are written after, the kept ones moved to its front when it is full."""
-
-    _mxfp4x_buffers: Optional[_Buffers] = None
+    are written after; a full buffer is replaced by one that starts with the kept ones."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.record_past or self.sliding_window < 2:  # transformers' own, its tensors
-            return super().update(key_states, value_states, *args, **kwargs)  # replaced
+        if self.record_past or self.sliding_window < 2 or \
+                _recorded(self, key_states, value_states):
+            self._mxfp4x_buffers = None  # transformers' own, its tensors then replaced
+            return super().update(key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
-        t, keep = key_states.shape[-2], self.sliding_window - 1
+        keep = self.sliding_window - 1
         bufs = _current(self)
-        if bufs is None or not bufs.fits(key_states, value_states):
-            old_k, old_v = _contents(self, key_states, value_states)
-            bufs = _Buffers(old_k, old_v, _room(keep + t))
-        if bufs.end + t > bufs.k.shape[2]:
-            bufs.move_to_front()
-            if bufs.end + t > bufs.k.shape[2]:
-                k, v = bufs.views(0)
-                bufs = _Buffers(k, v, _room(keep + t))
-        start = bufs.start
-        bufs.append(key_states, value_states)
+        if bufs is not None and bufs.takes(key_states, value_states):
+            start = bufs.start
+            bufs.append(key_states, value_states)
+        else:  # the kept tokens and the new ones in a new buffer
+            k, v = _joined(self, key_states, value_states)
+            bufs, start = _Buffers(k, v, _room(k.shape[-2])), 0
         full = bufs.views(start)
         bufs.start = max(start, bufs.end - keep)
-        self.keys, self.values = bufs.views(bufs.start)
-        bufs.view_k, bufs.view_v = self.keys, self.values
-        self._mxfp4x_buffers = bufs
+        self._hand_out(bufs, bufs.start)
         return full
-
-    def reset(self) -> None:
-        self._mxfp4x_buffers = None
-        super().reset()
 
 
 _GROWING: Dict[type, type] = {DynamicLayer: GrowingLayer,
@@ -173,6 +219,8 @@ class GrowingCache(DynamicCache):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         grow_in_place(self)
+        if getattr(self, "layer_class_to_replicate", None) is DynamicLayer:  # no config:
+            self.layer_class_to_replicate = GrowingLayer  # layers made as they are needed
 
 
 # the model keyword a cache goes by in generate's model_kwargs (transformers' name for it
@@ -182,14 +230,15 @@ _CACHE_KWARGS = ("cache", "past_key_values")
 
 class _PrepareGrowing:
     """``generate``'s cache preparation (the model class's), its dynamic cache then made
-    to grow in place: the model's own attribute, an object holding the model, so that a
-    copy or a pickle of the model holds one for the copy."""
+    to grow in place: the model's own attribute, holding the model by a weak reference
+    (no cycle keeps a deleted model alive); a copy or a pickle of the model holds one for
+    the copy."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model = model
+        self._model = weakref.ref(model)
 
     def __call__(self, generation_config, model_kwargs, *args, **kwargs):
-        model = self.model
+        model = self._model()
         given = [model_kwargs.get(k) for k in _CACHE_KWARGS]
         result = type(model)._prepare_cache_for_generation(model, generation_config,
                                                           model_kwargs, *args, **kwargs)
@@ -199,6 +248,17 @@ class _PrepareGrowing:
                     not getattr(made, "offloading", False):
                 grow_in_place(made)
         return result
+
+    @property
+    def model(self) -> Optional[torch.nn.Module]:
+        return self._model()
+
+    def __deepcopy__(self, memo):
+        model = self._model()
+        return _PrepareGrowing(memo.get(id(model), model))
+
+    def __reduce__(self):
+        return _PrepareGrowing, (self._model(),)
 
 
 def use_growing_cache(model: torch.nn.Module) -> bool:
