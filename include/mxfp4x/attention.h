@@ -132,15 +132,38 @@ MXFP4X_INLINE void mxfp4x_att_value(const mxfp4x_attention_args *x, const mxfp4x
 }
 
 /* the additive mask onto the scores */
+/* the mask row of the pass's row r */
+MXFP4X_INLINE const char *mxfp4x_att_mask_row(const mxfp4x_attention_args *x,
+                                              const mxfp4x_att_pass *w, int64_t r) {
+    return (const char *)x->mask +
+           (size_t)(w->s * x->m_sb + mxfp4x_att_head(w, r) * x->m_sh +
+                    mxfp4x_att_token(w, r) * x->m_st) *
+               mxfp4x_att_size(x->mask_dtype);
+}
+
+/* the additive mask onto the scores; where every row of the pass reads one mask row (a
+ * decoding step's mask, the same for every head) it is read once and added to the
+ * key's scores of all rows together (rows past nr are never stored) */
 MXFP4X_INLINE void mxfp4x_att_mask(const mxfp4x_attention_args *x, const mxfp4x_att_pass *w) {
     float row[MXFP4X_ACT_CHUNK];
     int64_t r, j, i0, n;
+    int shared = 1;
     if (!x->mask) return;
+    for (r = 1; r < w->nr; r++) shared &= mxfp4x_att_mask_row(x, w, r) == mxfp4x_att_mask_row(x, w, 0);
+    if (shared) {
+        const char *mr = mxfp4x_att_mask_row(x, w, 0);
+        for (i0 = 0; i0 < x->tk; i0 += n) {
+            n = x->tk - i0 < MXFP4X_ACT_CHUNK ? x->tk - i0 : MXFP4X_ACT_CHUNK;
+            mxfp4x_act_load(mr, x->mask_dtype, i0, 1, n, row);
+            for (j = 0; j < n; j++) {
+                float *p = w->sc + (i0 + j) * MXFP4X_ATT_ROWS;
+                for (r = 0; r < MXFP4X_ATT_ROWS; r++) p[r] = p[r] + row[j];
+            }
+        }
+        return;
+    }
     for (r = 0; r < w->nr; r++) {
-        const char *mr = (const char *)x->mask +
-                         (size_t)(w->s * x->m_sb + mxfp4x_att_head(w, r) * x->m_sh +
-                                  mxfp4x_att_token(w, r) * x->m_st) *
-                             mxfp4x_att_size(x->mask_dtype);
+        const char *mr = mxfp4x_att_mask_row(x, w, r);
         for (i0 = 0; i0 < x->tk; i0 += n) {
             n = x->tk - i0 < MXFP4X_ACT_CHUNK ? x->tk - i0 : MXFP4X_ACT_CHUNK;
             mxfp4x_act_load(mr, x->mask_dtype, i0, 1, n, row);

@@ -1016,16 +1016,17 @@ static void check_bf16(const mxfp4x_kernels *k, int nibbles) {
 
 typedef struct {
     int64_t b, hq, hkv, tq, tk, d;
-    int dtype, mask, sinks;
+    int dtype, mask, sinks, mask_heads; /* mask_heads 0: one mask row for every head */
 } att_case;
 
 static const att_case att_cases[] = {
-    {1, 64, 8, 1, 137, 64, MXFP4X_DTYPE_BF16, 1, 1}, /* gpt-oss's heads, one token */
-    {2, 12, 3, 3, 37, 24, MXFP4X_DTYPE_F32, 1, 0},   /* a head size off every vector */
-    {3, 8, 8, 1, 5, 40, MXFP4X_DTYPE_F16, 0, 1},     /* no grouping, few keys */
-    {1, 16, 2, 5, 130, 80, MXFP4X_DTYPE_BF16, 1, 1}, /* several passes of rows */
-    {2, 6, 2, 2, 1, 16, MXFP4X_DTYPE_F32, 1, 1},     /* one key */
-    {1, 4, 1, 1, 33, 72, MXFP4X_DTYPE_BF16, 0, 0},   /* d off 16: the generic key load */
+    {1, 64, 8, 1, 137, 64, MXFP4X_DTYPE_BF16, 1, 1, 0}, /* gpt-oss's heads, one token */
+    {2, 12, 3, 3, 37, 24, MXFP4X_DTYPE_F32, 1, 0, 1},   /* a head size off every vector */
+    {3, 8, 8, 1, 5, 40, MXFP4X_DTYPE_F16, 0, 1, 1},     /* no grouping, few keys */
+    {1, 16, 2, 5, 130, 80, MXFP4X_DTYPE_BF16, 1, 1, 1}, /* several passes of rows */
+    {2, 6, 2, 2, 1, 16, MXFP4X_DTYPE_F32, 1, 1, 1},     /* one key */
+    {1, 4, 1, 1, 33, 72, MXFP4X_DTYPE_BF16, 0, 0, 1},   /* d off 16: the generic key load */
+    {2, 16, 2, 2, 29, 32, MXFP4X_DTYPE_F16, 1, 1, 0},   /* one mask row, two tokens */
 };
 
 /* n random floats (times scale) stored in dtype at dst */
@@ -1091,7 +1092,8 @@ static void check_attention(const mxfp4x_kernels *k) {
          * capacity, d) */
         x.k_sb = c->hkv * kst * c->d, x.k_sh = c->d, x.k_st = c->hkv * c->d;
         x.v_sb = c->hkv * vst * c->d, x.v_sh = vst * c->d, x.v_st = c->d;
-        x.m_sb = c->hq * c->tq * c->tk, x.m_sh = c->tq * c->tk, x.m_st = c->tk;
+        x.m_sb = c->hq * c->tq * c->tk, x.m_sh = c->mask_heads ? c->tq * c->tk : 0;
+        x.m_st = c->tk;
         x.b = c->b, x.hq = c->hq, x.hkv = c->hkv, x.tq = c->tq, x.tk = c->tk, x.d = c->d;
         x.scaling = 0.125f;
         n_tasks = mxfp4x_attention_tasks(&x);
