@@ -332,29 +332,43 @@ MXFP4X_ATT_AVX512 void mxfp4x_att_values_avx512(const mxfp4x_attention_args *x,
 }
 #  endif
 
-/* after the scores: the mask, the maxima, e_j, z; on 8-float vectors (one per key) */
+/* after the scores: the mask, the maxima, e_j, z; on 8-float vectors (one per key).  The
+ * maximum as 4 partial ones (keys j mod 4, each from the sink) then taken together: the
+ * same value as the plain C path's one chain (at most the sign of a zero differs, which
+ * no s_j - m and no e_j sees); the sum's 4 parts in registers. */
 #  define MXFP4X_ATT_SOFTMAX(SUFFIX, QUALIFIERS)                                          \
     QUALIFIERS void mxfp4x_att_softmax##SUFFIX(const mxfp4x_attention_args *x,             \
                                                mxfp4x_att_pass *w) {                       \
         const int64_t tk = x->tk;                                                          \
         float part[4][MXFP4X_ATT_ROWS];                                                    \
-        __m256 mx, p[4];                                                                   \
-        int64_t j;                                                                         \
+        __m256 mx, m4[4], p[4];                                                            \
+        int64_t j, i;                                                                      \
         mxfp4x_att_mask(x, w);                                                             \
-        mx = _mm256_loadu_ps(w->sink);                                                     \
-        for (j = 0; j < tk; j++) { /* v > mx ? v : mx, as the plain C path */              \
+        mx = _mm256_loadu_ps(w->sink); /* v > mx ? v : mx, as the plain C path */          \
+        for (i = 0; i < 4; i++) m4[i] = mx;                                                \
+        for (j = 0; j + 4 <= tk; j += 4)                                                   \
+            for (i = 0; i < 4; i++) {                                                      \
+                const __m256 v = _mm256_loadu_ps(w->sc + (j + i) * MXFP4X_ATT_ROWS);       \
+                m4[i] = _mm256_blendv_ps(m4[i], v, _mm256_cmp_ps(v, m4[i], _CMP_GT_OQ));   \
+            }                                                                              \
+        for (; j < tk; j++) {                                                              \
             const __m256 v = _mm256_loadu_ps(w->sc + j * MXFP4X_ATT_ROWS);                 \
-            mx = _mm256_blendv_ps(mx, v, _mm256_cmp_ps(v, mx, _CMP_GT_OQ));                \
+            m4[j & 3] = _mm256_blendv_ps(m4[j & 3], v, _mm256_cmp_ps(v, m4[j & 3], _CMP_GT_OQ)); \
         }                                                                                  \
+        for (i = 0; i < 4; i++)                                                            \
+            mx = _mm256_blendv_ps(mx, m4[i], _mm256_cmp_ps(m4[i], mx, _CMP_GT_OQ));        \
         _mm256_storeu_ps(w->mx, mx);                                                       \
         for (j = 0; j < tk; j++)                                                           \
             _mm256_storeu_ps(w->sc + j * MXFP4X_ATT_ROWS,                                  \
                              _mm256_sub_ps(_mm256_loadu_ps(w->sc + j * MXFP4X_ATT_ROWS), mx)); \
         mxfp4x_att_exp(w->sc, tk * MXFP4X_ATT_ROWS);                                       \
-        p[0] = p[1] = p[2] = p[3] = _mm256_setzero_ps();                                   \
-        for (j = 0; j < tk; j++)                                                           \
+        for (i = 0; i < 4; i++) p[i] = _mm256_setzero_ps();                                \
+        for (j = 0; j + 4 <= tk; j += 4)                                                   \
+            for (i = 0; i < 4; i++)                                                        \
+                p[i] = _mm256_add_ps(p[i], _mm256_loadu_ps(w->sc + (j + i) * MXFP4X_ATT_ROWS)); \
+        for (; j < tk; j++)                                                                \
             p[j & 3] = _mm256_add_ps(p[j & 3], _mm256_loadu_ps(w->sc + j * MXFP4X_ATT_ROWS)); \
-        for (j = 0; j < 4; j++) _mm256_storeu_ps(part[j], p[j]);                           \
+        for (i = 0; i < 4; i++) _mm256_storeu_ps(part[i], p[i]);                           \
         mxfp4x_att_z(x, w, part);                                                          \
     }
 MXFP4X_ATT_SOFTMAX(_avx2, MXFP4X_ATT_AVX2)
