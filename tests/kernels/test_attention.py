@@ -93,6 +93,12 @@ def test_attention_bits_on_every_isa_thread_count_and_batch(rng, isa, dtype):
         rows = decode_attention(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, mask,
                                 sinks, 0.125, isa=isa)
         assert torch.equal(rows.view(torch.uint8), base.view(torch.uint8))
+        # values whose last dimension is strided (every other element of a wider cache):
+        # copied first, the same bits
+        wide = torch.stack([v, torch.randn(v.shape).to(dtype)], -1).flatten(-2)[..., ::2]
+        assert wide.stride(-1) == 2
+        spread = decode_attention(q, k, wide, mask, sinks, 0.125, isa=isa)
+        assert torch.equal(spread.view(torch.uint8), base.view(torch.uint8))
 
 
 def test_attention_special_values(isa):
