@@ -351,6 +351,10 @@ def test_generate_takes_the_growing_cache_and_the_same_tokens(checkpoint, monkey
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.cache.layers, want.cache.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # beam search reorders the growing layers' buffers: the same sequences
+    beams = dict(num_beams=3, num_return_sequences=2, early_stopping=False)
+    assert torch.equal(_generate(ours, ids, 12, **beams).sequences,
+                       _generate(plain, ids, 12, **beams).sequences)
     # a cache the caller passes, or another implementation, is left as it is
     mine = DynamicCache(config=ours.config)
     assert _generate(ours, ids, 3, cache=mine).cache is mine

@@ -70,10 +70,11 @@ def test_layers_hand_out_what_transformers_layers_do(rng, monkeypatch, window, d
                 n = -int(rng.integers(1, 3))
                 ours.crop(n)
                 theirs.crop(n)
-            elif op == 1:
+            elif op == 1:  # beam search's: the buffers kept, reordered
                 idx = torch.from_numpy(rng.permutation(b))
                 ours.reorder_cache(idx)
                 theirs.reorder_cache(idx)
+                assert ours._mxfp4x_buffers is not None
             elif op == 2 and b > 1:
                 idx = torch.from_numpy(np.sort(rng.choice(b, b - 1, replace=False)))
                 ours.batch_select_indices(idx)

@@ -9,7 +9,8 @@ The layers return what transformers' own return, the same keys and values in the
 order, and keep their other behaviour (``crop``, ``reorder_cache``, ``batch_select_indices``,
 offloading, past recording of the sliding layers): an operation of transformers' that
 replaces a layer's tensors drops its buffers, and the layer takes those tensors as its
-contents at its next ``update``.  The keys and values a layer hands out are views of its
+contents at its next ``update`` (beam search's ``reorder_cache`` reorders the buffers
+themselves).  The keys and values a layer hands out are views of its
 buffer, read along their token dimension with the buffer's strides (the attention
 functions transformers calls, and :func:`grouped_attention`, read such views as they
 are); a view once handed out is never written again (new tokens go after it, a full
@@ -121,9 +122,17 @@ class _Growing(CacheLayerMixin):
         super().crop(*args, **kwargs)  # type: ignore[misc]
         self._settle()
 
-    def reorder_cache(self, *args, **kwargs):
-        super().reorder_cache(*args, **kwargs)  # type: ignore[misc]
-        self._settle()
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search's reordering of the sequences: the buffers reordered whole (their
+        room too), so that the next step's tokens still go after the contents."""
+        bufs = _current(self)
+        if bufs is None or not self.get_seq_length():  # type: ignore[attr-defined]
+            super().reorder_cache(beam_idx)  # type: ignore[misc]
+            self._settle()
+            return
+        idx = beam_idx.to(bufs.k.device)
+        bufs.k, bufs.v = bufs.k.index_select(0, idx), bufs.v.index_select(0, idx)
+        self._hand_out(bufs, bufs.start)
 
     def batch_repeat_interleave(self, *args, **kwargs):
         super().batch_repeat_interleave(*args, **kwargs)  # type: ignore[misc]
