@@ -661,6 +661,36 @@ static void mxfp4x_attention(int isa, const mxfp4x_attention_args *x, int64_t t0
     mxfp4x_attention_c(x, t0, t1, scratch);
 }
 
+/* gpt-oss's rotary embedding of one token's n_heads heads of d bfloat16 values (bits), in
+ * place: each head's halves x1 = x[0, d/2), x2 = x[d/2, d) turned by cos and sin (d/2
+ * bfloat16 values each) in transformers' bfloat16 operations (its _apply_rotary_emb), each
+ * product and each difference or sum a float32 operation rounded to bfloat16, as torch's
+ * CPU operations on bfloat16 tensors compute them:
+ *
+ *     x1' = bf(bf(x1 cos) - bf(x2 sin)),   x2' = bf(bf(x2 cos) + bf(x1 sin))
+ *
+ * (a NaN becomes 0xFFFF, as torch's vectorised rounding gives). */
+MXFP4X_INLINE uint16_t mxfp4x_rope_bf(float f) { return mxfp4x_bits_to_bf16(mxfp4x_f32_to_bits(f)); }
+
+MXFP4X_INLINE void mxfp4x_rope_bf16(uint16_t *x, int64_t n_heads, int64_t d,
+                                    const uint16_t *cos, const uint16_t *sin) {
+    const int64_t half = d / 2;
+    int64_t h, i;
+    for (h = 0; h < n_heads; h++) {
+        uint16_t *x1 = x + h * d, *x2 = x1 + half;
+        for (i = 0; i < half; i++) {
+            const float a = mxfp4x_bf16_to_f32(x1[i]), b = mxfp4x_bf16_to_f32(x2[i]);
+            const float c = mxfp4x_bf16_to_f32(cos[i]), s = mxfp4x_bf16_to_f32(sin[i]);
+            const float ac = mxfp4x_bf16_to_f32(mxfp4x_rope_bf(a * c));
+            const float bs = mxfp4x_bf16_to_f32(mxfp4x_rope_bf(b * s));
+            const float bc = mxfp4x_bf16_to_f32(mxfp4x_rope_bf(b * c));
+            const float as = mxfp4x_bf16_to_f32(mxfp4x_rope_bf(a * s));
+            x1[i] = mxfp4x_rope_bf(ac - bs);
+            x2[i] = mxfp4x_rope_bf(bc + as);
+        }
+    }
+}
+
 /* tasks of a call */
 MXFP4X_INLINE int64_t mxfp4x_attention_tasks(const mxfp4x_attention_args *x) {
     const int64_t rows = x->hq / x->hkv * x->tq;

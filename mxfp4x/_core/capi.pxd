@@ -294,3 +294,5 @@ cdef extern from "mxfp4x/attention.h" nogil:
     int64_t mxfp4x_attention_tasks(const mxfp4x_attention_args *x)
     void mxfp4x_attention(int isa, const mxfp4x_attention_args *x, int64_t t0, int64_t t1,
                           float *scratch)
+    void mxfp4x_rope_bf16(uint16_t *x, int64_t n_heads, int64_t d, const uint16_t *cos,
+                          const uint16_t *sin)

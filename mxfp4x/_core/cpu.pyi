@@ -1,5 +1,5 @@
 # Type stub of the compiled extension (mxfp4x/_core/cpu.pyx).
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -47,6 +47,19 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Optional[np.nda
               sinks: Optional[np.ndarray], out: np.ndarray, dtype: str, mask_dtype: str,
               sinks_dtype: str, scaling: float, *, isa: Any = None,
               n_threads: int = 1) -> None: ...
+
+class AttentionStep:
+    hidden: int
+    hq: int
+    hkv: int
+    d: int
+    def __init__(self, weights: Sequence[np.ndarray], biases: Sequence[Optional[np.ndarray]],
+                 sinks: Optional[np.ndarray], sinks_dtype: str, hq: int, hkv: int, d: int,
+                 scaling: float) -> None: ...
+    def run(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray,
+            v_cache: np.ndarray, pos: int, start: int, mask: Optional[np.ndarray],
+            mask_dtype: str, out: np.ndarray, *, isa: Any = None, n_threads: int = 1,
+            unit: bool = False) -> None: ...
 
 class Experts:
     n_experts: int

@@ -31,7 +31,7 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cython.parallel cimport parallel, prange, threadid
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 cimport mxfp4x._core.capi as c
 
@@ -117,3 +117,4 @@ include "cpu_tasks.pxi"
 include "cpu_dense.pxi"
 include "cpu_act.pxi"
 include "cpu_attention.pxi"
+include "cpu_decode.pxi"

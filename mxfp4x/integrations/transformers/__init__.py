@@ -34,12 +34,14 @@ the experts implementation (``_dense_experts.py``) and the attention ``"mxfp4x_g
 (``_attention.py``). The rest, one job a file: ``_config.py`` (:class:`Mxfp4xConfig`),
 ``_gpt_oss_experts.py`` (:class:`GptOssMxfp4Experts`, :func:`split_devices`),
 ``_checkpoint_files.py`` (what the file holds, read from its headers),
-``_dense_linear.py`` (:class:`DenseLinear`), ``_cache.py`` (:class:`GrowingCache`, the
+``_dense_linear.py`` (:class:`DenseLinear`), ``_decode.py`` (:class:`DecodeAttention`, a
+decoding step's attention as one compiled call), ``_cache.py`` (:class:`GrowingCache`, the
 key/value cache ``generate`` takes for the door's models), ``_from_pretrained.py``.
 """
 from ._attention import ATTENTION, grouped_attention
 from ._cache import GrowingCache, GrowingLayer, GrowingSlidingWindowLayer, use_growing_cache
 from ._config import Mxfp4xConfig
+from ._decode import DecodeAttention, use_decode_attention
 from ._dense_experts import Mxfp4xQuantize, mxfp4x_experts_forward
 from ._dense_linear import CompiledRMSNorm, DenseLinear, DenseRouter, use_dense_kernels
 from ._from_pretrained import from_pretrained
@@ -50,4 +52,5 @@ __all__ = ["from_pretrained", "split_devices", "Mxfp4xConfig", "Mxfp4xHfQuantize
            "GptOssMxfp4Experts", "Mxfp4xQuantize", "mxfp4x_experts_forward", "DenseLinear",
            "DenseRouter", "CompiledRMSNorm",
            "use_dense_kernels", "grouped_attention", "ATTENTION", "GrowingCache",
-           "GrowingLayer", "GrowingSlidingWindowLayer", "use_growing_cache"]
+           "GrowingLayer", "GrowingSlidingWindowLayer", "use_growing_cache",
+           "DecodeAttention", "use_decode_attention"]

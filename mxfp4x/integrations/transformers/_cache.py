@@ -118,6 +118,33 @@ class _Growing(CacheLayerMixin):
         if _current(self) is None:
             self._mxfp4x_buffers = None
 
+    def _mxfp4x_room(self, batch: int, tokens: int, heads: int, head_dim: int,
+                     dtype: torch.dtype) -> Optional[Tuple[_Buffers, int, int]]:
+        """Where a decoding step may write ``tokens`` new tokens' keys and values straight
+        into the buffers (mxfp4x's compiled attention step, :mod:`._decode`): the
+        buffers, the new tokens' position and the first token the step's attention reads
+        (what :meth:`update` would hand it); None where :meth:`update` must take them (no
+        buffers yet, or other shapes, no room, an update transformers' code runs).  The
+        caller writes them there, then calls :meth:`_mxfp4x_commit`."""
+        bufs = _current(self)
+        if bufs is None or _recorded(self, bufs.view_k, bufs.view_v):  # type: ignore[arg-type]
+            return None
+        k, v = bufs.k, bufs.v
+        shape = (batch, heads, k.shape[2], head_dim)
+        if (k.shape != shape or v.shape != shape or k.dtype != dtype or v.dtype != dtype
+                or k.device.type != "cpu" or v.device.type != "cpu"
+                or not (k.is_contiguous() and v.is_contiguous())
+                or bufs.end + tokens > shape[2]
+                or not (torch.is_inference_mode_enabled() or not k.is_inference())):
+            return None
+        return bufs, bufs.end, bufs.start
+
+    def _mxfp4x_commit(self, bufs: _Buffers, tokens: int) -> None:
+        """The layer after :meth:`_mxfp4x_room`'s caller wrote ``tokens`` tokens: what
+        :meth:`update` leaves."""
+        bufs.end += tokens
+        self._hand_out(bufs, bufs.start)
+
     def crop(self, *args, **kwargs):
         super().crop(*args, **kwargs)  # type: ignore[misc]
         self._settle()
@@ -202,6 +229,17 @@ class GrowingSlidingWindowLayer(_Growing, DynamicSlidingWindowLayer):
         bufs.start = max(start, bufs.end - keep)
         self._hand_out(bufs, bufs.start)
         return full
+
+    def _mxfp4x_room(self, *args, **kwargs):
+        if self.record_past or self.sliding_window < 2:
+            return None
+        return super()._mxfp4x_room(*args, **kwargs)
+
+    def _mxfp4x_commit(self, bufs: _Buffers, tokens: int) -> None:
+        self.cumulative_length += tokens
+        bufs.end += tokens
+        bufs.start = max(bufs.start, bufs.end - (self.sliding_window - 1))
+        self._hand_out(bufs, bufs.start)
 
 
 _GROWING: Dict[type, type] = {DynamicLayer: GrowingLayer,

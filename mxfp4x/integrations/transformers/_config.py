@@ -31,8 +31,10 @@ class Mxfp4xConfig(QuantizationConfigMixin):
     the head) run on mxfp4x's dense kernel at up to 4 tokens (decode), and at 5 to 16
     bfloat16 tokens on the bf16 unit where the CPU's default ISA has one (several
     sequences decoding together; see :class:`DenseLinear`), and gpt-oss's routers and RMS
-    norms on mxfp4x's compiled passes (:class:`DenseRouter`, :class:`CompiledRMSNorm`);
-    ``False`` leaves them all to torch.
+    norms on mxfp4x's compiled passes (:class:`DenseRouter`, :class:`CompiledRMSNorm`),
+    and gpt-oss's attention layers run a decoding step as one compiled call
+    (:class:`DecodeAttention`: the same bits as those pieces one by one); ``False``
+    leaves them all to torch and transformers.
     ``growing_cache``: ``generate`` keeps keys and values in a cache that grows in place
     (:class:`GrowingCache`) where it would make transformers' ``DynamicCache``: the same
     tokens, no copy of the whole cache each step; ``False`` leaves transformers' own.

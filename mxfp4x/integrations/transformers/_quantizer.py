@@ -18,6 +18,7 @@ from ..._core import memory as _memory
 from ._cache import use_growing_cache
 from ._checkpoint_files import checkpoint_names, gpt_oss_stored, mxfp4_tensors
 from ._config import QUANT_METHOD, Mxfp4xConfig
+from ._decode import use_decode_attention
 from ._dense_experts import Mxfp4xQuantize, dense_experts_modules, swap_to_mxfp4, whole_groups
 from ._dense_linear import use_dense_kernels
 from ._gpt_oss_experts import GptOssMxfp4Experts, dequantized_experts
@@ -130,6 +131,7 @@ class Mxfp4xHfQuantizer(HfQuantizer):
         self._mxfp4x_dequantize = {}
         if self.quantization_config.dense_kernels:
             use_dense_kernels(model, self.quantization_config.num_threads)
+            use_decode_attention(model)
         if self.quantization_config.growing_cache:
             use_growing_cache(model)
         _ask_huge_pages(model)

@@ -1,0 +1,231 @@
+# mxfp4x/_core/cpu_decode.pxi -- part of mxfp4x/_core/cpu.pyx, which includes it (one module).
+# A decoding step's attention layer as one call (AttentionStep): the query, key and value
+# projections, the rotary embedding, the new tokens into the key/value cache, the
+# attention over the cache and the output projection, each a parallel step of the call's
+# threads, with no Python between them.
+
+cdef struct DenseSegs:
+    DenseJob job[3]   # one dense product per matrix, the same tokens
+    int64_t first[4]  # matrix i's tasks: [first[i], first[i + 1])
+
+
+cdef void _dense_segs_task(void *ctx, int64_t task, int tid) noexcept nogil:
+    cdef DenseSegs *s = <DenseSegs *>ctx
+    cdef int i = 0
+    while task >= s.first[i + 1]:
+        i += 1
+    _dense_task(<void *>&s.job[i], task - s.first[i], tid)
+
+
+cdef void _dense_into(DenseJob *j, const c.mxfp4x_kernels *k, const uint16_t *w,
+                      int64_t d_out, int64_t d_in, const void *x, bint x_bf16, bint unit,
+                      int64_t n_tok, const void *bias, void *dst) noexcept nogil:
+    """j: x (n_tok, d_in) times the bf16 rows w (d_out, d_in), the bf16 bias added in
+    float32 and the sums rounded once into dst (n_tok, d_out) bf16, in the task's own
+    sums (the epilogue of dense_bf16)."""
+    j.k, j.w, j.x, j.x_bf16, j.unit, j.out = k, w, x, x_bf16, unit, NULL
+    j.d_out, j.d_in, j.n_tok = d_out, d_in, n_tok
+    j.bias, j.bias_dtype = bias, c.MXFP4X_DTYPE_BF16
+    j.dst, j.dst_dtype = dst, c.MXFP4X_DTYPE_BF16
+
+
+cdef void _widen_bf16(const uint16_t *src, int64_t n, float *dst) noexcept nogil:
+    cdef int64_t i
+    for i in range(n):
+        dst[i] = c.mxfp4x_bf16_to_f32(src[i])
+
+
+cdef inline int64_t _tiles(int64_t rows) noexcept nogil:
+    return (rows + DENSE_TILE_ROWS - 1) // DENSE_TILE_ROWS
+
+
+cdef inline uintptr_t _aligned(uintptr_t p) noexcept nogil:
+    return (p + 63) & ~(<uintptr_t>63)
+
+
+cdef class AttentionStep:
+    """One attention layer's weights, for its decoding steps in one call (:meth:`run`):
+    gpt-oss's attention (bfloat16 throughout) as transformers computes it, the same bits
+    as its pieces run one by one through mxfp4x's kernels (dense_bf16 with a bias and a
+    bf16 result, the rotary embedding in transformers' bf16 operations, the cache's
+    copy, attention).
+
+    ``weights``: the query, key, value and output projections' (rows, inputs) bfloat16
+    bits (uint16, C-contiguous): (hq * d, hidden), (hkv * d, hidden) twice, (hidden, hq *
+    d); ``biases``: their (rows,) bfloat16 bits, or None each; ``sinks``: (hq,) of
+    ``sinks_dtype`` (16-bit floats as their bits) or None.  The arrays are kept (the
+    weights are read where they are)."""
+    cdef readonly int64_t hidden, hq, hkv, d
+    cdef float scaling
+    cdef const uint16_t *w[4]
+    cdef const void *b[4]
+    cdef const void *sinks
+    cdef int sinks_dtype
+    cdef object keep
+
+    def __init__(self, weights, biases, sinks, str sinks_dtype, int64_t hq, int64_t hkv,
+                 int64_t d, float scaling):
+        if len(weights) != 4 or len(biases) != 4:
+            raise ValueError("weights, biases: expected the query, key, value and output "
+                             "projections' (4 each)")
+        if hq <= 0 or hkv <= 0 or hq % hkv or d <= 0 or d % 2:
+            raise ValueError(f"hq, hkv, d: expected hq a multiple of hkv and an even d, got "
+                             f"{hq}, {hkv}, {d}")
+        wq = weights[0]
+        if not isinstance(wq, np.ndarray) or wq.ndim != 2:
+            raise ValueError("weights[0]: expected a 2-D array (hq * d, hidden) of bfloat16 "
+                             "bits")
+        self.hidden, self.hq, self.hkv, self.d = wq.shape[1], hq, hkv, d
+        self.scaling = scaling
+        shapes = ((hq * d, self.hidden), (hkv * d, self.hidden), (hkv * d, self.hidden),
+                  (self.hidden, hq * d))
+        cdef int i
+        for i in range(4):
+            self.w[i] = <const uint16_t *>_address(weights[i], f"weights[{i}]", shapes[i], 2,
+                                                   "bfloat16 bits")
+            self.b[i] = NULL if biases[i] is None else <const void *>_address(
+                biases[i], f"biases[{i}]", (shapes[i][0],), 2, "bfloat16 bits")
+        self.sinks, self.sinks_dtype = NULL, c.MXFP4X_DTYPE_F32
+        if sinks is not None:
+            self.sinks_dtype = _act_dtype(sinks_dtype, "sinks_dtype")
+            self.sinks = <const void *>_address(sinks, "sinks", (hq,), _ITEMSIZE[sinks_dtype],
+                                                sinks_dtype)
+        self.keep = (tuple(weights), tuple(biases), sinks)
+
+    def run(self, x, cos, sin, k_cache, v_cache, int64_t pos, int64_t start, mask,
+            str mask_dtype, out, *, isa=None, int n_threads=1, bint unit=False):
+        """out (b, t, hidden) = the layer's attention output for the hidden states x (b, t,
+        hidden), at most DENSE_UNIT_MAX_TOKENS tokens in all; all bfloat16 bits (uint16),
+        C-contiguous.
+
+        * q, k, v = x's projections (dense_bf16, the bias added, rounded to bf16);
+        * q and k turned by ``cos`` and ``sin`` ((1 or b, t, d / 2) bf16 bits, C-contiguous:
+          token (s, i)'s row), transformers' rotary embedding in its bf16 operations;
+        * k and v written to the caches ``k_cache``, ``v_cache`` ((b, hkv, capacity, d)
+          bf16 bits, C-contiguous) at tokens [pos, pos + t);
+        * the attention (attention.h) of q over the caches' tokens [start, pos + t), with
+          ``mask`` (None, or (1 or b, 1 or hq, t, pos + t - start) of ``mask_dtype``, any
+          strides but the last) and the sinks, rounded to bf16;
+        * its (b, t, hq * d) rows' output projection, the bias added, into ``out``.
+
+        ``unit``: the projections on the bf16 unit (dense_bf16's ``unit``: 5 to
+        DENSE_UNIT_MAX_TOKENS tokens)."""
+        cdef const c.mxfp4x_kernels *k = kernels_of(isa)
+        cdef int nt = checked_threads(n_threads)
+        if not isinstance(x, np.ndarray) or x.ndim != 3:
+            raise ValueError(f"x: expected a 3-D array (b, t, {self.hidden}) of bfloat16 bits")
+        cdef int64_t nb = x.shape[0], t = x.shape[1], n = nb * t
+        cdef int64_t h = self.hidden, hq = self.hq, hkv = self.hkv, d = self.d
+        cdef int64_t half = d // 2, qw = hq * d, kw = hkv * d
+        cdef const uint16_t *xp = <const uint16_t *>_address(x, "x", (nb, t, h), 2,
+                                                             "bfloat16 bits")
+        if n == 0 or n > DENSE_UNIT_MAX_TOKENS_C:
+            raise ValueError(f"x: expected 1 to {DENSE_UNIT_MAX_TOKENS} tokens, got {n}")
+        if unit and (k.dense_bf16_unit == NULL or n < DENSE_UNIT_MIN_TOKENS):
+            raise ValueError(f"unit: the {k.name.decode()} entry's bf16 unit takes "
+                             f"{DENSE_UNIT_MIN_TOKENS} to {DENSE_UNIT_MAX_TOKENS} tokens "
+                             f"(dense_unit()), got {n}")
+        cdef int64_t cb = cos.shape[0] if isinstance(cos, np.ndarray) and cos.ndim == 3 else 0
+        if cb != 1 and cb != nb:
+            raise ValueError(f"cos: expected a (1 or {nb}, {t}, {half}) array of bfloat16 bits")
+        cdef const uint16_t *cp = <const uint16_t *>_address(cos, "cos", (cb, t, half), 2,
+                                                             "bfloat16 bits")
+        cdef const uint16_t *sp = <const uint16_t *>_address(sin, "sin", (cb, t, half), 2,
+                                                             "bfloat16 bits")
+        cdef int64_t cs = 0 if cb == 1 else t * half
+        if not isinstance(k_cache, np.ndarray) or k_cache.ndim != 4:
+            raise ValueError(f"k_cache: expected a 4-D array ({nb}, {hkv}, capacity, {d})")
+        cdef int64_t cap = k_cache.shape[2]
+        cdef uint16_t *kc = <uint16_t *>_address(k_cache, "k_cache", (nb, hkv, cap, d), 2,
+                                                 "bfloat16 bits")
+        cdef uint16_t *vc = <uint16_t *>_address(v_cache, "v_cache", (nb, hkv, cap, d), 2,
+                                                 "bfloat16 bits")
+        if not (k_cache.flags.writeable and v_cache.flags.writeable):
+            raise ValueError("k_cache, v_cache: expected writable arrays")
+        if not 0 <= start <= pos or pos + t > cap:
+            raise ValueError(f"pos, start: expected 0 <= start <= pos and pos + {t} <= the "
+                             f"caches' {cap} tokens, got pos {pos}, start {start}")
+        cdef int64_t tk = pos + t - start
+        cdef uint16_t *op = <uint16_t *>_address(out, "out", (nb, t, h), 2, "bfloat16 bits")
+        if not out.flags.writeable:
+            raise ValueError("out: expected a writable array")
+        cdef AttentionJob aj
+        aj.a.mask, aj.a.mask_dtype = NULL, c.MXFP4X_DTYPE_F32
+        aj.a.m_sb = aj.a.m_sh = aj.a.m_st = 0
+        if mask is not None:
+            aj.a.mask_dtype = _act_dtype(mask_dtype, "mask_dtype")
+            aj.a.m_sb, aj.a.m_sh, aj.a.m_st = _strided_mask(mask, nb, hq, t, tk,
+                                                            _ITEMSIZE[mask_dtype])
+            aj.a.mask = <const void *><uintptr_t>mask.__array_interface__["data"][0]
+        # the call's scratch: q, the new keys and values, the attention's rows (bf16), the
+        # tokens widened where the entry's dense product takes float32 ones, the
+        # attention's per-thread floats
+        cdef bint x_bf16 = unit or k.dense_bf16x != NULL
+        aj.per_thread = c.mxfp4x_attention_scratch(tk, d)
+        cdef int64_t sizes[7]
+        sizes[0], sizes[1], sizes[2], sizes[3] = 2 * n * qw, 2 * n * kw, 2 * n * kw, 2 * n * qw
+        sizes[4] = 0 if x_bf16 else 4 * n * h
+        sizes[5] = 0 if x_bf16 else 4 * n * qw
+        sizes[6] = 4 * nt * aj.per_thread
+        cdef int64_t total = 0
+        cdef int i
+        for i in range(7):
+            total += (sizes[i] + 63) // 64 * 64
+        scratch = np.empty(total + 64, dtype=np.uint8)
+        cdef uintptr_t p = _aligned(_data(scratch))
+        cdef uintptr_t parts[7]
+        for i in range(7):
+            parts[i] = p
+            p += (sizes[i] + 63) // 64 * 64
+        cdef uint16_t *qp = <uint16_t *>parts[0]
+        cdef uint16_t *knp = <uint16_t *>parts[1]
+        cdef uint16_t *vnp = <uint16_t *>parts[2]
+        cdef uint16_t *ap = <uint16_t *>parts[3]
+        cdef float *xw = <float *>parts[4]
+        cdef float *aw = <float *>parts[5]
+        aj.scratch = <float *>parts[6]
+        cdef const void *xin = <const void *>xp if x_bf16 else <const void *>xw
+        cdef const void *ain = <const void *>ap if x_bf16 else <const void *>aw
+        cdef DenseSegs qkv
+        _dense_into(&qkv.job[0], k, self.w[0], qw, h, xin, x_bf16, unit, n, self.b[0], qp)
+        _dense_into(&qkv.job[1], k, self.w[1], kw, h, xin, x_bf16, unit, n, self.b[1], knp)
+        _dense_into(&qkv.job[2], k, self.w[2], kw, h, xin, x_bf16, unit, n, self.b[2], vnp)
+        qkv.first[0] = 0
+        qkv.first[1] = _tiles(qw)
+        qkv.first[2] = qkv.first[1] + _tiles(kw)
+        qkv.first[3] = qkv.first[2] + _tiles(kw)
+        cdef DenseJob oj
+        _dense_into(&oj, k, self.w[3], h, qw, ain, x_bf16, unit, n, self.b[3], op)
+        # q read as (b, t, hq, d): token (s, i)'s heads one after another
+        aj.a.q, aj.a.k, aj.a.v, aj.a.out = qp, kc + start * d, vc + start * d, ap
+        aj.a.q_dtype = aj.a.kv_dtype = aj.a.out_dtype = c.MXFP4X_DTYPE_BF16
+        aj.a.q_sb, aj.a.q_sh, aj.a.q_st = t * qw, d, qw
+        aj.a.k_sb, aj.a.k_sh, aj.a.k_st = hkv * cap * d, cap * d, d
+        aj.a.v_sb, aj.a.v_sh, aj.a.v_st = hkv * cap * d, cap * d, d
+        aj.a.sinks, aj.a.sinks_dtype = self.sinks, self.sinks_dtype
+        aj.a.b, aj.a.hq, aj.a.hkv, aj.a.tq, aj.a.tk, aj.a.d = nb, hq, hkv, t, tk, d
+        aj.a.scaling = self.scaling
+        aj.isa = k.isa
+        cdef int64_t r, s, j, hh
+        cdef c.mxfp4x_fpenv fpenv
+        with nogil:
+            if not x_bf16:
+                _widen_bf16(xp, n * h, xw)
+            parallel_tasks(nt, qkv.first[3], _dense_segs_task, &qkv)
+            fpenv = c.mxfp4x_fpenv_enter()
+            for r in range(n):
+                s, j = r // t, r % t
+                c.mxfp4x_rope_bf16(qp + r * qw, hq, d, cp + s * cs + j * half,
+                                   sp + s * cs + j * half)
+                c.mxfp4x_rope_bf16(knp + r * kw, hkv, d, cp + s * cs + j * half,
+                                   sp + s * cs + j * half)
+                for hh in range(hkv):
+                    memcpy(kc + ((s * hkv + hh) * cap + pos + j) * d, knp + r * kw + hh * d,
+                           2 * d)
+                    memcpy(vc + ((s * hkv + hh) * cap + pos + j) * d, vnp + r * kw + hh * d,
+                           2 * d)
+            c.mxfp4x_fpenv_exit(fpenv)
+            parallel_tasks(nt, c.mxfp4x_attention_tasks(&aj.a), _attention_task, &aj)
+            if not x_bf16:
+                _widen_bf16(ap, n * qw, aw)
+            parallel_tasks(nt, _tiles(h), _dense_task, &oj)

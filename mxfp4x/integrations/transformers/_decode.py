@@ -1,0 +1,168 @@
+"""gpt-oss's attention layer at a decoding step as one compiled call
+(:class:`DecodeAttention`, :func:`use_decode_attention`).
+
+A decoding step's attention is four products that stream their weights and, between
+them, about twenty small torch operations (the rotary embedding's, the cache's, the
+views and copies): each cheap alone, but run on the caches the products' streams have just
+emptied, they cost as much as a fifth of the layer's reads.  Where the step is one
+mxfp4x would run piece by piece anyway (bfloat16, the door's dense kernels, the growing
+cache, the ``mxfp4x_grouped`` attention), :class:`DecodeAttention` runs the pieces as
+one call of the compiled extension (``mxfp4x._core.cpu.AttentionStep``), with the same
+operations in the same order: the same bits.  Anything else is transformers' forward."""
+from typing import Optional, Tuple
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
+
+from ..._core import cpu as _cpu
+from ..._core import dense as _dense
+from ..._core import threads as _threads
+from ..._core.activation import _C_DTYPES, _numpy
+from ._attention import _FLASH_MIN_QUERIES, ATTENTION
+from ._cache import _Growing
+from ._dense_linear import DenseLinear
+
+# the projections' modules whose forward is F.linear where the step does not run (a
+# module of another kind, an adapter's, computes something else)
+_PLAIN = (torch.nn.Linear, DenseLinear)
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+class DecodeAttention(GptOssAttention):
+    """transformers' ``GptOssAttention`` whose decoding steps run as one compiled call
+    where the pieces are mxfp4x's own: CPU tensors without autograd, bfloat16 hidden
+    states, weights, rotary tables and cache, at most 16 tokens in all that the door's
+    dense kernels take (:class:`DenseLinear`'s rule), the ``mxfp4x_grouped`` attention,
+    a growing cache layer (:class:`GrowingCache`) with room for the new tokens, plain
+    projection modules without hooks.  The call computes what those pieces compute one
+    by one, in the same order (the same bits): the projections (the bias added in
+    float32, rounded once), the rotary embedding in transformers' bfloat16 operations,
+    the new keys and values written into the cache's buffers, the attention
+    (:func:`grouped_attention`'s decoding path: no attention weights returned), the
+    output projection.  Anything else is transformers' forward.  Modules become this
+    class in place (:func:`use_decode_attention`): same parameters, same state dict."""
+
+    _mxfp4x_step: Optional[Tuple[tuple, "_cpu.AttentionStep"]] = None
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                cache=None, **kwargs):
+        if cache is None:  # transformers' older name for it
+            cache = kwargs.pop("past_key_values", None)
+        out = _decode_step(self, hidden_states, position_embeddings, attention_mask, cache)
+        if out is not None:
+            return out, None
+        return super().forward(hidden_states, position_embeddings, attention_mask,
+                               cache=cache, **kwargs)
+
+
+def _tensors(module: GptOssAttention) -> tuple:
+    projections = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
+    return (tuple(p.weight for p in projections), tuple(p.bias for p in projections),
+            module.sinks)
+
+
+def _plan(module: DecodeAttention) -> Optional["_cpu.AttentionStep"]:
+    """The module's compiled step (made once, made again where its tensors changed), or
+    None where they are not what it takes."""
+    weights, biases, sinks = _tensors(module)
+    key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape)
+                for t in (*weights, *biases, sinks))
+    held = module._mxfp4x_step
+    if held is not None and held[0] == key:
+        return held[1]
+    if any(t is None or t.dtype != torch.bfloat16 or t.device.type != "cpu"
+           or not t.is_contiguous() for t in weights) or any(
+            b is not None and (b.dtype != torch.bfloat16 or b.device.type != "cpu")
+            for b in biases) or sinks is None or sinks.dtype not in _C_DTYPES \
+            or sinks.device.type != "cpu":
+        return None
+    try:
+        step = _cpu.AttentionStep(
+            [_numpy(w.detach()) for w in weights],
+            [None if b is None else _numpy(b.detach().contiguous()) for b in biases],
+            _numpy(sinks.detach().contiguous()), _C_DTYPES[sinks.dtype],
+            module.config.num_attention_heads, module.config.num_key_value_heads,
+            module.head_dim, float(module.scaling))
+    except ValueError:  # shapes the step does not take: transformers' forward
+        return None
+    module._mxfp4x_step = (key, step)
+    return step
+
+
+def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
+                 mask: Optional[torch.Tensor], cache) -> Optional[torch.Tensor]:
+    """The attention's output for a decoding step through the compiled call, or None where
+    it does not take the step (transformers' forward then runs it)."""
+    if not isinstance(cache, Cache) or position_embeddings is None \
+            or getattr(cache, "offloading", False) or type(cache).update is not Cache.update \
+            or module.layer_idx >= len(cache.layers):
+        return None
+    layer = cache.layers[module.layer_idx]
+    if not isinstance(layer, _Growing) or module.config._attn_implementation != ATTENTION \
+            or (module.training and module.attention_dropout):
+        return None
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 3:
+        return None
+    b, t, _ = x.shape
+    projections = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
+    if t >= _FLASH_MIN_QUERIES or any(type(p) not in _PLAIN or _hooked(p)
+                                      for p in projections) \
+            or torch.nn.modules.module._global_forward_hooks \
+            or torch.nn.modules.module._global_forward_pre_hooks:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(
+            p.requires_grad for p in module.parameters())):
+        return None
+    kernel = _dense._kernel(x, module.q_proj.weight, None, True)
+    if kernel is None:
+        return None
+    cos, sin = position_embeddings
+    half = module.head_dim // 2
+    for table in (cos, sin):
+        if not isinstance(table, torch.Tensor) or table.dtype != torch.bfloat16 \
+                or table.device.type != "cpu" or table.dim() != 3 \
+                or table.shape[0] not in (1, b) or table.shape[1:] != (t, half):
+            return None
+    step = _plan(module)
+    if step is None or x.shape[2] != step.hidden:
+        return None
+    room = layer._mxfp4x_room(b, t, step.hkv, step.d, torch.bfloat16)
+    if room is None:
+        return None
+    bufs, pos, start = room
+    tk = pos + t - start
+    mask_arr, mask_dtype = None, "float32"
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype not in _C_DTYPES \
+                or mask.device.type != "cpu" or mask.dim() != 4 or mask.shape[2] != t \
+                or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, step.hq) \
+                or mask.shape[3] < tk:
+            return None
+        mask = mask.detach()[..., :tk]
+        if (tk > 1 and mask.stride(3) != 1) or any(s < 0 for s in mask.stride()):
+            mask = mask.contiguous()
+        mask_arr, mask_dtype = _numpy(mask), _C_DTYPES[mask.dtype]
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    step.run(_numpy(x.detach().contiguous()), _numpy(cos.detach().contiguous()),
+             _numpy(sin.detach().contiguous()), _numpy(bufs.k), _numpy(bufs.v), pos, start,
+             mask_arr, mask_dtype, _numpy(out),
+             n_threads=_threads.resolve(module.q_proj._mxfp4x_threads
+                                        if isinstance(module.q_proj, DenseLinear) else None),
+             unit=kernel == "unit")
+    layer._mxfp4x_commit(bufs, t)
+    return out
+
+
+def use_decode_attention(model: torch.nn.Module) -> int:
+    """Every gpt-oss attention module of ``model`` becomes a :class:`DecodeAttention` in
+    place (its parameters and state dict kept); returns how many changed."""
+    n = 0
+    for module in model.modules():
+        if type(module) is GptOssAttention:
+            module.__class__ = DecodeAttention
+            n += 1
+    return n

@@ -1,0 +1,258 @@
+"""mxfp4x.integrations.transformers.DecodeAttention: a decoding step's attention layer as
+one compiled call (``mxfp4x._core.cpu.AttentionStep``) gives the bits of the pieces it
+replaces, run one by one (the door's dense kernels, transformers' rotary embedding, the
+growing cache, ``mxfp4x_grouped``), and leaves every other step to transformers."""
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs Hugging Face transformers")
+pytest.importorskip("accelerate", reason="transformers' loader wants accelerate")
+
+from transformers.cache_utils import DynamicCache  # noqa: E402
+from transformers.models.gpt_oss.modeling_gpt_oss import (  # noqa: E402
+    GptOssAttention,
+    _apply_rotary_emb,
+)
+
+import mxfp4x.integrations.transformers as mxt  # noqa: E402
+from mxfp4x._core import cpu as _cpu  # noqa: E402
+from mxfp4x.integrations.transformers import _cache, _decode  # noqa: E402
+
+SIZES = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_local_experts=4,
+             num_experts_per_tok=2, vocab_size=288, num_attention_heads=6,
+             num_key_value_heads=2, head_dim=16, sliding_window=5)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from mxfp4x.testing.gpt_oss import write_gpt_oss_model
+
+    folder = str(tmp_path_factory.mktemp("gpt_oss_decode"))
+    write_gpt_oss_model(folder, **SIZES)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    m = mxt.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    assert all(type(layer.self_attn) is mxt.DecodeAttention for layer in m.model.layers)
+    return m
+
+
+class _Counted:
+    """Counts the decoding steps the compiled call took and those it left."""
+
+    def __init__(self, monkeypatch):
+        self.took = self.left = 0
+        step = _decode._decode_step
+
+        def counted(*args):
+            out = step(*args)
+            if out is None:
+                self.left += 1
+            else:
+                self.took += 1
+            return out
+        monkeypatch.setattr(_decode, "_decode_step", counted)
+
+
+def _attention_class(model, cls):
+    for layer in model.model.layers:
+        layer.self_attn.__class__ = cls
+
+
+def _decode_run(model, cls, ids, mask, steps, width, cache_class=mxt.GrowingCache):
+    """A prompt, then ``steps`` steps of ``width`` tokens each (every sequence's greedy
+    pick repeated), with the attention modules of class ``cls``: each step's logits and
+    the cache."""
+    _attention_class(model, cls)
+    try:
+        with torch.no_grad():
+            cache = cache_class(config=model.config)
+            out = model(ids, attention_mask=mask, cache=cache, use_cache=True)
+            logits = [out.logits]
+            for _ in range(steps):
+                tok = out.logits[:, -1:].float().argmax(-1).repeat(1, width)
+                mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
+                out = model(tok, attention_mask=mask, cache=cache, use_cache=True)
+                logits.append(out.logits)
+    finally:
+        _attention_class(model, mxt.DecodeAttention)
+    return logits, cache
+
+
+def _same_bits(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("width", [1, 3, 6])
+def test_decoding_steps_give_the_pieces_bits(model, monkeypatch, rng, batch, width):
+    """Steps through the compiled call against the same steps through transformers'
+    forward on the door's pieces: every logit and every cached key and value the same
+    bits; past the sliding window (5) and through the buffers' growths (room of 3), left
+    padding in the mask; 6 tokens in all take the bf16 unit where the CPU's default has
+    one (else the step is transformers')."""
+    monkeypatch.setattr(_cache, "_MIN_ROOM", 3)
+    ids = torch.from_numpy(rng.integers(0, SIZES["vocab_size"], (batch, 7)))
+    mask = torch.ones_like(ids)
+    mask[1:, :int(rng.integers(1, 4))] = 0
+    counted = _Counted(monkeypatch)
+    ours, our_cache = _decode_run(model, mxt.DecodeAttention, ids, mask, 12, width)
+    took = counted.took
+    theirs, their_cache = _decode_run(model, GptOssAttention, ids, mask, 12, width)
+    for a, b in zip(ours, theirs, strict=True):
+        _same_bits(a, b)
+    for a, b in zip(our_cache.layers, their_cache.layers, strict=True):
+        _same_bits(a.keys, b.keys)
+        _same_bits(a.values, b.values)
+        assert a.get_seq_length() == b.get_seq_length()
+    takes = batch * width <= 4 or (batch * width <= 16 and _cpu.dense_unit())
+    if takes and _cpu.default_isa() != "scalar":
+        assert took > 0 and counted.left > 2  # the prompt and the growths: transformers'
+    else:
+        assert took == 0
+
+
+def test_other_steps_are_transformers(model, checkpoint, monkeypatch, rng):
+    """No growing cache, a hook on a projection, autograd, another attention, float32
+    weights: transformers' forward, the same bits as without the class."""
+    if _cpu.default_isa() == "scalar":
+        pytest.skip("the door's dense kernels leave the scalar ISA's products to torch")
+    ids = torch.from_numpy(rng.integers(0, SIZES["vocab_size"], (2, 6)))
+    mask = torch.ones_like(ids)
+    counted = _Counted(monkeypatch)
+    got, _ = _decode_run(model, mxt.DecodeAttention, ids, mask, 3, 1, DynamicCache)
+    want, _ = _decode_run(model, GptOssAttention, ids, mask, 3, 1, DynamicCache)
+    for a, b in zip(got, want, strict=True):
+        _same_bits(a, b)
+    assert counted.took == 0
+    calls = []
+    proj = model.model.layers[0].self_attn.k_proj
+    handle = proj.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        _decode_run(model, mxt.DecodeAttention, ids, mask, 3, 1)
+    finally:
+        handle.remove()
+    assert len(calls) == 4  # the prompt and 3 steps
+    assert counted.took == 3  # the other layer's steps
+    with torch.enable_grad():
+        cache = mxt.GrowingCache(config=model.config)
+        out = model(ids, cache=cache, use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True).logits.sum()
+    eager = mxt.from_pretrained(checkpoint, dtype=torch.bfloat16, attn_implementation="eager")
+    wide = mxt.from_pretrained(checkpoint, dtype=torch.float32)
+    for m in (eager, wide):
+        assert type(m.model.layers[0].self_attn) is mxt.DecodeAttention
+        _decode_run(m, mxt.DecodeAttention, ids, mask, 2, 1)
+    assert counted.took == 3
+
+
+def _bf16(rng, *shape, scale=1.0):
+    return torch.from_numpy(rng.standard_normal(shape) * scale).to(torch.bfloat16)
+
+
+def _bits(t):
+    return t.view(torch.uint16).numpy()
+
+
+@pytest.mark.parametrize("nb,t,h,hq,hkv,d,pos,start,cap", [
+    (1, 1, 40, 6, 2, 6, 5, 0, 9), (2, 3, 72, 4, 4, 10, 7, 3, 12),
+    (3, 2, 24, 8, 2, 16, 0, 0, 2), (1, 4, 130, 2, 1, 4, 9, 9, 13)])
+def test_attention_step_gives_its_pieces_bits(isa, rng, nb, t, h, hq, hkv, d, pos, start,
+                                              cap):
+    """AttentionStep.run on every ISA against its pieces on that ISA: dense_bf16 with a
+    bias and a bf16 result, transformers' rotary embedding (values down to bf16's
+    subnormals), the cache's copy, attention with a mask (some keys -inf) and sinks, the
+    output projection; the cache's tokens outside [pos, pos + t) untouched."""
+    qw, kw = hq * d, hkv * d
+    ws = [_bf16(rng, qw, h, scale=0.3), _bf16(rng, kw, h, scale=0.3),
+          _bf16(rng, kw, h, scale=0.3), _bf16(rng, h, qw, scale=0.3)]
+    bs = [_bf16(rng, qw), None, _bf16(rng, kw), _bf16(rng, h)]
+    sinks = _bf16(rng, hq)
+    scaling = d ** -0.5
+    x = _bf16(rng, nb, t, h)
+    x[0, 0, :3] = torch.tensor([3e-39, -1e-38, 5e-40])  # products into the subnormals
+    angles = torch.from_numpy(rng.uniform(0, 6.3, (1, t, d // 2)))
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    kc, vc = _bf16(rng, nb, hkv, cap, d), _bf16(rng, nb, hkv, cap, d)
+    tk = pos + t - start
+    mask = _bf16(rng, nb, 1, t, tk)
+    mask[0, 0, 0, 0] = -float("inf")
+    step = _cpu.AttentionStep([_bits(w) for w in ws], [None if b is None else _bits(b)
+                                                       for b in bs],
+                              _bits(sinks), "bfloat16", hq, hkv, d, scaling)
+    out = torch.empty(nb, t, h, dtype=torch.bfloat16)
+    ours_k, ours_v = kc.clone(), vc.clone()
+    step.run(_bits(x), _bits(cos), _bits(sin), _bits(ours_k), _bits(ours_v), pos, start,
+             _bits(mask), "bfloat16", _bits(out), isa=isa, n_threads=2)
+
+    def dense(a, w, b):
+        o = torch.empty(a.shape[0], w.shape[0], dtype=torch.bfloat16)
+        _cpu.dense_bf16(_bits(a), _bits(w), _bits(o), isa=isa, n_threads=1,
+                        bias=None if b is None else _bits(b), bias_dtype="bfloat16",
+                        out_dtype="bfloat16")
+        return o
+    rows = x.reshape(nb * t, h)
+    q, k, v = (dense(rows, w, b).view(nb, t, -1, d).transpose(1, 2) for w, b in
+               zip(ws[:3], bs[:3], strict=True))
+    q = _apply_rotary_emb(q, cos.unsqueeze(1), sin.unsqueeze(1))
+    k = _apply_rotary_emb(k, cos.unsqueeze(1), sin.unsqueeze(1))
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[:, :, pos:pos + t], want_v[:, :, pos:pos + t] = k, v
+    att = torch.empty(nb, t, hq, d, dtype=torch.bfloat16)
+    _cpu.attention(_bits(q.contiguous()), _bits(want_k[:, :, start:pos + t]),
+                   _bits(want_v[:, :, start:pos + t]), _bits(mask), _bits(sinks), _bits(att),
+                   "bfloat16", "bfloat16", "bfloat16", scaling, isa=isa, n_threads=1)
+    want = dense(att.reshape(nb * t, qw), ws[3], bs[3]).view(nb, t, h)
+    _same_bits(ours_k, want_k)
+    _same_bits(ours_v, want_v)
+    _same_bits(out, want)
+    # and not by luck: the output is the attention of these tokens (float64, loosely)
+    qf = q.double()
+    kf = want_k[:, :, start:pos + t].double().repeat_interleave(hq // hkv, 1)
+    vf = want_v[:, :, start:pos + t].double().repeat_interleave(hq // hkv, 1)
+    s = qf @ kf.transpose(2, 3) * scaling + mask.double()
+    s = torch.cat([s, sinks.double().view(1, hq, 1, 1).expand(nb, hq, t, 1)], -1)
+    p = torch.softmax(s, -1)[..., :-1]
+    ref = ((p @ vf).transpose(1, 2).reshape(nb * t, qw) @ ws[3].double().T
+           + bs[3].double()).view(nb, t, h)
+    assert (out.double() - ref).abs().max() <= 0.03 * ref.abs().max() + 1e-6
+
+
+def test_attention_step_errors_name_the_argument(rng):
+    h, hq, hkv, d = 32, 4, 2, 8
+    ws = [_bits(_bf16(rng, *s)) for s in ((hq * d, h), (hkv * d, h), (hkv * d, h),
+                                          (h, hq * d))]
+    with pytest.raises(ValueError, match="weights\\[2\\]"):
+        _cpu.AttentionStep(ws[:2] + [ws[0], ws[3]], [None] * 4, None, "float32", hq, hkv, d,
+                           0.1)
+    with pytest.raises(ValueError, match="hq, hkv, d"):
+        _cpu.AttentionStep(ws, [None] * 4, None, "float32", hq, 3, d, 0.1)
+    step = _cpu.AttentionStep(ws, [None] * 4, None, "float32", hq, hkv, d, 0.1)
+    x, out = np.zeros((1, 2, h), np.uint16), np.zeros((1, 2, h), np.uint16)
+    cos = np.zeros((1, 2, d // 2), np.uint16)
+    kc = np.zeros((1, hkv, 6, d), np.uint16)
+    args = dict(x=x, cos=cos, sin=cos, k_cache=kc, v_cache=kc.copy(), pos=3, start=0,
+                mask=None, mask_dtype="float32", out=out)
+
+    def run(**change):
+        a = {**args, **change}
+        step.run(a["x"], a["cos"], a["sin"], a["k_cache"], a["v_cache"], a["pos"],
+                 a["start"], a["mask"], a["mask_dtype"], a["out"],
+                 unit=change.get("unit", False))
+    run()
+    for change, name in ((dict(x=np.zeros((1, 2, h + 1), np.uint16)), "x"),
+                         (dict(x=np.zeros((1, 17, h), np.uint16)), "x"),
+                         (dict(cos=np.zeros((1, 2, d), np.uint16)), "cos"),
+                         (dict(k_cache=np.zeros((1, hkv, 6), np.uint16)), "k_cache"),
+                         (dict(v_cache=np.zeros((1, hkv, 5, d), np.uint16)), "v_cache"),
+                         (dict(pos=5), "pos"), (dict(start=4), "pos, start"),
+                         (dict(mask=np.zeros((1, 1, 2, 4), np.uint16),
+                               mask_dtype="bfloat16"), "mask"),
+                         (dict(out=np.zeros((1, 2, h), np.float32)), "out"),
+                         (dict(unit=True), "unit")):
+        with pytest.raises((ValueError, TypeError), match=name):
+            run(**change)
