@@ -61,6 +61,19 @@ class AttentionStep:
             mask_dtype: str, out: np.ndarray, *, isa: Any = None, n_threads: int = 1,
             unit: bool = False) -> None: ...
 
+class ExpertsStep:
+    n_experts: int
+    hidden: int
+    d_ff: int
+    def __init__(self, gate_up: "Experts", down: "Experts", gate_up_bias: np.ndarray,
+                 gate_up_bias_dtype: str, down_bias: np.ndarray, down_bias_dtype: str,
+                 router: np.ndarray, router_bias: Optional[np.ndarray], limit: float,
+                 alpha: float) -> None: ...
+    def route(self, x: np.ndarray, out: np.ndarray, *, isa: Any = None, n_threads: int = 1,
+              unit: bool = False) -> None: ...
+    def run(self, x: np.ndarray, selected: np.ndarray, weights: np.ndarray, out: np.ndarray,
+            *, isa: Any = None, n_threads: int = 1) -> None: ...
+
 class Experts:
     n_experts: int
     d_out: int

@@ -229,3 +229,163 @@ cdef class AttentionStep:
             if not x_bf16:
                 _widen_bf16(ap, n * qw, aw)
             parallel_tasks(nt, _tiles(h), _dense_task, &oj)
+
+
+cdef void _call_desc(c.mxfp4x_call *d, Experts ex, const c.mxfp4x_kernels *k, int nt,
+                     int64_t n, int64_t top_k, const int64_t *selected, const void *src,
+                     int src_rows, void *dst, int dst_rows, const float *mix,
+                     const float *init):
+    """A forward call of float32 sums on bf16 latents rounded once into a bf16 dst: the
+    call the facade makes for these rows (cpu_impl.experts), its arrays already checked."""
+    d.product, d.compute, d.kernels, d.n_threads = c.MXFP4X_FORWARD, c.MXFP4X_DTYPE_F32, k, nt
+    d.experts.n_experts, d.experts.d_out = ex.n_experts, ex.d_out
+    d.experts.n_groups, d.experts.rows = ex.n_groups, ex.rows
+    d.n_tokens, d.top_k, d.selected = n, top_k, selected
+    d.mix, d.src, d.src_dtype, d.src_rows = <const void *>mix, src, c.MXFP4X_DTYPE_BF16, src_rows
+    d.dst, d.dst_rows, d.dst_dtype = dst, dst_rows, c.MXFP4X_DTYPE_BF16
+    d.init, d.init_dtype = <const void *>init, c.MXFP4X_DTYPE_F32
+
+
+cdef class ExpertsStep:
+    """One gpt-oss experts layer (MXFP4 gate/up and down, bf16 biases), for its decoding
+    steps in two calls: :meth:`route` (the router's logits) and :meth:`run` (the experts
+    of the routed tokens), the same bits as the pieces mxfp4x runs one by one for them
+    (dense_bf16 with a bias and a bf16 result; the per-slot gate/up product, gpt-oss's
+    SwiGLU with its biases rounded to bf16, the routing-weighted down biases in float32,
+    the down product from them, rounded once to bf16).
+
+    ``gate_up``, ``down``: the two products' :class:`Experts` (E experts of (2F, H) and
+    (H, F)); ``gate_up_bias`` (E, 2F) and ``down_bias`` (E, H) of their dtypes (16-bit
+    floats as their bits); ``router`` (E, H) bf16 bits and ``router_bias`` (E,) bf16 bits
+    or None; ``limit``, ``alpha``: the SwiGLU's.  The arrays and tables are kept."""
+    cdef readonly Experts gate_up, down
+    cdef const void *gu_bias
+    cdef const void *dn_bias
+    cdef int gu_bias_dtype, dn_bias_dtype
+    cdef const uint16_t *router
+    cdef const void *router_bias
+    cdef readonly int64_t n_experts, hidden, d_ff
+    cdef float limit, alpha
+    cdef object keep
+
+    def __init__(self, Experts gate_up not None, Experts down not None, gate_up_bias,
+                 str gate_up_bias_dtype, down_bias, str down_bias_dtype, router, router_bias,
+                 float limit, float alpha):
+        cdef int64_t e = gate_up.n_experts, h = gate_up.n_groups * c.MXFP4X_GROUP
+        cdef int64_t f = gate_up.d_out // 2
+        if gate_up.form != "split" or down.form != "split" or down.n_experts != e \
+                or gate_up.d_out != 2 * f or down.d_out != h \
+                or down.n_groups * c.MXFP4X_GROUP != f:
+            raise ValueError(f"gate_up, down: expected E experts of (2F, H) and (H, F) in the "
+                             f"split form, got {e} of ({gate_up.d_out}, {h}), "
+                             f"{down.n_experts} of ({down.d_out}, "
+                             f"{down.n_groups * c.MXFP4X_GROUP})")
+        self.gate_up, self.down, self.n_experts, self.hidden, self.d_ff = gate_up, down, e, h, f
+        self.gu_bias_dtype = _act_dtype(gate_up_bias_dtype, "gate_up_bias_dtype")
+        self.gu_bias = <const void *>_address(gate_up_bias, "gate_up_bias", (e, 2 * f),
+                                              _ITEMSIZE[gate_up_bias_dtype],
+                                              gate_up_bias_dtype)
+        self.dn_bias_dtype = _act_dtype(down_bias_dtype, "down_bias_dtype")
+        self.dn_bias = <const void *>_address(down_bias, "down_bias", (e, h),
+                                              _ITEMSIZE[down_bias_dtype], down_bias_dtype)
+        self.router = <const uint16_t *>_address(router, "router", (e, h), 2, "bfloat16 bits")
+        self.router_bias = NULL if router_bias is None else <const void *>_address(
+            router_bias, "router_bias", (e,), 2, "bfloat16 bits")
+        self.limit, self.alpha = limit, alpha
+        self.keep = (gate_up_bias, down_bias, router, router_bias)
+
+    def route(self, x, out, *, isa=None, int n_threads=1, bint unit=False):
+        """out (n, E) = the router's logits for the tokens x (n, H): their product with the
+        router's rows, the bias added in float32, rounded once to bf16; bf16 bits (uint16),
+        C-contiguous, at most DENSE_UNIT_MAX_TOKENS tokens (``unit``: on the bf16 unit,
+        dense_bf16's)."""
+        cdef const c.mxfp4x_kernels *k = kernels_of(isa)
+        cdef int nt = checked_threads(n_threads)
+        cdef int64_t n = x.shape[0] if isinstance(x, np.ndarray) and x.ndim == 2 else -1
+        if n < 1 or n > DENSE_UNIT_MAX_TOKENS_C:
+            raise ValueError(f"x: expected a 2-D array of 1 to {DENSE_UNIT_MAX_TOKENS} tokens "
+                             f"(n, {self.hidden}) of bfloat16 bits")
+        cdef const uint16_t *xp = <const uint16_t *>_address(x, "x", (n, self.hidden), 2,
+                                                             "bfloat16 bits")
+        cdef void *op = <void *>_address(out, "out", (n, self.n_experts), 2, "bfloat16 bits")
+        if not out.flags.writeable:
+            raise ValueError("out: expected a writable array")
+        if unit and (k.dense_bf16_unit == NULL or n < DENSE_UNIT_MIN_TOKENS):
+            raise ValueError(f"unit: the {k.name.decode()} entry's bf16 unit takes "
+                             f"{DENSE_UNIT_MIN_TOKENS} to {DENSE_UNIT_MAX_TOKENS} tokens "
+                             f"(dense_unit()), got {n}")
+        cdef bint x_bf16 = unit or k.dense_bf16x != NULL
+        xw = None if x_bf16 else np.empty(n * self.hidden, dtype=np.float32)
+        cdef float *wp = NULL if x_bf16 else <float *>_data(xw)
+        cdef DenseJob j
+        _dense_into(&j, k, self.router, self.n_experts, self.hidden,
+                    <const void *>xp if x_bf16 else <const void *>wp, x_bf16, unit, n,
+                    self.router_bias, op)
+        with nogil:
+            if not x_bf16:
+                _widen_bf16(xp, n * self.hidden, wp)
+            parallel_tasks(nt, _tiles(self.n_experts), _dense_task, &j)
+
+    def run(self, x, selected, weights, out, *, isa=None, int n_threads=1):
+        """out (n, H) = sum over the n tokens' top_k slots of weights[t, s] (down_e(
+        swiglu(gate_up_e x + gate_up_bias_e)) + down_bias_e), e = selected[t, s]: x (n,
+        H) and out bf16 bits, ``selected`` (n, top_k) int64 in [0, E), ``weights`` (n,
+        top_k) bf16 bits (taken exactly as float32); C-contiguous.  The gate/up outputs
+        and the activation rounded to bf16 per slot, the down sums in float32 from the
+        weighted biases, rounded once."""
+        cdef const c.mxfp4x_kernels *k = kernels_of(isa)
+        cdef int nt = checked_threads(n_threads)
+        if not isinstance(selected, np.ndarray) or selected.ndim != 2 \
+                or selected.dtype != np.int64:
+            raise ValueError("selected: expected a 2-D int64 array (n, top_k)")
+        cdef int64_t n = selected.shape[0], top_k = selected.shape[1]
+        cdef int64_t h = self.hidden, f = self.d_ff, e = self.n_experts, i
+        cdef const int64_t *sp = <const int64_t *>_address(selected, "selected", (n, top_k),
+                                                           8, "int64 expert ids")
+        for i in range(n * top_k):
+            if sp[i] < 0 or sp[i] >= e:
+                raise IndexError(f"selected: entry {i} is {sp[i]}, outside [0, {e})")
+        cdef const uint16_t *wp = <const uint16_t *>_address(weights, "weights", (n, top_k),
+                                                             2, "bfloat16 bits")
+        cdef const void *xp = <const void *>_address(x, "x", (n, h), 2, "bfloat16 bits")
+        cdef void *op = <void *>_address(out, "out", (n, h), 2, "bfloat16 bits")
+        if not out.flags.writeable:
+            raise ValueError("out: expected a writable array")
+        if n == 0 or top_k == 0:
+            raise ValueError("selected: expected at least one token and one slot")
+        # scratch: the per-slot gate/up outputs and activations (bf16), the weights and
+        # the mixed biases (float32)
+        gu = np.empty(n * top_k * 2 * f, dtype=np.uint16)
+        act = np.empty(n * top_k * f, dtype=np.uint16)
+        mix = np.empty(n * top_k, dtype=np.float32)
+        start = np.empty(n * h, dtype=np.float32)
+        cdef uint16_t *gup = <uint16_t *>_data(gu)
+        cdef uint16_t *ap = <uint16_t *>_data(act)
+        cdef float *mp = <float *>_data(mix)
+        cdef float *stp = <float *>_data(start)
+        for i in range(n * top_k):
+            mp[i] = c.mxfp4x_bf16_to_f32(wp[i])
+        cdef c.mxfp4x_call first, second
+        _call_desc(&first, self.gate_up, k, nt, n, top_k, sp, xp, c.MXFP4X_ROWS_PER_TOKEN,
+                   gup, c.MXFP4X_ROWS_PER_SLOT, NULL, NULL)
+        _call_desc(&second, self.down, k, nt, n, top_k, sp, ap, c.MXFP4X_ROWS_PER_SLOT,
+                   op, c.MXFP4X_ROWS_PER_TOKEN, mp, stp)
+        cdef SwigluJob sj
+        sj.a.gate_up, sj.a.in_dtype = gup, c.MXFP4X_DTYPE_BF16
+        sj.a.bias, sj.a.bias_dtype, sj.a.ids = self.gu_bias, self.gu_bias_dtype, sp
+        sj.a.d_ff, sj.a.limit, sj.a.alpha = f, self.limit, self.alpha
+        sj.a.out, sj.a.out_dtype = ap, c.MXFP4X_DTYPE_BF16
+        sj.isa, sj.n_rows = k.isa, n * top_k
+        sj.rows_per_task = max(1, ROW_TASK_ELEMS // max(1, f))
+        cdef MixJob mj
+        mj.a.weights, mj.a.rows, mj.a.rows_dtype = mp, self.dn_bias, self.dn_bias_dtype
+        mj.a.ids, mj.a.top_k, mj.a.d, mj.a.out = sp, top_k, h, stp
+        mj.isa, mj.n_rows = k.isa, n
+        mj.rows_per_task = max(1, ROW_TASK_ELEMS // max(1, h * top_k))
+        cdef float f0 = 0
+        _drive(f0, &first, NULL)
+        with nogil:
+            parallel_tasks(nt, (sj.n_rows + sj.rows_per_task - 1) // sj.rows_per_task,
+                           _swiglu_task, &sj)
+            parallel_tasks(nt, (n + mj.rows_per_task - 1) // mj.rows_per_task, _mix_task, &mj)
+        _drive(f0, &second, NULL)

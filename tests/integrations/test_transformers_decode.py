@@ -1,7 +1,8 @@
-"""mxfp4x.integrations.transformers.DecodeAttention: a decoding step's attention layer as
-one compiled call (``mxfp4x._core.cpu.AttentionStep``) gives the bits of the pieces it
-replaces, run one by one (the door's dense kernels, transformers' rotary embedding, the
-growing cache, ``mxfp4x_grouped``), and leaves every other step to transformers."""
+"""mxfp4x.integrations.transformers.DecodeAttention and DecodeMLP: a decoding step's
+attention layer as one compiled call (``mxfp4x._core.cpu.AttentionStep``) and its MLP as
+two (``ExpertsStep``) give the bits of the pieces they replace, run one by one (the door's
+dense kernels, transformers' rotary embedding, the growing cache, ``mxfp4x_grouped``, the
+router, the experts' facade calls), and leave every other step to transformers."""
 import numpy as np
 import pytest
 import torch
@@ -12,12 +13,15 @@ pytest.importorskip("accelerate", reason="transformers' loader wants accelerate"
 from transformers.cache_utils import DynamicCache  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import (  # noqa: E402
     GptOssAttention,
+    GptOssMLP,
     _apply_rotary_emb,
 )
 
 import mxfp4x.integrations.transformers as mxt  # noqa: E402
 from mxfp4x._core import cpu as _cpu  # noqa: E402
+from mxfp4x._core import cpu_impl  # noqa: E402
 from mxfp4x.integrations.transformers import _cache, _decode  # noqa: E402
+from mxfp4x.models.gpt_oss.experts import gpt_oss_experts  # noqa: E402
 
 SIZES = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_local_experts=4,
              num_experts_per_tok=2, vocab_size=288, num_attention_heads=6,
@@ -36,37 +40,42 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(checkpoint):
     m = mxt.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
-    assert all(type(layer.self_attn) is mxt.DecodeAttention for layer in m.model.layers)
+    assert all(type(layer.self_attn) is mxt.DecodeAttention and type(layer.mlp) is
+               mxt.DecodeMLP for layer in m.model.layers)
     return m
 
 
 class _Counted:
-    """Counts the decoding steps the compiled call took and those it left."""
+    """Counts the decoding steps the compiled calls took and those they left, the
+    attention's (``took``, ``left``) and the MLP's (``mlp_took``, ``mlp_left``)."""
 
     def __init__(self, monkeypatch):
-        self.took = self.left = 0
-        step = _decode._decode_step
+        self.took = self.left = self.mlp_took = self.mlp_left = 0
+        for name, kind in (("_decode_step", ""), ("_experts_step", "mlp_")):
+            monkeypatch.setattr(_decode, name, self._counted(getattr(_decode, name), kind))
 
+    def _counted(self, step, kind):
         def counted(*args):
             out = step(*args)
-            if out is None:
-                self.left += 1
-            else:
-                self.took += 1
+            key = kind + ("left" if out is None else "took")
+            setattr(self, key, getattr(self, key) + 1)
             return out
-        monkeypatch.setattr(_decode, "_decode_step", counted)
+        return counted
 
 
-def _attention_class(model, cls):
+def _fused(model, fused):
+    """The decoding steps through the compiled calls (the door's classes) or not
+    (transformers' own classes on the same pieces)."""
     for layer in model.model.layers:
-        layer.self_attn.__class__ = cls
+        layer.self_attn.__class__ = mxt.DecodeAttention if fused else GptOssAttention
+        layer.mlp.__class__ = mxt.DecodeMLP if fused else GptOssMLP
 
 
-def _decode_run(model, cls, ids, mask, steps, width, cache_class=mxt.GrowingCache):
+def _decode_run(model, fused, ids, mask, steps, width, cache_class=mxt.GrowingCache):
     """A prompt, then ``steps`` steps of ``width`` tokens each (every sequence's greedy
-    pick repeated), with the attention modules of class ``cls``: each step's logits and
-    the cache."""
-    _attention_class(model, cls)
+    pick repeated), through the compiled calls or not (:func:`_fused`): each step's
+    logits and the cache."""
+    _fused(model, fused)
     try:
         with torch.no_grad():
             cache = cache_class(config=model.config)
@@ -78,7 +87,7 @@ def _decode_run(model, cls, ids, mask, steps, width, cache_class=mxt.GrowingCach
                 out = model(tok, attention_mask=mask, cache=cache, use_cache=True)
                 logits.append(out.logits)
     finally:
-        _attention_class(model, mxt.DecodeAttention)
+        _fused(model, True)
     return logits, cache
 
 
@@ -100,9 +109,9 @@ def test_decoding_steps_give_the_pieces_bits(model, monkeypatch, rng, batch, wid
     mask = torch.ones_like(ids)
     mask[1:, :int(rng.integers(1, 4))] = 0
     counted = _Counted(monkeypatch)
-    ours, our_cache = _decode_run(model, mxt.DecodeAttention, ids, mask, 12, width)
+    ours, our_cache = _decode_run(model, True, ids, mask, 12, width)
     took = counted.took
-    theirs, their_cache = _decode_run(model, GptOssAttention, ids, mask, 12, width)
+    theirs, their_cache = _decode_run(model, False, ids, mask, 12, width)
     for a, b in zip(ours, theirs, strict=True):
         _same_bits(a, b)
     for a, b in zip(our_cache.layers, their_cache.layers, strict=True):
@@ -112,8 +121,9 @@ def test_decoding_steps_give_the_pieces_bits(model, monkeypatch, rng, batch, wid
     takes = batch * width <= 4 or (batch * width <= 16 and _cpu.dense_unit())
     if takes and _cpu.default_isa() != "scalar":
         assert took > 0 and counted.left > 2  # the prompt and the growths: transformers'
+        assert counted.mlp_took >= 2 * 12  # every step of both layers (and short prompts)
     else:
-        assert took == 0
+        assert took == 0 and counted.mlp_took == 0
 
 
 def test_other_steps_are_transformers(model, checkpoint, monkeypatch, rng):
@@ -124,8 +134,8 @@ def test_other_steps_are_transformers(model, checkpoint, monkeypatch, rng):
     ids = torch.from_numpy(rng.integers(0, SIZES["vocab_size"], (2, 6)))
     mask = torch.ones_like(ids)
     counted = _Counted(monkeypatch)
-    got, _ = _decode_run(model, mxt.DecodeAttention, ids, mask, 3, 1, DynamicCache)
-    want, _ = _decode_run(model, GptOssAttention, ids, mask, 3, 1, DynamicCache)
+    got, _ = _decode_run(model, True, ids, mask, 3, 1, DynamicCache)
+    want, _ = _decode_run(model, False, ids, mask, 3, 1, DynamicCache)
     for a, b in zip(got, want, strict=True):
         _same_bits(a, b)
     assert counted.took == 0
@@ -133,7 +143,7 @@ def test_other_steps_are_transformers(model, checkpoint, monkeypatch, rng):
     proj = model.model.layers[0].self_attn.k_proj
     handle = proj.register_forward_hook(lambda *args: calls.append(1))
     try:
-        _decode_run(model, mxt.DecodeAttention, ids, mask, 3, 1)
+        _decode_run(model, True, ids, mask, 3, 1)
     finally:
         handle.remove()
     assert len(calls) == 4  # the prompt and 3 steps
@@ -146,8 +156,25 @@ def test_other_steps_are_transformers(model, checkpoint, monkeypatch, rng):
     wide = mxt.from_pretrained(checkpoint, dtype=torch.float32)
     for m in (eager, wide):
         assert type(m.model.layers[0].self_attn) is mxt.DecodeAttention
-        _decode_run(m, mxt.DecodeAttention, ids, mask, 2, 1)
+        _decode_run(m, True, ids, mask, 2, 1)
     assert counted.took == 3
+    # the MLP: a hook on one layer's experts, a float32 intermediate, autograd
+    counted.mlp_took = 0
+    handle = model.model.layers[1].mlp.experts.register_forward_pre_hook(
+        lambda *args: calls.append(2))
+    try:
+        _decode_run(model, True, ids, mask, 3, 1)
+    finally:
+        handle.remove()
+    # the other layer's steps, and its prompt of 12 tokens on a bf16 unit
+    assert calls.count(2) == 4 and counted.mlp_took == 3 + int(_cpu.dense_unit())
+    counted.mlp_took = 0
+    exact = mxt.from_pretrained(checkpoint, dtype=torch.bfloat16,
+                                quantization_config=mxt.Mxfp4xConfig(float32_intermediate=True))
+    _decode_run(exact, True, ids, mask, 2, 1)
+    with torch.enable_grad():
+        model(ids[:, :1]).logits.sum()
+    assert counted.mlp_took == 0
 
 
 def _bf16(rng, *shape, scale=1.0):
@@ -256,3 +283,71 @@ def test_attention_step_errors_name_the_argument(rng):
                          (dict(unit=True), "unit")):
         with pytest.raises((ValueError, TypeError), match=name):
             run(**change)
+
+
+@pytest.mark.parametrize("n,top_k,e,h,f", [(1, 4, 8, 64, 32), (3, 2, 5, 96, 64),
+                                           (6, 3, 4, 32, 96), (16, 1, 3, 64, 64)])
+def test_experts_step_gives_the_facades_bits(isa, rng, n, top_k, e, h, f):
+    """ExpertsStep.route and .run on every ISA against the router's dense product and
+    gpt_oss_experts (the facade's calls) on that ISA: the same bits; random blocks and
+    scales down to E8M0's smallest, an expert picked twice by one token."""
+    u8 = torch.uint8
+    gu = torch.from_numpy(rng.integers(0, 256, (e, 2 * f, h // 32, 16), np.uint8))
+    gs = torch.from_numpy(rng.integers(118, 130, (e, 2 * f, h // 32), np.uint8))
+    gs[0, 0, 0] = 0
+    dn = torch.from_numpy(rng.integers(0, 256, (e, h, f // 32, 16), np.uint8))
+    ds = torch.from_numpy(rng.integers(118, 130, (e, h, f // 32), np.uint8))
+    assert gu.dtype == u8
+    gub, dnb = _bf16(rng, e, 2 * f), _bf16(rng, e, h)
+    router, router_bias = _bf16(rng, e, h, scale=0.2), _bf16(rng, e)
+    x = _bf16(rng, n, h)
+    sel = torch.from_numpy(rng.integers(0, e, (n, top_k)))
+    sel[0, -1] = sel[0, 0]
+    weights = torch.softmax(_bf16(rng, n, top_k).float(), -1).to(torch.bfloat16)
+    step = _cpu.ExpertsStep(cpu_impl._call_experts(gu, gs), cpu_impl._call_experts(dn, ds),
+                            _bits(gub), "bfloat16", _bits(dnb), "bfloat16", _bits(router),
+                            _bits(router_bias), 7.0, 1.702)
+    logits = torch.empty(n, e, dtype=torch.bfloat16)
+    unit = n >= 5 and _cpu.dense_unit(isa)
+    if n <= 4 or unit:
+        step.route(_bits(x), _bits(logits), isa=isa, n_threads=2, unit=unit)
+        want = torch.empty(n, e, dtype=torch.bfloat16)
+        _cpu.dense_bf16(_bits(x), _bits(router), _bits(want), isa=isa, n_threads=1,
+                        unit=unit, bias=_bits(router_bias), bias_dtype="bfloat16",
+                        out_dtype="bfloat16")
+        _same_bits(logits, want)
+    out = torch.empty(n, h, dtype=torch.bfloat16)
+    step.run(_bits(x), sel.numpy(), _bits(weights), _bits(out), isa=isa, n_threads=2)
+    want = gpt_oss_experts(x, sel, weights, (gu, gs), gub, (dn, ds), dnb, limit=7.0,
+                           alpha=1.702, num_threads=1, act_dtype=torch.bfloat16, isa=isa)
+    _same_bits(out, want)
+    assert out.abs().max() > 0
+
+
+def test_experts_step_errors_name_the_argument(rng):
+    e, h, f = 4, 32, 32
+    tables = [cpu_impl._call_experts(
+        torch.from_numpy(rng.integers(0, 256, (e, o, i // 32, 16), np.uint8)),
+        torch.from_numpy(rng.integers(118, 130, (e, o, i // 32), np.uint8)))
+        for o, i in ((2 * f, h), (h, f))]
+    gub, dnb, router = (_bits(_bf16(rng, *s)) for s in ((e, 2 * f), (e, h), (e, h)))
+    with pytest.raises(ValueError, match="gate_up, down"):
+        _cpu.ExpertsStep(tables[1], tables[1], gub, "bfloat16", dnb, "bfloat16", router, None,
+                         7.0, 1.7)
+    with pytest.raises(ValueError, match="down_bias"):
+        _cpu.ExpertsStep(*tables, gub, "bfloat16", gub, "bfloat16", router, None, 7.0, 1.7)
+    step = _cpu.ExpertsStep(*tables, gub, "bfloat16", dnb, "bfloat16", router, None, 7.0, 1.7)
+    x, out = np.zeros((2, h), np.uint16), np.zeros((2, h), np.uint16)
+    sel, w = np.zeros((2, 3), np.int64), np.zeros((2, 3), np.uint16)
+    step.run(x, sel, w, out)
+    for args, name, error in (((x, sel.astype(np.int32), w, out), "selected", ValueError),
+                              ((x, sel + e, w, out), "selected", IndexError),
+                              ((x, sel, w[:, :2].copy(), out), "weights", ValueError),
+                              ((x[:1].copy(), sel, w, out), "x", ValueError),
+                              ((x, sel, w, out[:, :5].copy()), "out", ValueError)):
+        with pytest.raises(error, match=name):
+            step.run(*args)
+    with pytest.raises(ValueError, match="x"):
+        step.route(np.zeros((17, h), np.uint16), np.zeros((17, e), np.uint16))
+    with pytest.raises(ValueError, match="out"):
+        step.route(x, np.zeros((2, e + 1), np.uint16))

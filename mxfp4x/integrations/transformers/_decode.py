@@ -13,15 +13,21 @@ from typing import Optional, Tuple
 
 import torch
 from transformers.cache_utils import Cache
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
+from transformers.models.gpt_oss.modeling_gpt_oss import (
+    GptOssAttention,
+    GptOssMLP,
+    GptOssTopKRouter,
+)
 
 from ..._core import cpu as _cpu
+from ..._core import cpu_impl as _cpu_impl
 from ..._core import dense as _dense
 from ..._core import threads as _threads
 from ..._core.activation import _C_DTYPES, _numpy
 from ._attention import _FLASH_MIN_QUERIES, ATTENTION
 from ._cache import _Growing
-from ._dense_linear import DenseLinear
+from ._dense_linear import DenseLinear, DenseRouter
+from ._gpt_oss_experts import GptOssMxfp4Experts
 
 # the projections' modules whose forward is F.linear where the step does not run (a
 # module of another kind, an adapter's, computes something else)
@@ -157,12 +163,106 @@ def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
     return out
 
 
+class DecodeMLP(GptOssMLP):
+    """transformers' ``GptOssMLP`` (the router, then the experts) whose decoding steps
+    run as two compiled calls and torch's top-k and softmax between them, where the
+    pieces are mxfp4x's own: CPU tensors without autograd, bfloat16 hidden states, the
+    router's bfloat16 weights at a token count the door's dense kernels take
+    (:class:`DenseRouter`'s rule), the experts a :class:`GptOssMxfp4Experts` held in CPU
+    memory with a bfloat16 intermediate (not ``float32_intermediate``), router and
+    experts plain modules without hooks.  The calls compute what those pieces compute one
+    by one (``mxfp4x._core.cpu.ExpertsStep``: the router's logits, then the per-slot
+    gate/up product, the SwiGLU with its biases, the weighted down biases, the down
+    product from them), the same bits.  Anything else is transformers' forward."""
+
+    _mxfp4x_step: Optional[Tuple[tuple, "_cpu.ExpertsStep"]] = None
+
+    def forward(self, hidden_states):
+        out = _experts_step(self, hidden_states)
+        if out is not None:
+            return out
+        return super().forward(hidden_states)
+
+
+def _experts_plan(module: DecodeMLP) -> Optional["_cpu.ExpertsStep"]:
+    """The module's compiled step (made again where its tensors changed), or None."""
+    ex, router = module.experts, module.router
+    tensors = (ex.gate_up_proj_blocks, ex.gate_up_proj_scales, ex.gate_up_proj_bias,
+               ex.down_proj_blocks, ex.down_proj_scales, ex.down_proj_bias, router.weight,
+               router.bias)
+    key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape) for t in tensors)
+    held = module._mxfp4x_step
+    if held is not None and held[0] == key:
+        return held[1]
+    if any(t is not None and t.device.type != "cpu" for t in tensors) \
+            or ex.gate_up_proj_bias.dtype not in _C_DTYPES \
+            or ex.down_proj_bias.dtype not in _C_DTYPES \
+            or router.weight.dtype != torch.bfloat16 or not router.weight.is_contiguous() \
+            or (router.bias is not None and router.bias.dtype != torch.bfloat16):
+        return None
+    try:
+        step = _cpu.ExpertsStep(
+            _cpu_impl._call_experts(ex.gate_up_proj_blocks, ex.gate_up_proj_scales),
+            _cpu_impl._call_experts(ex.down_proj_blocks, ex.down_proj_scales),
+            _numpy(ex.gate_up_proj_bias.detach().contiguous()),
+            _C_DTYPES[ex.gate_up_proj_bias.dtype],
+            _numpy(ex.down_proj_bias.detach().contiguous()), _C_DTYPES[ex.down_proj_bias.dtype],
+            _numpy(router.weight.detach()),
+            None if router.bias is None else _numpy(router.bias.detach().contiguous()),
+            float(ex.limit), float(ex.alpha))
+    except ValueError:
+        return None
+    module._mxfp4x_step = (key, step)
+    return step
+
+
+def _experts_step(module: DecodeMLP, x: torch.Tensor):
+    """The MLP's (output, router scores) for a decoding step through the compiled calls,
+    or None where they do not take it."""
+    ex, router = module.experts, module.router
+    if type(ex) is not GptOssMxfp4Experts or type(router) not in (GptOssTopKRouter,
+                                                                   DenseRouter) \
+            or _hooked(ex) or _hooked(router) or ex.float32_intermediate \
+            or torch.nn.modules.module._global_forward_hooks \
+            or torch.nn.modules.module._global_forward_pre_hooks:
+        return None
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 3:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(
+            p.requires_grad for p in module.parameters())):
+        return None
+    b, t, h = x.shape
+    rows = x.reshape(b * t, h)
+    kernel = _dense._kernel(rows, router.weight, None, True)
+    if kernel is None:
+        return None
+    step = _experts_plan(module)
+    if step is None or step.hidden != h:
+        return None
+    threads = _threads.resolve(router._mxfp4x_threads if isinstance(router, DenseRouter)
+                               else None)
+    xs = _numpy(rows.detach().contiguous())
+    logits = torch.empty((b * t, step.n_experts), dtype=torch.bfloat16)
+    step.route(xs, _numpy(logits), n_threads=threads, unit=kernel == "unit")
+    top_value, indices = torch.topk(logits, router.top_k, dim=-1)
+    scores = torch.nn.functional.softmax(top_value, dim=1, dtype=top_value.dtype)
+    out = torch.empty((b * t, h), dtype=torch.bfloat16)
+    step.run(xs, indices.contiguous().numpy(), _numpy(scores.contiguous()), _numpy(out),
+             n_threads=_threads.resolve(ex.num_threads))
+    return out.view(b, t, h), scores
+
+
 def use_decode_attention(model: torch.nn.Module) -> int:
-    """Every gpt-oss attention module of ``model`` becomes a :class:`DecodeAttention` in
-    place (its parameters and state dict kept); returns how many changed."""
+    """Every gpt-oss attention module of ``model`` becomes a :class:`DecodeAttention` and
+    every gpt-oss MLP a :class:`DecodeMLP` in place (their parameters and state dicts
+    kept); returns how many changed."""
     n = 0
     for module in model.modules():
         if type(module) is GptOssAttention:
             module.__class__ = DecodeAttention
-            n += 1
+        elif type(module) is GptOssMLP:
+            module.__class__ = DecodeMLP
+        else:
+            continue
+        n += 1
     return n
