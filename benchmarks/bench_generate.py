@@ -30,10 +30,11 @@ tokens), the tokens/s of ``--sequences`` s sequences decoded together (8 greedy 
 after s prompts of 64 tokens in one batch: transformers' batch on mxfp4x's side,
 llama.cpp's parallel decoding with a sequence slot each and one unified cache on the
 other), each side's figures the median of its ``--repeats`` processes; for mxfp4x, a
-decoding step's time split (the experts, the attention, the rest: router, norms,
-embedding, head) against its read floor: the bytes that part of the step reads (the
-selected experts' MXFP4 blocks and their biases; the attention's weights and its cache;
-the router, the norms, one embedding row and the head; as mxfp4x holds them) over the
+decoding step's time split (the experts with their router, the attention, the rest:
+norms, embedding, head) against its read floor: the bytes that part of the step reads
+(the router and the selected experts' MXFP4 blocks and their biases; the attention's
+weights and its cache; the norms, one embedding row and the head; as mxfp4x holds them)
+over the
 read bandwidth (``mxfp4x.testing.roofline.read_bandwidth``) measured just before and
 just after each side's process, the better, since a shared host's bandwidth moves by up
 to 2x from one minute to the next (the table's ``read`` column, each side's median, and
@@ -128,23 +129,24 @@ def prepare(folder, layers=None, small=False):
 
 def step_bytes(cfg, context):
     """Bytes one decoding step reads with ``context`` tokens in the cache, by the part of
-    the step whose time they bound (bench_transformers' clock: the experts modules, the
-    attention modules, the rest), as mxfp4x holds them: the top-k experts' MXFP4 blocks
-    and scales (17 bytes per 32 weights) and their bf16 biases; q, k, v, o and their
-    biases, the sinks, and the cache's keys and values (bf16; a sliding layer's window
-    at most); the router, the norms, one embedding row, the final norm and the head."""
+    the step whose time they bound (bench_transformers' clock: the MLP modules, the
+    attention modules, the rest), as mxfp4x holds them: the router and the top-k experts'
+    MXFP4 blocks and scales (17 bytes per 32 weights) and their bf16 biases; q, k, v, o
+    and their biases, the sinks, and the cache's keys and values (bf16; a sliding layer's
+    window at most); the norms, one embedding row, the final norm and the head."""
     h, f, e, k = (cfg[key] for key in ("hidden_size", "intermediate_size",
                                         "num_local_experts", "num_experts_per_tok"))
     nq, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     kinds = cfg["layer_types"][:cfg["num_hidden_layers"]]
     bf16 = 2
-    experts = len(kinds) * k * ((2 * f * h + h * f) * 17 // 32 + (2 * f + h) * bf16)
+    experts = len(kinds) * (k * ((2 * f * h + h * f) * 17 // 32 + (2 * f + h) * bf16)
+                            + (e * h + e) * bf16)
     qkv = (nq + 2 * nkv) * hd
     weights = (h * qkv + nq * hd * h + qkv + h + nq) * bf16
     cached = sum(min(context, cfg["sliding_window"]) if kind == "sliding_attention"
                  else context for kind in kinds)
     attention = len(kinds) * weights + cached * 2 * nkv * hd * bf16
-    rest = (len(kinds) * (e * h + e + 2 * h) + h + h + cfg["vocab_size"] * h) * bf16
+    rest = (len(kinds) * 2 * h + h + h + cfg["vocab_size"] * h) * bf16
     return {"experts": experts, "attention": attention, "rest": rest,
             "total": experts + attention + rest}
 
@@ -232,7 +234,8 @@ def table(result):
                         else f"{'-':>10}" for n in sequences)
         lines.append(line)
     lines.append("")
-    lines.append("mxfp4x's decoding step, ms (x its read floor): experts / attention / rest "
+    lines.append("mxfp4x's decoding step, ms (x its read floor): experts (with the router) / "
+                 "attention / rest "
                  "= total")
     for r in rows:
         if not r["mode"].startswith("mxfp4x"):

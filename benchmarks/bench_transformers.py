@@ -10,7 +10,8 @@ a fresh process:
 * mxfp4x, all 24 layers: load time (``from_pretrained``, then a first forward of 128
   tokens, which reads what transformers mapped lazily), peak RSS, prefill tokens/s at
   128 and 512 tokens, decode tokens/s over 32 tokens, and where a decode step's time
-  goes (the experts, the attention, the rest: router, norms, embeddings, the head);
+  goes (the experts with their router, the attention, the rest: norms, embeddings, the
+  head);
 * transformers' own load and mxfp4x at the largest layer count whose dequantized experts
   fit this machine's memory, and transformers' figures scaled per layer to 24 layers
   (labelled "scaled": its experts and attention times per layer times 24, plus its rest);
@@ -55,13 +56,16 @@ def _rss_peak():
 
 
 class _Clock:
-    """Wall time spent inside modules of two kinds (forward hooks), per forward."""
+    """Wall time spent inside modules of two kinds (forward hooks), per forward: the
+    experts (each layer's MLP module: its router and its experts; hooks on the modules
+    inside it would send the door's decoding steps back to their pieces) and the
+    attention (each layer's attention module)."""
 
     def __init__(self, model):
         self.spent = {"experts": 0.0, "attention": 0.0}
         self._start = {}
         for name, module in model.named_modules():
-            kind = ("experts" if name.endswith("mlp.experts") else
+            kind = ("experts" if name.endswith(".mlp") else
                     "attention" if name.endswith("self_attn") else None)
             if kind is not None:
                 module.register_forward_pre_hook(self._enter(name))
