@@ -3,6 +3,9 @@ attention layer as one compiled call (``mxfp4x._core.cpu.AttentionStep``) and it
 two (``ExpertsStep``) give the bits of the pieces they replace, run one by one (the door's
 dense kernels, transformers' rotary embedding, the growing cache, ``mxfp4x_grouped``, the
 router, the experts' facade calls), and leave every other step to transformers."""
+import copy
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -148,6 +151,18 @@ def test_other_steps_are_transformers(model, checkpoint, monkeypatch, rng):
         handle.remove()
     assert len(calls) == 4  # the prompt and 3 steps
     assert counted.took == 3  # the other layer's steps
+    # a hook on the attention module itself: it runs, and so does the call
+    counted.took = 0
+    handle = model.model.layers[0].self_attn.register_forward_hook(
+        lambda *args: calls.append(3))
+    try:
+        got, _ = _decode_run(model, True, ids, mask, 3, 1)
+    finally:
+        handle.remove()
+    assert calls.count(3) == 4 and counted.took == 6
+    for a, b in zip(got, _decode_run(model, False, ids, mask, 3, 1)[0], strict=True):
+        _same_bits(a, b)
+    counted.took = 3
     with torch.enable_grad():
         cache = mxt.GrowingCache(config=model.config)
         out = model(ids, cache=cache, use_cache=True)
@@ -351,3 +366,23 @@ def test_experts_step_errors_name_the_argument(rng):
         step.route(np.zeros((17, h), np.uint16), np.zeros((17, e), np.uint16))
     with pytest.raises(ValueError, match="out"):
         step.route(x, np.zeros((2, e + 1), np.uint16))
+
+
+def test_steps_live_beside_the_modules(checkpoint, rng):
+    """The compiled steps are kept beside the modules: a copy or a pickle of a model that
+    has decoded carries none and decodes the same bits; ``.to()`` drops a module's."""
+    m = mxt.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    ids = torch.from_numpy(rng.integers(0, SIZES["vocab_size"], (1, 5)))
+    mask = torch.ones_like(ids)
+    want, _ = _decode_run(m, True, ids, mask, 3, 1)
+    mine = [mod for mod in m.modules() if mod in _decode._STEPS]
+    if _cpu.default_isa() != "scalar":  # every attention's and every MLP's
+        assert {id(mod) for mod in mine} == {id(mod) for layer in m.model.layers
+                                             for mod in (layer.self_attn, layer.mlp)}
+    for other in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert not any(mod in _decode._STEPS for mod in other.modules())
+        got, _ = _decode_run(other, True, ids, mask, 3, 1)
+        for a, b in zip(got, want, strict=True):
+            _same_bits(a, b)
+    m.to(torch.float32)
+    assert not any(mod in _decode._STEPS for mod in m.modules())

@@ -9,7 +9,8 @@ mxfp4x would run piece by piece anyway (bfloat16, the door's dense kernels, the 
 cache, the ``mxfp4x_grouped`` attention), :class:`DecodeAttention` runs the pieces as
 one call of the compiled extension (``mxfp4x._core.cpu.AttentionStep``), with the same
 operations in the same order: the same bits.  Anything else is transformers' forward."""
-from typing import Optional, Tuple
+import weakref
+from typing import Optional
 
 import torch
 from transformers.cache_utils import Cache
@@ -24,6 +25,7 @@ from ..._core import cpu_impl as _cpu_impl
 from ..._core import dense as _dense
 from ..._core import threads as _threads
 from ..._core.activation import _C_DTYPES, _numpy
+from ..._core.ops import runs_direct
 from ._attention import _FLASH_MIN_QUERIES, ATTENTION
 from ._cache import _Growing
 from ._dense_linear import DenseLinear, DenseRouter
@@ -38,7 +40,21 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-class DecodeAttention(GptOssAttention):
+# each module's compiled step and the key of the tensors it was made from: beside the
+# module, not in it (a copy or a pickle of the model carries none; a module's `.to()`,
+# `.half()` and the like drop its step, which holds its CPU weights)
+_STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+class _Stepped(torch.nn.Module):
+    """What the two classes share: a conversion of the module drops its step."""
+
+    def _apply(self, *args, **kwargs):
+        _STEPS.pop(self, None)
+        return super()._apply(*args, **kwargs)
+
+
+class DecodeAttention(_Stepped, GptOssAttention):
     """transformers' ``GptOssAttention`` whose decoding steps run as one compiled call
     where the pieces are mxfp4x's own: CPU tensors without autograd, bfloat16 hidden
     states, weights, rotary tables and cache, at most 16 tokens in all that the door's
@@ -51,8 +67,6 @@ class DecodeAttention(GptOssAttention):
     (:func:`grouped_attention`'s decoding path: no attention weights returned), the
     output projection.  Anything else is transformers' forward.  Modules become this
     class in place (:func:`use_decode_attention`): same parameters, same state dict."""
-
-    _mxfp4x_step: Optional[Tuple[tuple, "_cpu.AttentionStep"]] = None
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 cache=None, **kwargs):
@@ -75,16 +89,14 @@ def _plan(module: DecodeAttention) -> Optional["_cpu.AttentionStep"]:
     """The module's compiled step (made once, made again where its tensors changed), or
     None where they are not what it takes."""
     weights, biases, sinks = _tensors(module)
-    key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape)
+    key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
                 for t in (*weights, *biases, sinks))
-    held = module._mxfp4x_step
+    held = _STEPS.get(module)
     if held is not None and held[0] == key:
         return held[1]
-    if any(t is None or t.dtype != torch.bfloat16 or t.device.type != "cpu"
-           or not t.is_contiguous() for t in weights) or any(
-            b is not None and (b.dtype != torch.bfloat16 or b.device.type != "cpu")
-            for b in biases) or sinks is None or sinks.dtype not in _C_DTYPES \
-            or sinks.device.type != "cpu":
+    if any(t is None or t.dtype != torch.bfloat16 or not t.is_contiguous() for t in weights) \
+            or any(b is not None and b.dtype != torch.bfloat16 for b in biases) \
+            or sinks is None or sinks.dtype not in _C_DTYPES:
         return None
     try:
         step = _cpu.AttentionStep(
@@ -95,8 +107,13 @@ def _plan(module: DecodeAttention) -> Optional["_cpu.AttentionStep"]:
             module.head_dim, float(module.scaling))
     except ValueError:  # shapes the step does not take: transformers' forward
         return None
-    module._mxfp4x_step = (key, step)
+    _STEPS[module] = (key, step)
     return step
+
+
+def _global_hooks() -> bool:
+    m = torch.nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
 
 
 def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
@@ -107,36 +124,35 @@ def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
             or getattr(cache, "offloading", False) or type(cache).update is not Cache.update \
             or module.layer_idx >= len(cache.layers):
         return None
-    layer = cache.layers[module.layer_idx]
-    if not isinstance(layer, _Growing) or module.config._attn_implementation != ATTENTION \
+    held = cache.layers[module.layer_idx]
+    if not isinstance(held, _Growing) or module.config._attn_implementation != ATTENTION \
             or (module.training and module.attention_dropout):
         return None
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 3:
+    if x.dtype != torch.bfloat16 or x.dim() != 3:
         return None
     b, t, _ = x.shape
     projections = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
     if t >= _FLASH_MIN_QUERIES or any(type(p) not in _PLAIN or _hooked(p)
-                                      for p in projections) \
-            or torch.nn.modules.module._global_forward_hooks \
-            or torch.nn.modules.module._global_forward_pre_hooks:
+                                      for p in projections) or _global_hooks():
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(
-            p.requires_grad for p in module.parameters())):
+    cos, sin = position_embeddings
+    weights, biases, sinks = _tensors(module)
+    if not runs_direct((x, cos, sin, sinks, *weights,
+                        *(b for b in biases if b is not None)), ()):
         return None
     kernel = _dense._kernel(x, module.q_proj.weight, None, True)
     if kernel is None:
         return None
-    cos, sin = position_embeddings
     half = module.head_dim // 2
     for table in (cos, sin):
         if not isinstance(table, torch.Tensor) or table.dtype != torch.bfloat16 \
-                or table.device.type != "cpu" or table.dim() != 3 \
-                or table.shape[0] not in (1, b) or table.shape[1:] != (t, half):
+                or table.dim() != 3 or table.shape[0] not in (1, b) \
+                or table.shape[1:] != (t, half):
             return None
     step = _plan(module)
     if step is None or x.shape[2] != step.hidden:
         return None
-    room = layer._mxfp4x_room(b, t, step.hkv, step.d, torch.bfloat16)
+    room = held._mxfp4x_room(b, t, step.hkv, step.d, torch.bfloat16)
     if room is None:
         return None
     bufs, pos, start = room
@@ -159,11 +175,11 @@ def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
              n_threads=_threads.resolve(module.q_proj._mxfp4x_threads
                                         if isinstance(module.q_proj, DenseLinear) else None),
              unit=kernel == "unit")
-    layer._mxfp4x_commit(bufs, t)
+    held._mxfp4x_commit(bufs, t)
     return out
 
 
-class DecodeMLP(GptOssMLP):
+class DecodeMLP(_Stepped, GptOssMLP):
     """transformers' ``GptOssMLP`` (the router, then the experts) whose decoding steps
     run as two compiled calls and torch's top-k and softmax between them, where the
     pieces are mxfp4x's own: CPU tensors without autograd, bfloat16 hidden states, the
@@ -174,8 +190,6 @@ class DecodeMLP(GptOssMLP):
     by one (``mxfp4x._core.cpu.ExpertsStep``: the router's logits, then the per-slot
     gate/up product, the SwiGLU with its biases, the weighted down biases, the down
     product from them), the same bits.  Anything else is transformers' forward."""
-
-    _mxfp4x_step: Optional[Tuple[tuple, "_cpu.ExpertsStep"]] = None
 
     def forward(self, hidden_states):
         out = _experts_step(self, hidden_states)
@@ -190,8 +204,9 @@ def _experts_plan(module: DecodeMLP) -> Optional["_cpu.ExpertsStep"]:
     tensors = (ex.gate_up_proj_blocks, ex.gate_up_proj_scales, ex.gate_up_proj_bias,
                ex.down_proj_blocks, ex.down_proj_scales, ex.down_proj_bias, router.weight,
                router.bias)
-    key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape) for t in tensors)
-    held = module._mxfp4x_step
+    key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
+                for t in tensors)
+    held = _STEPS.get(module)
     if held is not None and held[0] == key:
         return held[1]
     if any(t is not None and t.device.type != "cpu" for t in tensors) \
@@ -212,7 +227,7 @@ def _experts_plan(module: DecodeMLP) -> Optional["_cpu.ExpertsStep"]:
             float(ex.limit), float(ex.alpha))
     except ValueError:
         return None
-    module._mxfp4x_step = (key, step)
+    _STEPS[module] = (key, step)
     return step
 
 
@@ -222,14 +237,13 @@ def _experts_step(module: DecodeMLP, x: torch.Tensor):
     ex, router = module.experts, module.router
     if type(ex) is not GptOssMxfp4Experts or type(router) not in (GptOssTopKRouter,
                                                                    DenseRouter) \
-            or _hooked(ex) or _hooked(router) or ex.float32_intermediate \
-            or torch.nn.modules.module._global_forward_hooks \
-            or torch.nn.modules.module._global_forward_pre_hooks:
+            or _hooked(ex) or _hooked(router) or ex.float32_intermediate or _global_hooks():
         return None
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 3:
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(
-            p.requires_grad for p in module.parameters())):
+    if x.dtype != torch.bfloat16 or x.dim() != 3 or not runs_direct(
+            (x, router.weight, ex.gate_up_proj_bias, ex.down_proj_bias,
+             *((router.bias,) if router.bias is not None else ())),
+            (ex.gate_up_proj_blocks, ex.gate_up_proj_scales, ex.down_proj_blocks,
+             ex.down_proj_scales)):
         return None
     b, t, h = x.shape
     rows = x.reshape(b * t, h)
