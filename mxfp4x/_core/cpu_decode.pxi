@@ -35,10 +35,6 @@ cdef void _widen_bf16(const uint16_t *src, int64_t n, float *dst) noexcept nogil
         dst[i] = c.mxfp4x_bf16_to_f32(src[i])
 
 
-cdef inline int64_t _tiles(int64_t rows) noexcept nogil:
-    return (rows + DENSE_TILE_ROWS - 1) // DENSE_TILE_ROWS
-
-
 cdef inline uintptr_t _aligned(uintptr_t p) noexcept nogil:
     return (p + 63) & ~(<uintptr_t>63)
 
@@ -191,9 +187,8 @@ cdef class AttentionStep:
         _dense_into(&qkv.job[1], k, self.w[1], kw, h, xin, x_bf16, unit, n, self.b[1], knp)
         _dense_into(&qkv.job[2], k, self.w[2], kw, h, xin, x_bf16, unit, n, self.b[2], vnp)
         qkv.first[0] = 0
-        qkv.first[1] = _tiles(qw)
-        qkv.first[2] = qkv.first[1] + _tiles(kw)
-        qkv.first[3] = qkv.first[2] + _tiles(kw)
+        for i in range(3):
+            qkv.first[i + 1] = qkv.first[i] + _dense_job_tasks(&qkv.job[i], nt)
         cdef DenseJob oj
         _dense_into(&oj, k, self.w[3], h, qw, ain, x_bf16, unit, n, self.b[3], op)
         # q read as (b, t, hq, d): token (s, i)'s heads one after another
@@ -228,7 +223,7 @@ cdef class AttentionStep:
             parallel_tasks(nt, c.mxfp4x_attention_tasks(&aj.a), _attention_task, &aj)
             if not x_bf16:
                 _widen_bf16(ap, n * qw, aw)
-            parallel_tasks(nt, _tiles(h), _dense_task, &oj)
+            parallel_tasks(nt, _dense_job_tasks(&oj, nt), _dense_task, &oj)
 
 
 cdef void _call_desc(c.mxfp4x_call *d, Experts ex, const c.mxfp4x_kernels *k, int nt,
@@ -324,7 +319,7 @@ cdef class ExpertsStep:
         with nogil:
             if not x_bf16:
                 _widen_bf16(xp, n * self.hidden, wp)
-            parallel_tasks(nt, _tiles(self.n_experts), _dense_task, &j)
+            parallel_tasks(nt, _dense_job_tasks(&j, nt), _dense_task, &j)
 
     def run(self, x, selected, weights, out, *, isa=None, int n_threads=1):
         """out (n, H) = sum over the n tokens' top_k slots of weights[t, s] (down_e(

@@ -1,11 +1,14 @@
 # mxfp4x/_core/cpu_dense.pxi -- part of mxfp4x/_core/cpu.pyx, which includes it (one module).
 # dense_bf16: bf16 matrices times a few tokens through the entry's dense kernels.
 
-# dense_bf16(): each task owns output rows [task * DENSE_TILE_ROWS, ...) of every token.
-# 64 rows of a 7168-wide bf16 matrix are 896 KiB: a K3 projection (3584..7168 rows) is
-# 56..112 tasks for the threads to balance.
+# dense_bf16(): the kernels run tiles of DENSE_TILE_ROWS output rows of every token, and
+# each task owns a run of consecutive tiles (_dense_job_tasks): a thread then streams its
+# rows in one piece, each tile's far prefetch already fetching the next tile's first
+# rows, where tasks of one tile each sent the threads' streams jumping over each other's
+# tiles.  64 rows of a 7168-wide bf16 matrix are 896 KiB.
 cdef enum:
     DENSE_TILE_ROWS = 64
+    DENSE_TASKS_PER_THREAD = 4  # runs per thread: the balance of a call's last ones
 
 # The bf16 unit's dense product (dense_bf16(..., unit=True)) takes calls of this many
 # tokens: from one past the exact kernels' range (mxfp4x._core.dense.MAX_TOKENS) to where
@@ -27,11 +30,29 @@ cdef struct DenseJob:
     int bias_dtype
     void *dst
     int dst_dtype
+    int64_t tiles_per_task  # set by _dense_job_tasks
+
+
+cdef int64_t _dense_job_tasks(DenseJob *j, int n_threads) noexcept nogil:
+    """The job's tasks on n_threads threads (its runs of tiles: about
+    DENSE_TASKS_PER_THREAD a thread, at least one tile each)."""
+    cdef int64_t tiles = (j.d_out + DENSE_TILE_ROWS - 1) // DENSE_TILE_ROWS
+    j.tiles_per_task = max(1, tiles // (DENSE_TASKS_PER_THREAD * max(1, n_threads)))
+    return (tiles + j.tiles_per_task - 1) // j.tiles_per_task
 
 
 cdef void _dense_task(void *ctx, int64_t task, int tid) noexcept nogil:
     cdef const DenseJob *j = <const DenseJob *>ctx
-    cdef int64_t r0 = task * DENSE_TILE_ROWS
+    cdef int64_t tile = task * j.tiles_per_task
+    cdef int64_t end = min((j.d_out + DENSE_TILE_ROWS - 1) // DENSE_TILE_ROWS,
+                           tile + j.tiles_per_task)
+    while tile < end:
+        _dense_tile(j, tile)
+        tile += 1
+
+
+cdef void _dense_tile(const DenseJob *j, int64_t tile) noexcept nogil:
+    cdef int64_t r0 = tile * DENSE_TILE_ROWS
     cdef int64_t r1 = min(j.d_out, r0 + DENSE_TILE_ROWS)
     cdef float sums[DENSE_UNIT_MAX_TOKENS_C * DENSE_TILE_ROWS]
     cdef float b[DENSE_TILE_ROWS]
@@ -132,4 +153,4 @@ def dense_bf16(x, w, out, *, isa=None, int n_threads=1, bint unit=False, bias=No
     if n_tok == 0 or d_out == 0:
         return
     with nogil:
-        parallel_tasks(nt, (d_out + DENSE_TILE_ROWS - 1) // DENSE_TILE_ROWS, _dense_task, &job)
+        parallel_tasks(nt, _dense_job_tasks(&job, nt), _dense_task, &job)

@@ -58,6 +58,34 @@ def test_bits_do_not_depend_on_threads_batch_or_rows(isa, rng):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_runs_of_tiles_per_task_give_the_same_bits(isa, rng):
+    """A matrix of 28 tiles (the last short): tasks of 7, 3 and 2 consecutive tiles on
+    1, 2 and 3 threads (the last task short), with the bias and a bf16 result, the same
+    bits as each row computed alone, within the float64 bound."""
+    rows, cols = 64 * 27 + 13, 96
+    w = bf16_weight(rng, rows, cols)
+    x = torch.from_numpy(rng.standard_normal((2, cols))).bfloat16()
+    b = torch.from_numpy(rng.standard_normal(rows)).float()
+    xb, wb = x.view(torch.uint16).numpy(), w.view(torch.uint16).numpy()
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.empty(2, rows, dtype=torch.bfloat16)
+        _cpu.dense_bf16(xb, wb, _dense._bits(out), isa=isa, n_threads=threads, bias=b.numpy(),
+                        out_dtype="bfloat16")
+        outs.append(out)
+    sums = torch.empty(2, rows)
+    for r0 in range(0, rows, 100):  # the rows in other splits, one thread
+        part = np.empty((2, min(rows, r0 + 100) - r0), np.float32)
+        _cpu.dense_bf16(xb, wb[r0:r0 + 100].copy(), part, isa=isa)
+        sums[:, r0:r0 + 100] = torch.from_numpy(part)
+    want = (sums + b).bfloat16()
+    for out in outs:
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    ref, mag = reference(x.float(), w)
+    assert np.all(np.abs(sums.numpy() - ref) <= error_bound(mag, cols))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows,cols", [(1, 1), (9, 31), (17, 32), (70, 33), (5, 1031),
                                        (66, 7168)])
 def test_bf16_tokens_give_the_bits_of_their_float32_widening(isa, rows, cols, rng):
