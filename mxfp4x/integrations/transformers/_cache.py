@@ -71,7 +71,8 @@ class _Buffers:
         self.end += t
 
     def views(self, start: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, start:self.end], self.v[:, :, start:self.end]
+        n = self.end - start
+        return self.k.narrow(2, start, n), self.v.narrow(2, start, n)
 
 
 def _current(layer) -> Optional[_Buffers]:

@@ -10,7 +10,7 @@ cache, the ``mxfp4x_grouped`` attention), :class:`DecodeAttention` runs the piec
 one call of the compiled extension (``mxfp4x._core.cpu.AttentionStep``), with the same
 operations in the same order: the same bits.  Anything else is transformers' forward."""
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from transformers.cache_utils import Cache
@@ -34,6 +34,8 @@ from ._gpt_oss_experts import GptOssMxfp4Experts
 # the projections' modules whose forward is F.linear where the step does not run (a
 # module of another kind, an adapter's, computes something else)
 _PLAIN = (torch.nn.Linear, DenseLinear)
+# the tensors the steps read as they are (a subclass may mean something else)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _hooked(module: torch.nn.Module) -> bool:
@@ -80,23 +82,41 @@ class DecodeAttention(_Stepped, GptOssAttention):
 
 
 def _tensors(module: GptOssAttention) -> tuple:
-    projections = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
-    return (tuple(p.weight for p in projections), tuple(p.bias for p in projections),
-            module.sinks)
+    """The projection modules, their weights and biases, and the sinks: read from the
+    modules' own tables (``nn.Module.__getattr__`` costs microseconds a name on the cold
+    caches of a decoding step)."""
+    mods: Any = module._modules
+    projections = (mods["q_proj"], mods["k_proj"], mods["v_proj"], mods["o_proj"])
+    return (projections, tuple(p._parameters["weight"] for p in projections),
+            tuple(p._parameters.get("bias") for p in projections),
+            module._parameters.get("sinks"))
 
 
-def _plan(module: DecodeAttention) -> Optional["_cpu.AttentionStep"]:
-    """The module's compiled step (made once, made again where its tensors changed), or
-    None where they are not what it takes."""
-    weights, biases, sinks = _tensors(module)
-    key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
-                for t in (*weights, *biases, sinks))
+def _unit(n: int, plan: tuple) -> Optional[bool]:
+    """Whether n tokens go to the dense kernels' bf16 unit (True), their exact kernels
+    (False) or neither (None): :class:`DenseLinear`'s rule (``dense._kernel``) for the
+    plan's bf16 weights on CPU."""
+    if 1 <= n <= _dense.MAX_TOKENS:
+        return False
+    if plan[2] and _dense.UNIT_MIN_TOKENS <= n <= _dense.UNIT_MAX_TOKENS:
+        return True
+    return None
+
+
+def _plan(module: DecodeAttention, weights, biases, sinks) -> Optional[tuple]:
+    """The module's compiled step (made once, made again where its tensors changed) as
+    (key, step, the CPU's bf16 unit), or None where they are not what it takes.  The step
+    holds the arrays of the tensors it was made from, so their memory outlives it and
+    their addresses alone tell whether they are still the module's."""
+    key = tuple(None if t is None else t.data_ptr() for t in (*weights, *biases, sinks))
     held = _STEPS.get(module)
     if held is not None and held[0] == key:
-        return held[1]
-    if any(t is None or t.dtype != torch.bfloat16 or not t.is_contiguous() for t in weights) \
-            or any(b is not None and b.dtype != torch.bfloat16 for b in biases) \
-            or sinks is None or sinks.dtype not in _C_DTYPES:
+        return held
+    if _cpu.default_isa() == "scalar" or sinks is None or sinks.dtype not in _C_DTYPES \
+            or any(type(t) not in _PLAIN_TENSORS or not t.is_cpu
+                   for t in (*weights, *(b for b in biases if b is not None), sinks)) \
+            or any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in weights) \
+            or any(b is not None and b.dtype != torch.bfloat16 for b in biases):
         return None
     try:
         step = _cpu.AttentionStep(
@@ -107,13 +127,20 @@ def _plan(module: DecodeAttention) -> Optional["_cpu.AttentionStep"]:
             module.head_dim, float(module.scaling))
     except ValueError:  # shapes the step does not take: transformers' forward
         return None
-    _STEPS[module] = (key, step)
-    return step
+    held = (key, step, _cpu.dense_unit())
+    _STEPS[module] = held
+    return held
 
 
 def _global_hooks() -> bool:
     m = torch.nn.modules.module
     return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
+
+
+def _recording(tensors) -> bool:
+    """Whether autograd would record a product of these parameters."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in tensors)
 
 
 def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
@@ -126,32 +153,30 @@ def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
         return None
     held = cache.layers[module.layer_idx]
     if not isinstance(held, _Growing) or module.config._attn_implementation != ATTENTION \
-            or (module.training and module.attention_dropout):
-        return None
-    if x.dtype != torch.bfloat16 or x.dim() != 3:
+            or (module.training and module.attention_dropout) \
+            or x.dtype != torch.bfloat16 or x.dim() != 3:
         return None
     b, t, _ = x.shape
-    projections = (module.q_proj, module.k_proj, module.v_proj, module.o_proj)
-    if t >= _FLASH_MIN_QUERIES or any(type(p) not in _PLAIN or _hooked(p)
-                                      for p in projections) or _global_hooks():
-        return None
+    projections, weights, biases, sinks = _tensors(module)
+    for p in projections:
+        if type(p) not in _PLAIN or p._forward_hooks or p._forward_pre_hooks:
+            return None
     cos, sin = position_embeddings
-    weights, biases, sinks = _tensors(module)
-    if not runs_direct((x, cos, sin, sinks, *weights,
-                        *(b for b in biases if b is not None)), ()):
+    if t >= _FLASH_MIN_QUERIES or _global_hooks() or not runs_direct((x, cos, sin), ()) \
+            or _recording((*weights, *biases, sinks)):
         return None
-    kernel = _dense._kernel(x, module.q_proj.weight, None, True)
-    if kernel is None:
+    plan = _plan(module, weights, biases, sinks)
+    if plan is None:
+        return None
+    unit = _unit(b * t, plan)
+    step = plan[1]
+    if unit is None or x.shape[2] != step.hidden:
         return None
     half = module.head_dim // 2
     for table in (cos, sin):
-        if not isinstance(table, torch.Tensor) or table.dtype != torch.bfloat16 \
-                or table.dim() != 3 or table.shape[0] not in (1, b) \
-                or table.shape[1:] != (t, half):
+        if table.dtype != torch.bfloat16 or table.dim() != 3 \
+                or table.shape[0] not in (1, b) or table.shape[1:] != (t, half):
             return None
-    step = _plan(module)
-    if step is None or x.shape[2] != step.hidden:
-        return None
     room = held._mxfp4x_room(b, t, step.hkv, step.d, torch.bfloat16)
     if room is None:
         return None
@@ -160,21 +185,22 @@ def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
     mask_arr, mask_dtype = None, "float32"
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype not in _C_DTYPES \
-                or mask.device.type != "cpu" or mask.dim() != 4 or mask.shape[2] != t \
+                or not mask.is_cpu or mask.dim() != 4 or mask.shape[2] != t \
                 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, step.hq) \
                 or mask.shape[3] < tk:
             return None
-        mask = mask.detach()[..., :tk]
-        if (tk > 1 and mask.stride(3) != 1) or any(s < 0 for s in mask.stride()):
+        mask = mask.detach().narrow(3, 0, tk)
+        if (tk > 1 and mask.stride(3) != 1) or min(mask.stride()) < 0:
             mask = mask.contiguous()
         mask_arr, mask_dtype = _numpy(mask), _C_DTYPES[mask.dtype]
     out = torch.empty(x.shape, dtype=torch.bfloat16)
+    q = projections[0]
     step.run(_numpy(x.detach().contiguous()), _numpy(cos.detach().contiguous()),
              _numpy(sin.detach().contiguous()), _numpy(bufs.k), _numpy(bufs.v), pos, start,
              mask_arr, mask_dtype, _numpy(out),
-             n_threads=_threads.resolve(module.q_proj._mxfp4x_threads
-                                        if isinstance(module.q_proj, DenseLinear) else None),
-             unit=kernel == "unit")
+             n_threads=_threads.resolve(q._mxfp4x_threads if type(q) is DenseLinear
+                                        else None),
+             unit=unit)
     held._mxfp4x_commit(bufs, t)
     return out
 
@@ -198,66 +224,63 @@ class DecodeMLP(_Stepped, GptOssMLP):
         return super().forward(hidden_states)
 
 
-def _experts_plan(module: DecodeMLP) -> Optional["_cpu.ExpertsStep"]:
-    """The module's compiled step (made again where its tensors changed), or None."""
-    ex, router = module.experts, module.router
-    tensors = (ex.gate_up_proj_blocks, ex.gate_up_proj_scales, ex.gate_up_proj_bias,
-               ex.down_proj_blocks, ex.down_proj_scales, ex.down_proj_bias, router.weight,
-               router.bias)
-    key = tuple(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
-                for t in tensors)
+def _experts_plan(module: DecodeMLP, ex, router) -> Optional[tuple]:
+    """The module's compiled step (made again where its tensors changed) as (key, step,
+    the CPU's bf16 unit, the tensors it reads), or None."""
+    tensors = (ex._buffers.get("gate_up_proj_blocks"), ex._buffers.get("gate_up_proj_scales"),
+               ex._parameters.get("gate_up_proj_bias"), ex._buffers.get("down_proj_blocks"),
+               ex._buffers.get("down_proj_scales"), ex._parameters.get("down_proj_bias"),
+               router._parameters.get("weight"), router._parameters.get("bias"))
+    key = tuple(None if t is None else t.data_ptr() for t in tensors)
     held = _STEPS.get(module)
     if held is not None and held[0] == key:
-        return held[1]
-    if any(t is not None and t.device.type != "cpu" for t in tensors) \
-            or ex.gate_up_proj_bias.dtype not in _C_DTYPES \
-            or ex.down_proj_bias.dtype not in _C_DTYPES \
-            or router.weight.dtype != torch.bfloat16 or not router.weight.is_contiguous() \
-            or (router.bias is not None and router.bias.dtype != torch.bfloat16):
+        return held
+    gu, gs, gub, dn, ds, dnb, rw, rb = tensors
+    if _cpu.default_isa() == "scalar" \
+            or any(t is None or type(t) not in _PLAIN_TENSORS or not t.is_cpu
+                   for t in tensors[:7]) or (rb is not None and not rb.is_cpu) \
+            or gub.dtype not in _C_DTYPES or dnb.dtype not in _C_DTYPES \
+            or rw.dtype != torch.bfloat16 or not rw.is_contiguous() \
+            or (rb is not None and rb.dtype != torch.bfloat16):
         return None
     try:
         step = _cpu.ExpertsStep(
-            _cpu_impl._call_experts(ex.gate_up_proj_blocks, ex.gate_up_proj_scales),
-            _cpu_impl._call_experts(ex.down_proj_blocks, ex.down_proj_scales),
-            _numpy(ex.gate_up_proj_bias.detach().contiguous()),
-            _C_DTYPES[ex.gate_up_proj_bias.dtype],
-            _numpy(ex.down_proj_bias.detach().contiguous()), _C_DTYPES[ex.down_proj_bias.dtype],
-            _numpy(router.weight.detach()),
-            None if router.bias is None else _numpy(router.bias.detach().contiguous()),
+            _cpu_impl._call_experts(gu, gs), _cpu_impl._call_experts(dn, ds),
+            _numpy(gub.detach().contiguous()), _C_DTYPES[gub.dtype],
+            _numpy(dnb.detach().contiguous()), _C_DTYPES[dnb.dtype], _numpy(rw.detach()),
+            None if rb is None else _numpy(rb.detach().contiguous()),
             float(ex.limit), float(ex.alpha))
     except ValueError:
         return None
-    _STEPS[module] = (key, step)
-    return step
+    # the tensors held with the step: the expert tables point into their memory
+    held = (key, step, _cpu.dense_unit(), tensors)
+    _STEPS[module] = held
+    return held
 
 
 def _experts_step(module: DecodeMLP, x: torch.Tensor):
     """The MLP's (output, router scores) for a decoding step through the compiled calls,
     or None where they do not take it."""
-    ex, router = module.experts, module.router
+    mods: Any = module._modules
+    ex, router = mods["experts"], mods["router"]
     if type(ex) is not GptOssMxfp4Experts or type(router) not in (GptOssTopKRouter,
                                                                    DenseRouter) \
-            or _hooked(ex) or _hooked(router) or ex.float32_intermediate or _global_hooks():
+            or _hooked(ex) or _hooked(router) or ex.float32_intermediate or _global_hooks() \
+            or x.dtype != torch.bfloat16 or x.dim() != 3 or not runs_direct((x,), ()):
         return None
-    if x.dtype != torch.bfloat16 or x.dim() != 3 or not runs_direct(
-            (x, router.weight, ex.gate_up_proj_bias, ex.down_proj_bias,
-             *((router.bias,) if router.bias is not None else ())),
-            (ex.gate_up_proj_blocks, ex.gate_up_proj_scales, ex.down_proj_blocks,
-             ex.down_proj_scales)):
+    plan = _experts_plan(module, ex, router)
+    if plan is None or _recording(plan[3]):
         return None
     b, t, h = x.shape
-    rows = x.reshape(b * t, h)
-    kernel = _dense._kernel(rows, router.weight, None, True)
-    if kernel is None:
+    unit = _unit(b * t, plan)
+    step = plan[1]
+    if unit is None or step.hidden != h:
         return None
-    step = _experts_plan(module)
-    if step is None or step.hidden != h:
-        return None
-    threads = _threads.resolve(router._mxfp4x_threads if isinstance(router, DenseRouter)
+    threads = _threads.resolve(router._mxfp4x_threads if type(router) is DenseRouter
                                else None)
-    xs = _numpy(rows.detach().contiguous())
+    xs = _numpy(x.detach().reshape(b * t, h).contiguous())
     logits = torch.empty((b * t, step.n_experts), dtype=torch.bfloat16)
-    step.route(xs, _numpy(logits), n_threads=threads, unit=kernel == "unit")
+    step.route(xs, _numpy(logits), n_threads=threads, unit=unit)
     top_value, indices = torch.topk(logits, router.top_k, dim=-1)
     scores = torch.nn.functional.softmax(top_value, dim=1, dtype=top_value.dtype)
     out = torch.empty((b * t, h), dtype=torch.bfloat16)
