@@ -29,10 +29,17 @@ cdef void _dense_into(DenseJob *j, const c.mxfp4x_kernels *k, const uint16_t *w,
     j.dst, j.dst_dtype = dst, c.MXFP4X_DTYPE_BF16
 
 
-cdef void _widen_bf16(const uint16_t *src, int64_t n, float *dst) noexcept nogil:
-    cdef int64_t i
-    for i in range(n):
-        dst[i] = c.mxfp4x_bf16_to_f32(src[i])
+cdef inline void _widen_bf16(const uint16_t *src, int64_t n, float *dst) noexcept nogil:
+    c.mxfp4x_act_load(src, c.MXFP4X_DTYPE_BF16, 0, 1, n, dst)
+
+
+cdef int _check_unit(const c.mxfp4x_kernels *k, bint unit, int64_t n) except -1:
+    """unit: the entry has a bf16 unit and n tokens are its range (dense_bf16's)."""
+    if unit and (k.dense_bf16_unit == NULL or n < DENSE_UNIT_MIN_TOKENS):
+        raise ValueError(f"unit: the {k.name.decode()} entry's bf16 unit takes "
+                         f"{DENSE_UNIT_MIN_TOKENS} to {DENSE_UNIT_MAX_TOKENS} tokens "
+                         f"(dense_unit()), got {n}")
+    return 0
 
 
 cdef inline uintptr_t _aligned(uintptr_t p) noexcept nogil:
@@ -117,10 +124,7 @@ cdef class AttentionStep:
                                                              "bfloat16 bits")
         if n == 0 or n > DENSE_UNIT_MAX_TOKENS_C:
             raise ValueError(f"x: expected 1 to {DENSE_UNIT_MAX_TOKENS} tokens, got {n}")
-        if unit and (k.dense_bf16_unit == NULL or n < DENSE_UNIT_MIN_TOKENS):
-            raise ValueError(f"unit: the {k.name.decode()} entry's bf16 unit takes "
-                             f"{DENSE_UNIT_MIN_TOKENS} to {DENSE_UNIT_MAX_TOKENS} tokens "
-                             f"(dense_unit()), got {n}")
+        _check_unit(k, unit, n)
         cdef int64_t cb = cos.shape[0] if isinstance(cos, np.ndarray) and cos.ndim == 3 else 0
         if cb != 1 and cb != nb:
             raise ValueError(f"cos: expected a (1 or {nb}, {t}, {half}) array of bfloat16 bits")
@@ -305,10 +309,7 @@ cdef class ExpertsStep:
         cdef void *op = <void *>_address(out, "out", (n, self.n_experts), 2, "bfloat16 bits")
         if not out.flags.writeable:
             raise ValueError("out: expected a writable array")
-        if unit and (k.dense_bf16_unit == NULL or n < DENSE_UNIT_MIN_TOKENS):
-            raise ValueError(f"unit: the {k.name.decode()} entry's bf16 unit takes "
-                             f"{DENSE_UNIT_MIN_TOKENS} to {DENSE_UNIT_MAX_TOKENS} tokens "
-                             f"(dense_unit()), got {n}")
+        _check_unit(k, unit, n)
         cdef bint x_bf16 = unit or k.dense_bf16x != NULL
         xw = None if x_bf16 else np.empty(n * self.hidden, dtype=np.float32)
         cdef float *wp = NULL if x_bf16 else <float *>_data(xw)

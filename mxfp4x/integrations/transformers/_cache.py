@@ -33,6 +33,9 @@ from transformers.cache_utils import (
 _MIN_ROOM = 256
 
 
+_CPU = torch.device("cpu")
+
+
 def _room(n: int) -> int:
     return n + max(_MIN_ROOM, n // 4)
 
@@ -56,12 +59,22 @@ class _Buffers:
         """Whether these new tokens go after the contents as ``torch.cat`` would join them
         (same batch, heads, head size, dtype and device), in the room left, by a write
         allowed here (not into an inference-mode tensor outside inference mode)."""
+        return (values.shape[:2] == keys.shape[:2] and values.dtype == keys.dtype
+                and values.device == keys.device
+                and self.fits(tuple(keys.shape[:2]), keys.shape[-1], values.shape[-1],
+                              keys.dtype, keys.device, keys.shape[-2]))
+
+    def fits(self, batch_heads: Tuple[int, ...], k_dim: int, v_dim: int,
+             dtype: torch.dtype, device: torch.device, tokens: int) -> bool:
+        """Whether ``tokens`` new tokens of these (batch, heads), head sizes, dtype and
+        device go after the contents, in the room left, by a write allowed here (not into
+        an inference-mode tensor outside inference mode)."""
         k, v = self.k, self.v
-        return (keys.shape[:2] == k.shape[:2] and keys.shape[-1] == k.shape[-1]
-                and values.shape[:2] == v.shape[:2] and values.shape[-1] == v.shape[-1]
-                and keys.dtype == k.dtype and values.dtype == v.dtype
-                and keys.device == k.device and values.device == v.device
-                and self.end + keys.shape[-2] <= k.shape[2]
+        return (tuple(k.shape[:2]) == batch_heads and tuple(v.shape[:2]) == batch_heads
+                and k.shape[-1] == k_dim and v.shape[-1] == v_dim
+                and k.dtype == dtype and v.dtype == dtype
+                and k.device == device and v.device == device
+                and self.end + tokens <= k.shape[2]
                 and (torch.is_inference_mode_enabled() or not k.is_inference()))
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -130,13 +143,8 @@ class _Growing(CacheLayerMixin):
         bufs = _current(self)
         if bufs is None or _recorded(self, bufs.view_k, bufs.view_v):  # type: ignore[arg-type]
             return None
-        k, v = bufs.k, bufs.v
-        shape = (batch, heads, k.shape[2], head_dim)
-        if (k.shape != shape or v.shape != shape or k.dtype != dtype or v.dtype != dtype
-                or k.device.type != "cpu" or v.device.type != "cpu"
-                or not (k.is_contiguous() and v.is_contiguous())
-                or bufs.end + tokens > shape[2]
-                or not (torch.is_inference_mode_enabled() or not k.is_inference())):
+        if not (bufs.fits((batch, heads), head_dim, head_dim, dtype, _CPU, tokens)
+                and bufs.k.is_contiguous() and bufs.v.is_contiguous()):
             return None
         return bufs, bufs.end, bufs.start
 

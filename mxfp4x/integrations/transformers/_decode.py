@@ -25,6 +25,7 @@ from ..._core import cpu_impl as _cpu_impl
 from ..._core import dense as _dense
 from ..._core import threads as _threads
 from ..._core.activation import _C_DTYPES, _numpy
+from ..._core.ops import _PLAIN as _PLAIN_TENSORS
 from ..._core.ops import runs_direct
 from ._attention import _FLASH_MIN_QUERIES, ATTENTION
 from ._cache import _Growing
@@ -34,8 +35,6 @@ from ._gpt_oss_experts import GptOssMxfp4Experts
 # the projections' modules whose forward is F.linear where the step does not run (a
 # module of another kind, an adapter's, computes something else)
 _PLAIN = (torch.nn.Linear, DenseLinear)
-# the tensors the steps read as they are (a subclass may mean something else)
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _hooked(module: torch.nn.Module) -> bool:
@@ -159,7 +158,7 @@ def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
     b, t, _ = x.shape
     projections, weights, biases, sinks = _tensors(module)
     for p in projections:
-        if type(p) not in _PLAIN or p._forward_hooks or p._forward_pre_hooks:
+        if type(p) not in _PLAIN or _hooked(p):
             return None
     cos, sin = position_embeddings
     if t >= _FLASH_MIN_QUERIES or _global_hooks() or not runs_direct((x, cos, sin), ()) \
