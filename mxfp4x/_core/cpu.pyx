@@ -57,18 +57,15 @@ cdef enum:
 # and the blocks are combined in the pair order, so the bits do not change.
 cdef enum:
     PAIR_BLOCK = 512
-# Forward tiles grow (up to WIDE_TILES x the ISA's tile rows) when some expert takes the
-# panel path, while every thread keeps >= TASKS_PER_THREAD tasks to balance: an expert's
-# latents (64 tokens of gpt-oss-20b: 737 KB) are then read from L3 once per wide tile
-# instead of once per tile.  A tile's size changes no bit: each dot is the kernels', each
-# element combined in the pairs' order.
+# Forward tiles grow up to WIDE_TILES x the ISA's tile rows, while every thread keeps >=
+# TASKS_PER_THREAD tasks to balance.  With many tokens an expert's latents (64 tokens of
+# gpt-oss-20b: 737 KB) are then read from L3 once per wide tile instead of once per tile;
+# with few, each thread streams an expert's rows in runs of several tiles instead of
+# jumping over the other threads' tiles.  A tile's size changes no bit: each dot is the
+# kernels', each element combined in the pairs' order.
 # bfloat16 latents on a bf16 unit (48-row tiles, tokens 2 bytes wide) go up to 16x: an
 # expert's 64 gpt-oss-20b tokens (368 KB) are otherwise read from L3 for every 69 KB of
 # weights; float32 latents gain nothing from more than 4x.
-# A bf16 unit's calls widen from WIDE_BF16_FROM tokens per expert on, fused gemv or not:
-# there every pair has its own gathered latents, and an expert with more than one
-# block of tokens (4, or a last 5) would read them from L3 again for every 48-row tile
-# (float32 latents, whose token rows the experts share, gain nothing there).
 # With wide tiles and more than one thread, the last TAIL_TASKS tasks per thread are of the
 # ISA's own tile rows: tasks are handed out in order, and a thread that took the last wide
 # tile would keep the others waiting in libgomp's spin.
@@ -76,7 +73,6 @@ cdef enum:
 cdef enum:
     WIDE_TILES = 4
     WIDE_TILES_BF16 = 16
-    WIDE_BF16_FROM = 5
     TASKS_PER_THREAD = 8
     TAIL_TASKS = 2
 

@@ -150,7 +150,7 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
     """Task split and per-thread scratch of the call's product."""
     cdef const c.mxfp4x_call *call = w.call
     cdef int64_t d_in = call.experts.n_groups * c.MXFP4X_GROUP, block, n_chunks, rows
-    cdef int64_t tile, panel_bytes, wide_from, tail
+    cdef int64_t tile, panel_bytes, tail
     cdef const c.mxfp4x_kernels *k = call.kernels
     w.lanes_len = 0
     w.dots_len = 0
@@ -159,9 +159,8 @@ cdef void _plan(real dummy, Work *w) noexcept nogil:
         tile = c.MXFP4X_SCALAR_TILE_ROWS if real is double else k.tile_rows
         w.base_size = tile
         w.gemv_switch = c.mxfp4x_gemv_switch(k)
-        # the most tokens of an expert in the call decides (a tile's width changes no bit)
-        wide_from = WIDE_BF16_FROM if w.bf16 else k.gemv_max_tokens + 1
-        if real is float and w.r.max_count >= wide_from:
+        # wide tiles at any token count (a tile's width changes no bit)
+        if real is float:
             tile = _wide_tile(tile, WIDE_TILES_BF16 if w.bf16 else WIDE_TILES,
                               call.experts.d_out, call.n_threads)
         panel_bytes = c.MXFP4X_SCALAR_PANEL_BYTES if real is double else k.panel_bytes
