@@ -16,6 +16,7 @@ pytest.importorskip("accelerate", reason="transformers' loader wants accelerate"
 from transformers.cache_utils import DynamicCache  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import (  # noqa: E402
     GptOssAttention,
+    GptOssDecoderLayer,
     GptOssMLP,
     _apply_rotary_emb,
 )
@@ -43,19 +44,27 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(checkpoint):
     m = mxt.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
-    assert all(type(layer.self_attn) is mxt.DecodeAttention and type(layer.mlp) is
-               mxt.DecodeMLP for layer in m.model.layers)
+    assert all(type(layer) is mxt.DecodeLayer and type(layer.self_attn) is
+               mxt.DecodeAttention and type(layer.mlp) is mxt.DecodeMLP
+               for layer in m.model.layers)
     return m
 
 
 class _Counted:
     """Counts the decoding steps the compiled calls took and those they left, the
-    attention's (``took``, ``left``) and the MLP's (``mlp_took``, ``mlp_left``)."""
+    attention's (``took``, ``left``) and the MLP's (``mlp_took``, ``mlp_left``), and the
+    layers that ran transformers' forward (``layer_forward``)."""
 
     def __init__(self, monkeypatch):
-        self.took = self.left = self.mlp_took = self.mlp_left = 0
+        self.took = self.left = self.mlp_took = self.mlp_left = self.layer_forward = 0
         for name, kind in (("_decode_step", ""), ("_experts_step", "mlp_")):
             monkeypatch.setattr(_decode, name, self._counted(getattr(_decode, name), kind))
+        plain = GptOssDecoderLayer.forward
+
+        def layer_forward(*args, **kwargs):  # transformers' layer forward, DecodeLayer's too
+            self.layer_forward += 1
+            return plain(*args, **kwargs)
+        monkeypatch.setattr(GptOssDecoderLayer, "forward", layer_forward)
 
     def _counted(self, step, kind):
         def counted(*args):
@@ -70,6 +79,7 @@ def _fused(model, fused):
     """The decoding steps through the compiled calls (the door's classes) or not
     (transformers' own classes on the same pieces)."""
     for layer in model.model.layers:
+        layer.__class__ = mxt.DecodeLayer if fused else GptOssDecoderLayer
         layer.self_attn.__class__ = mxt.DecodeAttention if fused else GptOssAttention
         layer.mlp.__class__ = mxt.DecodeMLP if fused else GptOssMLP
 
@@ -114,6 +124,7 @@ def test_decoding_steps_give_the_pieces_bits(model, monkeypatch, rng, batch, wid
     counted = _Counted(monkeypatch)
     ours, our_cache = _decode_run(model, True, ids, mask, 12, width)
     took = counted.took
+    assert counted.layer_forward == 0  # DecodeLayer called its modules' forward itself
     theirs, their_cache = _decode_run(model, False, ids, mask, 12, width)
     for a, b in zip(ours, theirs, strict=True):
         _same_bits(a, b)
@@ -160,6 +171,23 @@ def test_other_steps_are_transformers(model, checkpoint, monkeypatch, rng):
     finally:
         handle.remove()
     assert calls.count(3) == 4 and counted.took == 6
+    for a, b in zip(got, _decode_run(model, False, ids, mask, 3, 1)[0], strict=True):
+        _same_bits(a, b)
+    # hooks on a layer's norms (DecodeLayer then calls its modules as transformers does):
+    # they run, the compiled calls too, the same bits
+    counted.took = counted.mlp_took = counted.layer_forward = 0
+    layer = model.model.layers[1]
+    handles = [layer.input_layernorm.register_forward_hook(lambda *args: calls.append(4)),
+               layer.post_attention_layernorm.register_forward_pre_hook(
+                   lambda *args: calls.append(5))]
+    try:
+        got, _ = _decode_run(model, True, ids, mask, 3, 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls.count(4) == calls.count(5) == 4 and counted.took == 6
+    assert counted.layer_forward == 4  # that layer's: the prompt and 3 steps
+    assert counted.mlp_took == 2 * (3 + int(_cpu.dense_unit()))
     for a, b in zip(got, _decode_run(model, False, ids, mask, 3, 1)[0], strict=True):
         _same_bits(a, b)
     counted.took = 3

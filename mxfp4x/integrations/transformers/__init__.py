@@ -41,7 +41,7 @@ key/value cache ``generate`` takes for the door's models), ``_from_pretrained.py
 from ._attention import ATTENTION, grouped_attention
 from ._cache import GrowingCache, GrowingLayer, GrowingSlidingWindowLayer, use_growing_cache
 from ._config import Mxfp4xConfig
-from ._decode import DecodeAttention, DecodeMLP, use_decode_attention
+from ._decode import DecodeAttention, DecodeLayer, DecodeMLP, use_decode_attention
 from ._dense_experts import Mxfp4xQuantize, mxfp4x_experts_forward
 from ._dense_linear import CompiledRMSNorm, DenseLinear, DenseRouter, use_dense_kernels
 from ._from_pretrained import from_pretrained
@@ -53,4 +53,4 @@ __all__ = ["from_pretrained", "split_devices", "Mxfp4xConfig", "Mxfp4xHfQuantize
            "DenseRouter", "CompiledRMSNorm",
            "use_dense_kernels", "grouped_attention", "ATTENTION", "GrowingCache",
            "GrowingLayer", "GrowingSlidingWindowLayer", "use_growing_cache",
-           "DecodeAttention", "DecodeMLP", "use_decode_attention"]
+           "DecodeAttention", "DecodeLayer", "DecodeMLP", "use_decode_attention"]

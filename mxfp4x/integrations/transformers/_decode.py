@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.models.gpt_oss.modeling_gpt_oss import (
     GptOssAttention,
+    GptOssDecoderLayer,
     GptOssMLP,
     GptOssTopKRouter,
 )
@@ -134,6 +135,16 @@ def _plan(module: DecodeAttention, weights, biases, sinks) -> Optional[tuple]:
 def _global_hooks() -> bool:
     m = torch.nn.modules.module
     return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
+
+
+def _called_as_forward(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` is calling its forward: no hook of any kind on it or on
+    every module (torch's ``_call_impl`` then calls forward and nothing else)."""
+    m = torch.nn.modules.module
+    return not (module._forward_hooks or module._forward_pre_hooks
+                or module._backward_hooks or module._backward_pre_hooks
+                or m._global_forward_hooks or m._global_forward_pre_hooks
+                or m._global_backward_hooks or m._global_backward_pre_hooks)
 
 
 def _recording(tensors) -> bool:
@@ -288,16 +299,51 @@ def _experts_step(module: DecodeMLP, x: torch.Tensor):
     return out.view(b, t, h), scores
 
 
+class DecodeLayer(GptOssDecoderLayer):
+    """transformers' ``GptOssDecoderLayer`` whose forward calls its two norms, its
+    attention and its MLP by their forward methods where calling them would do nothing
+    else (no hook on them or on every module): transformers' operations on the same
+    tensors in the same order, the same bits, with less Python between the compiled calls
+    (Python that runs on caches the weights' streams have just emptied).  Anything else
+    is transformers' forward.  Layers become this class in place
+    (:func:`use_decode_attention`): same parameters, same state dict."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        mods = self._modules
+        norm, attn, post_norm, mlp = (mods["input_layernorm"], mods["self_attn"],
+                                      mods["post_attention_layernorm"], mods["mlp"])
+        if "past_key_values" in kwargs or not (
+                _called_as_forward(norm) and _called_as_forward(attn)
+                and _called_as_forward(post_norm) and _called_as_forward(mlp)):
+            return super().forward(hidden_states, attention_mask=attention_mask,
+                                   position_ids=position_ids, cache=cache,
+                                   use_cache=use_cache,
+                                   position_embeddings=position_embeddings, **kwargs)
+        residual = hidden_states
+        hidden_states, _ = attn.forward(
+            hidden_states=norm.forward(hidden_states), attention_mask=attention_mask,
+            position_ids=position_ids, cache=cache, use_cache=use_cache,
+            position_embeddings=position_embeddings, **kwargs)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states, _ = mlp.forward(post_norm.forward(hidden_states))
+        return residual + hidden_states
+
+
 def use_decode_attention(model: torch.nn.Module) -> int:
-    """Every gpt-oss attention module of ``model`` becomes a :class:`DecodeAttention` and
-    every gpt-oss MLP a :class:`DecodeMLP` in place (their parameters and state dicts
-    kept); returns how many changed."""
+    """Every gpt-oss attention module of ``model`` becomes a :class:`DecodeAttention`,
+    every gpt-oss MLP a :class:`DecodeMLP` and every gpt-oss decoder layer a
+    :class:`DecodeLayer` in place (their parameters and state dicts kept); returns how
+    many changed."""
     n = 0
     for module in model.modules():
         if type(module) is GptOssAttention:
             module.__class__ = DecodeAttention
         elif type(module) is GptOssMLP:
             module.__class__ = DecodeMLP
+        elif type(module) is GptOssDecoderLayer:
+            module.__class__ = DecodeLayer
         else:
             continue
         n += 1
