@@ -59,7 +59,8 @@ class AttentionStep:
     def run(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray,
             v_cache: np.ndarray, pos: int, start: int, mask: Optional[np.ndarray],
             mask_dtype: str, out: np.ndarray, *, isa: Any = None, n_threads: int = 1,
-            unit: bool = False) -> None: ...
+            unit: bool = False, norm: Optional[np.ndarray] = None,
+            norm_dtype: str = "float32", eps: float = 0, residual: bool = False) -> None: ...
 
 class ExpertsStep:
     n_experts: int
@@ -70,9 +71,12 @@ class ExpertsStep:
                  router: np.ndarray, router_bias: Optional[np.ndarray], limit: float,
                  alpha: float) -> None: ...
     def route(self, x: np.ndarray, out: np.ndarray, *, isa: Any = None, n_threads: int = 1,
-              unit: bool = False) -> None: ...
+              unit: bool = False, norm: Optional[np.ndarray] = None,
+              norm_dtype: str = "float32", eps: float = 0,
+              normed: Optional[np.ndarray] = None) -> None: ...
     def run(self, x: np.ndarray, selected: np.ndarray, weights: np.ndarray, out: np.ndarray,
-            *, isa: Any = None, n_threads: int = 1) -> None: ...
+            *, isa: Any = None, n_threads: int = 1,
+            residual: Optional[np.ndarray] = None) -> None: ...
 
 class Experts:
     n_experts: int

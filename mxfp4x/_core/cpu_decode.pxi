@@ -46,6 +46,49 @@ cdef inline uintptr_t _aligned(uintptr_t p) noexcept nogil:
     return (p + 63) & ~(<uintptr_t>63)
 
 
+cdef void _add_bf16(const uint16_t *a, uint16_t *b, int64_t n) noexcept nogil:
+    """b = a + b elementwise: each sum a float32 one rounded to bf16 (torch's bf16 add)."""
+    cdef float fa[256]
+    cdef float fb[256]
+    cdef int64_t i0, m, i
+    for i0 in range(0, n, 256):
+        m = min(<int64_t>256, n - i0)
+        c.mxfp4x_act_load(a + i0, c.MXFP4X_DTYPE_BF16, 0, 1, m, fa)
+        c.mxfp4x_act_load(b + i0, c.MXFP4X_DTYPE_BF16, 0, 1, m, fb)
+        for i in range(m):
+            fb[i] = fa[i] + fb[i]
+        c.mxfp4x_act_store(fb, m, c.MXFP4X_DTYPE_BF16, b + i0)
+
+
+cdef class _Norm:
+    """An RMS norm's weight (h,) for a step's input: activation.h's mxfp4x_rms_norm, the
+    bits of :func:`rms_norm` (CompiledRMSNorm's)."""
+    cdef const void *w
+    cdef int dtype
+    cdef float eps
+
+    @staticmethod
+    cdef _Norm of(weight, str dtype, float eps, int64_t h):
+        cdef _Norm nm = _Norm.__new__(_Norm)
+        nm.dtype = _act_dtype(dtype, "norm_dtype")
+        nm.w = <const void *>_address(weight, "norm", (h,), _ITEMSIZE[dtype], dtype)
+        if not eps >= 0:
+            raise ValueError(f"eps: expected a number >= 0, got {eps}")
+        nm.eps = eps
+        return nm
+
+
+cdef void _norm_rows(const void *w, int dtype, float eps, int isa, const uint16_t *x,
+                     int64_t n, int64_t h, uint16_t *out) noexcept nogil:
+    """out (n, h) bf16 = the RMS norm of the bf16 rows x (n, h) with weight w."""
+    cdef c.mxfp4x_rms_norm_args a
+    a.x, a.in_dtype, a.weight, a.weight_dtype = x, c.MXFP4X_DTYPE_BF16, w, dtype
+    a.d, a.eps, a.out, a.out_dtype = h, eps, out, c.MXFP4X_DTYPE_BF16
+    cdef c.mxfp4x_fpenv fpenv = c.mxfp4x_fpenv_enter()
+    c.mxfp4x_rms_norm(isa, &a, 0, n)
+    c.mxfp4x_fpenv_exit(fpenv)
+
+
 cdef class AttentionStep:
     """One attention layer's weights, for its decoding steps in one call (:meth:`run`):
     gpt-oss's attention (bfloat16 throughout) as transformers computes it, the same bits
@@ -96,7 +139,8 @@ cdef class AttentionStep:
         self.keep = (tuple(weights), tuple(biases), sinks)
 
     def run(self, x, cos, sin, k_cache, v_cache, int64_t pos, int64_t start, mask,
-            str mask_dtype, out, *, isa=None, int n_threads=1, bint unit=False):
+            str mask_dtype, out, *, isa=None, int n_threads=1, bint unit=False, norm=None,
+            str norm_dtype="float32", float eps=0, bint residual=False):
         """out (b, t, hidden) = the layer's attention output for the hidden states x (b, t,
         hidden), at most DENSE_UNIT_MAX_TOKENS tokens in all; all bfloat16 bits (uint16),
         C-contiguous.
@@ -112,7 +156,11 @@ cdef class AttentionStep:
         * its (b, t, hq * d) rows' output projection, the bias added, into ``out``.
 
         ``unit``: the projections on the bf16 unit (dense_bf16's ``unit``: 5 to
-        DENSE_UNIT_MAX_TOKENS tokens)."""
+        DENSE_UNIT_MAX_TOKENS tokens).  ``norm`` ((hidden,) of ``norm_dtype``, 16-bit
+        floats as their bits) and ``eps``: x is the layer's input, and the layer's RMS
+        norm of it (:func:`rms_norm`'s bits, rounded to bf16) is what the projections
+        take.  ``residual``: ``out`` = x + the attention output (each sum a float32 one
+        rounded to bf16, torch's bf16 add)."""
         cdef const c.mxfp4x_kernels *k = kernels_of(isa)
         cdef int nt = checked_threads(n_threads)
         if not isinstance(x, np.ndarray) or x.ndim != 3:
@@ -149,6 +197,7 @@ cdef class AttentionStep:
         cdef uint16_t *op = <uint16_t *>_address(out, "out", (nb, t, h), 2, "bfloat16 bits")
         if not out.flags.writeable:
             raise ValueError("out: expected a writable array")
+        cdef _Norm nm = None if norm is None else _Norm.of(norm, norm_dtype, eps, h)
         cdef AttentionJob aj
         aj.a.mask, aj.a.mask_dtype = NULL, c.MXFP4X_DTYPE_F32
         aj.a.m_sb = aj.a.m_sh = aj.a.m_st = 0
@@ -162,19 +211,20 @@ cdef class AttentionStep:
         # attention's per-thread floats
         cdef bint x_bf16 = unit or k.dense_bf16x != NULL
         aj.per_thread = c.mxfp4x_attention_scratch(tk, d)
-        cdef int64_t sizes[7]
+        cdef int64_t sizes[8]
         sizes[0], sizes[1], sizes[2], sizes[3] = 2 * n * qw, 2 * n * kw, 2 * n * kw, 2 * n * qw
         sizes[4] = 0 if x_bf16 else 4 * n * h
         sizes[5] = 0 if x_bf16 else 4 * n * qw
         sizes[6] = 4 * nt * aj.per_thread
+        sizes[7] = 0 if nm is None else 2 * n * h  # the normed input
         cdef int64_t total = 0
         cdef int i
-        for i in range(7):
+        for i in range(8):
             total += (sizes[i] + 63) // 64 * 64
         scratch = np.empty(total + 64, dtype=np.uint8)
         cdef uintptr_t p = _aligned(_data(scratch))
-        cdef uintptr_t parts[7]
-        for i in range(7):
+        cdef uintptr_t parts[8]
+        for i in range(8):
             parts[i] = p
             p += (sizes[i] + 63) // 64 * 64
         cdef uint16_t *qp = <uint16_t *>parts[0]
@@ -184,7 +234,8 @@ cdef class AttentionStep:
         cdef float *xw = <float *>parts[4]
         cdef float *aw = <float *>parts[5]
         aj.scratch = <float *>parts[6]
-        cdef const void *xin = <const void *>xp if x_bf16 else <const void *>xw
+        cdef const uint16_t *xl = xp if nm is None else <const uint16_t *>parts[7]
+        cdef const void *xin = <const void *>xl if x_bf16 else <const void *>xw
         cdef const void *ain = <const void *>ap if x_bf16 else <const void *>aw
         cdef DenseSegs qkv
         _dense_into(&qkv.job[0], k, self.w[0], qw, h, xin, x_bf16, unit, n, self.b[0], qp)
@@ -207,9 +258,14 @@ cdef class AttentionStep:
         aj.isa = k.isa
         cdef int64_t r, s, j, hh
         cdef c.mxfp4x_fpenv fpenv
+        cdef const void *nw = NULL if nm is None else nm.w
+        cdef int ndt = 0 if nm is None else nm.dtype
+        cdef float neps = 0 if nm is None else nm.eps
         with nogil:
+            if nw != NULL:
+                _norm_rows(nw, ndt, neps, k.isa, xp, n, h, <uint16_t *>xl)
             if not x_bf16:
-                _widen_bf16(xp, n * h, xw)
+                _widen_bf16(xl, n * h, xw)
             parallel_tasks(nt, qkv.first[3], _dense_segs_task, &qkv)
             fpenv = c.mxfp4x_fpenv_enter()
             for r in range(n):
@@ -228,6 +284,8 @@ cdef class AttentionStep:
             if not x_bf16:
                 _widen_bf16(ap, n * qw, aw)
             parallel_tasks(nt, _dense_job_tasks(&oj, nt), _dense_task, &oj)
+            if residual:
+                _add_bf16(xp, op, n * h)
 
 
 cdef void _call_desc(c.mxfp4x_call *d, Experts ex, const c.mxfp4x_kernels *k, int nt,
@@ -293,11 +351,14 @@ cdef class ExpertsStep:
         self.limit, self.alpha = limit, alpha
         self.keep = (gate_up_bias, down_bias, router, router_bias)
 
-    def route(self, x, out, *, isa=None, int n_threads=1, bint unit=False):
+    def route(self, x, out, *, isa=None, int n_threads=1, bint unit=False, norm=None,
+              str norm_dtype="float32", float eps=0, normed=None):
         """out (n, E) = the router's logits for the tokens x (n, H): their product with the
         router's rows, the bias added in float32, rounded once to bf16; bf16 bits (uint16),
         C-contiguous, at most DENSE_UNIT_MAX_TOKENS tokens (``unit``: on the bf16 unit,
-        dense_bf16's)."""
+        dense_bf16's).  ``norm`` ((H,) of ``norm_dtype``) and ``eps``: the tokens are
+        the layer's RMS norm of x (:func:`rms_norm`'s bits, rounded to bf16), written to
+        ``normed`` (n, H) bf16 bits, the tokens :meth:`run` then takes."""
         cdef const c.mxfp4x_kernels *k = kernels_of(isa)
         cdef int nt = checked_threads(n_threads)
         cdef int64_t n = x.shape[0] if isinstance(x, np.ndarray) and x.ndim == 2 else -1
@@ -310,6 +371,19 @@ cdef class ExpertsStep:
         if not out.flags.writeable:
             raise ValueError("out: expected a writable array")
         _check_unit(k, unit, n)
+        cdef _Norm nm = None
+        cdef uint16_t *np_ = NULL
+        if norm is not None:
+            nm = _Norm.of(norm, norm_dtype, eps, self.hidden)
+            if normed is None:
+                raise ValueError(f"normed: expected an ({n}, {self.hidden}) array of "
+                                 f"bfloat16 bits for the normed tokens (norm is given)")
+            np_ = <uint16_t *>_address(normed, "normed", (n, self.hidden), 2, "bfloat16 bits")
+            if not normed.flags.writeable:
+                raise ValueError("normed: expected a writable array")
+            with nogil:
+                _norm_rows(nm.w, nm.dtype, nm.eps, k.isa, xp, n, self.hidden, np_)
+            xp = np_
         cdef bint x_bf16 = unit or k.dense_bf16x != NULL
         xw = None if x_bf16 else np.empty(n * self.hidden, dtype=np.float32)
         cdef float *wp = NULL if x_bf16 else <float *>_data(xw)
@@ -322,13 +396,14 @@ cdef class ExpertsStep:
                 _widen_bf16(xp, n * self.hidden, wp)
             parallel_tasks(nt, _dense_job_tasks(&j, nt), _dense_task, &j)
 
-    def run(self, x, selected, weights, out, *, isa=None, int n_threads=1):
+    def run(self, x, selected, weights, out, *, isa=None, int n_threads=1, residual=None):
         """out (n, H) = sum over the n tokens' top_k slots of weights[t, s] (down_e(
         swiglu(gate_up_e x + gate_up_bias_e)) + down_bias_e), e = selected[t, s]: x (n,
         H) and out bf16 bits, ``selected`` (n, top_k) int64 in [0, E), ``weights`` (n,
         top_k) bf16 bits (taken exactly as float32); C-contiguous.  The gate/up outputs
         and the activation rounded to bf16 per slot, the down sums in float32 from the
-        weighted biases, rounded once."""
+        weighted biases, rounded once.  ``residual`` ((n, H) bf16 bits, or None): ``out``
+        = residual + that (each sum a float32 one rounded to bf16, torch's bf16 add)."""
         cdef const c.mxfp4x_kernels *k = kernels_of(isa)
         cdef int nt = checked_threads(n_threads)
         if not isinstance(selected, np.ndarray) or selected.ndim != 2 \
@@ -349,6 +424,8 @@ cdef class ExpertsStep:
             raise ValueError("out: expected a writable array")
         if n == 0 or top_k == 0:
             raise ValueError("selected: expected at least one token and one slot")
+        cdef const uint16_t *rp = NULL if residual is None else <const uint16_t *>_address(
+            residual, "residual", (n, h), 2, "bfloat16 bits")
         # scratch: the per-slot gate/up outputs and activations (bf16), the weights and
         # the mixed biases (float32)
         gu = np.empty(n * top_k * 2 * f, dtype=np.uint16)
@@ -385,3 +462,6 @@ cdef class ExpertsStep:
                            _swiglu_task, &sj)
             parallel_tasks(nt, (n + mj.rows_per_task - 1) // mj.rows_per_task, _mix_task, &mj)
         _drive(f0, &second, NULL)
+        if rp != NULL:
+            with nogil:
+                _add_bf16(rp, <uint16_t *>op, n * h)

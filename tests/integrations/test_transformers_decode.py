@@ -53,10 +53,12 @@ def model(checkpoint):
 class _Counted:
     """Counts the decoding steps the compiled calls took and those they left, the
     attention's (``took``, ``left``) and the MLP's (``mlp_took``, ``mlp_left``), and the
-    layers that ran transformers' forward (``layer_forward``)."""
+    layers that ran transformers' forward (``layer_forward``), and the steps either took
+    with their layer's norm and residual add inside (``fused``)."""
 
     def __init__(self, monkeypatch):
         self.took = self.left = self.mlp_took = self.mlp_left = self.layer_forward = 0
+        self.fused = 0
         for name, kind in (("_decode_step", ""), ("_experts_step", "mlp_")):
             monkeypatch.setattr(_decode, name, self._counted(getattr(_decode, name), kind))
         plain = GptOssDecoderLayer.forward
@@ -71,6 +73,10 @@ class _Counted:
             out = step(*args)
             key = kind + ("left" if out is None else "took")
             setattr(self, key, getattr(self, key) + 1)
+            norm = args[5 if kind == "" else 2] if len(args) > (5 if kind == "" else 2) \
+                else None
+            if out is not None and norm is not None:  # a norm and residual inside the call
+                self.fused += 1
             return out
         return counted
 
@@ -125,6 +131,7 @@ def test_decoding_steps_give_the_pieces_bits(model, monkeypatch, rng, batch, wid
     ours, our_cache = _decode_run(model, True, ids, mask, 12, width)
     took = counted.took
     assert counted.layer_forward == 0  # DecodeLayer called its modules' forward itself
+    fused = counted.fused
     theirs, their_cache = _decode_run(model, False, ids, mask, 12, width)
     for a, b in zip(ours, theirs, strict=True):
         _same_bits(a, b)
@@ -136,8 +143,9 @@ def test_decoding_steps_give_the_pieces_bits(model, monkeypatch, rng, batch, wid
     if takes and _cpu.default_isa() != "scalar":
         assert took > 0 and counted.left > 2  # the prompt and the growths: transformers'
         assert counted.mlp_took >= 2 * 12  # every step of both layers (and short prompts)
+        assert fused >= took + 2 * 12  # every step the attention took, and the MLP's
     else:
-        assert took == 0 and counted.mlp_took == 0
+        assert took == 0 and counted.mlp_took == 0 and fused == 0
 
 
 def test_other_steps_are_transformers(model, checkpoint, monkeypatch, rng):
@@ -290,6 +298,26 @@ def test_attention_step_gives_its_pieces_bits(isa, rng, nb, t, h, hq, hkv, d, po
     ref = ((p @ vf).transpose(1, 2).reshape(nb * t, qw) @ ws[3].double().T
            + bs[3].double()).view(nb, t, h)
     assert (out.double() - ref).abs().max() <= 0.03 * ref.abs().max() + 1e-6
+    # the layer's input norm first and its residual add after (DecodeLayer's call): the
+    # norm's pass (rms_norm, a float32 weight as gpt-oss keeps it), then the same pieces,
+    # then torch's bf16 add
+    weight = torch.from_numpy(rng.uniform(0.5, 1.5, h).astype(np.float32))
+    layer_in = _bf16(rng, nb, t, h, scale=3.0)
+    normed = torch.empty_like(layer_in)
+    _cpu.rms_norm(_bits(layer_in.reshape(nb * t, h)), "bfloat16", weight.numpy(), "float32",
+                  _bits(normed.view(nb * t, h)), "bfloat16", 1e-5, isa=isa)
+    fused_k, fused_v = kc.clone(), vc.clone()
+    fused = torch.empty_like(out)
+    step.run(_bits(layer_in), _bits(cos), _bits(sin), _bits(fused_k), _bits(fused_v), pos,
+             start, _bits(mask), "bfloat16", _bits(fused), isa=isa, n_threads=2,
+             norm=weight.numpy(), norm_dtype="float32", eps=1e-5, residual=True)
+    pieces_k, pieces_v = kc.clone(), vc.clone()
+    step.run(_bits(normed), _bits(cos), _bits(sin), _bits(pieces_k), _bits(pieces_v), pos,
+             start, _bits(mask), "bfloat16", _bits(out), isa=isa, n_threads=1)
+    _same_bits(fused_k, pieces_k)
+    _same_bits(fused_v, pieces_v)
+    _same_bits(fused, layer_in + out)
+    assert not torch.equal(normed, layer_in) and not torch.equal(fused, out)
 
 
 def test_attention_step_errors_name_the_argument(rng):
@@ -312,7 +340,8 @@ def test_attention_step_errors_name_the_argument(rng):
         a = {**args, **change}
         step.run(a["x"], a["cos"], a["sin"], a["k_cache"], a["v_cache"], a["pos"],
                  a["start"], a["mask"], a["mask_dtype"], a["out"],
-                 unit=change.get("unit", False))
+                 unit=change.get("unit", False), norm=change.get("norm"),
+                 norm_dtype=change.get("norm_dtype", "float32"))
     run()
     for change, name in ((dict(x=np.zeros((1, 2, h + 1), np.uint16)), "x"),
                          (dict(x=np.zeros((1, 17, h), np.uint16)), "x"),
@@ -323,7 +352,10 @@ def test_attention_step_errors_name_the_argument(rng):
                          (dict(mask=np.zeros((1, 1, 2, 4), np.uint16),
                                mask_dtype="bfloat16"), "mask"),
                          (dict(out=np.zeros((1, 2, h), np.float32)), "out"),
-                         (dict(unit=True), "unit")):
+                         (dict(unit=True), "unit"),
+                         (dict(norm=np.ones(h - 1, np.float32)), "norm"),
+                         (dict(norm=np.ones(h, np.float32), norm_dtype="int8"),
+                          "norm_dtype")):
         with pytest.raises((ValueError, TypeError), match=name):
             run(**change)
 
@@ -365,6 +397,27 @@ def test_experts_step_gives_the_facades_bits(isa, rng, n, top_k, e, h, f):
                            alpha=1.702, num_threads=1, act_dtype=torch.bfloat16, isa=isa)
     _same_bits(out, want)
     assert out.abs().max() > 0
+    # the post-attention norm inside route and the residual add inside run (DecodeLayer's
+    # calls): the norm's pass, the same products on its rows, then torch's bf16 add
+    weight = torch.from_numpy(rng.uniform(0.5, 1.5, h).astype(np.float32))
+    stream = _bf16(rng, n, h, scale=3.0)
+    normed = torch.empty_like(stream)
+    _cpu.rms_norm(_bits(stream), "bfloat16", weight.numpy(), "float32", _bits(normed),
+                  "bfloat16", 1e-5, isa=isa)
+    if n <= 4 or unit:
+        got = torch.empty_like(normed)
+        step.route(_bits(stream), _bits(logits), isa=isa, n_threads=2, unit=unit,
+                   norm=weight.numpy(), norm_dtype="float32", eps=1e-5, normed=_bits(got))
+        _same_bits(got, normed)
+        want = torch.empty(n, e, dtype=torch.bfloat16)
+        step.route(_bits(normed), _bits(want), isa=isa, n_threads=1, unit=unit)
+        _same_bits(logits, want)
+    step.run(_bits(normed), sel.numpy(), _bits(weights), _bits(out), isa=isa, n_threads=2,
+             residual=_bits(stream))
+    want = gpt_oss_experts(normed, sel, weights, (gu, gs), gub, (dn, ds), dnb, limit=7.0,
+                           alpha=1.702, num_threads=1, act_dtype=torch.bfloat16, isa=isa)
+    _same_bits(out, stream + want)
+    assert not torch.equal(out, want)
 
 
 def test_experts_step_errors_name_the_argument(rng):
@@ -394,6 +447,17 @@ def test_experts_step_errors_name_the_argument(rng):
         step.route(np.zeros((17, h), np.uint16), np.zeros((17, e), np.uint16))
     with pytest.raises(ValueError, match="out"):
         step.route(x, np.zeros((2, e + 1), np.uint16))
+    logits, norm = np.zeros((2, e), np.uint16), np.ones(h, np.float32)
+    with pytest.raises(ValueError, match="norm"):
+        step.route(x, logits, norm=np.ones(h + 1, np.float32), normed=x.copy())
+    with pytest.raises(ValueError, match="normed"):
+        step.route(x, logits, norm=norm)
+    with pytest.raises(ValueError, match="normed"):
+        step.route(x, logits, norm=norm, normed=x[:, :4].copy())
+    with pytest.raises(ValueError, match="eps"):
+        step.route(x, logits, norm=norm, normed=x.copy(), eps=-1.0)
+    with pytest.raises(ValueError, match="residual"):
+        step.run(x, sel, w, out, residual=x[:1].copy())
 
 
 def test_steps_live_beside_the_modules(checkpoint, rng):

@@ -10,7 +10,7 @@ cache, the ``mxfp4x_grouped`` attention), :class:`DecodeAttention` runs the piec
 one call of the compiled extension (``mxfp4x._core.cpu.AttentionStep``), with the same
 operations in the same order: the same bits.  Anything else is transformers' forward."""
 import weakref
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from transformers.cache_utils import Cache
@@ -30,7 +30,7 @@ from ..._core.ops import _PLAIN as _PLAIN_TENSORS
 from ..._core.ops import runs_direct
 from ._attention import _FLASH_MIN_QUERIES, ATTENTION
 from ._cache import _Growing
-from ._dense_linear import DenseLinear, DenseRouter
+from ._dense_linear import CompiledRMSNorm, DenseLinear, DenseRouter
 from ._gpt_oss_experts import GptOssMxfp4Experts
 
 # the projections' modules whose forward is F.linear where the step does not run (a
@@ -153,10 +153,25 @@ def _recording(tensors) -> bool:
                                            for t in tensors)
 
 
+def _norm_args(norm: Any, hidden: int) -> Optional[Dict[str, Any]]:
+    """The compiled calls' arguments for a :class:`CompiledRMSNorm` of the layer's input
+    (its bits where it takes the call: plain CPU weight (hidden,) of a C dtype, nothing to
+    record), or None."""
+    w = norm._parameters.get("weight")
+    if w is None or type(w) not in _PLAIN_TENSORS or not w.is_cpu \
+            or w.dtype not in _C_DTYPES or w.shape != (hidden,) or _recording((w,)):
+        return None
+    return dict(norm=_numpy(w.detach().contiguous()), norm_dtype=_C_DTYPES[w.dtype],
+                eps=float(norm.variance_epsilon))
+
+
 def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
-                 mask: Optional[torch.Tensor], cache) -> Optional[torch.Tensor]:
+                 mask: Optional[torch.Tensor], cache,
+                 norm: Optional[torch.nn.Module] = None) -> Optional[torch.Tensor]:
     """The attention's output for a decoding step through the compiled call, or None where
-    it does not take the step (transformers' forward then runs it)."""
+    it does not take the step (transformers' forward then runs it).  With ``norm`` (the
+    layer's input norm, a :class:`CompiledRMSNorm`): x is the layer's input, and the
+    output is x + the attention of its norm (DecodeLayer's), or None."""
     if not isinstance(cache, Cache) or position_embeddings is None \
             or getattr(cache, "offloading", False) or type(cache).update is not Cache.update \
             or module.layer_idx >= len(cache.layers):
@@ -203,6 +218,12 @@ def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
         if (tk > 1 and mask.stride(3) != 1) or min(mask.stride()) < 0:
             mask = mask.contiguous()
         mask_arr, mask_dtype = _numpy(mask), _C_DTYPES[mask.dtype]
+    fused: Dict[str, Any] = {}
+    if norm is not None:
+        args = _norm_args(norm, step.hidden)
+        if args is None:
+            return None
+        fused = {**args, "residual": True}
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     q = projections[0]
     step.run(_numpy(x.detach().contiguous()), _numpy(cos.detach().contiguous()),
@@ -210,7 +231,7 @@ def _decode_step(module: DecodeAttention, x: torch.Tensor, position_embeddings,
              mask_arr, mask_dtype, _numpy(out),
              n_threads=_threads.resolve(q._mxfp4x_threads if type(q) is DenseLinear
                                         else None),
-             unit=unit)
+             unit=unit, **fused)
     held._mxfp4x_commit(bufs, t)
     return out
 
@@ -268,9 +289,12 @@ def _experts_plan(module: DecodeMLP, ex, router) -> Optional[tuple]:
     return held
 
 
-def _experts_step(module: DecodeMLP, x: torch.Tensor):
+def _experts_step(module: DecodeMLP, x: torch.Tensor,
+                  norm: Optional[torch.nn.Module] = None):
     """The MLP's (output, router scores) for a decoding step through the compiled calls,
-    or None where they do not take it."""
+    or None where they do not take it.  With ``norm`` (the layer's post-attention norm, a
+    :class:`CompiledRMSNorm`): x is the MLP's residual stream, and the output is x + the
+    MLP of its norm (DecodeLayer's), or None."""
     mods: Any = module._modules
     ex, router = mods["experts"], mods["router"]
     if type(ex) is not GptOssMxfp4Experts or type(router) not in (GptOssTopKRouter,
@@ -290,12 +314,21 @@ def _experts_step(module: DecodeMLP, x: torch.Tensor):
                                else None)
     xs = _numpy(x.detach().reshape(b * t, h).contiguous())
     logits = torch.empty((b * t, step.n_experts), dtype=torch.bfloat16)
-    step.route(xs, _numpy(logits), n_threads=threads, unit=unit)
+    residual = None
+    if norm is not None:
+        fused = _norm_args(norm, h)
+        if fused is None:
+            return None
+        residual, xs = xs, _numpy(torch.empty((b * t, h), dtype=torch.bfloat16))
+        step.route(residual, _numpy(logits), n_threads=threads, unit=unit, normed=xs,
+                   **fused)
+    else:
+        step.route(xs, _numpy(logits), n_threads=threads, unit=unit)
     top_value, indices = torch.topk(logits, router.top_k, dim=-1)
     scores = torch.nn.functional.softmax(top_value, dim=1, dtype=top_value.dtype)
     out = torch.empty((b * t, h), dtype=torch.bfloat16)
     step.run(xs, indices.contiguous().numpy(), _numpy(scores.contiguous()), _numpy(out),
-             n_threads=_threads.resolve(ex.num_threads))
+             n_threads=_threads.resolve(ex.num_threads), residual=residual)
     return out.view(b, t, h), scores
 
 
@@ -320,15 +353,27 @@ class DecodeLayer(GptOssDecoderLayer):
                                    position_ids=position_ids, cache=cache,
                                    use_cache=use_cache,
                                    position_embeddings=position_embeddings, **kwargs)
-        residual = hidden_states
-        hidden_states, _ = attn.forward(
-            hidden_states=norm.forward(hidden_states), attention_mask=attention_mask,
-            position_ids=position_ids, cache=cache, use_cache=use_cache,
-            position_embeddings=position_embeddings, **kwargs)
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states, _ = mlp.forward(post_norm.forward(hidden_states))
-        return residual + hidden_states
+        # the norms and residual adds inside the compiled calls where both sides are the
+        # door's (the same operations: CompiledRMSNorm's pass, torch's bf16 add)
+        fuse = type(norm) is CompiledRMSNorm and type(post_norm) is CompiledRMSNorm
+        h = None
+        if fuse and type(attn) is DecodeAttention:
+            h = _decode_step(attn, hidden_states, position_embeddings, attention_mask, cache,
+                             norm)
+        if h is None:
+            residual = hidden_states
+            h, _ = attn.forward(
+                hidden_states=norm.forward(hidden_states), attention_mask=attention_mask,
+                position_ids=position_ids, cache=cache, use_cache=use_cache,
+                position_embeddings=position_embeddings, **kwargs)
+            h = residual + h
+        if fuse and type(mlp) is DecodeMLP:
+            out = _experts_step(mlp, h, post_norm)
+            if out is not None:
+                return out[0]
+        residual = h
+        h, _ = mlp.forward(post_norm.forward(h))
+        return residual + h
 
 
 def use_decode_attention(model: torch.nn.Module) -> int:
