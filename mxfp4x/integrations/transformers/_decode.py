@@ -8,7 +8,10 @@ emptied, they cost as much as a fifth of the layer's reads.  Where the step is o
 mxfp4x would run piece by piece anyway (bfloat16, the door's dense kernels, the growing
 cache, the ``mxfp4x_grouped`` attention), :class:`DecodeAttention` runs the pieces as
 one call of the compiled extension (``mxfp4x._core.cpu.AttentionStep``), with the same
-operations in the same order: the same bits.  Anything else is transformers' forward."""
+operations in the same order: the same bits.  Anything else is transformers' forward.
+:class:`DecodeMLP` does the same for the router and the experts (two calls around torch's
+top-k), and :class:`DecodeLayer` runs a decoder layer's norms and residual adds inside
+those calls."""
 import weakref
 from typing import Any, Dict, Optional
 
