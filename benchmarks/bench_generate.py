@@ -235,8 +235,7 @@ def table(result):
         lines.append(line)
     lines.append("")
     lines.append("mxfp4x's decoding step, ms (x its read floor): experts (with the router) / "
-                 "attention / rest "
-                 "= total")
+                 "attention / rest = a step under the split's hooks")
     for r in rows:
         if not r["mode"].startswith("mxfp4x"):
             continue
@@ -246,12 +245,14 @@ def table(result):
             step = r.get(key)
             if not step:
                 continue
-            parts = [f"{1e3 * step[p]:.1f} ({step[p] / floors[which][p]:.2f}x)"
-                     for p in ("experts", "attention", "rest", "total")]
+            parts = [f"{1e3 * step[p]:.1f} ({step[p] / floors[which][f]:.2f}x)"
+                     for p, f in (("experts", "experts"), ("attention", "attention"),
+                                  ("rest", "rest"), ("clocked", "total"),
+                                  ("total", "total")) if p in step]
             at = result["contexts"][which]
             lines.append(f"  {r['mode']}, {r['threads']} thr, context {at}: "
-                         + " / ".join(parts[:3])
-                         + " = " + parts[3])
+                         + " / ".join(parts[:3]) + " = " + parts[3]
+                         + (f" (without the clock {parts[4]})" if len(parts) > 4 else ""))
     nbytes = result["step_bytes"]["decode"]
     read = ", ".join(f"{th} thr {g:.1f} GB/s" for th, g in result["read_gbps"].items())
     lines.append(f"read bandwidth: around each process (the read column; x floor is against "

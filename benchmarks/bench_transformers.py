@@ -102,9 +102,9 @@ def _greedy(logits):
 
 
 def _decode(model, clock, cache, token, steps, split=True):
-    """``steps`` greedy decoding steps from ``cache``: seconds per step; with ``split``,
-    ``steps`` more under the clock for its split (the experts, the attention, and the
-    rest of the first run's step)."""
+    """``steps`` greedy decoding steps from ``cache``: seconds per step (``total``); with
+    ``split``, ``steps`` more under the clock (``clocked`` seconds per step) and their
+    split: the experts, the attention and the rest of a clocked step."""
 
     def run(cache, token):
         t0 = time.perf_counter()
@@ -117,10 +117,10 @@ def _decode(model, clock, cache, token, steps, split=True):
     if not split:
         return {"total": total}
     with clock:
-        run(cache, token)
+        clocked = run(cache, token)[0]
     per_step = {k: v / steps for k, v in clock.spent.items()}
-    per_step["rest"] = total - sum(per_step.values())
-    return {"total": total, **per_step}
+    per_step["rest"] = clocked - sum(per_step.values())
+    return {"total": total, "clocked": clocked, **per_step}
 
 
 def prompts(vocab, prefill, contexts, sequences=()):
