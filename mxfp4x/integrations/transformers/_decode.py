@@ -144,9 +144,8 @@ def _called_as_forward(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` is calling its forward: no hook of any kind on it or on
     every module (torch's ``_call_impl`` then calls forward and nothing else)."""
     m = torch.nn.modules.module
-    return not (module._forward_hooks or module._forward_pre_hooks
+    return not (_hooked(module) or _global_hooks()
                 or module._backward_hooks or module._backward_pre_hooks
-                or m._global_forward_hooks or m._global_forward_pre_hooks
                 or m._global_backward_hooks or m._global_backward_pre_hooks)
 
 
@@ -338,11 +337,14 @@ def _experts_step(module: DecodeMLP, x: torch.Tensor,
 class DecodeLayer(GptOssDecoderLayer):
     """transformers' ``GptOssDecoderLayer`` whose forward calls its two norms, its
     attention and its MLP by their forward methods where calling them would do nothing
-    else (no hook on them or on every module): transformers' operations on the same
-    tensors in the same order, the same bits, with less Python between the compiled calls
-    (Python that runs on caches the weights' streams have just emptied).  Anything else
-    is transformers' forward.  Layers become this class in place
-    (:func:`use_decode_attention`): same parameters, same state dict."""
+    else (no hook on them or on every module), and where the norms are
+    :class:`CompiledRMSNorm` and the attention's and MLP's compiled steps take the layer,
+    runs the norms and residual adds inside those calls (CompiledRMSNorm's pass, torch's
+    bf16 add): transformers' operations on the same tensors in the same order, the same
+    bits, with less Python between the compiled calls (Python that runs on caches the
+    weights' streams have just emptied).  Anything else is transformers' forward.  Layers
+    become this class in place (:func:`use_decode_attention`): same parameters, same state
+    dict."""
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
                 use_cache=False, position_embeddings=None, **kwargs):
@@ -356,8 +358,6 @@ class DecodeLayer(GptOssDecoderLayer):
                                    position_ids=position_ids, cache=cache,
                                    use_cache=use_cache,
                                    position_embeddings=position_embeddings, **kwargs)
-        # the norms and residual adds inside the compiled calls where both sides are the
-        # door's (the same operations: CompiledRMSNorm's pass, torch's bf16 add)
         fuse = type(norm) is CompiledRMSNorm and type(post_norm) is CompiledRMSNorm
         h = None
         if fuse and type(attn) is DecodeAttention:
