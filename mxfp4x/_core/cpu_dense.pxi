@@ -30,22 +30,23 @@ cdef struct DenseJob:
     int bias_dtype
     void *dst
     int dst_dtype
-    int64_t tiles_per_task  # set by _dense_job_tasks
+    int64_t n_tiles, n_tasks  # set by _dense_job_tasks
 
 
 cdef int64_t _dense_job_tasks(DenseJob *j, int n_threads) noexcept nogil:
-    """The job's tasks on n_threads threads (its runs of tiles: about
-    DENSE_TASKS_PER_THREAD a thread, at least one tile each)."""
-    cdef int64_t tiles = (j.d_out + DENSE_TILE_ROWS - 1) // DENSE_TILE_ROWS
-    j.tiles_per_task = max(1, tiles // (DENSE_TASKS_PER_THREAD * max(1, n_threads)))
-    return (tiles + j.tiles_per_task - 1) // j.tiles_per_task
+    """The job's tasks on n_threads threads: its tiles in DENSE_TASKS_PER_THREAD runs a
+    thread (at least one tile each) whose lengths differ by at most one tile, so that the
+    threads' last runs end together (with runs of a fixed length, 45 tiles on 2 threads
+    would be 9 runs of 5, the last one run alone)."""
+    j.n_tiles = (j.d_out + DENSE_TILE_ROWS - 1) // DENSE_TILE_ROWS
+    j.n_tasks = max(1, min(j.n_tiles, DENSE_TASKS_PER_THREAD * max(1, n_threads)))
+    return j.n_tasks
 
 
 cdef void _dense_task(void *ctx, int64_t task, int tid) noexcept nogil:
     cdef const DenseJob *j = <const DenseJob *>ctx
-    cdef int64_t tile = task * j.tiles_per_task
-    cdef int64_t end = min((j.d_out + DENSE_TILE_ROWS - 1) // DENSE_TILE_ROWS,
-                           tile + j.tiles_per_task)
+    cdef int64_t tile = task * j.n_tiles // j.n_tasks
+    cdef int64_t end = (task + 1) * j.n_tiles // j.n_tasks
     while tile < end:
         _dense_tile(j, tile)
         tile += 1

@@ -59,8 +59,8 @@ def test_bits_do_not_depend_on_threads_batch_or_rows(isa, rng):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_runs_of_tiles_per_task_give_the_same_bits(isa, rng):
-    """A matrix of 28 tiles (the last short): tasks of 7, 3 and 2 consecutive tiles on
-    1, 2 and 3 threads (the last task short), with the bias and a bf16 result, the same
+    """A matrix of 28 tiles (the last short): runs of 7, of 3 or 4 and of 2 or 3
+    consecutive tiles on 1, 2 and 3 threads, with the bias and a bf16 result, the same
     bits as each row computed alone, within the float64 bound."""
     rows, cols = 64 * 27 + 13, 96
     w = bf16_weight(rng, rows, cols)
