@@ -276,7 +276,7 @@ def _dots_f32(unit, x, packed, scales, sel, n_threads=1):
     return out.view(np.uint32)
 
 
-@pytest.mark.parametrize("n_groups", [37, 3])
+@pytest.mark.parametrize("n_groups", [37, 3, 90])
 @pytest.mark.parametrize("form", ["safetensors", "gguf"])
 def test_gemv_gives_the_tiles_float32_bits(unit, rng, form, n_groups):
     """amx: up to MXFP4X_AMX_GEMV_MAX_TOKENS (4) tokens per expert take a register gemv
@@ -286,8 +286,8 @@ def test_gemv_gives_the_tiles_float32_bits(unit, rng, form, n_groups):
     result's one rounding: every token alone (the gemv) gives the bits it gets among 30 or
     more tokens of one expert (the tiles), for both arrangements, tiny and huge latents
     (off the unit) included; rows past a multiple of 16 included (d_out 45); 37 groups
-    (the scale bytes read 16 groups at a time, then 5; amx's steps of 4 groups, then 1)
-    and 3 (fewer than a step)."""
+    (the scale bytes read 16 groups at a time, then 5; amx's steps of 4 groups, then 1),
+    3 (fewer than a step) and 90 (gpt-oss's rows)."""
     m = _cpu.gemv_max_tokens(unit, bf16=True)
     n_tok, n_exp, d_out = max(80, m + 12), 3, 45
     x = torch.from_numpy(rng.standard_normal((n_tok, 32 * n_groups))).bfloat16()
