@@ -266,34 +266,57 @@ MXFP4X_INLINE void mxfp4x_att_rows_c(const mxfp4x_attention_args *x, int64_t s, 
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 
 /* 8 value columns from c for all rows: ROWS chains over j */
+/* key j's step of the ROWS chains: e_j (e[r] for row r) times its 8 value columns */
+MXFP4X_ATT_AVX2 void mxfp4x_att_values_step_avx2(const float *e, __m256 v, __m256 *acc) {
+    int r;
+    for (r = 0; r < MXFP4X_ATT_ROWS; r++)
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(e + r), v, acc[r]);
+}
+
 MXFP4X_ATT_AVX2 void mxfp4x_att_values_avx2(const mxfp4x_attention_args *x,
                                             mxfp4x_att_pass *w, int64_t c) {
     __m256 acc[MXFP4X_ATT_ROWS];
-    float o[8];
+    float o[8], done[MXFP4X_ATT_ROWS][8];
     const int64_t nc = x->d - c < 8 ? x->d - c : 8;
     const int fast = nc == 8 && x->kv_dtype == MXFP4X_DTYPE_BF16;
     int64_t r, j, i;
     for (r = 0; r < MXFP4X_ATT_ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (i = nc; i < 8; i++) w->vf[i] = 0.0f;
-    for (j = 0; j < x->tk; j++) {
-        const float *e = w->sc + j * MXFP4X_ATT_ROWS;
-        __m256 v;
-        if (fast) {
-            v = MXFP4X_ATT_BF16X8(w->vbase + (size_t)(j * x->v_st + c) * 2);
-        } else {
+    /* two loops, not one test per key: with the conversion's call in the loop body GCC
+     * stored every chain to memory on every key */
+    if (fast) {
+        const int64_t tk = x->tk, st = x->v_st;
+        const float *e = w->sc;
+        const char *vb = w->vbase + (size_t)c * 2;
+        for (j = 0; j < tk; j++)
+            mxfp4x_att_values_step_avx2(e + j * MXFP4X_ATT_ROWS,
+                                        MXFP4X_ATT_BF16X8(vb + (size_t)(j * st) * 2), acc);
+    } else {
+        for (j = 0; j < x->tk; j++) {
             mxfp4x_att_value(x, w, j, c, nc);
-            v = _mm256_loadu_ps(w->vf);
+            mxfp4x_att_values_step_avx2(w->sc + j * MXFP4X_ATT_ROWS, _mm256_loadu_ps(w->vf), acc);
         }
-        for (r = 0; r < MXFP4X_ATT_ROWS; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(e + r), v, acc[r]);
     }
+    for (r = 0; r < MXFP4X_ATT_ROWS; r++) /* to memory once: read below by a row count */
+        _mm256_storeu_ps(done[r], acc[r]);
     for (r = 0; r < w->nr; r++) {
-        _mm256_storeu_ps(o, acc[r]);
+        memcpy(o, done[r], sizeof o);
         mxfp4x_att_store(x, w, r, c, o, nc);
     }
 }
 
 #  if MXFP4X_ATT_AVX512_NATIVE
+/* key j's step of the 2 x ROWS chains: e_j (e[r] for row r) times its 32 value columns */
+MXFP4X_ATT_AVX512 void mxfp4x_att_values_step_avx512(const float *e, __m512 v0, __m512 v1,
+                                                     __m512 *lo, __m512 *hi) {
+    int r;
+    for (r = 0; r < MXFP4X_ATT_ROWS; r++) {
+        const __m512 er = _mm512_set1_ps(e[r]);
+        lo[r] = _mm512_fmadd_ps(er, v0, lo[r]);
+        hi[r] = _mm512_fmadd_ps(er, v1, hi[r]);
+    }
+}
+
 /* 32 value columns from c for all rows: 2 x ROWS chains over j */
 MXFP4X_ATT_AVX512 void mxfp4x_att_values_avx512(const mxfp4x_attention_args *x,
                                                 mxfp4x_att_pass *w, int64_t c) {
@@ -304,24 +327,22 @@ MXFP4X_ATT_AVX512 void mxfp4x_att_values_avx512(const mxfp4x_attention_args *x,
     int64_t r, j, i;
     for (r = 0; r < MXFP4X_ATT_ROWS; r++) lo[r] = hi[r] = _mm512_setzero_ps();
     for (i = nc; i < 32; i++) w->vf[i] = 0.0f;
-    for (j = 0; j < x->tk; j++) {
-        const float *e = w->sc + j * MXFP4X_ATT_ROWS;
-        __m512 v0, v1;
-        if (fast) {
+    /* two loops, not one test per key: with the conversion's call in the loop body GCC
+     * kept one of the 16 chains in memory, a store and a load on every key */
+    if (fast) {
+        for (j = 0; j < x->tk; j++) {
             const char *p = w->vbase + (size_t)(j * x->v_st + c) * 2;
-            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+            const __m512 v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-            v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+            const __m512 v1 = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 32))), 16));
-        } else {
-            mxfp4x_att_value(x, w, j, c, nc);
-            v0 = _mm512_loadu_ps(w->vf);
-            v1 = _mm512_loadu_ps(w->vf + 16);
+            mxfp4x_att_values_step_avx512(w->sc + j * MXFP4X_ATT_ROWS, v0, v1, lo, hi);
         }
-        for (r = 0; r < MXFP4X_ATT_ROWS; r++) {
-            const __m512 er = _mm512_set1_ps(e[r]);
-            lo[r] = _mm512_fmadd_ps(er, v0, lo[r]);
-            hi[r] = _mm512_fmadd_ps(er, v1, hi[r]);
+    } else {
+        for (j = 0; j < x->tk; j++) {
+            mxfp4x_att_value(x, w, j, c, nc);
+            mxfp4x_att_values_step_avx512(w->sc + j * MXFP4X_ATT_ROWS, _mm512_loadu_ps(w->vf),
+                                          _mm512_loadu_ps(w->vf + 16), lo, hi);
         }
     }
     for (r = 0; r < w->nr; r++) {
