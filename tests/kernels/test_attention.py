@@ -65,11 +65,21 @@ def test_attention_within_roundings_of_float64(rng, isa, dtype, b, hq, hkv, tq, 
     # float32 roundings along d and the keys (relative to the values' size), then one to
     # the output's dtype, which they may push across a midpoint (2 units, one ulp; below
     # the dtype's smallest normal the ulp is that of the smallest normal: float16's
-    # subnormals); a head or key read in the wrong place is off by the values' size
+    # subnormals); a head or key read in the wrong place is off by the values' size.
+    # Each score is rounded in float32 near its size, and e_j = exp(s_j - m) sees that
+    # as relative to m, the row's largest logit: a row whose keys are all masked (no sink)
+    # has m near the mask's finfo.min, every e_j off by up to |m| 2^-23 relative
     scale = v.double().abs().amax(dim=2).repeat_interleave(hq // hkv, 1).unsqueeze(1)
+    s = q.double() @ k.double().repeat_interleave(hq // hkv, 1).transpose(2, 3) * 0.125
+    if mask is not None:
+        s = s + mask[..., :tk].double()
+    m = s.amax(-1)
+    if sinks is not None:
+        m = torch.maximum(m, sinks.double().reshape(1, -1, 1))
+    m = m.abs().transpose(1, 2).unsqueeze(-1)  # (b, tq, hq, 1)
     err = (out.double() - ref).abs()
     bound = (2 * UNIT[dtype] * ref.abs().clamp(min=torch.finfo(dtype).tiny)
-             + (4 * d + 4 * tk + 64) * 2.0 ** -22 * scale)
+             + ((4 * d + 4 * tk + 64) + 2 * m) * 2.0 ** -22 * scale)
     assert (err <= bound).all(), (err - bound).max()
 
 
