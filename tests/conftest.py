@@ -32,6 +32,12 @@ def pytest_report_header(config):
     ]
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """A failing run names its seed even where the header is not printed (``-q``)."""
+    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):
+        terminalreporter.write_line(f"mxfp4x: this run's seed: MXFP4X_TEST_SEED={SEED}")
+
+
 def rng_for(seed, nodeid):
     """The generator of one test: from the session seed and a stable hash of the test's
     id (CRC-32, not hash(), which changes with PYTHONHASHSEED), so MXFP4X_TEST_SEED
