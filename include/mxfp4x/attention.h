@@ -283,7 +283,7 @@ MXFP4X_ATT_AVX2 void mxfp4x_att_values_avx2(const mxfp4x_attention_args *x,
     for (r = 0; r < MXFP4X_ATT_ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (i = nc; i < 8; i++) w->vf[i] = 0.0f;
     /* two loops, not one test per key: with the conversion's call in the loop body GCC
-     * stored every chain to memory on every key */
+     * stores every chain to memory on every key */
     if (fast) {
         const int64_t tk = x->tk, st = x->v_st;
         const float *e = w->sc;
@@ -328,7 +328,7 @@ MXFP4X_ATT_AVX512 void mxfp4x_att_values_avx512(const mxfp4x_attention_args *x,
     for (r = 0; r < MXFP4X_ATT_ROWS; r++) lo[r] = hi[r] = _mm512_setzero_ps();
     for (i = nc; i < 32; i++) w->vf[i] = 0.0f;
     /* two loops, not one test per key: with the conversion's call in the loop body GCC
-     * kept one of the 16 chains in memory, a store and a load on every key */
+     * keeps one of the 16 chains in memory, a store and a load on every key */
     if (fast) {
         for (j = 0; j < x->tk; j++) {
             const char *p = w->vbase + (size_t)(j * x->v_st + c) * 2;
