@@ -285,12 +285,10 @@ MXFP4X_ATT_AVX2 void mxfp4x_att_values_avx2(const mxfp4x_attention_args *x,
     /* two loops, not one test per key: with the conversion's call in the loop body GCC
      * stores every chain to memory on every key */
     if (fast) {
-        const int64_t tk = x->tk, st = x->v_st;
-        const float *e = w->sc;
-        const char *vb = w->vbase + (size_t)c * 2;
-        for (j = 0; j < tk; j++)
-            mxfp4x_att_values_step_avx2(e + j * MXFP4X_ATT_ROWS,
-                                        MXFP4X_ATT_BF16X8(vb + (size_t)(j * st) * 2), acc);
+        for (j = 0; j < x->tk; j++)
+            mxfp4x_att_values_step_avx2(
+                w->sc + j * MXFP4X_ATT_ROWS,
+                MXFP4X_ATT_BF16X8(w->vbase + (size_t)(j * x->v_st + c) * 2), acc);
     } else {
         for (j = 0; j < x->tk; j++) {
             mxfp4x_att_value(x, w, j, c, nc);

@@ -27,14 +27,21 @@ def _inputs(rng, b, hq, hkv, tq, tk, d, dtype, mask_heads=1, spare=0):
     return q, k, v, mask, sinks
 
 
+def _scores(q, k, mask, scaling):
+    """float64 of the masked scores (B, HQ, TQ, TK) from the same inputs."""
+    kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    s = q.double() @ kk.transpose(2, 3) * scaling
+    if mask is not None:
+        s = s + mask[..., :k.shape[2]].double()
+    return s
+
+
 def _reference(q, k, v, mask, sinks, scaling):
     """float64 of the formula from the same inputs, in (B, TQ, HQ, D)."""
     b, hq, tq, _ = q.shape
     g = hq // k.shape[1]
-    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
-    s = q.double() @ kk.transpose(2, 3) * scaling
-    if mask is not None:
-        s = s + mask[..., :k.shape[2]].double()
+    vv = v.double().repeat_interleave(g, 1)
+    s = _scores(q, k, mask, scaling)
     if sinks is not None:
         s = torch.cat([s, sinks.double().reshape(1, -1, 1, 1).expand(b, -1, tq, 1)], -1)
     p = torch.softmax(s, -1)
@@ -70,10 +77,7 @@ def test_attention_within_roundings_of_float64(rng, isa, dtype, b, hq, hkv, tq, 
     # as relative to m, the row's largest logit: a row whose keys are all masked (no sink)
     # has m near the mask's finfo.min, every e_j off by up to |m| 2^-23 relative
     scale = v.double().abs().amax(dim=2).repeat_interleave(hq // hkv, 1).unsqueeze(1)
-    s = q.double() @ k.double().repeat_interleave(hq // hkv, 1).transpose(2, 3) * 0.125
-    if mask is not None:
-        s = s + mask[..., :tk].double()
-    m = s.amax(-1)
+    m = _scores(q, k, mask, 0.125).amax(-1)
     if sinks is not None:
         m = torch.maximum(m, sinks.double().reshape(1, -1, 1))
     m = m.abs().transpose(1, 2).unsqueeze(-1)  # (b, tq, hq, 1)
