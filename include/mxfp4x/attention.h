@@ -265,7 +265,6 @@ MXFP4X_INLINE void mxfp4x_att_rows_c(const mxfp4x_attention_args *x, int64_t s, 
     _mm256_castsi256_ps(                                                                   \
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 
-/* 8 value columns from c for all rows: ROWS chains over j */
 /* key j's step of the ROWS chains: e_j (e[r] for row r) times its 8 value columns */
 MXFP4X_ATT_AVX2 void mxfp4x_att_values_step_avx2(const float *e, __m256 v, __m256 *acc) {
     int r;
@@ -273,10 +272,11 @@ MXFP4X_ATT_AVX2 void mxfp4x_att_values_step_avx2(const float *e, __m256 v, __m25
         acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(e + r), v, acc[r]);
 }
 
+/* 8 value columns from c for all rows: ROWS chains over j */
 MXFP4X_ATT_AVX2 void mxfp4x_att_values_avx2(const mxfp4x_attention_args *x,
                                             mxfp4x_att_pass *w, int64_t c) {
     __m256 acc[MXFP4X_ATT_ROWS];
-    float o[8], done[MXFP4X_ATT_ROWS][8];
+    float done[MXFP4X_ATT_ROWS][8];
     const int64_t nc = x->d - c < 8 ? x->d - c : 8;
     const int fast = nc == 8 && x->kv_dtype == MXFP4X_DTYPE_BF16;
     int64_t r, j, i;
@@ -297,10 +297,7 @@ MXFP4X_ATT_AVX2 void mxfp4x_att_values_avx2(const mxfp4x_attention_args *x,
     }
     for (r = 0; r < MXFP4X_ATT_ROWS; r++) /* to memory once: read below by a row count */
         _mm256_storeu_ps(done[r], acc[r]);
-    for (r = 0; r < w->nr; r++) {
-        memcpy(o, done[r], sizeof o);
-        mxfp4x_att_store(x, w, r, c, o, nc);
-    }
+    for (r = 0; r < w->nr; r++) mxfp4x_att_store(x, w, r, c, done[r], nc);
 }
 
 #  if MXFP4X_ATT_AVX512_NATIVE

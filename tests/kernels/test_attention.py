@@ -65,10 +65,11 @@ def test_attention_within_roundings_of_float64(rng, isa, dtype, b, hq, hkv, tq, 
     q, k, v, mask, sinks = _inputs(rng, b, hq, hkv, tq, tk, d, dtype, spare=3)
     mask = mask if with_mask else None
     sinks = sinks if with_sinks else None
+    scaling = 0.125
     with torch.no_grad():
-        out = decode_attention(q, k, v, mask, sinks, 0.125, isa=isa)
+        out = decode_attention(q, k, v, mask, sinks, scaling, isa=isa)
     assert out is not None and out.dtype == dtype and out.shape == (b, tq, hq, d)
-    ref = _reference(q, k, v, mask, sinks, 0.125)
+    ref = _reference(q, k, v, mask, sinks, scaling)
     # float32 roundings along d and the keys (relative to the values' size), then one to
     # the output's dtype, which they may push across a midpoint (2 units, one ulp; below
     # the dtype's smallest normal the ulp is that of the smallest normal: float16's
@@ -77,7 +78,7 @@ def test_attention_within_roundings_of_float64(rng, isa, dtype, b, hq, hkv, tq, 
     # as relative to m, the row's largest logit: a row whose keys are all masked (no sink)
     # has m near the mask's finfo.min, every e_j off by up to |m| 2^-23 relative
     scale = v.double().abs().amax(dim=2).repeat_interleave(hq // hkv, 1).unsqueeze(1)
-    m = _scores(q, k, mask, 0.125).amax(-1)
+    m = _scores(q, k, mask, scaling).amax(-1)
     if sinks is not None:
         m = torch.maximum(m, sinks.double().reshape(1, -1, 1))
     m = m.abs().transpose(1, 2).unsqueeze(-1)  # (b, tq, hq, 1)
