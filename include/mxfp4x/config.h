@@ -140,7 +140,7 @@
 #ifndef MXFP4X_DENSE_PREFETCH
 #define MXFP4X_DENSE_PREFETCH 1024
 #endif
-/* ... and where cpu.h's mxfp4x_dense_pf_far says so, with the non-temporal hint this far
+/* ... and where cpu.h's mxfp4x_dense_stream says ROW_FAR, with the non-temporal hint this far
  * ahead (one row streamed at a time, avx512.h): on an AMD Zen 5 8 KiB reads faster than
  * 4 (docs/performance.md, "The dense bf16 kernel"). */
 #ifndef MXFP4X_DENSE_PREFETCH_FAR

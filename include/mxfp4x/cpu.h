@@ -277,17 +277,25 @@ static inline int mxfp4x_pf_into_l1(void) {
 #endif
 }
 
-/* Whether the AVX-512 dense bf16 kernel (avx512.h) streams a row with the far
- * non-temporal prefetch (MXFP4X_DENSE_PREFETCH_FAR bytes ahead, _MM_HINT_NTA) rather than
- * the 1 KiB one into L2: on an AMD Zen 5 (family 1Ah), where it reads at about one
- * thread's read bandwidth.  On an AMD Zen 4 and an Intel Xeon it is slower, so they keep
- * the L2 hint (docs/performance.md, "The dense bf16 kernel").
- * -DMXFP4X_DENSE_FAR=0 or 1 forces it. */
-static inline int mxfp4x_dense_pf_far(void) {
-#ifdef MXFP4X_DENSE_FAR
-    return MXFP4X_DENSE_FAR;
+/* How the AVX-512 dense bf16 kernel (avx512.h) streams one bf16 token's rows: */
+enum {
+    MXFP4X_DENSE_BLOCKS = 0,    /* blocks of 8 rows, each row's line 1 KiB ahead into L2 */
+    MXFP4X_DENSE_ROW_FAR = 1,   /* a row at a time, the non-temporal prefetch
+                                 * MXFP4X_DENSE_PREFETCH_FAR bytes ahead (and two tokens) */
+    MXFP4X_DENSE_ROW_PLAIN = 2  /* a row at a time, no software prefetch: the hardware's
+                                 * prefetchers follow the one sequential stream */
+};
+/* ... on this CPU: ROW_FAR on an AMD Zen 5 (family 1Ah), ROW_PLAIN on a Zen 4 (19h), where
+ * each reads at about one thread's read bandwidth from 2 MiB pages; BLOCKS on an Intel
+ * Xeon, where one row at a time is slower (docs/performance.md, "The dense bf16 kernel").
+ * -DMXFP4X_DENSE_STREAM=0, 1 or 2 forces it. */
+static inline int mxfp4x_dense_stream(void) {
+#ifdef MXFP4X_DENSE_STREAM
+    return MXFP4X_DENSE_STREAM;
 #else
-    return mxfp4x_cpu_amd_family() == 0x1A;
+    const int family = mxfp4x_cpu_amd_family();
+    return family == 0x1A ? MXFP4X_DENSE_ROW_FAR
+                          : family == 0x19 ? MXFP4X_DENSE_ROW_PLAIN : MXFP4X_DENSE_BLOCKS;
 #endif
 }
 

@@ -14,12 +14,17 @@ does) when first written, 2 MiB at a time where the kernel has them, and go back
 system when the last tensor viewing them is gone.  Where huge pages cannot be asked for
 (not Linux, a small buffer), it is ``torch.zeros``.  :func:`ask_huge_pages` gives the
 same hint on a mapping made elsewhere (a checkpoint's bytes, mapped before they are
-read)."""
+read), and :func:`ask_file_pages` on every page of a file's mapping: the faults of an
+advised mapping read the file into the page cache in 2 MiB folios, which any mapping of
+those bytes then maps in 2 MiB pages, but a fault where nothing was asked reads ahead in
+small folios into the bytes after it, so a file is asked for whole (its tensors, small
+ones too, and their edges), not only the 2 MiB pages inside its large tensors."""
+import bisect
 import ctypes
 import math
 import mmap
 import sys
-from typing import Iterable, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,6 +69,107 @@ def ask_huge_pages(address: int, length: int) -> bool:
     return end > start and _MADVISE(start, end - start, _MADV_HUGEPAGE) == 0
 
 
+def ask_file_pages(address: int, length: int) -> bool:
+    """Ask for transparent huge pages (``MADV_HUGEPAGE``) on every page that
+    ``[address, address + length)`` touches, inside a mapping of a file this process made:
+    its faults then read the file in 2 MiB folios, the bytes around a small tensor too.
+    Only a hint: False where it was not given (not Linux, nothing to ask, a kernel without
+    them)."""
+    if _MADVISE is None or length <= 0:
+        return False
+    start = address - address % mmap.PAGESIZE
+    end = -(-(address + length) // mmap.PAGESIZE) * mmap.PAGESIZE
+    return _MADVISE(start, end - start, _MADV_HUGEPAGE) == 0
+
+
+def _available_bytes() -> Optional[int]:
+    """Linux's estimate of the memory a new reader can take without swapping
+    (``MemAvailable``), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def read_in_huge_folios(paths: Sequence[str],
+                        skip: Sequence[Tuple[str, int, int]] = ()) -> int:
+    """Read the files ``paths`` into the page cache through private read-only mappings
+    that ask for huge pages, one fault per 2 MiB, but the byte ranges ``skip`` ((path,
+    start, end) each): the page cache then holds them in 2 MiB folios where the file
+    system makes them, and every later mapping of those bytes maps them in 2 MiB pages.  A
+    loader that touches a small tensor first through a mapping that asked for none reads
+    the bytes around it ahead in small folios (``read_ahead_kb`` of them), and they stay;
+    bytes already cached stay as they are.  Nothing is read where huge pages cannot be
+    asked for (not Linux, a kernel without them) or where the files would not fit in the
+    memory available (they would evict each other before use).  Returns the bytes the
+    faults covered."""
+    if _MADVISE is None:
+        return 0
+    import os
+
+    import numpy as np
+
+    plans = []
+    for path in paths:
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            return 0
+        offsets = np.arange(0, size, HUGE_PAGE, dtype=np.int64)
+        for p, start, end in skip:  # the 2 MiB windows wholly inside a skipped range
+            if p == path:
+                offsets = offsets[(offsets < start) | (offsets + HUGE_PAGE > end)]
+        plans.append((path, offsets))
+    wanted = sum(len(offsets) for _, offsets in plans) * HUGE_PAGE
+    available = _available_bytes()
+    if not wanted or available is None or wanted > available * 4 // 5:
+        return 0
+    done = 0
+    for path, offsets in plans:
+        try:
+            with open(path, "rb") as fh:
+                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            continue
+        data = np.frombuffer(mapped, np.uint8)
+        try:
+            if _MADVISE(data.ctypes.data, len(data), _MADV_HUGEPAGE) == 0:
+                int(data[offsets].sum())  # the faults: each reads its 2 MiB folio ahead
+                done += len(offsets) * HUGE_PAGE
+        finally:
+            del data
+            mapped.close()
+    return done
+
+
+def _file_spans() -> List[Tuple[int, int]]:
+    """This process's mappings of files (``/proc/self/maps`` lines with a path) as
+    ``[start, end)`` address ranges, sorted, adjacent ones joined (one file's mapping is
+    several lines once parts of it were advised); empty where that cannot be read."""
+    spans: List[Tuple[int, int]] = []
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    spans.append((lo, hi))
+    except (OSError, ValueError):
+        return []
+    spans.sort()
+    joined: List[Tuple[int, int]] = []
+    for lo, hi in spans:
+        if joined and lo <= joined[-1][1]:
+            joined[-1] = (joined[-1][0], max(hi, joined[-1][1]))
+        else:
+            joined.append((lo, hi))
+    return joined
+
+
 def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, contiguous CPU tensor of ``shape`` and ``dtype``; from :data:`MIN_BYTES`
     on Linux, in private anonymous memory that starts on a 2 MiB boundary, with
@@ -89,17 +195,26 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def ask_huge_pages_of(tensors: Iterable[torch.Tensor]) -> int:
-    """:func:`ask_huge_pages` on the storage of each CPU tensor of at least
-    :data:`MIN_BYTES` (each storage once): a checkpoint's mapping that a loader viewed
-    (its later faults read 2 MiB folios), or touched memory (the kernel's background
-    collapse may join its pages).  Returns how many were advised."""
+    """Huge pages asked on the storage of each CPU tensor (each storage once): a storage
+    inside a mapping of a file (a checkpoint's bytes that a loader viewed) whatever its
+    size, every page it touches (:func:`ask_file_pages`: its later faults read 2 MiB
+    folios); other memory of at least :data:`MIN_BYTES` on the whole 2 MiB pages inside
+    it (:func:`ask_huge_pages`: touched memory the kernel's background collapse may
+    join).  Returns how many were advised."""
+    spans = _file_spans() if _MADVISE is not None else []
+    starts = [lo for lo, _ in spans]
     seen, n = set(), 0
     for t in tensors:
         if t.device.type != "cpu" or t.is_sparse or not t.numel():
             continue
         storage = t.untyped_storage()
         address, length = storage.data_ptr(), storage.nbytes()
-        if length >= MIN_BYTES and address not in seen:
-            seen.add(address)
+        if address in seen or not length:
+            continue
+        seen.add(address)
+        i = bisect.bisect_right(starts, address) - 1
+        if i >= 0 and address + length <= spans[i][1]:
+            n += ask_file_pages(address, length)
+        elif length >= MIN_BYTES:
             n += ask_huge_pages(address, length)
     return n

@@ -125,7 +125,7 @@ def map_file_bytes(fh: BinaryIO, path: str, begin: int, end: int, size_at_open: 
         raise ValueError(f"{path}: {_tensors(names)}: cannot map bytes [{begin}, {end}): "
                          f"{exc}") from None
     if end - begin >= _memory.MIN_BYTES:  # its faults bring 2 MiB folios where they can
-        _memory.ask_huge_pages(addr + begin - start, end - begin)
+        _memory.ask_file_pages(addr, end - start)
     return np.asarray(_Mapping(addr, end - start, begin - start, end - begin))
 
 

@@ -129,6 +129,40 @@ def test_logits_match_transformers_dequantized(models):
     assert got.dtype == want.dtype == torch.float32
 
 
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_checkpoint_is_read_in_huge_folios_but_the_input_embeddings(checkpoint,
+                                                                        tmp_path, monkeypatch,
+                                                                        tied):
+    """Before transformers' loader reads a weight, the door reads the checkpoint files in
+    (memory.read_in_huge_folios: 2 MiB folios), all but the input embeddings' bytes, which
+    it skips unless the head shares them; the model loads as before."""
+    from mxfp4x._core import memory
+    from mxfp4x.integrations.transformers import _quantizer
+
+    calls = []
+
+    def spy(paths, skip=()):
+        calls.append((list(paths), list(skip)))
+        return 0
+
+    monkeypatch.setattr(memory, "read_in_huge_folios", spy)
+    folder = _folder_with(checkpoint, tmp_path / "m",
+                          edit_config=lambda c: c.update(tie_word_embeddings=tied))
+    path = os.path.join(folder, "model.safetensors")
+    model = _ours(folder)
+    assert [paths for paths, _ in calls] == [[path]]
+    with safe_open(path, "pt") as f:
+        n_embed = f.get_slice("model.embed_tokens.weight").get_shape()
+    if tied:
+        assert calls[0][1] == []
+    else:
+        from mxfp4x.checkpoints.safetensors import SafeTensorsFile
+        with SafeTensorsFile(path) as f:
+            assert calls[0][1] == [(path, *f.byte_range("model.embed_tokens.weight"))]
+    assert tuple(model.get_input_embeddings().weight.shape) == tuple(n_embed)
+    assert _quantizer._read_in_huge_folios(model, None) == 0  # a state_dict: nothing read
+
 def test_experts_the_checkpoint_keeps_dense_stay_dense(checkpoint, tmp_path):
     """An MXFP4 checkpoint whose modules_to_not_convert names a layer's experts (stored
     dense): that layer keeps transformers' module and its weights, as transformers' own

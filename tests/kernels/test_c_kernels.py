@@ -196,22 +196,23 @@ def test_amx_kernels_with_emulated_tiles(native, tmp_path):
 
 
 def test_dense_bits_do_not_depend_on_the_row_stream(tmp_path):
-    """The AVX-512 dense product at one token streams one row at a time from aligned loads
-    where cpu.h's mxfp4x_dense_pf_far says so (an AMD Zen 5), in blocks of 8 rows
-    elsewhere: the checker built both ways (MXFP4X_DENSE_FAR) passes (bf16 tokens against
-    their float32 widening, the weights at several offsets in a line) and gives the same
-    dense digest (which hashes the one-token bf16 results), so both forms are checked
-    whichever CPU runs the tests."""
+    """The AVX-512 dense product at one token streams its rows as cpu.h's
+    mxfp4x_dense_stream says (blocks of 8 rows; one row at a time from aligned loads with
+    the far prefetch on an AMD Zen 5; one row at a time from plain loads on a Zen 4): the
+    checker built each way (MXFP4X_DENSE_STREAM) passes (bf16 tokens against their float32
+    widening, the weights at several offsets in a line) and gives the same dense digest
+    (which hashes the one-token bf16 results), so every form is checked whichever CPU runs
+    the tests."""
     cc = host_cc()
     if cc is None:
         pytest.skip("no C compiler (cc, gcc, clang) on PATH")
     got = {}
-    for far in (0, 1):
-        exe = build(cc, tmp_path / f"check_far{far}", [f"-DMXFP4X_DENSE_FAR={far}"])
+    for stream in (0, 1, 2):
+        exe = build(cc, tmp_path / f"check_stream{stream}", [f"-DMXFP4X_DENSE_STREAM={stream}"])
         if _listed([str(exe)]).get("avx512") != "runnable":
             pytest.skip("this CPU cannot run avx512")
         res = _run([str(exe)], "avx512")
         assert res.returncode == 0, res.stdout + res.stderr
-        got[far] = parse(res.stdout)[("avx512", "dense_bf16")]
-        assert got[far][1], res.stdout
-    assert got[0][0] == got[1][0], got
+        got[stream] = parse(res.stdout)[("avx512", "dense_bf16")]
+        assert got[stream][1], res.stdout
+    assert got[0][0] == got[1][0] == got[2][0], got

@@ -86,4 +86,55 @@ def test_checkpoint_mappings_ask_for_huge_pages_from_the_minimum(tmp_path):
         small = map_file_bytes(fh, str(path), 4096 + 5, 4096 + 5 + 70000, size, ["small"])
     assert np.array_equal(big, data[777:]) and np.array_equal(small, data[4101:74101])
     assert "hg" in _mapping_of(big.ctypes.data + memory.HUGE_PAGE)[2]
+    # every page of it, the partial 2 MiB at either end too (their faults read ahead)
+    assert "hg" in _mapping_of(big.ctypes.data)[2]
+    assert "hg" in _mapping_of(big.ctypes.data + big.size - 1)[2]
     assert "hg" not in _mapping_of(small.ctypes.data)[2]
+
+
+@pytest.mark.skipif(not LINUX, reason="Linux only")
+def test_weights_in_a_file_mapping_ask_for_huge_pages_on_every_page(tmp_path):
+    """ask_huge_pages_of: a tensor viewing a file's mapping is advised on every page it
+    touches, however small (a fault where nothing was asked would read the bytes after it
+    ahead in small folios), each storage once; memory of no file keeps the large-buffer
+    rule."""
+    import mmap
+
+    import numpy as np
+
+    path = tmp_path / "weights.bin"
+    np.random.default_rng(0).integers(0, 256, 3 * memory.HUGE_PAGE, np.uint8).tofile(path)
+    with open(path, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    whole = torch.frombuffer(mapped, dtype=torch.uint8)
+    tensor = torch.empty(0, dtype=torch.uint8).set_(whole.untyped_storage()[5000:8000])
+    anonymous = torch.zeros(1000, dtype=torch.uint8)  # torch's, under MIN_BYTES
+    assert "hg" not in _mapping_of(tensor.data_ptr())[2]
+    assert memory.ask_huge_pages_of([tensor, tensor, anonymous]) == 1
+    assert "hg" in _mapping_of(tensor.data_ptr())[2]  # its pages: bytes 4096 to 8191
+    assert "hg" in _mapping_of(tensor.data_ptr() + 2999)[2]
+    assert "hg" not in _mapping_of(whole.data_ptr() + 2 * memory.HUGE_PAGE)[2]
+    assert torch.equal(tensor, whole[5000:8000])
+    del tensor, whole
+
+
+@pytest.mark.skipif(not LINUX, reason="Linux only")
+def test_read_in_huge_folios_reads_every_2mib_but_the_skipped(tmp_path, monkeypatch):
+    """read_in_huge_folios faults each 2 MiB window of its files in (counted in bytes),
+    but the windows wholly inside a skipped range, and reads nothing where the files
+    would not fit in the memory available; the files are left as they were."""
+    import numpy as np
+
+    data = np.random.default_rng(7).integers(0, 256, 5 * memory.HUGE_PAGE + 123, np.uint8)
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    data.tofile(a)
+    data[: memory.HUGE_PAGE].tofile(b)
+    H = memory.HUGE_PAGE
+    assert memory.read_in_huge_folios([str(a), str(b)]) == 6 * H + H
+    # [H + 5, 4 H + 7) holds the windows at 2 H and 3 H whole; those at H and 4 H in part
+    assert memory.read_in_huge_folios([str(a), str(b)], [(str(a), H + 5, 4 * H + 7)]) == 5 * H
+    monkeypatch.setattr(memory, "_available_bytes", lambda: 7 * H)
+    assert memory.read_in_huge_folios([str(a), str(b)]) == 0  # 7 H > 4/5 of 7 H
+    monkeypatch.setattr(memory, "_available_bytes", lambda: None)
+    assert memory.read_in_huge_folios([str(a)]) == 0
+    assert np.array_equal(np.fromfile(a, np.uint8), data)

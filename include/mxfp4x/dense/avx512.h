@@ -15,13 +15,13 @@
  * float32 tokens are split into even and odd halves by two vpermt2ps.  Any blocking of
  * rows and tokens gives the same bits.
  *
- * One token: with bf16 tokens where mxfp4x_dense_pf_far says so (an AMD Zen 5, where one
- * sequential stream reads faster than several) one row at a time (two chains, the far
- * non-temporal prefetch; the aligned form below); otherwise, and with float32 tokens
+ * One token (bf16 tokens) as cpu.h's mxfp4x_dense_stream says: on an AMD Zen 5 one row at
+ * a time (two chains, the far non-temporal prefetch; the aligned form below; two tokens
+ * too); on a Zen 4 one row at a time with no software prefetch (the block form's loads:
+ * the hardware's prefetchers follow the one stream); elsewhere, and with float32 tokens
  * (whose chunk does not stay in L1 under a row stream), blocks of 8 rows, which share the
- * widening or split of each token chunk, with the 1 KiB prefetch into L2 (a Zen 4, where
- * one row at a time is slower; Intel is unmeasured with it).  docs/performance.md, "The
- * dense bf16 kernel". */
+ * widening or split of each token chunk, with the 1 KiB prefetch into L2.
+ * docs/performance.md, "The dense bf16 kernel". */
 #define MXFP4X_AVX512_DENSE_ODD_MASK ((int)0xFFFF0000u)
 
 /* 32 bf16 weights or tokens at p: their even and odd elements as float32 */
@@ -52,10 +52,10 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_x_eo_avx512(const void *x, int64_t
         mxfp4x_f32x32_eo_avx512((const float *)x + off, e, o);
 }
 
-/* One block of mr rows x nt tokens (constants after inlining), every chunk; pf: 0 the
- * T1 prefetch of each row's line pfd bytes ahead (MXFP4X_DENSE_PREFETCH, or cpu.h's
- * mxfp4x_dense_pf_near for blocks under 8 rows), 1 the far non-temporal one
- * (MXFP4X_DENSE_PREFETCH_FAR). */
+/* One block of mr rows x nt tokens (constants after inlining), every chunk; pf (cpu.h's
+ * stream kinds): BLOCKS the T1 prefetch of each row's line pfd bytes ahead
+ * (MXFP4X_DENSE_PREFETCH, or cpu.h's mxfp4x_dense_pf_near for blocks under 8 rows),
+ * ROW_FAR the far non-temporal one (MXFP4X_DENSE_PREFETCH_FAR), ROW_PLAIN none. */
 MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, int64_t rs,
                                                            int64_t d_in, const void *x,
                                                            int64_t xs, const int xb16,
@@ -74,9 +74,9 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_block_avx512(const uint16_t *w, in
         for (c = 0; c < nt; c++) mxfp4x_dense_x_eo_avx512(x, c * xs + k, xb16, &xe[c], &xo[c]);
         for (i = 0; i < mr; i++) {
             const uint16_t *p = w + i * rs + k;
-            if (pf)
+            if (pf == MXFP4X_DENSE_ROW_FAR)
                 _mm_prefetch((const char *)p + MXFP4X_DENSE_PREFETCH_FAR, _MM_HINT_NTA);
-            else
+            else if (pf == MXFP4X_DENSE_BLOCKS)
                 MXFP4X_PREFETCH_L2((const char *)p + ahead);
             mxfp4x_bf16x32_eo_avx512(p, &we, &wo);
             for (c = 0; c < nt; c++) {
@@ -179,9 +179,9 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_row_aligned_avx512(const uint16_t 
         for (c = 0; c < nt; c++) mxfp4x_dense_x_eo_avx512(x, c * xs + 32 * m, xb16, &xe[c], &xo[c]);
         for (i = 0; i < mr; i++) {
             const uint16_t *line = w + (i * rs + 32 * (m + 1) - off); /* inside the row */
-            if (pf)
+            if (pf == MXFP4X_DENSE_ROW_FAR)
                 _mm_prefetch((const char *)line + MXFP4X_DENSE_PREFETCH_FAR, _MM_HINT_NTA);
-            else
+            else if (pf == MXFP4X_DENSE_BLOCKS)
                 MXFP4X_PREFETCH_L2((const char *)line + ahead);
             cur = _mm512_load_si512((const void *)line);
             MXFP4X_DENSE_JOIN(i)
@@ -262,8 +262,12 @@ MXFP4X_AVX512_INLINE_ALWAYS void mxfp4x_dense_avx512_to(const uint16_t *w, int64
         mxfp4x_dense_block_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride, xb16,  \
                                   M, N, o0 + (r - row_start), out_stride, PF, PFD);
         r = row_start;
-        if (nt <= 2 && xb16 && pf) { /* one row at a time (where the far prefetch is
-                                      * measured: an AMD Zen 5) */
+        if (nt == 1 && xb16 && pf == MXFP4X_DENSE_ROW_PLAIN) { /* an AMD Zen 4 */
+            for (; r < row_end; r++)
+                mxfp4x_dense_block_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride,
+                                          xb16, 1, 1, o0 + (r - row_start), out_stride,
+                                          MXFP4X_DENSE_ROW_PLAIN, 0);
+        } else if (nt <= 2 && xb16 && pf == MXFP4X_DENSE_ROW_FAR) { /* an AMD Zen 5 */
             for (; r < row_end; r++) {
                 if (nt == 1)
                     mxfp4x_dense_row_avx512(w + r * row_stride, row_stride, d_in, xt, x_stride,
@@ -311,7 +315,7 @@ MXFP4X_AVX512_FN void mxfp4x_dense_bf16_avx512(const uint16_t *w, int64_t row_st
                                                int64_t n_tok, float *out,
                                                int64_t out_stride) {
     mxfp4x_dense_avx512_to(w, row_stride, row_start, row_end, d_in, x, x_stride, n_tok, out,
-                           out_stride, 0, 0);
+                           out_stride, 0, MXFP4X_DENSE_BLOCKS);
 }
 
 /* The same with bf16 tokens (their bits): the same bits as mxfp4x_dense_bf16_avx512 on the
@@ -321,12 +325,16 @@ MXFP4X_AVX512_FN void mxfp4x_dense_bf16x_avx512(const uint16_t *w, int64_t row_s
                                                 int64_t d_in, const uint16_t *x,
                                                 int64_t x_stride, int64_t n_tok, float *out,
                                                 int64_t out_stride) {
-    if (mxfp4x_dense_pf_far())
+    const int stream = mxfp4x_dense_stream(); /* each kind its own compiled copy */
+    if (stream == MXFP4X_DENSE_ROW_FAR)
         mxfp4x_dense_avx512_to(w, row_stride, row_start, row_end, d_in, x, x_stride, n_tok,
-                               out, out_stride, 1, 1);
+                               out, out_stride, 1, MXFP4X_DENSE_ROW_FAR);
+    else if (stream == MXFP4X_DENSE_ROW_PLAIN)
+        mxfp4x_dense_avx512_to(w, row_stride, row_start, row_end, d_in, x, x_stride, n_tok,
+                               out, out_stride, 1, MXFP4X_DENSE_ROW_PLAIN);
     else
         mxfp4x_dense_avx512_to(w, row_stride, row_start, row_end, d_in, x, x_stride, n_tok,
-                               out, out_stride, 1, 0);
+                               out, out_stride, 1, MXFP4X_DENSE_BLOCKS);
 }
 
 #endif /* MXFP4X_DENSE_AVX512_H */

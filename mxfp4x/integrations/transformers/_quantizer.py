@@ -1,6 +1,7 @@
 """transformers' quantizer of the ``"mxfp4x"`` method (:class:`Mxfp4xHfQuantizer`), which
 decides module by module what each experts module becomes, registered on import with
 :class:`Mxfp4xConfig` as the quantization method ``"mxfp4x"``."""
+import os
 from typing import Dict
 
 import torch
@@ -50,6 +51,7 @@ class Mxfp4xHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as HfExperts
 
+        _read_in_huge_folios(model, checkpoint_files)  # before any header is read
         names = checkpoint_names(checkpoint_files)
         every = [(name, m) for name, m in model.named_modules() if isinstance(m, HfExperts)]
         mxfp4 = mxfp4_tensors(names)
@@ -174,13 +176,51 @@ if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
     register_quantizer(QUANT_METHOD)(Mxfp4xHfQuantizer)
 
 
+def _read_in_huge_folios(model, checkpoint_files) -> int:
+    """Before transformers' loader touches the checkpoint (safetensors files), read it into
+    the page cache in 2 MiB folios (``mxfp4x._core.memory.read_in_huge_folios``), but the
+    input embeddings' bytes (unless the head shares them; a token reads one row): a
+    decoding step streams the rest, and the loader's first touches of small tensors would
+    otherwise read the weights around them ahead in small folios, which every mapping of
+    them then maps in 4 KiB pages.  The first forward would read the same bytes; read here
+    in order, they arrive sooner.  Returns the bytes read."""
+    if not checkpoint_files or not all(str(p).endswith(".safetensors")
+                                       for p in checkpoint_files):
+        return 0
+    from ...checkpoints._files import open_regular_file
+    from ...checkpoints._header import read_header
+
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") \
+        else None
+    weight = getattr(embeddings, "weight", None)
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    name = None if weight is None or tied else \
+        next((n for n, p in model.named_parameters() if p is weight), None)
+    skip = []
+    if name is not None:
+        try:
+            for path in checkpoint_files:
+                with open_regular_file(str(path)) as fh:
+                    # no read-ahead past the header: it would read the first weights in
+                    # small folios
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+                    _, _, entries, base = read_header(fh, str(path), os.fstat(fh.fileno()).st_size)
+                if name in entries:
+                    skip.append((str(path), base + entries[name].begin, base + entries[name].end))
+        except (OSError, ValueError):  # the loader reports what is wrong with the file
+            return 0
+    return _memory.read_in_huge_folios([str(p) for p in checkpoint_files], skip)
+
+
 def _ask_huge_pages(model) -> int:
-    """Huge pages asked on the model's large weights, most of them views of the
-    checkpoint's mapping (``mxfp4x._core.memory``): a decoding step streams the experts,
-    the projections and the head, and where the page cache then reads the file in 2 MiB
-    folios they are mapped in 2 MiB pages.  Not the input embeddings (unless the head
-    shares them): a token reads one row of them, and a 2 MiB read per new token would cost
-    more than it saves."""
+    """Huge pages asked on the model's weights (``mxfp4x._core.memory.ask_huge_pages_of``):
+    those viewing the checkpoint's mapping, every page of each, small ones too; others
+    where large.  A decoding step streams the experts, the projections and the head, and
+    where the page cache then reads the file in 2 MiB folios they are mapped in 2 MiB pages
+    (a one-token read from 4 KiB pages runs slower, docs/performance.md).  Not the input
+    embeddings (unless the head shares them): a token reads one row of them, and a 2 MiB
+    read per new token would cost more than it saves."""
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") \
         else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") \
