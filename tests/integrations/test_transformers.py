@@ -129,7 +129,6 @@ def test_logits_match_transformers_dequantized(models):
     assert got.dtype == want.dtype == torch.float32
 
 
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_checkpoint_is_read_in_huge_folios_but_the_input_embeddings(checkpoint,
                                                                         tmp_path, monkeypatch,
@@ -162,6 +161,7 @@ def test_the_checkpoint_is_read_in_huge_folios_but_the_input_embeddings(checkpoi
             assert calls[0][1] == [(path, *f.byte_range("model.embed_tokens.weight"))]
     assert tuple(model.get_input_embeddings().weight.shape) == tuple(n_embed)
     assert _quantizer._read_in_huge_folios(model, None) == 0  # a state_dict: nothing read
+
 
 def test_experts_the_checkpoint_keeps_dense_stay_dense(checkpoint, tmp_path):
     """An MXFP4 checkpoint whose modules_to_not_convert names a layer's experts (stored
