@@ -129,6 +129,7 @@ def test_logits_match_transformers_dequantized(models):
     assert got.dtype == want.dtype == torch.float32
 
 
+@pytest.mark.skipif(not memory.huge_pages_asked(), reason="Linux only")
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_checkpoint_is_read_in_huge_folios_but_the_input_embeddings(checkpoint,
                                                                         tmp_path, monkeypatch,
@@ -136,7 +137,6 @@ def test_the_checkpoint_is_read_in_huge_folios_but_the_input_embeddings(checkpoi
     """Before transformers' loader reads a weight, the door reads the checkpoint files in
     (memory.read_in_huge_folios: 2 MiB folios), all but the input embeddings' bytes, which
     it skips unless the head shares them; the model loads as before."""
-    from mxfp4x._core import memory
     from mxfp4x.integrations.transformers import _quantizer
 
     calls = []

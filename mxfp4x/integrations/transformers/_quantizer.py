@@ -184,8 +184,8 @@ def _read_in_huge_folios(model, checkpoint_files) -> int:
     otherwise read the weights around them ahead in small folios, which every mapping of
     them then maps in 4 KiB pages.  The first forward would read the same bytes; read here
     in order, they arrive sooner.  Returns the bytes read."""
-    if not checkpoint_files or not all(str(p).endswith(".safetensors")
-                                       for p in checkpoint_files):
+    if not _memory.huge_pages_asked() or not checkpoint_files or \
+            not all(str(p).endswith(".safetensors") for p in checkpoint_files):
         return 0
     from ...checkpoints._files import open_regular_file
     from ...checkpoints._header import read_header
