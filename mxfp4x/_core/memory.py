@@ -23,9 +23,11 @@ import bisect
 import ctypes
 import math
 import mmap
+import os
 import sys
 from typing import Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 HUGE_PAGE = 2 << 20
@@ -82,17 +84,36 @@ def ask_file_pages(address: int, length: int) -> bool:
     return _MADVISE(start, end - start, _MADV_HUGEPAGE) == 0
 
 
-def _available_bytes() -> Optional[int]:
-    """Linux's estimate of the memory a new reader can take without swapping
-    (``MemAvailable``), or None where it cannot be read."""
+def _read_int(path: str) -> Optional[int]:
     try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
+        with open(path) as f:
+            text = f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory this process can still take without swapping: Linux's MemAvailable,
+    or less where a cgroup (a container, a CI job) caps the process (v2 memory.max minus
+    memory.current, v1 memory.limit_in_bytes minus memory.usage_in_bytes); None where the
+    system does not say."""
+    free = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+                    free = int(line.split()[1]) * 1024
+    except OSError:
         pass
-    return None
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        cap, used = _read_int(limit), _read_int(usage)
+        if cap is not None and used is not None and cap < 2**60:  # "max" or no limit
+            left = max(cap - used, 0)
+            free = left if free is None else min(free, left)
+    return free
 
 
 def read_in_huge_folios(paths: Sequence[str],
@@ -109,10 +130,6 @@ def read_in_huge_folios(paths: Sequence[str],
     faults covered."""
     if _MADVISE is None:
         return 0
-    import os
-
-    import numpy as np
-
     plans = []
     for path in paths:
         try:
@@ -125,7 +142,7 @@ def read_in_huge_folios(paths: Sequence[str],
                 offsets = offsets[(offsets < start) | (offsets + HUGE_PAGE > end)]
         plans.append((path, offsets))
     wanted = sum(len(offsets) for _, offsets in plans) * HUGE_PAGE
-    available = _available_bytes()
+    available = available_memory()
     if not wanted or available is None or wanted > available * 4 // 5:
         return 0
     done = 0

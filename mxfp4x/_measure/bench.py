@@ -8,6 +8,7 @@ import torch
 
 from .._core import threads as _threads
 from .._core.format import GROUP, GROUP_BYTES
+from .._core.memory import available_memory
 from .roofline import best_time
 
 
@@ -82,38 +83,6 @@ def matmul_roof(n_tokens, top_k, d_out, d_in, threads, dtype=torch.float32, repe
     with _threads.torch_threads(threads):
         run(0)
         return best_time(run, repeats=repeats)
-
-
-def _read_int(path):
-    try:
-        with open(path) as f:
-            text = f.read().split()[0]
-    except (OSError, IndexError):
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def available_memory():
-    """Bytes of memory this process can still take without swapping: Linux's MemAvailable,
-    or less where a cgroup (a container, a CI job) caps the process (v2 memory.max minus
-    memory.current, v1 memory.limit_in_bytes minus memory.usage_in_bytes); None where the
-    system does not say."""
-    free = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        cap, used = _read_int(limit), _read_int(usage)
-        if cap is not None and used is not None and cap < 2**60:  # "max" or no limit
-            left = max(cap - used, 0)
-            free = left if free is None else min(free, left)
-    return free
 
 
 class Predecoded:

@@ -133,8 +133,8 @@ def test_read_in_huge_folios_reads_every_2mib_but_the_skipped(tmp_path, monkeypa
     assert memory.read_in_huge_folios([str(a), str(b)]) == 6 * H + H
     # [H + 5, 4 H + 7) holds the windows at 2 H and 3 H whole; those at H and 4 H in part
     assert memory.read_in_huge_folios([str(a), str(b)], [(str(a), H + 5, 4 * H + 7)]) == 5 * H
-    monkeypatch.setattr(memory, "_available_bytes", lambda: 7 * H)
+    monkeypatch.setattr(memory, "available_memory", lambda: 7 * H)
     assert memory.read_in_huge_folios([str(a), str(b)]) == 0  # 7 H > 4/5 of 7 H
-    monkeypatch.setattr(memory, "_available_bytes", lambda: None)
+    monkeypatch.setattr(memory, "available_memory", lambda: None)
     assert memory.read_in_huge_folios([str(a)]) == 0
     assert np.array_equal(np.fromfile(a, np.uint8), data)
